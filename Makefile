@@ -1,0 +1,28 @@
+# The two commands README.md starts with: `make bench` (the main job) and `make test`.
+# Both first run an idempotent set-up (Debian packages, the pinned CUDA 13.0 compiler wheels).
+SHELL := /bin/bash
+ROOT := $(CURDIR)
+export NVCC ?= $(ROOT)/tools/cuda/nvidia/cu13/bin/nvcc
+export PYTHONPATH := $(ROOT)/tools/py:$(ROOT)/ffi/python$(if $(PYTHONPATH),:$(PYTHONPATH))
+CARGO ?= cargo
+
+.PHONY: setup test bench lint gpu-bundle clean-tools
+
+setup:
+	@bash scripts/setup.sh
+
+# Tests: unit, multi-process fabric/bootstrap, host backend; GPU tests report themselves skipped
+# on machines without a GPU.
+test: setup
+	$(CARGO) test --workspace --no-fail-fast
+
+# The main job: ep-bench with its embedded defaults.
+bench: setup
+	$(CARGO) run --release --bin ep-bench --
+
+lint: setup
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+clean-tools:
+	rm -rf tools

@@ -1,0 +1,74 @@
+/* fep_abi.h: every record that crosses the CUDA/Rust line.
+ *
+ * build.rs runs bindgen over this file (Rust side: src/abi.rs, #[repr(C)] + bytemuck::Pod),
+ * and both languages assert the sizes and offsets below, so the two sides cannot drift.
+ * Device pointers travel as uint64_t so every struct is plain old data.
+ * NOTES: change a layout => bump FEP_ABI_VERSION (it is part of the config hash ranks exchange).
+ */
+#ifndef FEP_ABI_H
+#define FEP_ABI_H
+
+#include <stdint.h>
+
+#define FEP_ABI_VERSION 1
+
+/* ---- proxy command ring (GPU producer -> CPU proxy consumer) ---------------------------------
+ * One single-producer/single-consumer ring per producing block. The producer fills entry
+ * `head % capacity`, fences (system scope), then publishes head+1. The consumer reads entries
+ * in [tail, head), posts them, then publishes tail. The producer never writes an entry while
+ * head - tail == capacity: the ring never overwrites an unconsumed command. */
+typedef struct fep_cmd {
+    uint64_t local_offset;  /* bytes into the sender's registered send region */
+    uint64_t remote_offset; /* bytes into the receiver's registered receive region */
+    uint32_t length;        /* bytes to write; 0 is a valid "empty" message (count-only) */
+    uint32_t dst_rank;      /* global rank of the receiver */
+    uint32_t imm;           /* immediate data for the receiver's completion (EFA carries 4 bytes) */
+    uint32_t seq;           /* low 32 bits of the slot's ticket: the consumer checks it */
+} fep_cmd;                  /* 32 bytes */
+
+typedef struct fep_ring_hdr {
+    uint64_t head;      /* written by the producer only: tickets [0, head) are published */
+    uint64_t _pad0[7];  /* head and tail on their own 64-byte lines */
+    uint64_t tail;      /* written by the consumer only: tickets [0, tail) are consumed */
+    uint64_t _pad1[7];
+} fep_ring_hdr;         /* 128 bytes, followed by `capacity` fep_cmd entries */
+
+/* ---- device-side error record (mapped host memory) -------------------------------------------
+ * A kernel whose bounded wait runs out writes one of these (first writer wins via `code`) and
+ * exits; the host turns it into a typed error naming rank, phase and what was awaited. */
+#define FEP_DEV_OK 0u
+#define FEP_DEV_WAIT_TIMEOUT 1u
+#define FEP_DEV_BAD_COUNT 2u
+
+typedef struct fep_dev_error {
+    uint32_t code;     /* FEP_DEV_* ; 0 = no error */
+    uint32_t rank;     /* the rank that detected it */
+    uint32_t phase;    /* protocol phase id (see src/ep) */
+    uint32_t peer;     /* the rank it waited for, or UINT32_MAX */
+    uint64_t expected; /* what the wait needed */
+    uint64_t observed; /* what it had seen when it gave up */
+} fep_dev_error;       /* 32 bytes */
+
+/* ---- get_dispatch_layout ---------------------------------------------------------------------- */
+typedef struct fep_layout_params {
+    uint64_t topk_idx;              /* const int64_t [num_tokens, num_topk]; -1 = no expert */
+    uint64_t num_tokens_per_rank;   /* int32_t [num_ranks] */
+    uint64_t num_tokens_per_node;   /* int32_t [num_nodes], or 0 to skip */
+    uint64_t num_tokens_per_expert; /* int32_t [num_experts] */
+    uint64_t is_token_in_rank;      /* uint8_t (bool) [num_tokens, num_ranks] */
+    int32_t num_tokens;
+    int32_t num_topk;
+    int32_t num_experts;
+    int32_t num_ranks;
+    int32_t ranks_per_node;
+    int32_t _pad;
+} fep_layout_params; /* 64 bytes */
+
+#ifdef __cplusplus
+static_assert(sizeof(fep_cmd) == 32, "fep_cmd layout");
+static_assert(sizeof(fep_ring_hdr) == 128, "fep_ring_hdr layout");
+static_assert(sizeof(fep_dev_error) == 32, "fep_dev_error layout");
+static_assert(sizeof(fep_layout_params) == 64, "fep_layout_params layout");
+#endif
+
+#endif /* FEP_ABI_H */

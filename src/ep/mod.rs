@@ -1,0 +1,1 @@
+//! EP logic: config, plan math, Buffer, dispatch/combine. (Being written: issues 3-5.)

@@ -1,0 +1,39 @@
+//! The crate-wide error: every layer's typed error, plus argument errors that name the argument.
+
+use std::time::Duration;
+
+/// Every public call returns this (or a layer's own error that converts into it).
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Fabric(#[from] crate::fabric::FabricError),
+    #[error(transparent)]
+    Bootstrap(#[from] crate::bootstrap::BootstrapError),
+    #[error(transparent)]
+    Cuda(#[from] crate::cuda::CudaError),
+    #[error(transparent)]
+    Proxy(#[from] crate::proxy::ProxyError),
+    /// Bad input, caught before anything is sent.
+    #[error("invalid argument `{arg}`: {msg}")]
+    InvalidArgument { arg: &'static str, msg: String },
+    /// A bounded wait ran out; `peers` names the ranks that did not deliver.
+    #[error("rank {rank}: timed out after {waited:?} in {phase} waiting for ranks {peers:?}")]
+    Timeout { rank: usize, phase: &'static str, peers: Vec<usize>, waited: Duration },
+    /// Ranks connected with different settings.
+    #[error("config mismatch at connect: {0}")]
+    ConfigMismatch(String),
+    /// Data that arrived from the network failed a bounds check.
+    #[error("rank {rank}: bad data from rank {peer} in {phase}: {msg}")]
+    Protocol { rank: usize, peer: usize, phase: &'static str, msg: String },
+    #[error("{0}")]
+    Other(String),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// Shorthand for [`Error::InvalidArgument`].
+    pub fn arg(arg: &'static str, msg: impl Into<String>) -> Self {
+        Error::InvalidArgument { arg, msg: msg.into() }
+    }
+}

@@ -1,0 +1,1 @@
+pub use libfabric_sys as sys;

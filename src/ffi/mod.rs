@@ -1,0 +1,1 @@
+//! The exported C ABI (`fep_*`). (Being written: issue 6.)

@@ -1,0 +1,16 @@
+//! fabric-ep: Mixture-of-Experts expert-parallel communication over libfabric.
+//!
+//! Layers (dependencies point downward only; see DESIGN.md):
+//! `ffi` -> `ep` -> {`proxy`, `cuda`, `fabric`, `bootstrap`} -> `libfabric-sys` / cudarc.
+
+pub mod abi;
+pub mod bootstrap;
+pub mod cuda;
+pub mod ep;
+pub mod error;
+pub mod fabric;
+pub mod ffi;
+pub mod proxy;
+pub mod util;
+
+pub use error::{Error, Result};
