@@ -1,1 +1,8 @@
-//! EP logic: config, plan math, Buffer, dispatch/combine. (Being written: issues 3-5.)
+//! EP logic: config and size hints, layout/plan math (pure: no GPU, no NIC), the single-process
+//! reference, quantisation, and (later) Buffer with normal and low-latency dispatch/combine.
+
+pub mod config;
+pub mod layout;
+pub mod plan;
+pub mod quant;
+pub mod reference;
