@@ -55,6 +55,8 @@ impl InProcGroup {
     ///
     /// Returns a `Result` (not a bare `Vec`) so that a zero or inconsistent size is a typed error,
     /// not a panic.
+    // The group is only a factory: its product is the ranks, one per thread.
+    #[allow(clippy::new_ret_no_self)]
     pub fn new(
         world_size: usize,
         local_world_size: usize,
