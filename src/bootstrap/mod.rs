@@ -34,6 +34,10 @@ pub use tcp::{TcpStore, TcpStoreOptions};
 /// cap keeps a corrupt length from the network from becoming a huge allocation.
 pub const MAX_BLOB: usize = 256 << 20;
 
+/// The largest world any bootstrap accepts: per-rank state is allocated from the world size, which
+/// comes from env vars, so an absurd value must be an error, not an allocation.
+pub const MAX_WORLD: usize = 1 << 20;
+
 /// Rank discovery plus a collective all-gather, the only collective EP set-up needs.
 ///
 /// Object-safe so that the rest of the crate holds a `Box<dyn Bootstrap>` / `Arc<dyn Bootstrap>` and
@@ -147,6 +151,11 @@ pub(crate) fn check_ranks(
             "world size is 0; a job needs at least one rank".into(),
         ));
     }
+    if world_size > MAX_WORLD {
+        return Err(BootstrapError::Config(format!(
+            "world size {world_size} is above the supported maximum {MAX_WORLD}"
+        )));
+    }
     if rank >= world_size {
         return Err(BootstrapError::BadRank {
             rank,
@@ -184,6 +193,7 @@ mod tests {
     fn check_ranks_names_the_problem() {
         assert!(check_ranks(0, 1, 0, 1).is_ok());
         assert!(matches!(check_ranks(0, 0, 0, 1), Err(BootstrapError::Config(_))));
+        assert!(matches!(check_ranks(0, MAX_WORLD + 1, 0, 1), Err(BootstrapError::Config(_))));
         assert!(matches!(
             check_ranks(4, 4, 0, 4),
             Err(BootstrapError::BadRank { rank: 4, world_size: 4, .. })

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::{check_ranks, later, Bootstrap, BootstrapError, MAX_BLOB};
+use super::{check_ranks, later, Bootstrap, BootstrapError, MAX_BLOB, MAX_WORLD};
 
 const MAGIC: [u8; 4] = *b"FEPB";
 const PROTOCOL_VERSION: u32 = 1;
@@ -143,8 +143,8 @@ impl TcpStoreOptions {
             .or_else(|| get("TORCHELASTIC_RUN_ID"))
             .unwrap_or_else(|| "none".to_string());
         let env = |var: &'static str, msg: String| Err(BootstrapError::Env { var, msg });
-        if world_size == 0 {
-            return env("WORLD_SIZE", "is 0; a job needs at least one rank".into());
+        if world_size == 0 || world_size > MAX_WORLD {
+            return env("WORLD_SIZE", format!("{world_size} is not in 1..={MAX_WORLD}"));
         }
         if rank >= world_size {
             return env("RANK", format!("{rank} is out of range for WORLD_SIZE={world_size}"));
@@ -980,7 +980,7 @@ impl Store {
                     next = next.min(later(c.accepted, self.timeout));
                 }
             }
-            let (mut fds, ids) = self.poll_set(true);
+            let (mut fds, ids) = self.poll_set(false);
             poll(&mut fds, next.saturating_duration_since(now))?;
             if fds[0].revents != 0 {
                 let mut sink = [0u8; 64];
@@ -1002,17 +1002,24 @@ impl Store {
         }
     }
 
-    /// `[wake, listener, conns...]` and the slab index of each conn entry.
-    fn poll_set(&self, with_reads: bool) -> (Vec<libc::pollfd>, Vec<usize>) {
+    /// `[wake, listener, conns...]` and the slab index of each conn entry. While draining, only
+    /// connections with output still queued are watched (a hung-up idle one would make `poll`
+    /// return at once, over and over), and neither wake-up nor listener (`poll` skips fd -1).
+    fn poll_set(&self, draining: bool) -> (Vec<libc::pollfd>, Vec<usize>) {
         let pfd = |fd, events| libc::pollfd { fd, events, revents: 0 };
-        let mut fds = vec![
-            pfd(self.wake.as_raw_fd(), libc::POLLIN),
-            pfd(self.listener.as_raw_fd(), if with_reads { libc::POLLIN } else { 0 }),
-        ];
+        let (wake, listener) = match draining {
+            // The stop request's wake-up byte may still be unread: watching it would spin.
+            true => (-1, -1),
+            false => (self.wake.as_raw_fd(), self.listener.as_raw_fd()),
+        };
+        let mut fds = vec![pfd(wake, libc::POLLIN), pfd(listener, libc::POLLIN)];
         let mut ids = Vec::new();
         for (i, c) in self.conns.iter().enumerate() {
             let Some(c) = c else { continue };
-            let mut events = if with_reads { libc::POLLIN } else { 0 };
+            if c.dead || (draining && c.out.is_empty()) {
+                continue;
+            }
+            let mut events = if draining { 0 } else { libc::POLLIN };
             if !c.out.is_empty() {
                 events |= libc::POLLOUT;
             }
@@ -1035,7 +1042,7 @@ impl Store {
             if !pending || left.is_zero() {
                 return;
             }
-            let (mut fds, _) = self.poll_set(false);
+            let (mut fds, _) = self.poll_set(true);
             if poll(&mut fds, left).is_err() {
                 return;
             }
@@ -1432,6 +1439,7 @@ mod tests {
             ("RANK", "three", "RANK"),
             ("RANK", "8", "RANK"),
             ("WORLD_SIZE", "0", "WORLD_SIZE"),
+            ("WORLD_SIZE", "99999999999", "WORLD_SIZE"),
             ("MASTER_PORT", "70000", "MASTER_PORT"),
             ("MASTER_PORT", "0", "MASTER_PORT"),
             ("FEP_MASTER_PORT", "x", "FEP_MASTER_PORT"),
@@ -1538,6 +1546,39 @@ mod tests {
         let _ = junk.write_all(b"GET / HTTP/1.0\r\n\r\n");
         assert_eq!(s0.all_gather(b"ok").expect("still fine"), vec![b"ok".to_vec()]);
         s0.close().expect("close");
+    }
+
+    #[test]
+    fn store_delivers_the_last_round_after_rank_0_leaves() {
+        let port = free_port();
+        let big = |r: usize| vec![r as u8 + 1; 8 << 20];
+        let s0 = TcpStore::new(opts(port, 0, 2, "drain", 10_000)).expect("rank 0");
+        // Rank 1 by hand, so that it can be slow to read its 16 MiB result.
+        let o1 = opts(port, 1, 2, "drain", 10_000);
+        let deadline = later(Instant::now(), o1.timeout);
+        let stream = connect_until(&o1.addr, port, "test", deadline).expect("connect");
+        let mut c1 = Client { stream, next_round: 0, broken: None };
+        c1.hello(&o1, "test", deadline, None).expect("hello");
+        let msg = frame(K_CONTRIBUTE, &[&0u64.to_le_bytes(), &10_000u64.to_le_bytes(), &big(1)]);
+        let writer = thread::spawn(move || {
+            write_all_by(&mut c1.stream, &msg, deadline).map_err(|_| "write").map(|()| c1)
+        });
+        assert_eq!(s0.all_gather(&big(0)).expect("rank 0 gather").len(), 2);
+        let reader = thread::spawn(move || {
+            let mut c1 = writer.join().expect("thread").expect("rank 1 contributed");
+            thread::sleep(Duration::from_millis(300));
+            let mut frames = Vec::new();
+            for _ in 0..3 {
+                frames.push(read_frame(&mut c1.stream, deadline, MAX_FRAME).ok().expect("frame"));
+            }
+            frames
+        });
+        drop(s0); // leaves while rank 1 has not read a byte of its result
+        let frames = reader.join().expect("reader");
+        assert_eq!(frames[0].0, K_GATHERED);
+        for r in 0..2 {
+            assert!(frames[r + 1].0 == K_BLOB && frames[r + 1].1 == big(r), "blob {r}");
+        }
     }
 
     #[test]
