@@ -137,8 +137,9 @@ fn child_rank() {
                 Err(e @ BootstrapError::Timeout { .. }) => {
                     let BootstrapError::Timeout { missing, .. } = &e else { unreachable!() };
                     assert_eq!(missing, &csv(arg), "{e}");
+                    // The round's deadline runs from the first rank's arrival, so a rank that
+                    // started late may wait less; the parent checks the job took the timeout.
                     let took = t0.elapsed();
-                    assert!(took >= timeout.mul_f32(0.8), "gave up early: {took:?}");
                     assert!(took <= timeout + Duration::from_secs(3), "too slow: {took:?}");
                     println!("timed out as expected: {e}");
                 }
@@ -149,6 +150,12 @@ fn child_rank() {
         "join_then_hang" => {
             let s = TcpStore::from_env(timeout).expect("join the store");
             s.barrier().expect("first barrier");
+            if s.rank() == 0 {
+                // Once this second barrier completes, every rank has *received* the first one's
+                // result (they contributed after it): killing the store's host then cannot cut
+                // the first barrier short for anyone.
+                s.barrier().expect("second barrier");
+            }
             println!("JOINED");
             thread::sleep(Duration::from_secs(30));
             panic!("the parent should have killed this rank");
@@ -171,7 +178,10 @@ fn child_rank() {
             let s = TcpStore::from_env(timeout).expect("join the store");
             s.barrier().expect("first barrier");
             let t0 = Instant::now();
-            match s.all_gather(b"after") {
+            // Rank 0 is killed right after the second barrier: its result may or may not have
+            // left rank 0 by then, so that barrier may succeed or fail; the next call must fail.
+            let res = s.barrier().and_then(|()| s.all_gather(b"after"));
+            match res {
                 Err(e @ BootstrapError::StoreLost { .. }) => {
                     assert!(t0.elapsed() < timeout, "not fast: {:?}", t0.elapsed());
                     assert!(e.to_string().contains("rank 0"), "{e}");
@@ -332,7 +342,8 @@ fn tcp_rank_that_never_joins_is_named_in_the_timeout() {
     });
     let out = job.wait(JOB_WALL).expect("wait");
     assert_ok(&out, 0..3);
-    assert!(t0.elapsed() < Duration::from_secs(12), "took {:?}", t0.elapsed());
+    let took = t0.elapsed();
+    assert!(took >= Duration::from_secs(2) && took < Duration::from_secs(12), "took {took:?}");
 }
 
 #[test]
@@ -434,12 +445,14 @@ fn inproc_timeout_names_the_missing_rank() {
         let t0 = Instant::now();
         (b.all_gather(b"x"), t0.elapsed())
     });
-    for (res, took) in results {
+    // The first rank to arrive waits the whole timeout; the others at most that long.
+    let longest = results.iter().map(|(_, took)| *took).max().unwrap_or_default();
+    assert!(longest >= timeout && longest < timeout * 10, "took {longest:?}");
+    for (res, _) in results {
         match res {
             Err(BootstrapError::Timeout { missing, round: 0, .. }) => assert_eq!(missing, vec![2]),
             other => panic!("expected Timeout naming rank 2, got {other:?}"),
         }
-        assert!(took >= timeout.mul_f32(0.9) && took < timeout * 10, "took {took:?}");
     }
     drop(silent);
 }

@@ -11,7 +11,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use parking_lot::Mutex;
+
 use super::{later, node_local_world};
+use crate::util::SplitMix64;
 
 /// How long reaping a child we just sent SIGKILL may take before we stop waiting for it.
 const REAP_AFTER_KILL: Duration = Duration::from_secs(5);
@@ -262,9 +265,32 @@ impl Drop for LocalJob {
     }
 }
 
-/// A port nothing listens on right now: bind port 0 on loopback, read it, close. (Another process
-/// could take it before rank 0 binds; the window is short and rank 0 then fails naming the port.)
-fn free_port() -> io::Result<u16> {
+/// A port nothing listens on right now, for rank 0's store.
+///
+/// NOTES: "bind port 0, read it, close" hands out a port from the kernel's ephemeral range, which
+/// the kernel may give to any outgoing connection (other ranks', other tests') before rank 0 binds
+/// it. So pick at random *below* that range, check it binds, and never hand out the same port
+/// twice in one process; fall back to port 0 only if that fails. Another process could still take
+/// the port before rank 0 binds; rank 0 then fails naming it.
+pub(crate) fn free_port() -> io::Result<u16> {
+    static GIVEN: Mutex<Vec<u16>> = Mutex::new(Vec::new());
+    let low = fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|p| p.parse::<u16>().ok()))
+        .unwrap_or(32768);
+    let floor: u16 = 10_000;
+    if low > floor + 1000 {
+        let seed = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+        let mut rng = SplitMix64(seed as u64 ^ ((std::process::id() as u64) << 32));
+        let mut given = GIVEN.lock();
+        for _ in 0..64 {
+            let port = floor + rng.below(u64::from(low - floor)) as u16;
+            if !given.contains(&port) && TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                given.push(port);
+                return Ok(port);
+            }
+        }
+    }
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
@@ -290,6 +316,18 @@ mod tests {
         assert_eq!(out[2].stdout.trim(), "r=2/3 l=0/1 g=1 x=y");
         assert!(out[0].success());
         assert_eq!(out[1].status.and_then(|s| s.code()), Some(1));
+    }
+
+    #[test]
+    fn free_ports_are_distinct_and_bindable() {
+        let ports: Vec<u16> = (0..20).map(|_| free_port().expect("port")).collect();
+        let mut unique = ports.clone();
+        unique.sort_unstable();
+        unique.dedup();
+        assert_eq!(unique.len(), ports.len());
+        for p in ports {
+            TcpListener::bind(("127.0.0.1", p)).expect("bindable");
+        }
     }
 
     #[test]
