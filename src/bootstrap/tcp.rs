@@ -1497,10 +1497,7 @@ mod tests {
     }
 
     fn free_port() -> u16 {
-        TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("port")
+        super::super::launch::free_port().expect("port")
     }
 
     #[test]
