@@ -1501,7 +1501,7 @@ mod tests {
     }
 
     #[test]
-    fn threads_over_tcp_gather_and_fail_cleanly() {
+    fn threads_over_tcp_gather_in_rank_order() {
         let port = free_port();
         let world = 3;
         let handles: Vec<_> = (0..world)
