@@ -97,10 +97,10 @@ pub fn alltoall_selftest(
     let deadline = Deadline::after(timeout);
     let msg = bytes_per_peer / msgs_per_peer;
     // Order: message-major, destinations rotated per rank, so arrivals interleave.
-    let mut todo = Vec::new();
+    let mut todo = std::collections::VecDeque::new();
     for m in 0..msgs_per_peer {
         for k in 1..world {
-            todo.push(((rank + k) % world, m));
+            todo.push_back(((rank + k) % world, m));
         }
     }
     let mut arrivals = vec![0usize; world];
@@ -108,15 +108,11 @@ pub fn alltoall_selftest(
     recv[rank * bytes_per_peer..(rank + 1) * bytes_per_peer]
         .copy_from_slice(&send[rank * bytes_per_peer..(rank + 1) * bytes_per_peer]);
     let mut local_done = 0usize;
-    let mut next = 0usize;
     let mut buf = [EMPTY; 64];
     let expected_local = todo.len();
-    while next < todo.len()
-        || local_done < expected_local
-        || arrivals.iter().any(|&a| a < msgs_per_peer)
+    while !todo.is_empty() || local_done < expected_local || arrivals.iter().any(|&a| a < msgs_per_peer)
     {
-        if next < todo.len() {
-            let (dst, m) = todo[next];
+        if let Some((dst, m)) = todo.pop_front() {
             let off = dst * bytes_per_peer + m * msg;
             let roff = (rank * bytes_per_peer + m * msg) as u64;
             let imm = ((rank as u64) << 8) | m as u64;
@@ -135,8 +131,10 @@ pub fn alltoall_selftest(
                 )
             }
             .map_err(|e| Error::Other(format!("rank {rank}: write to rank {dst}: {e}")))?;
-            if posted {
-                next += 1;
+            if !posted {
+                // Back-pressured (e.g. a peer that is not answering): try the other peers' writes
+                // first, so one stalled peer cannot block traffic to the rest.
+                todo.push_back((dst, m));
             }
         }
         let n = stack.cq.read(&mut buf).map_err(|e| match e {
@@ -169,7 +167,7 @@ pub fn alltoall_selftest(
             }
             return Err(Error::Timeout {
                 rank,
-                phase: "alltoall: waiting for RMA writes with immediate data",
+                phase: "alltoall (RMA writes with immediate data)",
                 peers: peers_missing,
                 waited: deadline.elapsed(),
             });

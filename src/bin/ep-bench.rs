@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use fabric_ep::bench::fabric::{self as fb, FabricRow, PingpongRow};
-use fabric_ep::bootstrap::{launch::LocalJob, tcp::TcpStore, Bootstrap};
+use fabric_ep::bootstrap::{Bootstrap, LocalJob, TcpStore};
 
 #[derive(Parser, Debug)]
 #[command(name = "ep-bench", version, about = "fabric-ep benchmark runner")]
@@ -141,7 +141,7 @@ fn launch(cli: &Cli) -> AnyResult<()> {
     let exe = std::env::current_exe()?;
     let args: Vec<String> = std::env::args().skip(1).collect();
     let local = c.ranks_per_node.unwrap_or(ranks).min(ranks);
-    let job = LocalJob::spawn(&exe, &args, ranks, local, &[])?;
+    let mut job = LocalJob::spawn(&exe, &args, ranks, local, &[])?;
     let outcomes = job.wait(Duration::from_secs(c.timeout + 120))?;
     let mut failed = Vec::new();
     let mut rank0_out = String::new();
@@ -151,7 +151,7 @@ fn launch(cli: &Cli) -> AnyResult<()> {
         }
         if !o.success() {
             failed.push(r);
-            eprintln!("--- rank {r} failed ({}):\n{}", o.status_text(), o.stderr.trim_end());
+            eprintln!("rank {r} failed: {o}");
         }
     }
     if !failed.is_empty() {
