@@ -207,18 +207,63 @@ pub struct FabricRow {
     pub pingpong_us: f64,
 }
 
-/// Waits for one remote-data completion; also counts local completions seen on the way.
-fn wait_data(stack: &Stack, deadline: &Deadline, local: &mut usize, what: &str) -> Result<u64> {
-    let mut buf = [EMPTY; 1];
-    loop {
-        if stack.cq.read(&mut buf)? == 1 {
-            if buf[0].has_data() {
-                return Ok(buf[0].data);
+/// Completion bookkeeping for the two-rank benchmark: local completions are counted against
+/// posts, so a phase ends only when all of its writes completed and no completion of one phase is
+/// mistaken for one of the next.
+struct Tally<'a> {
+    stack: &'a Stack,
+    deadline: Deadline,
+    posted: usize,
+    local_done: usize,
+    data_seen: usize,
+}
+
+impl Tally<'_> {
+    fn read(&mut self, buf: &mut [Completion]) -> Result<usize> {
+        let k = self.stack.cq.read(buf)?;
+        for c in &buf[..k] {
+            if c.has_data() {
+                self.data_seen += 1;
+            } else if c.is_local_tx() {
+                self.local_done += 1;
             }
-            *local += 1;
-        } else if deadline.expired() {
-            return Err(Error::Other(format!("fabric bench: timed out waiting for {what}")));
         }
+        if k == 0 && self.deadline.expired() {
+            return Err(Error::Other(format!(
+                "fabric bench: timed out after {:?} ({} of {} local completions, {} arrivals)",
+                self.deadline.elapsed(),
+                self.local_done,
+                self.posted,
+                self.data_seen
+            )));
+        }
+        Ok(k)
+    }
+    /// Waits until `n` arrivals (remote writes with data) have been seen in total.
+    fn wait_data(&mut self, n: usize) -> Result<()> {
+        let mut buf = [EMPTY; 16];
+        while self.data_seen < n {
+            self.read(&mut buf)?;
+        }
+        Ok(())
+    }
+    /// Waits for the local completion of everything posted.
+    fn settle(&mut self) -> Result<()> {
+        let mut buf = [EMPTY; 64];
+        while self.local_done < self.posted {
+            self.read(&mut buf)?;
+        }
+        Ok(())
+    }
+}
+
+/// Iterations for one size: `iters` below 1 MiB, a fifth of it (at least 20) from 1 MiB on.
+/// The launcher runs `fi_pingpong` with the same counts.
+pub fn iters_for(size: usize, iters: usize) -> usize {
+    if size >= 1 << 20 {
+        (iters / 5).max(20)
+    } else {
+        iters
     }
 }
 
@@ -235,6 +280,9 @@ pub fn rma_bench(
     if boot.world_size() < 2 {
         return Err(Error::arg("ranks", "the fabric benchmark needs 2 ranks"));
     }
+    if iters == 0 || window == 0 {
+        return Err(Error::arg("iters", "iters and window must be at least 1"));
+    }
     let max = sizes.iter().copied().max().unwrap_or(8).max(8);
     // Buffers before the stack: on every return path they outlive the endpoint and regions.
     let mut src: Vec<u8> = (0..max).map(|i| i as u8).collect();
@@ -243,27 +291,42 @@ pub fn rma_bench(
     let smr = unsafe { stack.register(src.as_mut_ptr(), max, MemKind::Host)? };
     let rmr = unsafe { stack.register(dst.as_mut_ptr(), max, MemKind::Host)? };
     let peers = connect(boot, &stack, &rmr)?;
+    let src_copy: Vec<u8> = (0..stack.ep.inject_size().min(max)).map(|i| i as u8).collect();
     boot.barrier()?;
     let mut rows = Vec::new();
     if rank < 2 {
         let peer = 1 - rank;
-        let deadline = Deadline::after(Duration::from_secs(120));
-        let mut local = 0usize;
+        let mut t = Tally {
+            stack: &stack,
+            deadline: Deadline::after(Duration::from_secs(120)),
+            posted: 0,
+            local_done: 0,
+            data_seen: 0,
+        };
         for &size in sizes {
-            let post = |ctx: u64, imm: u64| unsafe {
-                stack.ep.write(
-                    &smr,
-                    0,
-                    size,
-                    peers.addrs[peer],
-                    &peers.regions[peer],
-                    0,
-                    Some(imm),
-                    ctx,
-                    deadline,
-                )
+            let iters = iters_for(size, iters);
+            let try_post = |imm: u64| unsafe {
+                stack.ep.try_write(&smr, 0, size, peers.addrs[peer], &peers.regions[peer], 0, Some(imm), 1)
             };
-            // Ping-pong: warm-up then timed.
+            // Small messages go inline (no local completion), as fi_pingpong does for its sends.
+            let inline = size <= stack.ep.inject_size();
+            let post = |t: &mut Tally| -> Result<()> {
+                let mut buf = [EMPTY; 16];
+                loop {
+                    let ok = if inline {
+                        stack.ep.try_inject_write(&src_copy[..size], peers.addrs[peer], &peers.regions[peer], 0, 1)?
+                    } else {
+                        try_post(1)?
+                    };
+                    if ok {
+                        break;
+                    }
+                    t.read(&mut buf)?;
+                }
+                t.posted += usize::from(!inline);
+                Ok(())
+            };
+            // Ping-pong: warm-up then timed; one write each way per iteration.
             let warm = (iters / 10).max(2);
             let mut t0 = Instant::now();
             for i in 0..warm + iters {
@@ -271,65 +334,51 @@ pub fn rma_bench(
                     t0 = Instant::now();
                 }
                 if rank == 0 {
-                    post(1, 1)?;
-                    wait_data(&stack, &deadline, &mut local, "the pong")?;
+                    post(&mut t)?;
+                    t.wait_data(t.data_seen + 1)?;
                 } else {
-                    wait_data(&stack, &deadline, &mut local, "the ping")?;
-                    post(1, 1)?;
+                    t.wait_data(t.data_seen + 1)?;
+                    post(&mut t)?;
                 }
             }
             let pp = t0.elapsed();
+            t.settle()?;
+            boot.barrier()?;
             // Streaming: `window` writes in flight; the receiver acks once all have arrived.
             let n = iters.max(window);
-            boot.barrier()?;
             let t1 = Instant::now();
             if rank == 0 {
-                let mut posted = 0usize;
-                let mut done = 0usize;
+                let (first, base) = (t.posted, t.data_seen);
                 let mut buf = [EMPTY; 64];
-                while done < n {
-                    while posted < n && posted - done < window {
-                        let ok = unsafe {
-                            stack.ep.try_write(
-                                &smr,
-                                0,
-                                size,
-                                peers.addrs[peer],
-                                &peers.regions[peer],
-                                0,
-                                Some(2),
-                                2,
-                            )?
-                        };
-                        if !ok {
+                while t.posted - first < n || t.local_done < t.posted {
+                    while t.posted - first < n && t.posted - t.local_done < window {
+                        if !try_post(2)? {
                             break;
                         }
-                        posted += 1;
+                        t.posted += 1;
                     }
-                    let k = stack.cq.read(&mut buf)?;
-                    done += buf[..k].iter().filter(|c| c.is_local_tx()).count();
-                    if deadline.expired() {
-                        return Err(Error::Other("fabric bench: stream timed out".into()));
-                    }
+                    t.read(&mut buf)?;
                 }
-                wait_data(&stack, &deadline, &mut local, "the stream ack")?;
+                // The receiver's ack may have overtaken our local completions: Tally counts it.
+                t.wait_data(base + 1)?;
             } else {
-                for _ in 0..n {
-                    wait_data(&stack, &deadline, &mut local, "stream data")?;
-                }
-                post(3, 3)?;
+                t.wait_data(t.data_seen + n)?;
+                post(&mut t)?;
             }
             let st = t1.elapsed();
-            // Drain the local completions of the ping-pong/ack writes before reusing buffers.
+            t.settle()?;
             boot.barrier()?;
-            let mut buf = [EMPTY; 64];
-            while stack.cq.read(&mut buf)? > 0 {}
             rows.push(FabricRow {
                 bytes: size,
                 stream_mbps: (n * size) as f64 / st.as_secs_f64() / 1e6,
                 pingpong_mbps: (2 * iters * size) as f64 / pp.as_secs_f64() / 1e6,
                 pingpong_us: pp.as_secs_f64() * 1e6 / (2 * iters) as f64,
             });
+        }
+    } else {
+        for _ in sizes {
+            boot.barrier()?;
+            boot.barrier()?;
         }
     }
     boot.barrier()?;

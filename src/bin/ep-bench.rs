@@ -175,8 +175,7 @@ fn run_rank(cli: &Cli) -> AnyResult<()> {
         Some(Cmd::Fabric { sizes, lat_bytes, window, .. }) => {
             let mut all = vec![*lat_bytes];
             all.extend(sizes.iter().copied().filter(|s| s != lat_bytes));
-            let iters = c.iters.max(100);
-            let rows = fb::rma_bench(&boot, &c.provider, &all, iters, *window)?;
+            let rows = fb::rma_bench(&boot, &c.provider, &all, fabric_iters(c), *window)?;
             for r in rows {
                 println!("@row {} {} {} {}", r.bytes, r.stream_mbps, r.pingpong_mbps, r.pingpong_us);
             }
@@ -212,6 +211,11 @@ fn run_rank(cli: &Cli) -> AnyResult<()> {
     Ok(())
 }
 
+/// The fabric benchmark's iteration count below 1 MiB (`--iters`, at least 1000).
+fn fabric_iters(c: &Common) -> usize {
+    c.iters.max(1000)
+}
+
 fn parse_row(line: &str) -> Option<FabricRow> {
     let f: Vec<&str> = line.strip_prefix("@row ")?.split_whitespace().collect();
     Some(FabricRow {
@@ -220,6 +224,14 @@ fn parse_row(line: &str) -> Option<FabricRow> {
         pingpong_mbps: f.get(2)?.parse().ok()?,
         pingpong_us: f.get(3)?.parse().ok()?,
     })
+}
+
+fn mbps(v: f64) -> String {
+    if v < 100.0 {
+        format!("{v:.2}")
+    } else {
+        format!("{v:.0}")
+    }
 }
 
 fn human(bytes: usize) -> String {
@@ -248,18 +260,17 @@ fn print_fabric_table(
         let pp: Option<PingpongRow> = if no_pingpong {
             None
         } else {
-            let iters = if r.bytes >= 1 << 20 { 200 } else { 1000 };
-            Some(fb::fi_pingpong(&c.provider, r.bytes, iters)?)
+            Some(fb::fi_pingpong(&c.provider, r.bytes, fb::iters_for(r.bytes, fabric_iters(c)))?)
         };
         let (ppm, ppu) = pp.map(|p| (p.mbps, p.usec_per_xfer)).unwrap_or((f64::NAN, f64::NAN));
         let is_lat = r.bytes == lat_bytes && !sizes.contains(&lat_bytes);
         println!(
-            "{:>7} | {:>9.0} MB/s {:>9.0} MB/s {:>10.2} | {:>9.0} MB/s {:>10.2} | {:>7.0}% {:>8}",
+            "{:>7} | {:>9} MB/s {:>9} MB/s {:>10.2} | {:>9} MB/s {:>10.2} | {:>7.0}% {:>8}",
             human(r.bytes),
-            r.stream_mbps,
-            r.pingpong_mbps,
+            mbps(r.stream_mbps),
+            mbps(r.pingpong_mbps),
             r.pingpong_us,
-            ppm,
+            mbps(ppm),
             ppu,
             100.0 * r.stream_mbps / ppm,
             if is_lat { format!("{:.2}", r.pingpong_us / ppu) } else { "-".into() }

@@ -17,6 +17,7 @@ use crate::util::Deadline;
 pub struct Endpoint {
     ptr: *mut sys::fid_ep,
     imm_limit: u64,
+    inject_size: usize,
     cq: Arc<CompletionQueue>,
     av: Arc<AddressVector>,
     domain: Arc<Domain>,
@@ -42,6 +43,7 @@ impl Endpoint {
         let ep = Endpoint {
             ptr,
             imm_limit: if cq_bytes >= 8 { u64::MAX } else { (1u64 << (8 * cq_bytes)) - 1 },
+            inject_size: domain.info().inject_size(),
             cq: cq.clone(),
             av: av.clone(),
             domain: domain.clone(),
@@ -143,6 +145,45 @@ impl Endpoint {
         }
         check_ctx("fi_writemsg", ret, || format!("dest {dest}, {len} bytes, imm {imm:?}"))?;
         Ok(true)
+    }
+
+    /// Writes a small message inline (`fi_inject_writedata`): the source bytes are copied before
+    /// the call returns and no local completion is generated, which saves a CQ entry per message
+    /// on the latency path. `len` must not exceed [`inject_size`](Self::inject_size).
+    /// Returns `Ok(false)` on back-pressure, as [`try_write`](Self::try_write).
+    pub fn try_inject_write(
+        &self,
+        data: &[u8],
+        dest: FiAddr,
+        remote: &RemoteRegion,
+        remote_off: u64,
+        imm: u64,
+    ) -> Result<bool> {
+        if data.len() > self.inject_size {
+            return Err(FabricError::arg(
+                "len",
+                format!("{} bytes exceeds the provider's inject size {}", data.len(), self.inject_size),
+            ));
+        }
+        if imm > self.imm_limit {
+            return Err(FabricError::arg("imm", format!("{imm:#x} exceeds the provider's CQ data")));
+        }
+        let (raddr, key) = remote.target(remote_off, data.len() as u64)?;
+        // SAFETY: inject copies `data` before returning; the remote region is the peer's concern
+        // (it must keep it registered while peers may write, which the protocol guarantees).
+        let ret = unsafe {
+            sys::fi_inject_writedata(self.ptr, data.as_ptr().cast(), data.len(), imm, dest, raddr, key)
+        } as i64;
+        if ret == EAGAIN {
+            return Ok(false);
+        }
+        check_ctx("fi_inject_writedata", ret, || format!("dest {dest}, {} bytes", data.len()))?;
+        Ok(true)
+    }
+
+    /// Largest message [`try_inject_write`](Self::try_inject_write) takes.
+    pub fn inject_size(&self) -> usize {
+        self.inject_size
     }
 
     /// [`try_write`](Self::try_write), driving progress on EAGAIN until posted or `deadline`.
