@@ -19,7 +19,7 @@
 use std::ops::Deref;
 use std::time::Duration;
 
-use super::plan::{self, LlLayout, NormalLayout, RegionPlan};
+use super::plan::{self, LlLayout, NormalLayout};
 use crate::{Error, Result};
 
 /// Version of the wire protocol and buffer layouts; part of [`EpConfig::hash`], so ranks built
@@ -282,15 +282,6 @@ impl EpConfig {
     /// Memory regions the low-latency buffer needs under `max_region_bytes`.
     pub fn ll_num_regions(&self, max_region_bytes: u64) -> Result<u64> {
         Ok(self.ll.region_plan(max_region_bytes)?.num_regions)
-    }
-
-    /// Region split of a buffer of `total_units` equal units (helper for other buffers).
-    pub fn region_plan(
-        unit_bytes: u64,
-        total_units: u64,
-        max_region_bytes: u64,
-    ) -> Result<RegionPlan> {
-        RegionPlan::new(unit_bytes, total_units, max_region_bytes)
     }
 
     /// Stable 64-bit FNV-1a hash over [`PROTOCOL_VERSION`] and every setting that must agree

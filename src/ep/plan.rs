@@ -851,7 +851,8 @@ pub struct NotifyRecord {
     pub seq: u32,
     /// Tokens `s` sends to `r` (each token once, however many of its experts are on `r`).
     pub num_tokens: u32,
-    /// `[L]`: tokens of `s` that selected each of `r`'s local experts.
+    /// `[L]`: `topk_idx` entries of `s` naming each of `r`'s local experts (DeepEP's
+    /// `num_tokens_per_expert`; a token counts once per entry).
     pub tokens_per_local_expert: Vec<u32>,
 }
 
@@ -1478,6 +1479,8 @@ pub fn cluster_sizing(p: &ClusterParams) -> Result<ClusterSizing> {
     })
 }
 
+// Index loops over ranks/tokens/channels read closest to the math they check.
+#[allow(clippy::needless_range_loop, clippy::type_complexity)]
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1784,7 +1787,6 @@ mod tests {
     /// bounded queues. With `notify`, `notify[src][dst]` goes first through the notify region
     /// and tells the receiver how many records to expect; otherwise the receiver knows.
     /// Returns `[dst][src]` records in arrival-consumption order and the decoded notifies.
-    #[allow(clippy::type_complexity)]
     fn run_queues(
         layout: &NormalLayout,
         phase: Phase,

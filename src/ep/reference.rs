@@ -235,8 +235,7 @@ pub fn normal_dispatch(
                         scales.extend_from_slice(&s[t * groups..(t + 1) * groups]);
                     }
                 }
-                for j in 0..k {
-                    let g = row[j];
+                for (j, &g) in row.iter().enumerate() {
                     if g >= lo && g < hi {
                         recv_topk_idx.push(g - lo);
                         recv_topk_weights.push(inp.topk_weights[t * k + j]);
@@ -480,8 +479,8 @@ pub fn ll_dispatch(p: &LlParams, inputs: &[LlRankInput<'_>]) -> Result<Vec<LlDis
         let recv_x = if p.use_fp8 {
             let mut q = vec![0u8; x.len()];
             let mut scales = vec![0f32; l * s_rows * groups];
-            for e in 0..l {
-                for i in 0..recv_count[e] as usize {
+            for (e, &count) in recv_count.iter().enumerate() {
+                for i in 0..count as usize {
                     let row = e * s_rows + i;
                     quantize_row_bf16(
                         &x[row * h..(row + 1) * h],
@@ -588,6 +587,8 @@ pub fn ll_combine(
     Ok(outs)
 }
 
+// Index loops over ranks/tokens/channels read closest to the math they check.
+#[allow(clippy::needless_range_loop, clippy::type_complexity)]
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
