@@ -47,7 +47,7 @@ pub const MAX_HIDDEN: usize = 1 << 20;
 /// Largest top-k accepted.
 pub const MAX_TOPK: usize = 256;
 /// Channels per fp8 scale.
-pub const FP8_GROUP: u64 = 128;
+pub const FP8_GROUP: u64 = super::quant::FP8_GROUP as u64;
 
 fn mul(a: u64, b: u64, arg: &'static str) -> Result<u64> {
     a.checked_mul(b).ok_or_else(|| Error::arg(arg, format!("{a} * {b} overflows u64")))
