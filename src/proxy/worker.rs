@@ -413,6 +413,20 @@ impl<T: Transport> Worker<T> {
         if let Err(e) = self.main_loop() {
             self.shared.record(&self.name, e);
         }
+        // Best effort after an error (it is already recorded): writes that were posted still
+        // complete, so the counters say what really went out.
+        let _ = self.drain();
+    }
+
+    /// Bounded: polls until every write this worker posted has completed, or `drain_timeout`.
+    fn drain(&mut self) -> Result<(), ProxyError> {
+        let start = Instant::now();
+        while self.completed < self.posted && start.elapsed() < self.drain_timeout {
+            if self.poll_transport()? == 0 {
+                std::thread::yield_now();
+            }
+        }
+        Ok(())
     }
 
     fn main_loop(&mut self) -> Result<(), ProxyError> {
@@ -441,49 +455,49 @@ impl<T: Transport> Worker<T> {
                 }
             }
         }
-        // Bounded drain: give writes already posted a chance to complete so their counters land.
-        let start = Instant::now();
-        while self.completed < self.posted && start.elapsed() < self.drain_timeout {
-            if self.poll_transport()? == 0 {
-                std::thread::yield_now();
-            }
-        }
         Ok(())
     }
 
     /// Polls the transport and publishes what it reported. Returns the number of events.
+    /// A bad event is reported after the whole batch is published (the good ones still count).
     #[inline]
     fn poll_transport(&mut self) -> Result<u64, ProxyError> {
         self.events.clear();
         self.transport.poll(&mut self.events)?;
+        let mut failed = None;
         for ev in &self.events {
             match *ev {
                 TransportEvent::Arrival { imm, .. } => {
                     let (slot, value) = self.codec.decode(imm);
-                    if slot >= self.num_slots {
-                        return Err(ProxyError::BadSlot {
+                    if slot < self.num_slots {
+                        self.counters.record_arrival(slot, value);
+                    } else if failed.is_none() {
+                        failed = Some(ProxyError::BadSlot {
                             rank: self.rank,
                             imm,
                             slot,
                             num_slots: self.num_slots,
                         });
                     }
-                    self.counters.record_arrival(slot, value);
                 }
                 TransportEvent::SendDone { ring, count } => {
-                    if ring >= self.num_rings {
-                        return Err(ProxyError::BadCompletion {
+                    if ring < self.num_rings {
+                        self.counters.record_sends(ring, count);
+                        self.completed += u64::from(count);
+                    } else if failed.is_none() {
+                        failed = Some(ProxyError::BadCompletion {
                             rank: self.rank,
                             ring,
                             num_rings: self.num_rings,
                         });
                     }
-                    self.counters.record_sends(ring, count);
-                    self.completed += u64::from(count);
                 }
             }
         }
-        Ok(self.events.len() as u64)
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(self.events.len() as u64),
+        }
     }
 
     /// Posts up to `batch` commands from consumer `i`. Returns (commands posted, backpressured).
@@ -509,18 +523,18 @@ impl<T: Transport> Worker<T> {
         let n = avail.min(self.batch);
         let start = c.tail;
         let mut full = false;
+        let mut failed = None;
         for _ in 0..n {
             let e = c.entry();
             if e.seq != c.tail as u32 {
-                let err = ProxyError::BadSeq {
+                failed = Some(ProxyError::BadSeq {
                     rank: self.rank,
                     ring: c.ring,
                     ticket: c.tail,
                     expected: c.tail as u32,
                     found: e.seq,
-                };
-                c.publish_tail();
-                return Err(err);
+                });
+                break;
             }
             let op = WriteOp {
                 dst_rank: e.dst_rank,
@@ -537,8 +551,8 @@ impl<T: Transport> Worker<T> {
                     break;
                 }
                 Err(e) => {
-                    c.publish_tail();
-                    return Err(e);
+                    failed = Some(e);
+                    break;
                 }
             }
         }
@@ -551,6 +565,9 @@ impl<T: Transport> Worker<T> {
             c.publish_tail();
             self.posted += posted;
         }
-        Ok((posted, full))
+        match failed {
+            Some(e) => Err(e),
+            None => Ok((posted, full)),
+        }
     }
 }
