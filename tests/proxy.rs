@@ -301,7 +301,8 @@ fn bad_slot_names_the_immediate() {
 
 #[test]
 fn bad_destination_and_offsets_are_typed_errors() {
-    let cases: [(Command, fn(&ProxyError) -> bool); 3] = [
+    type Check = fn(&ProxyError) -> bool;
+    let cases: [(Command, Check); 3] = [
         (cmd(5, 0, 0), |e| {
             matches!(e, ProxyError::BadRank { dst_rank: 5, num_ranks: 2, ring: 0, .. })
         }),
