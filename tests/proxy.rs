@@ -16,7 +16,12 @@ const STRIDE: usize = 256;
 
 fn config(rank: u32) -> ProxyConfig {
     // Short spin so 2 shared cores are not eaten by idle workers.
-    ProxyConfig { rank, idle_spins: 64, idle_yields: 256, ..ProxyConfig::default() }
+    ProxyConfig {
+        rank,
+        idle_spin: Duration::from_micros(20),
+        idle_yield: Duration::from_micros(200),
+        ..ProxyConfig::default()
+    }
 }
 
 struct Shape {

@@ -22,11 +22,12 @@ pub struct ProxyConfig {
     pub value_bits: u32,
     /// Most commands read from one ring per pass (before polling the transport again).
     pub batch: u32,
-    /// Idle passes spent spinning before the worker starts yielding.
-    pub idle_spins: u32,
-    /// Idle passes spent yielding before the worker starts sleeping.
-    pub idle_yields: u32,
-    /// Sleep per idle pass after that (the wake-up latency cost of a long-idle worker).
+    /// Idle policy: after this long without work the worker stops spinning and yields.
+    pub idle_spin: Duration,
+    /// After this long without work (counted from the last work) it sleeps between passes.
+    pub idle_yield: Duration,
+    /// Sleep per idle pass in the sleeping regime: the wake-up latency a long-idle worker adds
+    /// (benches/proxy.rs measures it).
     pub idle_sleep: Duration,
     /// How long `start` waits for each worker's ready handshake.
     pub start_timeout: Duration,
@@ -40,9 +41,9 @@ impl Default for ProxyConfig {
             rank: 0,
             value_bits: ImmCodec::DEFAULT_VALUE_BITS,
             batch: 256,
-            idle_spins: 2048,
-            idle_yields: 2048,
-            idle_sleep: Duration::from_micros(50),
+            idle_spin: Duration::from_micros(100),
+            idle_yield: Duration::from_millis(2),
+            idle_sleep: Duration::from_micros(20),
             start_timeout: Duration::from_secs(10),
             drain_timeout: Duration::from_secs(1),
         }
@@ -171,8 +172,8 @@ impl Proxy {
                 rank: config.rank,
                 codec,
                 batch: u64::from(config.batch),
-                idle_spins: config.idle_spins,
-                idle_yields: config.idle_yields,
+                idle_spin: config.idle_spin,
+                idle_yield: config.idle_yield,
                 idle_sleep: config.idle_sleep,
                 drain_timeout: config.drain_timeout,
                 num_slots: counters.layout().num_slots,
@@ -379,13 +380,20 @@ impl Backoff {
     }
 }
 
+#[derive(Clone, Copy)]
+enum Idle {
+    Spin,
+    Yield,
+    Sleep,
+}
+
 struct Worker<T> {
     name: String,
     rank: u32,
     codec: ImmCodec,
     batch: u64,
-    idle_spins: u32,
-    idle_yields: u32,
+    idle_spin: Duration,
+    idle_yield: Duration,
     idle_sleep: Duration,
     drain_timeout: Duration,
     num_slots: u32,
@@ -430,7 +438,11 @@ impl<T: Transport> Worker<T> {
     }
 
     fn main_loop(&mut self) -> Result<(), ProxyError> {
+        // Idle passes in a row, and when the idle stretch began (read once every 64 passes,
+        // so an idle worker does not hammer the clock).
         let mut idle = 0u32;
+        let mut idle_since = Instant::now();
+        let mut regime = Idle::Spin;
         while !self.shared.stop.load(Ordering::Relaxed) {
             let mut work = self.poll_transport()?;
             let mut backpressured = false;
@@ -444,15 +456,27 @@ impl<T: Transport> Worker<T> {
             }
             if work > 0 || backpressured {
                 idle = 0;
-            } else {
-                idle = idle.saturating_add(1);
-                if idle <= self.idle_spins {
-                    std::hint::spin_loop();
-                } else if idle <= self.idle_spins.saturating_add(self.idle_yields) {
-                    std::thread::yield_now();
+                regime = Idle::Spin;
+                continue;
+            }
+            if idle == 0 {
+                idle_since = Instant::now();
+            }
+            idle = idle.wrapping_add(1);
+            if idle % 64 == 0 {
+                let t = idle_since.elapsed();
+                regime = if t < self.idle_spin {
+                    Idle::Spin
+                } else if t < self.idle_yield {
+                    Idle::Yield
                 } else {
-                    std::thread::sleep(self.idle_sleep);
-                }
+                    Idle::Sleep
+                };
+            }
+            match regime {
+                Idle::Spin => std::hint::spin_loop(),
+                Idle::Yield => std::thread::yield_now(),
+                Idle::Sleep => std::thread::sleep(self.idle_sleep),
             }
         }
         Ok(())
