@@ -10,6 +10,7 @@
 //! - [`Proxy`]: the worker threads and the bounded host-side waits.
 
 mod abi;
+mod fabric;
 mod imm;
 mod loopback;
 mod memory;
@@ -20,6 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use abi::{FepCmd, FepRingHdr, CMD_BYTES, HEAD_OFFSET, RING_HDR_BYTES, TAIL_OFFSET};
+pub use fabric::{FabricPeer, FabricTransport};
 pub use imm::ImmCodec;
 pub use loopback::{LoopbackGroup, LoopbackOptions, LoopbackTransport};
 pub use memory::{
@@ -88,6 +90,9 @@ pub enum ProxyError {
     /// The transport cannot reach a peer (it left, or its endpoint failed).
     #[error("rank {rank}: peer {peer} is unreachable: {msg}")]
     PeerUnreachable { rank: u32, peer: u32, msg: String },
+    /// A libfabric call or completion failed (`peer` when the operation names one).
+    #[error("rank {rank}: libfabric failure (peer {peer:?}): {source}")]
+    Fabric { rank: u32, peer: Option<u32>, source: crate::fabric::FabricError },
     /// Any other transport failure.
     #[error("rank {rank}: transport failure: {msg}")]
     Transport { rank: u32, msg: String },
