@@ -97,7 +97,7 @@ pub enum ProxyError {
     #[error("rank {rank}: transport failure: {msg}")]
     Transport { rank: u32, msg: String },
     /// A bounded wait for arrivals ran out; `lagging` names each slot and peer still short.
-    #[error("rank {rank}: timed out after {waited:?} waiting for arrivals: {lagging:?}")]
+    #[error("rank {rank}: timed out after {waited:?} waiting for arrivals: {}", worker::lagging_list(.lagging))]
     ArrivalTimeout { rank: u32, waited: Duration, lagging: Vec<Lagging> },
     /// A bounded wait for local send completions ran out.
     #[error("rank {rank} ring {ring}: timed out after {waited:?} with {observed}/{expected} sends completed")]

@@ -77,6 +77,25 @@ pub struct Lagging {
     pub observed: u64,
 }
 
+impl std::fmt::Display for Lagging {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.peer == u32::MAX {
+            write!(f, "slot {}: {}/{}", self.slot, self.observed, self.expected)
+        } else {
+            write!(
+                f,
+                "peer {} (slot {}): {}/{}",
+                self.peer, self.slot, self.observed, self.expected
+            )
+        }
+    }
+}
+
+/// "peer 2 (slot 2): 12/24, ..." for error messages.
+pub(crate) fn lagging_list(lagging: &[Lagging]) -> String {
+    lagging.iter().map(Lagging::to_string).collect::<Vec<_>>().join(", ")
+}
+
 struct Shared {
     stop: AtomicBool,
     failed: AtomicBool,
