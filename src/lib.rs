@@ -4,6 +4,7 @@
 //! `ffi` -> `ep` -> {`proxy`, `cuda`, `fabric`, `bootstrap`} -> `libfabric-sys` / cudarc.
 
 pub mod abi;
+pub mod bench;
 pub mod bootstrap;
 pub mod cuda;
 pub mod ep;

@@ -1,8 +1,211 @@
-//! Rank discovery and all-gather/barrier of connection info. (Being written: see issue 2.)
+//! Rank discovery and all-gather/barrier of connection info (endpoint addresses, memory keys).
+//!
+//! Three implementations sit behind one object-safe trait, [`Bootstrap`]:
+//! - [`TcpStore`]: a small store served by rank 0 over TCP, configured from the env vars torchrun and
+//!   Kubeflow's PyTorchJob set (`MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+//!   `LOCAL_WORLD_SIZE`). It refuses peers of another job, and a dead peer becomes an error that
+//!   names it on every other rank.
+//! - [`InProcGroup`]: threads as ranks, for tests.
+//! - [`CallbackBootstrap`]: the caller supplies an equal-length all-gather (C ABI, torch process
+//!   groups).
+//!
+//! [`LocalJob`] starts N ranks of an executable as local processes with the same env vars torchrun
+//! would set; `ep-bench` and the multi-process tests use it.
+//!
+//! NOTES: every wait here has a deadline, and every deadline error names the ranks that did not
+//! deliver: a bootstrap that hangs on 256 ranks without saying who is missing is the failure mode
+//! this module exists to prevent.
 
-/// Errors from bootstrapping; each names the missing or offending ranks.
+use std::io;
+use std::time::{Duration, Instant};
+
+mod callback;
+mod inproc;
+mod launch;
+mod tcp;
+
+pub use callback::{AllGatherFn, CallbackBootstrap};
+pub use inproc::{InProcBootstrap, InProcGroup};
+pub use launch::{LocalJob, RankOutcome};
+pub use tcp::{TcpStore, TcpStoreOptions};
+
+/// The largest blob one rank may contribute to one all-gather (and the largest frame the TCP store
+/// accepts). Bootstrap carries addresses and keys, not data: anything near this is a bug, and the
+/// cap keeps a corrupt length from the network from becoming a huge allocation.
+pub const MAX_BLOB: usize = 256 << 20;
+
+/// The largest world any bootstrap accepts: per-rank state is allocated from the world size, which
+/// comes from env vars, so an absurd value must be an error, not an allocation.
+pub const MAX_WORLD: usize = 1 << 20;
+
+/// Rank discovery plus a collective all-gather, the only collective EP set-up needs.
+///
+/// Object-safe so that the rest of the crate holds a `Box<dyn Bootstrap>` / `Arc<dyn Bootstrap>` and
+/// does not care whether ranks found each other over TCP, in-process or through a caller's callback.
+pub trait Bootstrap: Send + Sync {
+    /// This process's rank, `0..world_size()`.
+    fn rank(&self) -> usize;
+    /// Number of ranks in the job.
+    fn world_size(&self) -> usize;
+    /// Rank among the ranks on this node, `0..local_world_size()`.
+    fn local_rank(&self) -> usize;
+    /// Number of ranks on this node.
+    fn local_world_size(&self) -> usize;
+    /// Every rank calls this in the same order; returns one blob per rank, indexed by rank.
+    /// Blobs may differ in length. Bounded by the bootstrap's timeout.
+    fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>, BootstrapError>;
+    /// Returns once every rank has called `barrier` (or fails naming the ranks that did not).
+    fn barrier(&self) -> Result<(), BootstrapError> {
+        self.all_gather(&[]).map(|_| ())
+    }
+}
+
+/// Errors from bootstrapping. Each names what was wrong and, where a peer is at fault, which rank,
+/// so the message alone tells an operator which process's log to open.
 #[derive(Debug, thiserror::Error)]
 pub enum BootstrapError {
-    #[error("{0}")]
-    Other(String),
+    /// A launcher env var is missing or malformed.
+    #[error("environment variable {var}: {msg}")]
+    Env { var: &'static str, msg: String },
+    /// The store at `addr` belongs to another job (or the ranks were given different job ids).
+    #[error(
+        "job id mismatch: this rank has '{ours}', the store at {addr} belongs to '{theirs}' \
+         (another job is using this MASTER_ADDR:MASTER_PORT, or FEP_JOB_ID/TORCHELASTIC_RUN_ID \
+         differ between ranks)"
+    )]
+    JobIdMismatch { ours: String, theirs: String, addr: String },
+    /// `rank` was launched with `WORLD_SIZE=ours`, the store (rank 0) with `theirs`.
+    #[error(
+        "world size mismatch: rank {rank} has WORLD_SIZE={ours}, the store (rank 0) has \
+         WORLD_SIZE={theirs}; launch every rank with the same WORLD_SIZE"
+    )]
+    WorldSizeMismatch { ours: usize, theirs: usize, rank: usize },
+    /// A rank that cannot take part: out of range, or claimed twice.
+    #[error("bad rank {rank} (world size {world_size}): {why}")]
+    BadRank { rank: usize, world_size: usize, why: String },
+    /// Options that cannot describe a job (zero ranks, local rank out of range, ...).
+    #[error("invalid bootstrap configuration: {0}")]
+    Config(String),
+    /// A collective did not complete in time; `missing` are the ranks that never contributed.
+    #[error(
+        "{op} round {round} timed out after {waited:?}: ranks {missing:?} never arrived (not started, \
+         hung, or still busy with earlier work); check those ranks' logs or raise the timeout"
+    )]
+    Timeout { op: &'static str, round: u64, missing: Vec<usize>, waited: Duration },
+    /// A rank's connection closed while the job still needed it.
+    #[error(
+        "rank {rank} is gone ({op}): its connection to the store closed (process killed, crashed or \
+         exited early); see rank {rank}'s log"
+    )]
+    PeerGone { rank: usize, op: &'static str },
+    /// Another rank of this job was refused at connect time, so the job cannot complete.
+    #[error("rank {rank} was refused by the store, so this job cannot complete: {reason}")]
+    PeerRefused { rank: usize, reason: String },
+    /// The store (served by rank 0) closed the connection or stopped answering.
+    #[error(
+        "lost the bootstrap store at {addr} (served by rank 0) during {op}: {detail}; rank 0 \
+         probably crashed, was killed or exited early (see rank 0's log)"
+    )]
+    StoreLost { addr: String, op: &'static str, detail: String },
+    /// A socket call failed.
+    #[error("{call} {addr}: {source}")]
+    Io {
+        call: &'static str,
+        addr: String,
+        #[source]
+        source: io::Error,
+    },
+    /// The other side sent something this protocol does not allow.
+    #[error("bootstrap protocol error: {0}")]
+    Protocol(String),
+    /// The caller-supplied all-gather of a [`CallbackBootstrap`] failed.
+    #[error("bootstrap all-gather callback failed: {0}")]
+    Callback(String),
+}
+
+/// The longest any single wait is allowed to be, whatever timeout a caller passes: keeps
+/// `Instant + timeout` from overflowing (`Duration::MAX` is a tempting "forever").
+const MAX_WAIT: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// `base + wait`, clamped to [`MAX_WAIT`] so it cannot overflow.
+pub(crate) fn later(base: Instant, wait: Duration) -> Instant {
+    base.checked_add(wait.min(MAX_WAIT)).unwrap_or(base)
+}
+
+/// Local world size of the node that holds `rank` when ranks are packed `local_world_size` per node
+/// in rank order: the last node holds the remainder when `world_size` is not a multiple.
+pub(crate) fn node_local_world(rank: usize, world_size: usize, local_world_size: usize) -> usize {
+    let node_start = rank - rank % local_world_size;
+    local_world_size.min(world_size - node_start)
+}
+
+/// Checks that `rank`, `world_size`, `local_rank` and `local_world_size` can describe a job.
+pub(crate) fn check_ranks(
+    rank: usize,
+    world_size: usize,
+    local_rank: usize,
+    local_world_size: usize,
+) -> Result<(), BootstrapError> {
+    if world_size == 0 {
+        return Err(BootstrapError::Config(
+            "world size is 0; a job needs at least one rank".into(),
+        ));
+    }
+    if world_size > MAX_WORLD {
+        return Err(BootstrapError::Config(format!(
+            "world size {world_size} is above the supported maximum {MAX_WORLD}"
+        )));
+    }
+    if rank >= world_size {
+        return Err(BootstrapError::BadRank {
+            rank,
+            world_size,
+            why: format!("ranks are 0..{world_size}"),
+        });
+    }
+    if local_world_size == 0 || local_world_size > world_size {
+        return Err(BootstrapError::Config(format!(
+            "local world size {local_world_size} is not in 1..={world_size} (the world size)"
+        )));
+    }
+    if local_rank >= local_world_size {
+        return Err(BootstrapError::Config(format!(
+            "local rank {local_rank} is not below the local world size {local_world_size}"
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_local_world_handles_remainder() {
+        assert_eq!(node_local_world(0, 6, 4), 4);
+        assert_eq!(node_local_world(3, 6, 4), 4);
+        assert_eq!(node_local_world(4, 6, 4), 2);
+        assert_eq!(node_local_world(5, 6, 4), 2);
+        assert_eq!(node_local_world(7, 8, 8), 8);
+    }
+
+    #[test]
+    fn check_ranks_names_the_problem() {
+        assert!(check_ranks(0, 1, 0, 1).is_ok());
+        assert!(matches!(check_ranks(0, 0, 0, 1), Err(BootstrapError::Config(_))));
+        assert!(matches!(check_ranks(0, MAX_WORLD + 1, 0, 1), Err(BootstrapError::Config(_))));
+        assert!(matches!(
+            check_ranks(4, 4, 0, 4),
+            Err(BootstrapError::BadRank { rank: 4, world_size: 4, .. })
+        ));
+        assert!(matches!(check_ranks(1, 4, 0, 5), Err(BootstrapError::Config(_))));
+        assert!(matches!(check_ranks(1, 4, 2, 2), Err(BootstrapError::Config(_))));
+    }
+
+    #[test]
+    fn trait_is_object_safe() {
+        fn takes(_: &dyn Bootstrap) {}
+        let group = InProcGroup::new(1, 1, Duration::from_secs(1)).expect("group");
+        takes(&group[0]);
+    }
 }

@@ -1,0 +1,4 @@
+//! Benchmark and self-test runners shared by `ep-bench` and the integration tests.
+
+pub mod fabric;
+pub mod stats;

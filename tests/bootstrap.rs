@@ -1,0 +1,531 @@
+//! Bootstrap tests: multi-process over the TCP store (the test binary re-executes itself as the
+//! ranks, through `LocalJob`), in-process threads, and the callback wrapper.
+//!
+//! A child process runs only `child_rank`, which reads its role from `FEP_TEST_ROLE`; without that
+//! variable (a normal `cargo test` run) it returns at once.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use fabric_ep::bootstrap::{
+    Bootstrap, BootstrapError, CallbackBootstrap, InProcGroup, LocalJob, RankOutcome, TcpStore,
+};
+use fabric_ep::util::SplitMix64;
+
+const ROLE: &str = "FEP_TEST_ROLE";
+const TIMEOUT_MS: &str = "FEP_TEST_TIMEOUT_MS";
+const CHILD_OK: &str = "CHILD_OK";
+/// Bound on a whole multi-process job, far above what any of them needs.
+const JOB_WALL: Duration = Duration::from_secs(25);
+
+/// Rank `rank`'s blob for round `round`: lengths differ per rank and round (some are empty), bytes
+/// are pseudo-random, so a misplaced or truncated blob cannot pass.
+fn blob(rank: usize, round: usize) -> Vec<u8> {
+    let len = (rank * 131 + round * 17) % 97;
+    let mut g = SplitMix64(((rank as u64) << 32) | round as u64);
+    (0..len).map(|_| g.next_u64() as u8).collect()
+}
+
+/// A large blob, so results span many reads and the store's writes hit a full socket buffer.
+fn big_blob(rank: usize) -> Vec<u8> {
+    let mut g = SplitMix64(0xB16 + rank as u64);
+    (0..100_000 + rank * 1000).map(|_| g.next_u64() as u8).collect()
+}
+
+fn env_usize(var: &str) -> usize {
+    std::env::var(var).ok().and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{var} unset"))
+}
+
+/// All-gathers of rank-specific blobs of different lengths, several rounds, a big one and a
+/// barrier, checked byte for byte; `b` must report the identity the launcher gave it.
+fn gather_rounds(b: &dyn Bootstrap, expect_local: Option<(usize, usize)>) {
+    let world = b.world_size();
+    assert!(b.rank() < world);
+    if let Some(local) = expect_local {
+        assert_eq!((b.local_rank(), b.local_world_size()), local);
+    }
+    for round in 0..4 {
+        let got = b.all_gather(&blob(b.rank(), round)).expect("all_gather");
+        assert_eq!(got.len(), world);
+        for (r, g) in got.iter().enumerate() {
+            assert_eq!(g, &blob(r, round), "rank {} round {round}: blob of rank {r}", b.rank());
+        }
+    }
+    b.barrier().expect("barrier");
+    let got = b.all_gather(&big_blob(b.rank())).expect("big all_gather");
+    for (r, g) in got.iter().enumerate() {
+        assert!(g == &big_blob(r), "rank {}: big blob of rank {r} differs", b.rank());
+    }
+    let empty = b.all_gather(&[]).expect("empty all_gather");
+    assert_eq!(empty, vec![Vec::<u8>::new(); world]);
+    b.barrier().expect("final barrier");
+}
+
+fn csv(s: &str) -> Vec<usize> {
+    s.split(',').filter(|x| !x.is_empty()).map(|x| x.parse().expect("rank list")).collect()
+}
+
+/// The body of a rank process. Roles (`FEP_TEST_ROLE`, optionally `role:arg`):
+/// `gather`; `expect_job_mismatch`; `expect_world_mismatch:<store world>`; `expect_refused:<rank>`;
+/// `expect_timeout:<missing ranks csv>`; `exit_early`; `join_then_hang`;
+/// `join_then_expect_gone:<rank>`; `join_then_expect_store_lost`; `expect_env:<VAR>`.
+/// It prints `CHILD_OK` only when the role's expectation held (the parent checks for it, so a
+/// child that ran no test at all cannot pass).
+#[test]
+fn child_rank() {
+    let Ok(role) = std::env::var(ROLE) else { return };
+    let timeout = Duration::from_millis(env_usize(TIMEOUT_MS) as u64);
+    let (role, arg) = role.split_once(':').unwrap_or((role.as_str(), ""));
+    let start = Instant::now();
+    match role {
+        "gather" => {
+            let s = TcpStore::from_env(timeout).expect("join the store");
+            let local = (env_usize("LOCAL_RANK"), env_usize("LOCAL_WORLD_SIZE"));
+            assert_eq!(s.job_id(), std::env::var("FEP_JOB_ID").expect("job id"));
+            gather_rounds(&s, Some(local));
+            // End on a big round and drop at once: rank 0's store must still deliver the result to
+            // ranks slower than rank 0 before it shuts down.
+            let got = s.all_gather(&big_blob(s.rank() + 7)).expect("last all_gather");
+            for (r, g) in got.iter().enumerate() {
+                assert!(g == &big_blob(r + 7), "last round: blob of rank {r} differs");
+            }
+        }
+        "expect_job_mismatch" => match TcpStore::from_env(timeout) {
+            Err(BootstrapError::JobIdMismatch { ours, theirs, addr }) => {
+                assert_eq!(ours, std::env::var("FEP_JOB_ID").expect("job id"));
+                assert!(theirs.starts_with("fep-local-") && theirs != ours, "theirs = {theirs}");
+                assert!(addr.ends_with(&std::env::var("MASTER_PORT").expect("port")));
+                println!(
+                    "refused as expected: {}",
+                    BootstrapError::JobIdMismatch { ours, theirs, addr }
+                );
+            }
+            other => panic!("expected JobIdMismatch, got {:?}", other.err()),
+        },
+        "expect_world_mismatch" => match TcpStore::from_env(timeout) {
+            Err(e @ BootstrapError::WorldSizeMismatch { .. }) => {
+                let BootstrapError::WorldSizeMismatch { ours, theirs, rank } = &e else {
+                    unreachable!()
+                };
+                assert_eq!((*ours, *theirs), (env_usize("WORLD_SIZE"), csv(arg)[0]));
+                assert_eq!(*rank, env_usize("RANK"));
+                println!("refused as expected: {e}");
+            }
+            other => panic!("expected WorldSizeMismatch, got {:?}", other.err()),
+        },
+        "expect_refused" => {
+            let s = TcpStore::from_env(timeout).expect("join the store");
+            match s.all_gather(b"x") {
+                Err(BootstrapError::PeerRefused { rank, reason }) => {
+                    assert_eq!(vec![rank], csv(arg), "{reason}");
+                    assert!(start.elapsed() < timeout, "not fast: {:?}", start.elapsed());
+                    println!(
+                        "failed as expected: {}",
+                        BootstrapError::PeerRefused { rank, reason }
+                    );
+                }
+                other => panic!("expected PeerRefused, got {other:?}"),
+            }
+        }
+        "expect_timeout" => {
+            let s = TcpStore::from_env(timeout).expect("join the store");
+            let t0 = Instant::now();
+            match s.all_gather(b"x") {
+                Err(e @ BootstrapError::Timeout { .. }) => {
+                    let BootstrapError::Timeout { missing, .. } = &e else { unreachable!() };
+                    assert_eq!(missing, &csv(arg), "{e}");
+                    // The round's deadline runs from the first rank's arrival, so a rank that
+                    // started late may wait less; the parent checks the job took the timeout.
+                    let took = t0.elapsed();
+                    assert!(took <= timeout + Duration::from_secs(3), "too slow: {took:?}");
+                    println!("timed out as expected: {e}");
+                }
+                other => panic!("expected Timeout, got {other:?}"),
+            }
+        }
+        "exit_early" => {}
+        "join_then_hang" => {
+            let s = TcpStore::from_env(timeout).expect("join the store");
+            s.barrier().expect("first barrier");
+            if s.rank() == 0 {
+                // Once this second barrier completes, every rank has *received* the first one's
+                // result (they contributed after it): killing the store's host then cannot cut
+                // the first barrier short for anyone.
+                s.barrier().expect("second barrier");
+            }
+            println!("JOINED");
+            thread::sleep(Duration::from_secs(30));
+            panic!("the parent should have killed this rank");
+        }
+        "join_then_expect_gone" => {
+            let s = TcpStore::from_env(timeout).expect("join the store");
+            s.barrier().expect("first barrier");
+            let t0 = Instant::now();
+            match s.all_gather(b"after") {
+                Err(e @ BootstrapError::PeerGone { .. }) => {
+                    let BootstrapError::PeerGone { rank, .. } = &e else { unreachable!() };
+                    assert_eq!(vec![*rank], csv(arg), "{e}");
+                    assert!(t0.elapsed() < timeout, "not fast: {:?}", t0.elapsed());
+                    println!("failed as expected: {e}");
+                }
+                other => panic!("expected PeerGone, got {other:?}"),
+            }
+        }
+        "join_then_expect_store_lost" => {
+            let s = TcpStore::from_env(timeout).expect("join the store");
+            s.barrier().expect("first barrier");
+            let t0 = Instant::now();
+            // Rank 0 is killed right after the second barrier: its result may or may not have
+            // left rank 0 by then, so that barrier may succeed or fail; the next call must fail.
+            let res = s.barrier().and_then(|()| s.all_gather(b"after"));
+            match res {
+                Err(e @ BootstrapError::StoreLost { .. }) => {
+                    assert!(t0.elapsed() < timeout, "not fast: {:?}", t0.elapsed());
+                    assert!(e.to_string().contains("rank 0"), "{e}");
+                    println!("failed as expected: {e}");
+                }
+                other => panic!("expected StoreLost, got {other:?}"),
+            }
+        }
+        "expect_env" => match TcpStore::from_env(timeout) {
+            Err(e @ BootstrapError::Env { .. }) => {
+                let BootstrapError::Env { var, .. } = &e else { unreachable!() };
+                assert_eq!(*var, arg, "{e}");
+                assert!(e.to_string().contains(arg));
+                println!("failed as expected: {e}");
+            }
+            other => panic!("expected Env error for {arg}, got {:?}", other.err()),
+        },
+        other => panic!("unknown {ROLE} '{other}'"),
+    }
+    println!("{CHILD_OK}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Multi-process harness
+
+fn child_args() -> Vec<String> {
+    ["--exact", "child_rank", "--nocapture", "--include-ignored", "--test-threads=1"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+}
+
+fn exe() -> PathBuf {
+    std::env::current_exe().expect("current_exe")
+}
+
+fn kv(k: &str, v: impl ToString) -> (String, String) {
+    (k.to_string(), v.to_string())
+}
+
+/// Starts `world` ranks of this test binary; `rank_env(r)` gives rank `r` its role and overrides.
+fn start(
+    world: usize,
+    local: usize,
+    timeout_ms: u64,
+    rank_env: &dyn Fn(usize) -> Vec<(String, String)>,
+) -> LocalJob {
+    let extra = [kv(TIMEOUT_MS, timeout_ms)];
+    LocalJob::spawn_with(&exe(), &child_args(), world, local, &extra, rank_env)
+        .expect("spawn ranks")
+}
+
+fn report(out: &[RankOutcome]) -> String {
+    out.iter().map(|o| o.to_string()).collect()
+}
+
+/// Every rank in `ranks` exited 0 after printing `CHILD_OK`.
+/// `FEP_TEST_SHOW=1` prints every rank's output even when the test passes (to read the messages).
+fn assert_ok(out: &[RankOutcome], ranks: impl IntoIterator<Item = usize>) {
+    if std::env::var_os("FEP_TEST_SHOW").is_some() {
+        eprintln!("{}", report(out));
+    }
+    for r in ranks {
+        let o = &out[r];
+        assert!(
+            o.success() && o.stdout.contains(CHILD_OK),
+            "rank {r} did not pass its role\n{}",
+            report(out)
+        );
+    }
+}
+
+fn tcp_gather(world: usize, local: usize) {
+    let start_t = Instant::now();
+    let mut job = start(world, local, 10_000, &|_| vec![kv(ROLE, "gather")]);
+    let out = job.wait(JOB_WALL).expect("wait");
+    assert_ok(&out, 0..world);
+    eprintln!("world {world}: {:?}", start_t.elapsed());
+}
+
+#[test]
+fn tcp_all_gather_world_2() {
+    tcp_gather(2, 2);
+}
+
+#[test]
+fn tcp_all_gather_world_4_two_nodes() {
+    tcp_gather(4, 2);
+}
+
+#[test]
+fn tcp_all_gather_world_8() {
+    tcp_gather(8, 3);
+}
+
+#[test]
+fn tcp_wrong_job_id_is_refused_by_name() {
+    let mut job = start(2, 2, 2000, &|r| match r {
+        1 => vec![kv(ROLE, "expect_job_mismatch"), kv("FEP_JOB_ID", "intruder-job")],
+        // The intruder is not counted as rank 1, so rank 0 times out naming it.
+        _ => vec![kv(ROLE, "expect_timeout:1")],
+    });
+    let out = job.wait(JOB_WALL).expect("wait");
+    assert_ok(&out, 0..2);
+    assert!(out[1].stdout.contains("'intruder-job'"), "{}", report(&out));
+}
+
+#[test]
+fn tcp_world_size_mismatch_is_refused_and_fails_the_job_fast() {
+    let t0 = Instant::now();
+    let mut job = start(2, 2, 8000, &|r| match r {
+        1 => vec![kv(ROLE, "expect_world_mismatch:2"), kv("WORLD_SIZE", 3)],
+        _ => vec![kv(ROLE, "expect_refused:1")],
+    });
+    let out = job.wait(JOB_WALL).expect("wait");
+    assert_ok(&out, 0..2);
+    assert!(t0.elapsed() < Duration::from_secs(8), "took {:?}", t0.elapsed());
+}
+
+#[test]
+fn tcp_killed_rank_is_named_within_the_timeout() {
+    let (world, victim, timeout_ms) = (4, 2, 6000);
+    let mut job = start(world, 4, timeout_ms, &|r| {
+        let role = if r == victim {
+            "join_then_hang".to_string()
+        } else {
+            format!("join_then_expect_gone:{victim}")
+        };
+        vec![kv(ROLE, role)]
+    });
+    wait_for_line(&job, victim, "JOINED");
+    let t0 = Instant::now();
+    job.kill_rank(victim).expect("kill");
+    let out = job.wait(JOB_WALL).expect("wait");
+    assert_ok(&out, (0..world).filter(|&r| r != victim));
+    assert!(out[victim].killed);
+    // The survivors fail by name well before their 6 s timeout (they assert it themselves too).
+    assert!(t0.elapsed() < Duration::from_millis(timeout_ms), "took {:?}", t0.elapsed());
+}
+
+#[test]
+fn tcp_killed_rank_0_is_reported_as_lost_store() {
+    let world = 3;
+    let mut job = start(world, 3, 6000, &|r| {
+        vec![kv(ROLE, if r == 0 { "join_then_hang" } else { "join_then_expect_store_lost" })]
+    });
+    wait_for_line(&job, 0, "JOINED");
+    job.kill_rank(0).expect("kill");
+    let out = job.wait(JOB_WALL).expect("wait");
+    assert_ok(&out, 1..world);
+}
+
+#[test]
+fn tcp_rank_that_never_joins_is_named_in_the_timeout() {
+    let t0 = Instant::now();
+    let mut job = start(3, 3, 2000, &|r| {
+        vec![kv(ROLE, if r == 1 { "exit_early" } else { "expect_timeout:1" })]
+    });
+    let out = job.wait(JOB_WALL).expect("wait");
+    assert_ok(&out, 0..3);
+    let took = t0.elapsed();
+    assert!(took >= Duration::from_secs(2) && took < Duration::from_secs(12), "took {took:?}");
+}
+
+#[test]
+fn tcp_missing_or_bad_env_var_is_named() {
+    /// (variable the error must name, variables to set, variables to remove)
+    type Case = (&'static str, &'static [(&'static str, &'static str)], &'static [&'static str]);
+    let cases: [Case; 3] = [
+        (
+            "MASTER_ADDR",
+            &[("MASTER_PORT", "29999"), ("RANK", "0"), ("WORLD_SIZE", "1")],
+            &["MASTER_ADDR"],
+        ),
+        (
+            "RANK",
+            &[
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", "29999"),
+                ("RANK", "abc"),
+                ("WORLD_SIZE", "1"),
+            ],
+            &[],
+        ),
+        (
+            "WORLD_SIZE",
+            &[("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29999"), ("RANK", "0")],
+            &["WORLD_SIZE"],
+        ),
+    ];
+    let mut children = Vec::new();
+    for (var, set, remove) in cases {
+        let mut cmd = Command::new(exe());
+        cmd.args(child_args()).env(ROLE, format!("expect_env:{var}")).env(TIMEOUT_MS, "1000");
+        for k in ["FEP_MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"].iter().chain(remove) {
+            cmd.env_remove(k);
+        }
+        for (k, v) in set {
+            cmd.env(k, v);
+        }
+        children.push((var, cmd.output().expect("run child")));
+    }
+    for (var, out) in children {
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains(CHILD_OK),
+            "case {var}: {}\n{stdout}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+/// Waits (bounded) until rank `rank` has printed `line`.
+fn wait_for_line(job: &LocalJob, rank: usize, line: &str) {
+    let until = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < until {
+        if std::fs::read_to_string(job.stdout_path(rank)).is_ok_and(|s| s.contains(line)) {
+            return;
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+    panic!("rank {rank} never printed {line}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// In-process
+
+fn run_threads<T: Send + 'static>(
+    ranks: Vec<impl Bootstrap + 'static>,
+    body: impl Fn(&dyn Bootstrap) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let body = Arc::new(body);
+    let handles: Vec<_> = ranks
+        .into_iter()
+        .map(|b| {
+            let body = Arc::clone(&body);
+            thread::spawn(move || body(&b))
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
+}
+
+#[test]
+fn inproc_all_gather_2_to_16_threads() {
+    for (world, local) in [(2, 2), (3, 2), (5, 5), (8, 4), (16, 8)] {
+        let group = InProcGroup::new(world, local, Duration::from_secs(20)).expect("group");
+        run_threads(group, move |b| {
+            let local_world = local.min(world - b.rank() / local * local);
+            gather_rounds(b, Some((b.rank() % local, local_world)));
+        });
+    }
+}
+
+#[test]
+fn inproc_timeout_names_the_missing_rank() {
+    let timeout = Duration::from_millis(300);
+    let mut group = InProcGroup::new(4, 4, timeout).expect("group");
+    let silent = group.remove(2); // alive, never calls
+    let results = run_threads(group, |b| {
+        let t0 = Instant::now();
+        (b.all_gather(b"x"), t0.elapsed())
+    });
+    // The first rank to arrive waits the whole timeout; the others at most that long.
+    let longest = results.iter().map(|(_, took)| *took).max().unwrap_or_default();
+    assert!(longest >= timeout && longest < timeout * 10, "took {longest:?}");
+    for (res, _) in results {
+        match res {
+            Err(BootstrapError::Timeout { missing, round: 0, .. }) => assert_eq!(missing, vec![2]),
+            other => panic!("expected Timeout naming rank 2, got {other:?}"),
+        }
+    }
+    drop(silent);
+}
+
+#[test]
+fn inproc_dropped_rank_is_gone() {
+    let mut group = InProcGroup::new(3, 3, Duration::from_secs(10)).expect("group");
+    drop(group.remove(1));
+    let results = run_threads(group, |b| {
+        let t0 = Instant::now();
+        (b.barrier(), t0.elapsed())
+    });
+    for (res, took) in results {
+        assert!(matches!(res, Err(BootstrapError::PeerGone { rank: 1, .. })), "{res:?}");
+        assert!(took < Duration::from_secs(5), "took {took:?}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Callback
+
+/// A callback bootstrap per rank whose equal-length all-gather runs over an in-process group (what
+/// a torch process group or MPI would do), checking the wrapper keeps lengths equal.
+fn callback_group(world: usize) -> Vec<CallbackBootstrap> {
+    InProcGroup::new(world, world, Duration::from_secs(20))
+        .expect("group")
+        .into_iter()
+        .map(|ib| {
+            let (rank, local) = (ib.rank(), ib.local_rank());
+            let f = move |send: &[u8], recv: &mut [u8]| -> Result<(), String> {
+                let all = ib.all_gather(send).map_err(|e| e.to_string())?;
+                if recv.len() != send.len() * all.len() {
+                    return Err(format!(
+                        "recv is {} bytes for {} x {}",
+                        recv.len(),
+                        all.len(),
+                        send.len()
+                    ));
+                }
+                for (r, blob) in all.iter().enumerate() {
+                    if blob.len() != send.len() {
+                        return Err(format!(
+                            "rank {r} sent {} bytes, we sent {}",
+                            blob.len(),
+                            send.len()
+                        ));
+                    }
+                    recv[r * send.len()..(r + 1) * send.len()].copy_from_slice(blob);
+                }
+                Ok(())
+            };
+            CallbackBootstrap::new(rank, world, local, world, Box::new(f)).expect("callback")
+        })
+        .collect()
+}
+
+#[test]
+fn callback_over_inproc_gathers_variable_blobs() {
+    for world in [1, 2, 4, 7] {
+        run_threads(callback_group(world), move |b| gather_rounds(b, Some((b.rank(), world))));
+    }
+}
+
+#[test]
+fn callback_failure_is_reported() {
+    let b =
+        CallbackBootstrap::new(0, 2, 0, 2, Box::new(|_, _| Err("process group aborted".into())))
+            .expect("new");
+    match b.all_gather(b"abc") {
+        Err(e @ BootstrapError::Callback(_)) => {
+            assert!(e.to_string().contains("process group aborted"), "{e}")
+        }
+        other => panic!("expected Callback error, got {other:?}"),
+    }
+    assert!(CallbackBootstrap::new(2, 2, 0, 2, Box::new(|_, _| Ok(()))).is_err());
+}
