@@ -402,15 +402,18 @@ fn restart_and_drop_release_everything() {
     assert_eq!(Arc::strong_count(&send), 1);
 }
 
-/// A transport that fails to start, or is backpressured forever, and notes its thread's name.
+/// A transport that fails to start, starts slowly, or is backpressured forever, and notes its
+/// thread's name.
 struct Stubborn {
     fail_start: bool,
+    start_delay: Duration,
     name: Arc<parking_lot::Mutex<Option<String>>>,
 }
 
 impl Transport for Stubborn {
     fn on_start(&mut self) -> Result<(), ProxyError> {
         *self.name.lock() = std::thread::current().name().map(str::to_string);
+        std::thread::sleep(self.start_delay);
         if self.fail_start {
             return Err(ProxyError::Transport { rank: 3, msg: "no NIC".into() });
         }
@@ -430,8 +433,8 @@ fn start_handshake_names_threads_and_reports_start_errors() {
     let counters = CounterMemory::new_host(CounterLayout { num_slots: 1, num_rings: 2 }).unwrap();
     let names: Vec<_> = (0..2).map(|_| Arc::new(parking_lot::Mutex::new(None))).collect();
     let ts = vec![
-        Stubborn { fail_start: false, name: names[0].clone() },
-        Stubborn { fail_start: true, name: names[1].clone() },
+        Stubborn { fail_start: false, start_delay: Duration::ZERO, name: names[0].clone() },
+        Stubborn { fail_start: true, start_delay: Duration::ZERO, name: names[1].clone() },
     ];
     let err = Proxy::start(config(3), rings.clone(), counters.clone(), ts).unwrap_err();
     assert!(matches!(err, ProxyError::Transport { rank: 3, .. }), "{err}");
@@ -439,7 +442,8 @@ fn start_handshake_names_threads_and_reports_start_errors() {
     assert_eq!(names[1].lock().as_deref(), Some("fep-proxy-3-1"));
     // The failed start released its rings; a forever-backpressured transport still stops promptly
     // with a full ring (nothing dropped: tail stays put).
-    let ts = vec![Stubborn { fail_start: false, name: names[0].clone() }];
+    let ts =
+        vec![Stubborn { fail_start: false, start_delay: Duration::ZERO, name: names[0].clone() }];
     let proxy = Proxy::start(config(3), rings.clone(), counters.clone(), ts).unwrap();
     let mut p = rings.producer(1).unwrap();
     for i in 0..4 {
@@ -462,4 +466,20 @@ fn start_handshake_names_threads_and_reports_start_errors() {
         Proxy::start(config(0), rings, bad, vec![group.transport(0).unwrap()]),
         Err(ProxyError::InvalidConfig { what: "counters.num_rings", .. })
     ));
+}
+
+#[test]
+fn a_worker_stuck_starting_is_a_start_timeout_not_a_hang() {
+    let rings = RingMemory::new_host(RingLayout::new(1, 4).unwrap()).unwrap();
+    let counters = CounterMemory::new_host(CounterLayout { num_slots: 1, num_rings: 1 }).unwrap();
+    let name = Arc::new(parking_lot::Mutex::new(None));
+    let slow = Stubborn { fail_start: false, start_delay: Duration::from_millis(500), name };
+    let cfg = ProxyConfig { start_timeout: Duration::from_millis(50), ..config(4) };
+    let t = Instant::now();
+    let err = Proxy::start(cfg, rings, counters, vec![slow]).unwrap_err();
+    assert!(t.elapsed() < Duration::from_millis(400), "start waited {:?}", t.elapsed());
+    assert!(
+        matches!(err, ProxyError::StartTimeout { ref worker, .. } if worker == "fep-proxy-4-0"),
+        "{err}"
+    );
 }

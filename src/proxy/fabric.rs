@@ -19,6 +19,7 @@ pub struct FabricPeer {
 }
 
 const CQ_BATCH: usize = 64;
+const CQ_ROUNDS: usize = 16;
 
 /// One worker's endpoint. The endpoint's CQ must be used by this transport alone while it runs
 /// (the proxy reads every completion on it).
@@ -127,7 +128,8 @@ impl Transport for FabricTransport {
     }
 
     fn poll(&mut self, events: &mut Vec<TransportEvent>) -> Result<(), ProxyError> {
-        loop {
+        // At most CQ_ROUNDS full batches per poll, so a flood of arrivals cannot starve the rings.
+        for _ in 0..CQ_ROUNDS {
             let n = match self.ep.cq().read(&mut self.cq_buf) {
                 Ok(n) => n,
                 Err(e) => {
@@ -155,9 +157,10 @@ impl Transport for FabricTransport {
                 }
             }
             if n < self.cq_buf.len() {
-                return Ok(());
+                break;
             }
         }
+        Ok(())
     }
 }
 

@@ -215,10 +215,15 @@ impl Proxy {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => return Err(e),
                 Err(mpsc::RecvTimeoutError::Timeout) => {
+                    // NOTES: detach, do not join: the worker may be stuck in on_start for good.
+                    // When on_start returns it finds the stop flag (set by Drop) and exits.
+                    if let Some(w) = proxy.workers.last_mut() {
+                        w.thread.take();
+                    }
                     return Err(ProxyError::StartTimeout {
                         worker: name,
                         waited: config.start_timeout,
-                    })
+                    });
                 }
                 Err(mpsc::RecvTimeoutError::Disconnected) => {
                     return Err(ProxyError::WorkerPanicked { worker: name })
