@@ -1,8 +1,120 @@
-//! CPU proxy: GPU->CPU command rings and RMA-posting worker threads. (Being written: issue 3.)
+//! CPU proxy: GPU->CPU command rings in shared (mapped host) memory, and worker threads that turn
+//! commands into RMA writes with immediate data and turn completions into counters producers and
+//! consumers poll.
+//!
+//! - [`RingMemory`] / [`RingProducer`]: single-producer/single-consumer rings laid out as
+//!   `fep_ring_hdr` + `capacity` x `fep_cmd` (kernels/include/fep_abi.h).
+//! - [`CounterMemory`]: per-slot `arrivals` and `sums`, per-ring `sends_completed` (u64 each).
+//! - [`Transport`]: where writes go. [`LoopbackTransport`] (in-process ranks, CI) and the libfabric
+//!   transport implement it.
+//! - [`Proxy`]: the worker threads and the bounded host-side waits.
 
-/// Errors from the proxy.
+mod abi;
+mod fabric;
+mod imm;
+mod loopback;
+mod memory;
+mod transport;
+mod worker;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use abi::{FepCmd, FepRingHdr, CMD_BYTES, HEAD_OFFSET, RING_HDR_BYTES, TAIL_OFFSET};
+pub use fabric::{FabricPeer, FabricTransport};
+pub use imm::ImmCodec;
+pub use loopback::{LoopbackGroup, LoopbackOptions, LoopbackTransport};
+pub use memory::{
+    Command, CounterLayout, CounterMemory, RingLayout, RingMemory, RingProducer, SharedRegion,
+    REGION_ALIGN,
+};
+pub use transport::{Transport, TransportEvent, WriteOp};
+pub use worker::{ArrivalWait, Lagging, Proxy, ProxyConfig};
+
+/// Errors from the proxy. Each names the rank, ring, peer, slot or immediate it is about.
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
-    #[error("{0}")]
-    Other(String),
+    /// A setting failed validation.
+    #[error("invalid proxy setting `{what}`: {msg}")]
+    InvalidConfig { what: &'static str, msg: String },
+    /// Host allocation of a shared region failed.
+    #[error("allocating {bytes} bytes of host memory for {what} failed")]
+    Alloc { what: &'static str, bytes: usize },
+    /// A raw region handed in is null or misaligned.
+    #[error("{what}: region at {ptr:#x} must be non-null and {align}-byte aligned")]
+    Misaligned { what: &'static str, ptr: usize, align: usize },
+    /// A region is smaller than its layout needs.
+    #[error("{what}: region of {len} bytes, layout needs {needed}")]
+    RegionTooSmall { what: &'static str, len: usize, needed: usize },
+    /// An access `[offset, offset + length)` falls outside a region.
+    #[error(
+        "rank {rank}: {what} [{offset}, +{length}) is outside its {len}-byte region (peer {peer})"
+    )]
+    OutOfBounds { rank: u32, peer: u32, what: &'static str, offset: u64, length: u64, len: usize },
+    /// A ring index past the ring count.
+    #[error("ring {ring} does not exist ({num_rings} rings)")]
+    RingIndex { ring: u32, num_rings: u32 },
+    /// A counter slot index past the slot count (host-side access).
+    #[error("slot {slot} does not exist ({num_slots} slots)")]
+    SlotIndex { slot: u32, num_slots: u32 },
+    /// Somebody already holds the producer or consumer side of this ring.
+    #[error("ring {ring}: its {role} is already claimed")]
+    RingClaimed { ring: u32, role: &'static str },
+    /// A bounded producer wait for ring space ran out.
+    #[error(
+        "ring {ring}: still full after {waited:?} (capacity {capacity}, head {head}, tail {tail})"
+    )]
+    RingFull { ring: u32, capacity: u64, head: u64, tail: u64, waited: Duration },
+    /// The producer published a head that is behind tail or more than `capacity` ahead of it.
+    #[error("rank {rank} ring {ring}: impossible head {head} (tail {tail}, capacity {capacity})")]
+    BadHead { rank: u32, ring: u32, head: u64, tail: u64, capacity: u64 },
+    /// An entry's `seq` is not the low 32 bits of its ticket: the entry was not (fully) written,
+    /// or was overwritten.
+    #[error(
+        "rank {rank} ring {ring}: entry for ticket {ticket} has seq {found}, expected {expected}"
+    )]
+    BadSeq { rank: u32, ring: u32, ticket: u64, expected: u32, found: u32 },
+    /// An immediate whose slot is past the counter slots: a protocol error, never a wild write.
+    #[error(
+        "rank {rank}: immediate {imm:#010x} names slot {slot}, but there are {num_slots} slots"
+    )]
+    BadSlot { rank: u32, imm: u32, slot: u32, num_slots: u32 },
+    /// A command names a destination rank that does not exist.
+    #[error(
+        "rank {rank} ring {ring}: command for rank {dst_rank}, but there are {num_ranks} ranks"
+    )]
+    BadRank { rank: u32, ring: u32, dst_rank: u32, num_ranks: u32 },
+    /// The transport reported completions for a ring this proxy does not have.
+    #[error("rank {rank}: completion for ring {ring}, but there are {num_rings} rings")]
+    BadCompletion { rank: u32, ring: u32, num_rings: u32 },
+    /// The transport cannot reach a peer (it left, or its endpoint failed).
+    #[error("rank {rank}: peer {peer} is unreachable: {msg}")]
+    PeerUnreachable { rank: u32, peer: u32, msg: String },
+    /// A libfabric call or completion failed (`peer` when the operation names one).
+    #[error("rank {rank}: libfabric failure (peer {peer:?}): {source}")]
+    Fabric { rank: u32, peer: Option<u32>, source: crate::fabric::FabricError },
+    /// Any other transport failure.
+    #[error("rank {rank}: transport failure: {msg}")]
+    Transport { rank: u32, msg: String },
+    /// A bounded wait for arrivals ran out; `lagging` names each slot and peer still short.
+    #[error("rank {rank}: timed out after {waited:?} waiting for arrivals: {}", worker::lagging_list(.lagging))]
+    ArrivalTimeout { rank: u32, waited: Duration, lagging: Vec<Lagging> },
+    /// A bounded wait for local send completions ran out.
+    #[error("rank {rank} ring {ring}: timed out after {waited:?} with {observed}/{expected} sends completed")]
+    SendTimeout { rank: u32, ring: u32, expected: u64, observed: u64, waited: Duration },
+    /// A worker stopped on an error; `source` is that error.
+    #[error("proxy worker {worker} failed: {source}")]
+    WorkerFailed { worker: String, source: Arc<ProxyError> },
+    /// A wait found the workers stopped (shut down) without an error.
+    #[error("rank {rank}: the proxy workers are stopped")]
+    WorkerStopped { rank: u32 },
+    /// The OS refused to start a worker thread.
+    #[error("starting proxy worker {worker}: {source}")]
+    Spawn { worker: String, source: std::io::Error },
+    /// A worker did not report ready within the start timeout.
+    #[error("proxy worker {worker} not ready after {waited:?}")]
+    StartTimeout { worker: String, waited: Duration },
+    /// A worker thread panicked (a bug: library code does not panic).
+    #[error("proxy worker {worker} panicked")]
+    WorkerPanicked { worker: String },
 }

@@ -1,0 +1,628 @@
+//! The proxy: worker threads that drain rings into a transport and publish counters, plus the
+//! bounded host-side waits on those counters.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::imm::ImmCodec;
+use super::memory::{CounterMemory, RingConsumer, RingMemory};
+use super::transport::{Transport, TransportEvent, WriteOp};
+use super::ProxyError;
+
+/// Settings for [`Proxy::start`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProxyConfig {
+    /// This process's global rank (names errors and threads).
+    pub rank: u32,
+    /// Low bits of the immediate that carry the value; the rest name the counter slot.
+    pub value_bits: u32,
+    /// Most commands read from one ring per pass (before polling the transport again).
+    pub batch: u32,
+    /// Idle policy: after this long without work the worker stops spinning and yields.
+    pub idle_spin: Duration,
+    /// After this long without work (counted from the last work) it sleeps between passes.
+    pub idle_yield: Duration,
+    /// Sleep per idle pass in the sleeping regime: the wake-up latency a long-idle worker adds
+    /// (benches/proxy.rs measures it).
+    pub idle_sleep: Duration,
+    /// How long `start` waits for each worker's ready handshake.
+    pub start_timeout: Duration,
+    /// On shutdown, how long a worker keeps polling for completions of writes it posted.
+    pub drain_timeout: Duration,
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        ProxyConfig {
+            rank: 0,
+            value_bits: ImmCodec::DEFAULT_VALUE_BITS,
+            batch: 256,
+            idle_spin: Duration::from_micros(100),
+            idle_yield: Duration::from_millis(2),
+            idle_sleep: Duration::from_micros(20),
+            start_timeout: Duration::from_secs(10),
+            drain_timeout: Duration::from_secs(1),
+        }
+    }
+}
+
+impl ProxyConfig {
+    fn validate(&self) -> Result<ImmCodec, ProxyError> {
+        if self.batch == 0 {
+            return Err(ProxyError::InvalidConfig { what: "batch", msg: "must be >= 1".into() });
+        }
+        ImmCodec::new(self.value_bits)
+    }
+}
+
+/// One expected arrival count, for [`Proxy::wait_all`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ArrivalWait {
+    pub slot: u32,
+    pub expected: u64,
+    /// The rank that writes into this slot (named when the wait times out).
+    pub peer: u32,
+}
+
+/// A slot still short when a wait timed out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lagging {
+    pub peer: u32,
+    pub slot: u32,
+    pub expected: u64,
+    pub observed: u64,
+}
+
+impl std::fmt::Display for Lagging {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.peer == u32::MAX {
+            write!(f, "slot {}: {}/{}", self.slot, self.observed, self.expected)
+        } else {
+            write!(
+                f,
+                "peer {} (slot {}): {}/{}",
+                self.peer, self.slot, self.observed, self.expected
+            )
+        }
+    }
+}
+
+/// "peer 2 (slot 2): 12/24, ..." for error messages.
+pub(crate) fn lagging_list(lagging: &[Lagging]) -> String {
+    lagging.iter().map(Lagging::to_string).collect::<Vec<_>>().join(", ")
+}
+
+struct Shared {
+    stop: AtomicBool,
+    failed: AtomicBool,
+    error: Mutex<Option<(String, Arc<ProxyError>)>>,
+}
+
+impl Shared {
+    fn record(&self, worker: &str, err: ProxyError) {
+        let mut slot = self.error.lock();
+        if slot.is_none() {
+            *slot = Some((worker.to_string(), Arc::new(err)));
+        }
+        self.failed.store(true, Ordering::Release);
+        // NOTES: one failed worker stops them all: the rank cannot keep its protocol promises.
+        self.stop.store(true, Ordering::Release);
+    }
+}
+
+struct WorkerHandle {
+    name: String,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// Proxy worker threads for one rank. Ring `r` is served by worker `r % transports.len()`.
+/// Dropping it stops and joins the workers (same path as [`Proxy::shutdown`]).
+pub struct Proxy {
+    rank: u32,
+    codec: ImmCodec,
+    rings: RingMemory,
+    counters: CounterMemory,
+    shared: Arc<Shared>,
+    workers: Vec<WorkerHandle>,
+}
+
+impl std::fmt::Debug for Proxy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Proxy")
+            .field("rank", &self.rank)
+            .field("workers", &self.workers.iter().map(|w| &w.name).collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+impl Proxy {
+    /// Starts one worker per transport, each named `fep-proxy-<rank>-<i>`, and returns once every
+    /// worker is ready (or with the first start error; workers already started are stopped).
+    pub fn start<T: Transport>(
+        config: ProxyConfig,
+        rings: RingMemory,
+        counters: CounterMemory,
+        transports: Vec<T>,
+    ) -> Result<Self, ProxyError> {
+        let codec = config.validate()?;
+        if transports.is_empty() {
+            return Err(ProxyError::InvalidConfig {
+                what: "transports",
+                msg: "need at least one (one per worker)".into(),
+            });
+        }
+        let num_rings = rings.layout().num_rings;
+        if counters.layout().num_rings != num_rings {
+            return Err(ProxyError::InvalidConfig {
+                what: "counters.num_rings",
+                msg: format!(
+                    "{} sends_completed counters for {} rings",
+                    counters.layout().num_rings,
+                    num_rings
+                ),
+            });
+        }
+        let num_workers = transports.len();
+        let mut proxy = Proxy {
+            rank: config.rank,
+            codec,
+            rings: rings.clone(),
+            counters: counters.clone(),
+            shared: Arc::new(Shared {
+                stop: AtomicBool::new(false),
+                failed: AtomicBool::new(false),
+                error: Mutex::new(None),
+            }),
+            workers: Vec::with_capacity(num_workers),
+        };
+        for (i, transport) in transports.into_iter().enumerate() {
+            let name = format!("fep-proxy-{}-{}", config.rank, i);
+            // Claims happen here, on the caller's thread, so a claim error is a start error.
+            let consumers = (0..num_rings)
+                .filter(|r| *r as usize % num_workers == i)
+                .map(|r| rings.consumer(r))
+                .collect::<Result<Vec<_>, _>>()?;
+            let worker = Worker {
+                name: name.clone(),
+                rank: config.rank,
+                codec,
+                batch: u64::from(config.batch),
+                idle_spin: config.idle_spin,
+                idle_yield: config.idle_yield,
+                idle_sleep: config.idle_sleep,
+                drain_timeout: config.drain_timeout,
+                num_slots: counters.layout().num_slots,
+                num_rings,
+                counters: counters.clone(),
+                consumers,
+                transport,
+                shared: proxy.shared.clone(),
+                events: Vec::with_capacity(1024),
+                posted: 0,
+                completed: 0,
+            };
+            let (ready_tx, ready_rx) = mpsc::sync_channel(1);
+            let thread = std::thread::Builder::new()
+                .name(name.clone())
+                .spawn(move || worker.run(ready_tx))
+                .map_err(|source| ProxyError::Spawn { worker: name.clone(), source })?;
+            proxy.workers.push(WorkerHandle { name: name.clone(), thread: Some(thread) });
+            match ready_rx.recv_timeout(config.start_timeout) {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(e),
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    // NOTES: detach, do not join: the worker may be stuck in on_start for good.
+                    // When on_start returns it finds the stop flag (set by Drop) and exits.
+                    if let Some(w) = proxy.workers.last_mut() {
+                        w.thread.take();
+                    }
+                    return Err(ProxyError::StartTimeout {
+                        worker: name,
+                        waited: config.start_timeout,
+                    });
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(ProxyError::WorkerPanicked { worker: name })
+                }
+            }
+        }
+        Ok(proxy)
+    }
+
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    pub fn rings(&self) -> &RingMemory {
+        &self.rings
+    }
+
+    pub fn counters(&self) -> &CounterMemory {
+        &self.counters
+    }
+
+    /// The immediate split this proxy decodes.
+    pub fn codec(&self) -> ImmCodec {
+        self.codec
+    }
+
+    /// The first error a worker stopped on, if any.
+    pub fn error(&self) -> Option<Arc<ProxyError>> {
+        self.shared.error.lock().as_ref().map(|(_, e)| e.clone())
+    }
+
+    /// `Err(WorkerFailed)` once a worker has stopped on an error.
+    pub fn check(&self) -> Result<(), ProxyError> {
+        if !self.shared.failed.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        match self.shared.error.lock().as_ref() {
+            Some((worker, e)) => {
+                Err(ProxyError::WorkerFailed { worker: worker.clone(), source: e.clone() })
+            }
+            None => Err(ProxyError::WorkerStopped { rank: self.rank }),
+        }
+    }
+
+    fn check_running(&self) -> Result<(), ProxyError> {
+        self.check()?;
+        if self.shared.stop.load(Ordering::Acquire) {
+            return Err(ProxyError::WorkerStopped { rank: self.rank });
+        }
+        Ok(())
+    }
+
+    /// Waits (bounded) until `arrivals[slot] >= expected`; returns `sums[slot]`. The error names
+    /// the slot (use [`Proxy::wait_all`] to name peers), or the worker error that stopped progress.
+    pub fn wait_arrivals(
+        &self,
+        slot: u32,
+        expected: u64,
+        timeout: Duration,
+    ) -> Result<u64, ProxyError> {
+        self.wait_all(&[ArrivalWait { slot, expected, peer: u32::MAX }], timeout)?;
+        self.counters.sums(slot)
+    }
+
+    /// Waits (bounded) until every `arrivals[w.slot] >= w.expected`. On timeout the error lists
+    /// every slot still short with its peer.
+    pub fn wait_all(&self, waits: &[ArrivalWait], timeout: Duration) -> Result<(), ProxyError> {
+        for w in waits {
+            self.counters.arrivals(w.slot)?;
+        }
+        let start = Instant::now();
+        let mut backoff = Backoff::default();
+        let mut first_pending = 0;
+        loop {
+            while first_pending < waits.len() {
+                let w = &waits[first_pending];
+                if self.counters.arrivals_atomic(w.slot).load(Ordering::Acquire) < w.expected {
+                    break;
+                }
+                first_pending += 1;
+            }
+            if first_pending == waits.len() {
+                return Ok(());
+            }
+            self.check_running()?;
+            if start.elapsed() >= timeout {
+                let lagging = waits
+                    .iter()
+                    .filter_map(|w| {
+                        let observed =
+                            self.counters.arrivals_atomic(w.slot).load(Ordering::Acquire);
+                        (observed < w.expected).then_some(Lagging {
+                            peer: w.peer,
+                            slot: w.slot,
+                            expected: w.expected,
+                            observed,
+                        })
+                    })
+                    .collect();
+                return Err(ProxyError::ArrivalTimeout {
+                    rank: self.rank,
+                    waited: start.elapsed(),
+                    lagging,
+                });
+            }
+            backoff.snooze();
+        }
+    }
+
+    /// Waits (bounded) until `sends_completed[ring] >= expected` (the ring's send data is reusable).
+    pub fn wait_sends(
+        &self,
+        ring: u32,
+        expected: u64,
+        timeout: Duration,
+    ) -> Result<(), ProxyError> {
+        self.counters.sends_completed(ring)?;
+        let start = Instant::now();
+        let mut backoff = Backoff::default();
+        loop {
+            let observed = self.counters.sends_atomic(ring).load(Ordering::Acquire);
+            if observed >= expected {
+                return Ok(());
+            }
+            self.check_running()?;
+            if start.elapsed() >= timeout {
+                return Err(ProxyError::SendTimeout {
+                    rank: self.rank,
+                    ring,
+                    expected,
+                    observed,
+                    waited: start.elapsed(),
+                });
+            }
+            backoff.snooze();
+        }
+    }
+
+    /// Stops and joins the workers; returns the error a worker stopped on, if any.
+    pub fn shutdown(mut self) -> Result<(), ProxyError> {
+        self.stop_and_join();
+        self.check()
+    }
+
+    fn stop_and_join(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        for w in &mut self.workers {
+            if let Some(t) = w.thread.take() {
+                if t.join().is_err() {
+                    self.shared
+                        .record(&w.name, ProxyError::WorkerPanicked { worker: w.name.clone() });
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.stop_and_join();
+    }
+}
+
+/// Spin, then yield, for host-side waits.
+#[derive(Default)]
+struct Backoff(u32);
+
+impl Backoff {
+    fn snooze(&mut self) {
+        self.0 = self.0.saturating_add(1);
+        if self.0 < 128 {
+            std::hint::spin_loop();
+        } else if self.0 < 4096 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(20));
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Idle {
+    Spin,
+    Yield,
+    Sleep,
+}
+
+struct Worker<T> {
+    name: String,
+    rank: u32,
+    codec: ImmCodec,
+    batch: u64,
+    idle_spin: Duration,
+    idle_yield: Duration,
+    idle_sleep: Duration,
+    drain_timeout: Duration,
+    num_slots: u32,
+    num_rings: u32,
+    counters: CounterMemory,
+    consumers: Vec<RingConsumer>,
+    transport: T,
+    shared: Arc<Shared>,
+    events: Vec<TransportEvent>,
+    /// Writes posted / completed by this worker (for the shutdown drain).
+    posted: u64,
+    completed: u64,
+}
+
+impl<T: Transport> Worker<T> {
+    fn run(mut self, ready: mpsc::SyncSender<Result<(), ProxyError>>) {
+        // The sleeping idle regime wakes after idle_sleep + the timer slack (50 us by default on
+        // Linux, which tripled the wake-up latency); 1 us of slack for this thread only.
+        #[cfg(target_os = "linux")]
+        // SAFETY: PR_SET_TIMERSLACK takes a plain integer and affects the calling thread only.
+        unsafe {
+            libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong);
+        }
+        if let Err(e) = self.transport.on_start() {
+            // The receiver is gone only if `start` already gave up; nothing else to tell.
+            let _ = ready.send(Err(e));
+            return;
+        }
+        if ready.send(Ok(())).is_err() {
+            return;
+        }
+        if let Err(e) = self.main_loop() {
+            self.shared.record(&self.name, e);
+        }
+        // Best effort after an error (it is already recorded): writes that were posted still
+        // complete, so the counters say what really went out.
+        let _ = self.drain();
+    }
+
+    /// Bounded: polls until every write this worker posted has completed, or `drain_timeout`.
+    fn drain(&mut self) -> Result<(), ProxyError> {
+        let start = Instant::now();
+        while self.completed < self.posted && start.elapsed() < self.drain_timeout {
+            if self.poll_transport()? == 0 {
+                std::thread::yield_now();
+            }
+        }
+        Ok(())
+    }
+
+    fn main_loop(&mut self) -> Result<(), ProxyError> {
+        // Idle passes in a row, and when the idle stretch began (read once every 64 passes,
+        // so an idle worker does not hammer the clock).
+        let mut idle = 0u32;
+        let mut idle_since = Instant::now();
+        let mut regime = Idle::Spin;
+        while !self.shared.stop.load(Ordering::Relaxed) {
+            let mut work = self.poll_transport()?;
+            let mut backpressured = false;
+            for i in 0..self.consumers.len() {
+                let (n, full) = self.drain_ring(i)?;
+                work += n;
+                if full {
+                    backpressured = true;
+                    break;
+                }
+            }
+            if work > 0 || backpressured {
+                idle = 0;
+                regime = Idle::Spin;
+                continue;
+            }
+            if idle == 0 {
+                idle_since = Instant::now();
+            }
+            idle = idle.wrapping_add(1);
+            if idle % 64 == 0 {
+                let t = idle_since.elapsed();
+                regime = if t < self.idle_spin {
+                    Idle::Spin
+                } else if t < self.idle_yield {
+                    Idle::Yield
+                } else {
+                    Idle::Sleep
+                };
+            }
+            match regime {
+                Idle::Spin => std::hint::spin_loop(),
+                Idle::Yield => std::thread::yield_now(),
+                Idle::Sleep => std::thread::sleep(self.idle_sleep),
+            }
+        }
+        Ok(())
+    }
+
+    /// Polls the transport and publishes what it reported. Returns the number of events.
+    /// A bad event is reported after the whole batch is published (the good ones still count).
+    #[inline]
+    fn poll_transport(&mut self) -> Result<u64, ProxyError> {
+        self.events.clear();
+        self.transport.poll(&mut self.events)?;
+        let mut failed = None;
+        for ev in &self.events {
+            match *ev {
+                TransportEvent::Arrival { imm, .. } => {
+                    let (slot, value) = self.codec.decode(imm);
+                    if slot < self.num_slots {
+                        self.counters.record_arrival(slot, value);
+                    } else if failed.is_none() {
+                        failed = Some(ProxyError::BadSlot {
+                            rank: self.rank,
+                            imm,
+                            slot,
+                            num_slots: self.num_slots,
+                        });
+                    }
+                }
+                TransportEvent::SendDone { ring, count } => {
+                    if ring < self.num_rings {
+                        self.counters.record_sends(ring, count);
+                        self.completed += u64::from(count);
+                    } else if failed.is_none() {
+                        failed = Some(ProxyError::BadCompletion {
+                            rank: self.rank,
+                            ring,
+                            num_rings: self.num_rings,
+                        });
+                    }
+                }
+            }
+        }
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(self.events.len() as u64),
+        }
+    }
+
+    /// Posts up to `batch` commands from consumer `i`. Returns (commands posted, backpressured).
+    #[inline]
+    fn drain_ring(&mut self, i: usize) -> Result<(u64, bool), ProxyError> {
+        let c = &mut self.consumers[i];
+        let mut avail = c.cached_head.wrapping_sub(c.tail);
+        if avail == 0 {
+            avail = c.refresh();
+            if avail == 0 {
+                return Ok((0, false));
+            }
+        }
+        if avail > c.capacity {
+            return Err(ProxyError::BadHead {
+                rank: self.rank,
+                ring: c.ring,
+                head: c.cached_head,
+                tail: c.tail,
+                capacity: c.capacity,
+            });
+        }
+        let n = avail.min(self.batch);
+        let start = c.tail;
+        let mut full = false;
+        let mut failed = None;
+        for _ in 0..n {
+            let e = c.entry();
+            if e.seq != c.tail as u32 {
+                failed = Some(ProxyError::BadSeq {
+                    rank: self.rank,
+                    ring: c.ring,
+                    ticket: c.tail,
+                    expected: c.tail as u32,
+                    found: e.seq,
+                });
+                break;
+            }
+            let op = WriteOp {
+                dst_rank: e.dst_rank,
+                local_offset: e.local_offset,
+                remote_offset: e.remote_offset,
+                length: e.length,
+                imm: e.imm,
+                ring: c.ring,
+            };
+            match self.transport.post_write(&op) {
+                Ok(true) => c.advance(),
+                Ok(false) => {
+                    full = true;
+                    break;
+                }
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        let posted = c.tail - start;
+        if posted > 0 {
+            // NOTES: tail is published after posting, once per batch: an entry stays in the ring
+            // until the transport has accepted it, so EAGAIN needs no side queue (the refused entry
+            // is simply read again) and the ring, not the proxy, absorbs backpressure: a stalled
+            // transport makes producers wait instead of growing memory here.
+            c.publish_tail();
+            self.posted += posted;
+        }
+        match failed {
+            Some(e) => Err(e),
+            None => Ok((posted, full)),
+        }
+    }
+}
