@@ -8,7 +8,8 @@
 use clap::Parser;
 use fabric_ep::cuda::{gpu_available, Device, DeviceBuffer, Event, Stream};
 use fabric_ep::ep::layout::{
-    dispatch_layout, random_topk_idx, DispatchLayoutGpu, LayoutBuffers, LayoutShape,
+    dispatch_layout, random_topk_idx, DispatchLayoutGpu, LayoutBuffers, LayoutShape, LayoutTuning,
+    LayoutVariant,
 };
 use fabric_ep::util::SplitMix64;
 use std::io::Write;
@@ -75,30 +76,37 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         a.tiles.split(',').map(|t| t.trim().parse()).collect::<Result<_, _>>()?;
     let starts: Vec<Event> = (0..a.iters).map(|_| Event::new(&dev)).collect::<Result<_, _>>()?;
     let ends: Vec<Event> = (0..a.iters).map(|_| Event::new(&dev)).collect::<Result<_, _>>()?;
-    let mut best: Option<(f64, f64, usize)> = None;
-    for &tile in &tiles {
+    let mut configs = vec![LayoutTuning { variant: Some(LayoutVariant::Cluster), tile: None }];
+    configs.extend(
+        tiles.iter().map(|&t| LayoutTuning { variant: Some(LayoutVariant::Grid), tile: Some(t) }),
+    );
+    let default_plan = gpu.plan(a.tokens, a.topk, LayoutTuning::default())?;
+    let mut default_row: Option<(f64, f64)> = None;
+    let mut best: Option<(f64, f64, LayoutTuning)> = None;
+    for &tuning in &configs {
+        let plan = gpu.plan(a.tokens, a.topk, tuning)?;
         // Correctness first, on every set.
         for (h, d) in host_sets.iter().zip(&sets) {
             out.poison(0xAB)?;
             // SAFETY: buffers live until the synchronisation below.
-            unsafe { gpu.launch(&stream, d, a.tokens, a.topk, &out, None, 0, Some(tile))? };
+            unsafe { gpu.launch(&stream, d, a.tokens, a.topk, &out, None, 0, tuning)? };
             stream.synchronize_within(Duration::from_secs(10))?;
             let want = dispatch_layout(h, a.tokens, a.topk, a.experts, a.ranks, a.rpn)?;
             if out.to_host(a.tokens)? != want {
-                return Err(format!("tile {tile}: GPU layout differs from the reference").into());
+                return Err(format!("{tuning:?}: GPU layout differs from the reference").into());
             }
         }
         for i in 0..a.warmup {
             // SAFETY: as above.
             unsafe {
-                gpu.launch(&stream, &sets[i % a.sets], a.tokens, a.topk, &out, None, 0, Some(tile))?
+                gpu.launch(&stream, &sets[i % a.sets], a.tokens, a.topk, &out, None, 0, tuning)?
             };
         }
         for i in 0..a.iters {
             starts[i].record(&stream)?;
             // SAFETY: as above.
             unsafe {
-                gpu.launch(&stream, &sets[i % a.sets], a.tokens, a.topk, &out, None, 0, Some(tile))?
+                gpu.launch(&stream, &sets[i % a.sets], a.tokens, a.topk, &out, None, 0, tuning)?
             };
             ends[i].record(&stream)?;
         }
@@ -111,7 +119,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         for i in 0..a.iters {
             // SAFETY: as above.
             unsafe {
-                gpu.launch(&stream, &sets[i % a.sets], a.tokens, a.topk, &out, None, 0, Some(tile))?
+                gpu.launch(&stream, &sets[i % a.sets], a.tokens, a.topk, &out, None, 0, tuning)?
             };
         }
         ends[0].record(&stream)?;
@@ -119,20 +127,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let b2b = starts[0].elapsed_ms(&ends[0])? as f64 * 1e3 / a.iters as f64;
         us.sort_by(|x, y| x.total_cmp(y));
         let (med, p99, min) = (pct(&us, 0.5), pct(&us, 0.99), us[0]);
-        let (cfg, _) = gpu.plan(a.tokens, a.topk, Some(tile))?;
         println!(
-            "layout tile={tile:<4} grid={:<4} smem={:<6} median {med:7.2} us  p99 {p99:7.2} us  min {min:7.2} us  back-to-back {b2b:7.2} us/launch",
-            cfg.grid, cfg.shared_bytes
+            "layout {:<7} tile={:<4} grid={:<3} block={:<4} smem={:<6} median {med:7.2} us  p99 {p99:7.2} us  min {min:7.2} us  back-to-back {b2b:7.2} us/launch",
+            format!("{:?}", plan.variant), plan.tile, plan.cfg.grid, plan.cfg.block, plan.cfg.shared_bytes
         );
+        if plan == default_plan {
+            default_row = Some((med, p99));
+        }
         if best.is_none_or(|b| med < b.0) {
-            best = Some((med, p99, tile));
+            best = Some((med, p99, tuning));
         }
     }
-    let (med, p99, tile) = best.ok_or("no tiles")?;
-    let default_tile = gpu.plan(a.tokens, a.topk, None)?.1;
+    let (best_med, _, best_tuning) = best.ok_or("no configurations")?;
+    let (med, p99) = default_row.ok_or("the default plan was not among the timed ones")?;
     println!(
-        "LAYOUT_RESULT kernel median_us={med:.2} p99_us={p99:.2} best_tile={tile} default_tile={default_tile} tokens={} topk={} experts={} ranks={}",
-        a.tokens, a.topk, a.experts, a.ranks
+        "LAYOUT_RESULT kernel(default: {:?} tile {}) median_us={med:.2} p99_us={p99:.2} best={best_tuning:?} best_median_us={best_med:.2} tokens={} topk={} experts={} ranks={}",
+        default_plan.variant, default_plan.tile, a.tokens, a.topk, a.experts, a.ranks
     );
 
     if let Some(dir) = a.dump {
@@ -143,7 +153,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         out.poison(0xAB)?;
         // SAFETY: as above.
-        unsafe { gpu.launch(&stream, &sets[0], a.tokens, a.topk, &out, None, 0, None)? };
+        unsafe {
+            gpu.launch(&stream, &sets[0], a.tokens, a.topk, &out, None, 0, LayoutTuning::default())?
+        };
         stream.synchronize_within(Duration::from_secs(10))?;
         std::fs::write(dir.join("per_rank.bin"), out.num_tokens_per_rank.to_vec::<u8>()?)?;
         std::fs::write(dir.join("per_node.bin"), out.num_tokens_per_node.to_vec::<u8>()?)?;

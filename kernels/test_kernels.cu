@@ -7,7 +7,7 @@
 // One thread waits for *counter >= expected within the budget.
 extern "C" __global__ void fep_wait_test(const fep_wait_test_params p) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
-    const fep::WaitCtx ctx{reinterpret_cast<fep_dev_error*>(p.dev_error), p.budget_cycles, p.rank,
+    const fep::WaitCtx ctx{p.dev_error, p.budget_cycles, p.rank,
                            p.phase, p.peer};
     fep::wait_geq(reinterpret_cast<const uint64_t*>(p.counter), p.expected, ctx);
 }
@@ -16,7 +16,7 @@ extern "C" __global__ void fep_wait_test(const fep_wait_test_params p) {
 // waits for the arrival counter to reach arrival_expected. Every wait is bounded.
 extern "C" __global__ void fep_ring_push_test(const fep_ring_push_test_params p) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
-    const fep::WaitCtx ctx{reinterpret_cast<fep_dev_error*>(p.dev_error), p.budget_cycles, p.rank,
+    const fep::WaitCtx ctx{p.dev_error, p.budget_cycles, p.rank,
                            p.phase, p.dst_rank};
     fep_ring_hdr* hdr = reinterpret_cast<fep_ring_hdr*>(p.ring);
     fep_cmd* entries = reinterpret_cast<fep_cmd*>(hdr + 1);

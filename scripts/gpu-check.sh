@@ -112,7 +112,9 @@ run() {
     timeout 180 "$b/examples/gpu_layout_bench" --dump "$dump" 2>&1 | tee -a "$bench_log"
     local rc=${PIPESTATUS[0]}
     timeout 180 "$b/examples/gpu_layout_bench" --tokens 4096 --topk 8 --experts 256 --ranks 8 \
-      --tiles 64 2>&1 | tee -a "$bench_log"
+      --tiles 32 2>&1 | tee -a "$bench_log"
+    timeout 180 "$b/examples/gpu_layout_bench" --tokens 16384 --topk 8 --experts 256 --ranks 64 \
+      --tiles 32,64 --iters 1000 2>&1 | tee -a "$bench_log"
     set -e
     [ "$rc" -eq 0 ] || fail=1
     grep -E "^layout tile|LAYOUT_RESULT" "$bench_log" | tee -a "$sum" >/dev/null

@@ -12,14 +12,15 @@ use core::mem::{offset_of, size_of};
 const _: () = assert!(size_of::<fep_cmd>() == 32);
 const _: () = assert!(size_of::<fep_ring_hdr>() == 128);
 const _: () = assert!(size_of::<fep_dev_error>() == 32);
-const _: () = assert!(size_of::<fep_layout_params>() == 88);
-const _: () = assert!(size_of::<fep_wait_test_params>() == 48);
-const _: () = assert!(size_of::<fep_ring_push_test_params>() == 64);
+const _: () = assert!(size_of::<fep_dev_error_ref>() == 16);
+const _: () = assert!(size_of::<fep_layout_params>() == 96);
+const _: () = assert!(size_of::<fep_wait_test_params>() == 56);
+const _: () = assert!(size_of::<fep_ring_push_test_params>() == 72);
 const _: () = assert!(offset_of!(fep_cmd, length) == 16 && offset_of!(fep_cmd, seq) == 28);
 const _: () = assert!(offset_of!(fep_ring_hdr, tail) == 64);
 const _: () = assert!(offset_of!(fep_dev_error, expected) == 16);
-const _: () = assert!(offset_of!(fep_layout_params, num_tokens) == 56);
-const _: () = assert!(offset_of!(fep_ring_push_test_params, capacity) == 40);
+const _: () = assert!(offset_of!(fep_layout_params, num_tokens) == 64);
+const _: () = assert!(offset_of!(fep_ring_push_test_params, capacity) == 48);
 
 /// Size of the ring header plus `capacity` commands: what a ring's mapped allocation holds.
 pub const fn ring_bytes(capacity: usize) -> usize {
@@ -39,6 +40,7 @@ mod tests {
             ("fep_cmd", size_of::<fep_cmd>()),
             ("fep_ring_hdr", size_of::<fep_ring_hdr>()),
             ("fep_dev_error", size_of::<fep_dev_error>()),
+            ("fep_dev_error_ref", size_of::<fep_dev_error_ref>()),
             ("fep_layout_params", size_of::<fep_layout_params>()),
             ("fep_wait_test_params", size_of::<fep_wait_test_params>()),
             ("fep_ring_push_test_params", size_of::<fep_ring_push_test_params>()),

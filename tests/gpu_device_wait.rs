@@ -29,7 +29,7 @@ fn gpu_wait_timeout_is_a_typed_error_naming_rank_phase_peer() {
     let err = DevErrorRecord::new(&dev).unwrap();
     let p = fep_wait_test_params {
         counter: counter.device_ptr(),
-        dev_error: err.device_ptr(),
+        dev_error: err.as_abi(),
         expected: 1,
         budget_cycles: SMALL_BUDGET,
         rank: 3,
@@ -67,7 +67,7 @@ fn gpu_wait_sees_a_host_write() {
     let err = DevErrorRecord::new(&dev).unwrap();
     let p = fep_wait_test_params {
         counter: counter.device_ptr(),
-        dev_error: err.device_ptr(),
+        dev_error: err.as_abi(),
         expected: 3,
         budget_cycles: 20_000_000_000, // ~10 s: only a broken path runs into it
         rank: 0,
@@ -104,7 +104,7 @@ fn gpu_ring_push_to_cpu_consumer() {
     let p = fep_ring_push_test_params {
         ring: ring.device_ptr(),
         arrival: arrival.device_ptr(),
-        dev_error: err.device_ptr(),
+        dev_error: err.as_abi(),
         budget_cycles: 4_000_000_000, // ~2 s per wait
         arrival_expected: N as u64,
         capacity: CAP as u32,
@@ -172,7 +172,7 @@ fn gpu_ring_full_times_out() {
     let p = fep_ring_push_test_params {
         ring: ring.device_ptr(),
         arrival: arrival.device_ptr(),
-        dev_error: err.device_ptr(),
+        dev_error: err.as_abi(),
         budget_cycles: SMALL_BUDGET,
         arrival_expected: 10,
         capacity: 4,

@@ -4,6 +4,7 @@
 use fabric_ep::cuda::{gpu_available, CudaError, DevErrorRecord, Device, DeviceBuffer, Stream};
 use fabric_ep::ep::layout::{
     dispatch_layout, random_topk_idx, DispatchLayoutGpu, Layout, LayoutBuffers, LayoutShape,
+    LayoutTuning, LayoutVariant,
 };
 use fabric_ep::util::SplitMix64;
 use std::time::Duration;
@@ -25,21 +26,35 @@ fn run_gpu(
     gpu: &DispatchLayoutGpu,
     s: LayoutShape,
     idx: &[i64],
-    tile: Option<usize>,
+    tuning: LayoutTuning,
 ) -> Layout {
     let topk = DeviceBuffer::from_slice(dev, idx).unwrap();
     let out = LayoutBuffers::new(gpu, s.num_tokens).unwrap();
     out.poison(POISON).unwrap();
     let err = DevErrorRecord::new(dev).unwrap();
     // SAFETY: buffers outlive the synchronisation below; one launch at a time on `gpu`.
-    unsafe { gpu.launch(stream, &topk, s.num_tokens, s.num_topk, &out, Some(&err), 0, tile) }
+    unsafe { gpu.launch(stream, &topk, s.num_tokens, s.num_topk, &out, Some(&err), 0, tuning) }
         .unwrap();
     stream.synchronize_within(Duration::from_secs(20)).unwrap();
     err.check().unwrap();
     out.to_host(s.num_tokens).unwrap()
 }
 
+/// Both variants against the reference.
 fn check(dev: &Device, stream: &Stream, gpu: &DispatchLayoutGpu, s: LayoutShape, idx: &[i64]) {
+    for v in [LayoutVariant::Cluster, LayoutVariant::Grid] {
+        check_one(dev, stream, gpu, s, idx, LayoutTuning { variant: Some(v), tile: None });
+    }
+}
+
+fn check_one(
+    dev: &Device,
+    stream: &Stream,
+    gpu: &DispatchLayoutGpu,
+    s: LayoutShape,
+    idx: &[i64],
+    tuning: LayoutTuning,
+) {
     let want = dispatch_layout(
         idx,
         s.num_tokens,
@@ -49,14 +64,14 @@ fn check(dev: &Device, stream: &Stream, gpu: &DispatchLayoutGpu, s: LayoutShape,
         s.ranks_per_node,
     )
     .unwrap();
-    let got = run_gpu(dev, stream, gpu, s, idx, None);
+    let got = run_gpu(dev, stream, gpu, s, idx, tuning);
     if got != want {
         let bad_row = (0..s.num_tokens).find(|&t| {
             let r = t * s.num_ranks..(t + 1) * s.num_ranks;
             got.is_token_in_rank[r.clone()] != want.is_token_in_rank[r]
         });
         panic!(
-            "{s:?}: GPU differs from reference\n per_rank {:?}\n want     {:?}\n per_node {:?} want {:?}\n \
+            "{s:?} {tuning:?}: GPU differs from reference\n per_rank {:?}\n want     {:?}\n per_node {:?} want {:?}\n \
              per_expert equal: {}\n first bad row: {bad_row:?}",
             got.num_tokens_per_rank,
             want.num_tokens_per_rank,
@@ -72,7 +87,7 @@ fn check(dev: &Device, stream: &Stream, gpu: &DispatchLayoutGpu, s: LayoutShape,
 fn gpu_layout_matches_reference_random() {
     let Some(dev) = gpu() else { return };
     let stream = Stream::new(&dev).unwrap();
-    let mut rng = SplitMix64(0x1a_0u64);
+    let mut rng = SplitMix64(0x1a0);
     let mut cases = 0;
     for &ranks in &[1usize, 2, 3, 4, 5, 7, 8, 12, 16, 24, 32, 48, 64] {
         // Experts: multiples of ranks in 8..=288.
@@ -119,7 +134,7 @@ fn gpu_layout_all_tokens_one_expert_and_all_dropped() {
         idx[t * 8 + t % 8] = 77;
     }
     check(&dev, &stream, &gpu, s, &idx);
-    let got = run_gpu(&dev, &stream, &gpu, s, &idx, None);
+    let got = run_gpu(&dev, &stream, &gpu, s, &idx, LayoutTuning::default());
     assert_eq!(got.num_tokens_per_expert[77], 4096);
     assert_eq!(got.num_tokens_per_rank[77 / 4], 4096);
     let dropped = vec![-1i64; 4096 * 8];
@@ -133,7 +148,7 @@ fn gpu_layout_zero_tokens_writes_zero_counts() {
     let stream = Stream::new(&dev).unwrap();
     let gpu = DispatchLayoutGpu::new(&dev, 64, 8, 8).unwrap();
     let s = LayoutShape::new(0, 8, 64, 8, 8).unwrap();
-    let got = run_gpu(&dev, &stream, &gpu, s, &[], None);
+    let got = run_gpu(&dev, &stream, &gpu, s, &[], LayoutTuning::default());
     assert_eq!(got.num_tokens_per_rank, vec![0; 8]);
     assert_eq!(got.num_tokens_per_node, vec![0; 1]);
     assert_eq!(got.num_tokens_per_expert, vec![0; 64]);
@@ -146,14 +161,18 @@ fn gpu_layout_every_tile_size_and_reused_workspace() {
     let stream = Stream::new(&dev).unwrap();
     let gpu = DispatchLayoutGpu::new(&dev, 288, 48, 8).unwrap();
     let mut rng = SplitMix64(99);
-    for &tile in &[16usize, 32, 64, 128, 256] {
+    let variants = [LayoutVariant::Cluster, LayoutVariant::Grid];
+    for (tile, variant) in
+        [16usize, 32, 64, 128, 256, 1024].into_iter().flat_map(|t| variants.map(|v| (t, v)))
+    {
+        let tuning = LayoutTuning { variant: Some(variant), tile: Some(tile) };
         for &tokens in &[1usize, 100, 5000, 20000] {
             let s = LayoutShape::new(tokens, 9, 288, 48, 8).unwrap();
             let idx = random_topk_idx(&mut rng, s, 5, false);
             let want = dispatch_layout(&idx, tokens, 9, 288, 48, 8).unwrap();
             // Twice on the same workspace: the kernel must leave it zero.
             for _ in 0..2 {
-                assert_eq!(run_gpu(&dev, &stream, &gpu, s, &idx, Some(tile)), want, "tile {tile}");
+                assert_eq!(run_gpu(&dev, &stream, &gpu, s, &idx, tuning), want, "{tuning:?}");
             }
         }
     }
@@ -185,18 +204,23 @@ fn gpu_layout_unaligned_output() {
         num_topk: topk as i32,
         ..Default::default()
     };
-    // SAFETY: all buffers outlive the synchronisation.
-    unsafe { gpu.launch_raw(&stream, p, None) }.unwrap();
-    stream.synchronize_within(Duration::from_secs(20)).unwrap();
-    let bytes: Vec<u8> = in_rank.to_vec().unwrap();
-    assert_eq!(bytes[0], POISON);
-    assert_eq!(bytes[tokens * ranks + 1], POISON, "no write past the end");
-    let rows: Vec<bool> = bytes[1..=tokens * ranks].iter().map(|&b| b != 0).collect();
-    assert!(bytes[1..=tokens * ranks].iter().all(|&b| b <= 1), "bool bytes");
-    assert_eq!(rows, want.is_token_in_rank);
-    assert_eq!(out.num_tokens_per_rank.to_vec::<i32>().unwrap(), want.num_tokens_per_rank);
-    assert_eq!(out.num_tokens_per_expert.to_vec::<i32>().unwrap(), want.num_tokens_per_expert);
-    assert!(out.num_tokens_per_node.to_vec::<u8>().unwrap().iter().all(|&b| b == POISON));
+    for variant in [LayoutVariant::Cluster, LayoutVariant::Grid] {
+        in_rank.memset(POISON).unwrap();
+        out.poison(POISON).unwrap();
+        // SAFETY: all buffers outlive the synchronisation.
+        unsafe { gpu.launch_raw(&stream, p, LayoutTuning { variant: Some(variant), tile: None }) }
+            .unwrap();
+        stream.synchronize_within(Duration::from_secs(20)).unwrap();
+        let bytes: Vec<u8> = in_rank.to_vec().unwrap();
+        assert_eq!(bytes[0], POISON);
+        assert_eq!(bytes[tokens * ranks + 1], POISON, "no write past the end");
+        let rows: Vec<bool> = bytes[1..=tokens * ranks].iter().map(|&b| b != 0).collect();
+        assert!(bytes[1..=tokens * ranks].iter().all(|&b| b <= 1), "bool bytes");
+        assert_eq!(rows, want.is_token_in_rank);
+        assert_eq!(out.num_tokens_per_rank.to_vec::<i32>().unwrap(), want.num_tokens_per_rank);
+        assert_eq!(out.num_tokens_per_expert.to_vec::<i32>().unwrap(), want.num_tokens_per_expert);
+        assert!(out.num_tokens_per_node.to_vec::<u8>().unwrap().iter().all(|&b| b == POISON));
+    }
 }
 
 /// An index out of range: the kernel skips it and records BAD_INPUT naming the value.
@@ -211,14 +235,22 @@ fn gpu_layout_bad_index_is_a_device_error() {
     let topk = DeviceBuffer::from_slice(&dev, &idx).unwrap();
     let out = LayoutBuffers::new(&gpu, 100).unwrap();
     let err = DevErrorRecord::new(&dev).unwrap();
-    // SAFETY: buffers outlive the synchronisation.
-    unsafe { gpu.launch(&stream, &topk, 100, 4, &out, Some(&err), 5, None) }.unwrap();
-    stream.synchronize_within(Duration::from_secs(20)).unwrap();
-    match err.check() {
-        Err(CudaError::Device {
-            what: "BAD_INPUT", rank: 5, expected: 64, observed: 64, ..
-        }) => {}
-        other => panic!("expected a BAD_INPUT device error, got {other:?}"),
+    for variant in [LayoutVariant::Cluster, LayoutVariant::Grid] {
+        err.reset().unwrap();
+        let tuning = LayoutTuning { variant: Some(variant), tile: None };
+        // SAFETY: buffers outlive the synchronisation.
+        unsafe { gpu.launch(&stream, &topk, 100, 4, &out, Some(&err), 5, tuning) }.unwrap();
+        stream.synchronize_within(Duration::from_secs(20)).unwrap();
+        match err.check() {
+            Err(CudaError::Device {
+                what: "BAD_INPUT",
+                rank: 5,
+                expected: 64,
+                observed: 64,
+                ..
+            }) => {}
+            other => panic!("expected a BAD_INPUT device error, got {other:?}"),
+        }
+        assert_eq!(out.num_tokens_per_expert.to_vec::<i32>().unwrap()[1], 399);
     }
-    assert_eq!(out.num_tokens_per_expert.to_vec::<i32>().unwrap()[1], 399);
 }

@@ -30,29 +30,34 @@ __device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
     asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-// Records an error; the first writer wins (atomicCAS on `code`), later ones are dropped.
-// `err` may be null (no record requested).
-__device__ __forceinline__ void report_error(fep_dev_error* err, uint32_t code, uint32_t rank,
+// Records an error; the first writer wins (atomicCAS on the claim word in device memory), later
+// ones are dropped. The record's fields are written and fenced before `code`, so a host that
+// polls during a run never sees a code with stale fields. `ref.record == 0`: no reporting.
+__device__ __forceinline__ void report_error(const fep_dev_error_ref& ref, uint32_t code, uint32_t rank,
                                              uint32_t phase, uint32_t peer, uint64_t expected,
                                              uint64_t observed) {
-    if (err == nullptr) return;
-    if (atomicCAS_system(&err->code, FEP_DEV_OK, code) == FEP_DEV_OK) {
-        err->rank = rank;
-        err->phase = phase;
-        err->peer = peer;
-        err->expected = expected;
-        err->observed = observed;
-        __threadfence_system();
-    }
+    if (ref.record == 0) return;
+    uint32_t* claim = reinterpret_cast<uint32_t*>(ref.claim);
+    if (claim != nullptr && atomicCAS(claim, 0u, 1u) != 0u) return;
+    volatile fep_dev_error* err = reinterpret_cast<volatile fep_dev_error*>(ref.record);
+    err->rank = rank;
+    err->phase = phase;
+    err->peer = peer;
+    err->expected = expected;
+    err->observed = observed;
+    __threadfence_system();
+    err->code = code;
+    __threadfence_system();
 }
 
-// True once some thread (of any block) has recorded an error: waiters give up early then.
-__device__ __forceinline__ bool error_raised(const fep_dev_error* err) {
-    return err != nullptr && ld_volatile_u32(&err->code) != FEP_DEV_OK;
+// True once some thread (of any block) has claimed the error record: waiters give up early then.
+// Reads the device-memory claim word (cheap), not the record over PCIe.
+__device__ __forceinline__ bool error_raised(const fep_dev_error_ref& ref) {
+    return ref.claim != 0 && ld_volatile_u32(reinterpret_cast<const uint32_t*>(ref.claim)) != 0u;
 }
 
 struct WaitCtx {
-    fep_dev_error* err;
+    fep_dev_error_ref err;
     uint64_t budget_cycles;
     uint32_t rank;
     uint32_t phase;

@@ -1,37 +1,44 @@
 //! The device error record: one `fep_dev_error` in mapped host memory that kernels fill when a
-//! bounded wait runs out or an input is out of range (kernels/include/fep_device.cuh).
+//! bounded wait runs out or an input is out of range (kernels/include/fep_device.cuh), plus the
+//! device-memory claim word that picks the first writer.
 
 use super::device::Device;
-use super::memory::HostMapped;
+use super::memory::{DeviceBuffer, HostMapped};
 use super::{CudaError, CudaResult};
-use crate::abi::{self, fep_dev_error};
+use crate::abi::{self, fep_dev_error, fep_dev_error_ref};
 
-/// Owns one mapped `fep_dev_error`. Pass [`DevErrorRecord::device_ptr`] in a kernel's params;
-/// after the stream synchronises, [`DevErrorRecord::check`] turns a recorded error into
-/// [`CudaError::Device`].
-/// NOTES: read it only after the kernels that may write it have finished: the writer sets `code`
-/// first (first writer wins) and the other fields after.
+/// Owns one mapped `fep_dev_error` and its claim word. Pass [`DevErrorRecord::as_abi`] in a
+/// kernel's params; after the stream synchronises, [`DevErrorRecord::check`] turns a recorded
+/// error into [`CudaError::Device`]. [`DevErrorRecord::reset`] before reusing it.
+/// NOTES: read it after the kernels that may write it have finished; a reader during a run may
+/// see `code == 0` while a report is under way (fields are written before `code`).
 pub struct DevErrorRecord {
-    mem: HostMapped,
+    record: HostMapped,
+    claim: DeviceBuffer,
 }
 
 impl DevErrorRecord {
     pub fn new(dev: &Device) -> CudaResult<DevErrorRecord> {
-        Ok(DevErrorRecord { mem: HostMapped::new(dev, std::mem::size_of::<fep_dev_error>())? })
+        Ok(DevErrorRecord {
+            record: HostMapped::new(dev, std::mem::size_of::<fep_dev_error>())?,
+            claim: DeviceBuffer::zeroed(dev, 4)?,
+        })
     }
 
-    pub fn device_ptr(&self) -> u64 {
-        self.mem.device_ptr()
+    /// What kernels take (`fep_dev_error_ref`).
+    pub fn as_abi(&self) -> fep_dev_error_ref {
+        fep_dev_error_ref { record: self.record.device_ptr(), claim: self.claim.device_ptr() }
     }
 
     /// The record as it stands.
     pub fn read(&self) -> CudaResult<fep_dev_error> {
-        self.mem.read::<fep_dev_error>(0)
+        self.record.read::<fep_dev_error>(0)
     }
 
-    /// Clears the record (before reusing it for the next launch).
+    /// Clears record and claim (synchronous; no kernel using it may be running).
     pub fn reset(&self) -> CudaResult<()> {
-        self.mem.write(0, fep_dev_error::default())
+        self.claim.memset(0)?;
+        self.record.write(0, fep_dev_error::default())
     }
 
     /// `Ok` when no kernel recorded an error, else the typed error.

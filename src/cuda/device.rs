@@ -22,6 +22,7 @@ struct DeviceInner {
     name: String,
     sm_count: u32,
     cc: (u32, u32),
+    max_dynamic_smem: u32,
     module: Mutex<Option<Module>>,
 }
 
@@ -53,6 +54,7 @@ impl Device {
                 name: String::new(),
                 sm_count: 0,
                 cc: (0, 0),
+                max_dynamic_smem: 0,
                 module: Mutex::new(None),
             };
             // From here on Drop releases the context, also on the error paths below.
@@ -72,6 +74,13 @@ impl Device {
                     sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
                 )?,
             );
+            // NOTES: kernels declare at most 1 KiB of static shared memory; the rest of the
+            // opt-in limit is what launchers may ask for dynamically.
+            let optin = attribute(
+                dev,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )?;
+            inner.max_dynamic_smem = optin.saturating_sub(1024).max(47 * 1024);
             Ok(Device { inner: Arc::new(inner) })
         }
     }
@@ -102,6 +111,10 @@ impl Device {
     /// Compute capability (major, minor), e.g. (9, 0) on an H100/H200.
     pub fn compute_capability(&self) -> (u32, u32) {
         self.inner.cc
+    }
+    /// Dynamic shared memory a block of the large-shared-memory kernels may ask for (bytes).
+    pub fn max_dynamic_smem(&self) -> u32 {
+        self.inner.max_dynamic_smem
     }
     /// The raw primary context (escape hatch).
     pub fn as_raw(&self) -> CUcontext {
@@ -163,7 +176,7 @@ impl Device {
         let mut m = self.inner.module.lock();
         if m.is_none() {
             self.bind()?;
-            *m = Some(Module::load()?);
+            *m = Some(Module::load(self.inner.max_dynamic_smem)?);
         }
         Ok(m.as_ref().expect("loaded above").function(kernel))
     }

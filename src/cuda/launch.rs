@@ -57,11 +57,12 @@ unsafe fn launch<P: Pod>(
     ))
 }
 
-/// `fep_dispatch_layout` (kernels/layout.cu). `cfg.block` must be `FEP_LAYOUT_THREADS`;
+/// `fep_dispatch_layout` (kernels/layout.cu): any grid, `FEP_LAYOUT_THREADS` threads.
 /// `ep::layout::DispatchLayoutGpu` picks the grid, tile and shared memory.
 ///
 /// # Safety
-/// Every address in `p` is live for the sizes its doc comments give, until the launch completes.
+/// Every address in `p` is live for the sizes its doc comments give, until the launch completes;
+/// `p.workspace` is not used by another launch at the same time.
 pub unsafe fn dispatch_layout(
     stream: &Stream,
     cfg: LaunchConfig,
@@ -78,6 +79,31 @@ pub unsafe fn dispatch_layout(
         });
     }
     launch(stream, Kernel::DispatchLayout, cfg, &p)
+}
+
+/// `fep_dispatch_layout_cluster` (kernels/layout.cu): exactly one cluster,
+/// `FEP_LAYOUT_CLUSTER_BLOCKS` blocks of `FEP_LAYOUT_CLUSTER_THREADS` threads (needs sm_90+).
+///
+/// # Safety
+/// Every address in `p` is live for the sizes its doc comments give, until the launch completes.
+pub unsafe fn dispatch_layout_cluster(
+    stream: &Stream,
+    cfg: LaunchConfig,
+    p: abi::fep_layout_params,
+) -> CudaResult<()> {
+    if cfg.block != abi::FEP_LAYOUT_CLUSTER_THREADS || cfg.grid != abi::FEP_LAYOUT_CLUSTER_BLOCKS {
+        return Err(CudaError::InvalidArgument {
+            arg: "cfg",
+            msg: format!(
+                "grid {} x {} threads, the kernel is one cluster of {} x {}",
+                cfg.grid,
+                cfg.block,
+                abi::FEP_LAYOUT_CLUSTER_BLOCKS,
+                abi::FEP_LAYOUT_CLUSTER_THREADS
+            ),
+        });
+    }
+    launch(stream, Kernel::DispatchLayoutCluster, cfg, &p)
 }
 
 /// `fep_wait_test`: one thread waits (bounded) for `*counter >= expected`.

@@ -19,17 +19,24 @@ pub static FATBIN: &[u8] = &FATBIN_ALIGNED.0;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kernel {
     DispatchLayout,
+    DispatchLayoutCluster,
     WaitTest,
     RingPushTest,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 3] = [Kernel::DispatchLayout, Kernel::WaitTest, Kernel::RingPushTest];
+    pub const ALL: [Kernel; 4] = [
+        Kernel::DispatchLayout,
+        Kernel::DispatchLayoutCluster,
+        Kernel::WaitTest,
+        Kernel::RingPushTest,
+    ];
 
     /// The `extern "C"` symbol in kernels/*.cu.
     pub const fn symbol(self) -> &'static str {
         match self {
             Kernel::DispatchLayout => "fep_dispatch_layout",
+            Kernel::DispatchLayoutCluster => "fep_dispatch_layout_cluster",
             Kernel::WaitTest => "fep_wait_test",
             Kernel::RingPushTest => "fep_ring_push_test",
         }
@@ -45,8 +52,9 @@ pub(crate) struct Module {
 unsafe impl Send for Module {}
 
 impl Module {
-    /// Loads the fatbin into the current context and looks every kernel up.
-    pub(crate) fn load() -> CudaResult<Module> {
+    /// Loads the fatbin into the current context, looks every kernel up, and lets the kernels
+    /// with large dynamic shared memory use up to `max_dynamic_smem` bytes.
+    pub(crate) fn load(max_dynamic_smem: u32) -> CudaResult<Module> {
         let mut raw = std::ptr::null_mut();
         // SAFETY: a context is current (caller); the image is a valid, aligned fatbin.
         unsafe { call!(cuModuleLoadData(&mut raw, FATBIN.as_ptr().cast()))? };
@@ -60,6 +68,15 @@ impl Module {
                 return Err(e);
             }
             m.functions[i] = f;
+            if matches!(k, Kernel::DispatchLayout | Kernel::DispatchLayoutCluster) {
+                let a = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+                // SAFETY: valid function handle.
+                if let Err(e) = unsafe { call!(cuFuncSetAttribute(f, a, max_dynamic_smem as i32)) }
+                {
+                    m.unload();
+                    return Err(e);
+                }
+            }
         }
         Ok(m)
     }

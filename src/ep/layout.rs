@@ -254,8 +254,39 @@ impl LayoutBuffers {
     }
 }
 
-/// The GPU `get_dispatch_layout` for a fixed (experts, ranks, ranks per node): owns the kernel's
-/// workspace, so launches on one instance must be ordered (one stream).
+/// Which layout kernel runs (kernels/layout.cu).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayoutVariant {
+    /// One thread-block cluster (8 blocks x 1024 threads) reducing through distributed shared
+    /// memory: no workspace traffic. The default up to [`LAYOUT_CLUSTER_MAX_TOKENS`] tokens.
+    Cluster,
+    /// Any number of blocks, global-atomic reduction into the workspace: scales to large inputs.
+    Grid,
+}
+
+/// Optional overrides of the launch shape (benchmarks and tests sweep them).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LayoutTuning {
+    pub variant: Option<LayoutVariant>,
+    /// Tokens per shared-memory tile (a multiple of 16).
+    pub tile: Option<usize>,
+}
+
+/// Up to this many tokens the cluster variant is the default.
+pub const LAYOUT_CLUSTER_MAX_TOKENS: usize = 8192;
+/// Default tokens per tile of the grid variant.
+pub const LAYOUT_GRID_DEFAULT_TILE: usize = 32;
+
+/// A resolved launch: which kernel, its shape, and the tile size it was planned for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayoutPlan {
+    pub variant: LayoutVariant,
+    pub cfg: LaunchConfig,
+    pub tile: usize,
+}
+
+/// The GPU `get_dispatch_layout` for a fixed (experts, ranks, ranks per node): owns the grid
+/// variant's workspace, so launches on one instance must be ordered (one stream).
 pub struct DispatchLayoutGpu {
     dev: Device,
     workspace: DeviceBuffer,
@@ -263,12 +294,6 @@ pub struct DispatchLayoutGpu {
     num_ranks: usize,
     ranks_per_node: usize,
 }
-
-/// Dynamic shared memory the kernel may use without opting in to more (48 KiB less what the
-/// kernel declares statically, with room to spare).
-const LAYOUT_SMEM_LIMIT: usize = 47 * 1024;
-/// Default tokens per tile (see `DispatchLayoutGpu::plan`).
-pub const LAYOUT_DEFAULT_TILE: usize = 64;
 
 impl DispatchLayoutGpu {
     pub fn new(
@@ -279,7 +304,7 @@ impl DispatchLayoutGpu {
     ) -> Result<Self> {
         let shape = LayoutShape::new(0, 1, num_experts, num_ranks, ranks_per_node)?;
         let bins = num_experts + num_ranks + shape.num_nodes() + 1;
-        // NOTES: zero once here; the kernel leaves it zero after every launch.
+        // NOTES: zero once here; the grid kernel leaves it zero after every launch.
         let workspace = DeviceBuffer::zeroed(dev, 4 * bins)?;
         Ok(DispatchLayoutGpu {
             dev: dev.clone(),
@@ -294,15 +319,16 @@ impl DispatchLayoutGpu {
         &self.dev
     }
 
-    /// Launch shape for `num_tokens x num_topk`: tile size (tokens per shared-memory tile, a
-    /// multiple of 16; `tile` overrides the default), grid (one block per tile, at most two per
-    /// SM: blocks then stride over tiles) and shared memory.
+    /// Launch shape for `num_tokens x num_topk`. Cluster variant: one tile per block when it fits
+    /// (tile = tokens / 8 rounded up to 16). Grid variant: tile 32 by default, one block per tile,
+    /// at most two blocks per SM (blocks then stride over tiles). Tiles shrink (halving) until
+    /// the shared memory fits the device's limit.
     pub fn plan(
         &self,
         num_tokens: usize,
         num_topk: usize,
-        tile: Option<usize>,
-    ) -> Result<(LaunchConfig, usize)> {
+        tuning: LayoutTuning,
+    ) -> Result<LayoutPlan> {
         let shape = LayoutShape::new(
             num_tokens,
             num_topk,
@@ -310,31 +336,66 @@ impl DispatchLayoutGpu {
             self.num_ranks,
             self.ranks_per_node,
         )?;
-        let mut tile = tile.unwrap_or(LAYOUT_DEFAULT_TILE);
-        if tile == 0 || tile % 16 != 0 {
-            return Err(Error::arg("tile", format!("{tile}: must be a positive multiple of 16")));
+        let clusters_ok = self.dev.compute_capability().0 >= 9;
+        let variant =
+            tuning.variant.unwrap_or(if clusters_ok && num_tokens <= LAYOUT_CLUSTER_MAX_TOKENS {
+                LayoutVariant::Cluster
+            } else {
+                LayoutVariant::Grid
+            });
+        let blocks = abi::FEP_LAYOUT_CLUSTER_BLOCKS as usize;
+        let mut tile = match (tuning.tile, variant) {
+            (Some(t), _) => t,
+            (None, LayoutVariant::Cluster) => num_tokens.div_ceil(blocks).div_ceil(16).max(1) * 16,
+            (None, LayoutVariant::Grid) => LAYOUT_GRID_DEFAULT_TILE,
+        };
+        if tile == 0 || tile % 16 != 0 || tile > i32::MAX as usize {
+            return Err(Error::arg(
+                "tuning.tile",
+                format!("{tile}: must be a positive multiple of 16"),
+            ));
         }
         let bins = self.num_experts + self.num_ranks + shape.num_nodes();
+        let limit = self.dev.max_dynamic_smem() as usize;
         let smem =
             |tile: usize| ((bins + tile * num_topk) * 4).div_ceil(16) * 16 + tile * self.num_ranks;
-        while smem(tile) > LAYOUT_SMEM_LIMIT && tile > 16 {
+        while smem(tile) > limit && tile > 16 {
             tile = (tile / 2).div_ceil(16) * 16;
         }
-        if smem(tile) > LAYOUT_SMEM_LIMIT {
+        if smem(tile) > limit {
             return Err(Error::arg(
                 "num_experts",
                 format!(
-                    "layout kernel needs {} bytes of shared memory for {} experts, {} ranks, top-{num_topk} (limit {LAYOUT_SMEM_LIMIT})",
+                    "layout kernel needs {} bytes of shared memory for {} experts, {} ranks, top-{num_topk} (limit {limit})",
                     smem(tile), self.num_experts, self.num_ranks
                 ),
             ));
         }
-        let tiles = num_tokens.div_ceil(tile).max(1);
-        let grid = tiles.min(2 * self.dev.sm_count().max(1) as usize) as u32;
-        Ok((
-            LaunchConfig { grid, block: abi::FEP_LAYOUT_THREADS, shared_bytes: smem(tile) as u32 },
-            tile,
-        ))
+        let cfg = match variant {
+            LayoutVariant::Cluster => {
+                if !clusters_ok {
+                    return Err(Error::arg(
+                        "tuning.variant",
+                        "the cluster variant needs sm_90 or newer",
+                    ));
+                }
+                LaunchConfig {
+                    grid: abi::FEP_LAYOUT_CLUSTER_BLOCKS,
+                    block: abi::FEP_LAYOUT_CLUSTER_THREADS,
+                    shared_bytes: smem(tile) as u32,
+                }
+            }
+            LayoutVariant::Grid => {
+                let tiles = num_tokens.div_ceil(tile).max(1);
+                let grid = tiles.min(2 * self.dev.sm_count().max(1) as usize) as u32;
+                LaunchConfig {
+                    grid,
+                    block: abi::FEP_LAYOUT_THREADS,
+                    shared_bytes: smem(tile) as u32,
+                }
+            }
+        };
+        Ok(LayoutPlan { variant, cfg, tile })
     }
 
     /// Launches the layout of `topk_idx` (int64 `[num_tokens, num_topk]` on the device) into
@@ -354,9 +415,8 @@ impl DispatchLayoutGpu {
         out: &LayoutBuffers,
         err: Option<&DevErrorRecord>,
         rank: u32,
-        tile: Option<usize>,
+        tuning: LayoutTuning,
     ) -> Result<()> {
-        let (cfg, tile) = self.plan(num_tokens, num_topk, tile)?;
         let need = |what: &'static str, buf: &DeviceBuffer, bytes: usize| {
             if buf.len() < bytes {
                 Err(Error::arg(what, format!("{} bytes, needs {bytes}", buf.len())))
@@ -364,6 +424,13 @@ impl DispatchLayoutGpu {
                 Ok(())
             }
         };
+        LayoutShape::new(
+            num_tokens,
+            num_topk,
+            self.num_experts,
+            self.num_ranks,
+            self.ranks_per_node,
+        )?;
         need("topk_idx", topk_idx, num_tokens * num_topk * 8)?;
         need("num_tokens_per_rank", &out.num_tokens_per_rank, 4 * self.num_ranks)?;
         need(
@@ -379,31 +446,29 @@ impl DispatchLayoutGpu {
             num_tokens_per_node: out.num_tokens_per_node.device_ptr(),
             num_tokens_per_expert: out.num_tokens_per_expert.device_ptr(),
             is_token_in_rank: out.is_token_in_rank.device_ptr(),
-            workspace: self.workspace.device_ptr(),
-            dev_error: err.map_or(0, |e| e.device_ptr()),
+            dev_error: err.map_or(Default::default(), |e| e.as_abi()),
             num_tokens: num_tokens as i32,
             num_topk: num_topk as i32,
-            num_experts: self.num_experts as i32,
-            num_ranks: self.num_ranks as i32,
-            ranks_per_node: self.ranks_per_node as i32,
-            tile_tokens: tile as i32,
             rank: rank as i32,
-            _pad: 0,
+            ..Default::default()
         };
         // SAFETY: sizes checked above; lifetimes are the caller's contract.
-        launch::dispatch_layout(stream, cfg, p).map_err(Error::from)
+        self.launch_raw(stream, p, tuning)
     }
 
     /// Raw form of [`Self::launch`] for callers holding device addresses (the C ABI, torch
-    /// tensors): `is_token_in_rank` may be any address (16-byte aligned is fastest).
+    /// tensors): `is_token_in_rank` may be any address (16-byte aligned is fastest),
+    /// `num_tokens_per_node` may be 0. The shape fields this instance owns (experts, ranks, ranks
+    /// per node, tile, workspace) are filled in here.
     ///
     /// # Safety
-    /// Every address in `p` must be live and sized as `fep_layout_params` documents.
+    /// Every address in `p` must be live and sized as `fep_layout_params` documents, until the
+    /// launch completes.
     pub unsafe fn launch_raw(
         &self,
         stream: &Stream,
         mut p: abi::fep_layout_params,
-        tile: Option<usize>,
+        tuning: LayoutTuning,
     ) -> Result<()> {
         if p.num_tokens < 0 || p.num_topk < 0 {
             return Err(Error::arg(
@@ -411,13 +476,17 @@ impl DispatchLayoutGpu {
                 format!("num_tokens {} / num_topk {}", p.num_tokens, p.num_topk),
             ));
         }
-        let (cfg, tile) = self.plan(p.num_tokens as usize, p.num_topk as usize, tile)?;
+        let plan = self.plan(p.num_tokens as usize, p.num_topk as usize, tuning)?;
         p.workspace = self.workspace.device_ptr();
         p.num_experts = self.num_experts as i32;
         p.num_ranks = self.num_ranks as i32;
         p.ranks_per_node = self.ranks_per_node as i32;
-        p.tile_tokens = tile as i32;
-        launch::dispatch_layout(stream, cfg, p).map_err(Error::from)
+        p.tile_tokens = plan.tile as i32;
+        match plan.variant {
+            LayoutVariant::Cluster => launch::dispatch_layout_cluster(stream, plan.cfg, p),
+            LayoutVariant::Grid => launch::dispatch_layout(stream, plan.cfg, p),
+        }
+        .map_err(Error::from)
     }
 }
 
