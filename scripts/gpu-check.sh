@@ -105,6 +105,17 @@ run() {
     printf '%-18s rc=%-3s %s\n' "memcheck-layout" "$rc" \
       "$(grep -E 'ERROR SUMMARY' "$tests_log" | tail -1)" | tee -a "$sum"
   fi
+  if command -v compute-sanitizer >/dev/null && [ -x "$b/tests/gpu_device_wait" ]; then
+    echo "===== compute-sanitizer memcheck gpu_device_wait (timeout paths)" >>"$tests_log"
+    set +e
+    timeout 180 compute-sanitizer --tool memcheck --error-exitcode 9 "$b/tests/gpu_device_wait" \
+      --include-ignored --test-threads=1 timeout >>"$tests_log" 2>&1
+    local rc=$?
+    set -e
+    [ "$rc" -eq 0 ] || fail=1
+    printf '%-18s rc=%-3s %s\n' "memcheck-wait" "$rc" \
+      "$(grep -E 'ERROR SUMMARY' "$tests_log" | tail -1)" | tee -a "$sum"
+  fi
 
   local dump=/tmp/fep-layout-dump
   if [ -x "$b/examples/gpu_layout_bench" ]; then
