@@ -8,12 +8,14 @@
 //           histograms, and a 1 in the tile's is_token_in_rank rows staged in shared memory;
 //   copy    the tile's rows are one contiguous span of the output: 16-byte stores.
 //
+// fep_dispatch_layout (the default): any grid; each block adds its histograms into `workspace`
+//   (global atomics); the last block to finish (ticket, threadfence-reduction pattern) moves the
+//   sums into the outputs with atomicExch, which leaves the workspace zero for the next launch.
+//   H200, 4096 x top-8, 256 experts, 64 ranks, tile 32 (128 blocks): median 9.9 us per launch.
 // fep_dispatch_layout_cluster: exactly one cluster of FEP_LAYOUT_CLUSTER_BLOCKS blocks; the
 //   blocks sum their histograms through distributed shared memory (no global atomics, no
-//   workspace, no fences). Best for the usual sizes (up to a few thousand tokens).
-// fep_dispatch_layout: any grid; each block adds its histograms into `workspace` (global
-//   atomics); the last block to finish (ticket, threadfence-reduction pattern) moves the sums
-//   into the outputs with atomicExch, which leaves the workspace zero for the next launch.
+//   workspace). Predicted faster (no fence/atomic round trips), measured slower: 16.7 us on the
+//   same input, the work of 128 SMs squeezed onto 8. Kept for comparison, not the default.
 #include <cooperative_groups.h>
 
 #include "fep_abi.h"
