@@ -8,9 +8,10 @@
 #ifndef FEP_ABI_H
 #define FEP_ABI_H
 
+#include <stddef.h>
 #include <stdint.h>
 
-#define FEP_ABI_VERSION 1
+#define FEP_ABI_VERSION 2
 
 /* ---- proxy command ring (GPU producer -> CPU proxy consumer) ---------------------------------
  * One single-producer/single-consumer ring per producing block. The producer fills entry
@@ -39,6 +40,7 @@ typedef struct fep_ring_hdr {
 #define FEP_DEV_OK 0u
 #define FEP_DEV_WAIT_TIMEOUT 1u
 #define FEP_DEV_BAD_COUNT 2u
+#define FEP_DEV_BAD_INPUT 3u /* an input out of range: observed = the value, expected = its bound */
 
 typedef struct fep_dev_error {
     uint32_t code;     /* FEP_DEV_* ; 0 = no error */
@@ -49,26 +51,83 @@ typedef struct fep_dev_error {
     uint64_t observed; /* what it had seen when it gave up */
 } fep_dev_error;       /* 32 bytes */
 
-/* ---- get_dispatch_layout ---------------------------------------------------------------------- */
+/* Where a kernel reports errors: the record (mapped host memory, read by the host after the
+ * stream synchronises) and a claim word in DEVICE memory that decides the first writer.
+ * NOTES: the claim cannot live in the mapped record: GPUs without host-native atomics (PCIe, no
+ * CU_DEVICE_ATTRIBUTE_HOST_NATIVE_ATOMIC_SUPPORTED) may not run atomics on host memory
+ * (compute-sanitizer rejects them). Both zero before a launch; record == 0: no reporting. */
+typedef struct fep_dev_error_ref {
+    uint64_t record; /* fep_dev_error* (mapped host memory), or 0 */
+    uint64_t claim;  /* uint32_t* (device memory): 0 = unclaimed */
+} fep_dev_error_ref; /* 16 bytes */
+
+/* ---- get_dispatch_layout ----------------------------------------------------------------------
+ * One launch computes every output (see kernels/layout.cu). Counting semantics (DeepEP V1):
+ * a token counts once per rank and once per node it goes to; per expert, every top-k entry counts.
+ * NOTES: `workspace` is int32 [num_experts + num_ranks + num_nodes + 1], all zero before the first
+ * launch (cuMemAlloc + memset once); every launch leaves it zero again. One workspace per stream:
+ * two launches in flight at once on one workspace give wrong counts. */
+#define FEP_LAYOUT_THREADS 256          /* threads per block of fep_dispatch_layout */
+#define FEP_LAYOUT_CLUSTER_THREADS 1024 /* threads per block of fep_dispatch_layout_cluster */
+#define FEP_LAYOUT_CLUSTER_BLOCKS 8     /* its grid: exactly one cluster of this many blocks */
+
 typedef struct fep_layout_params {
     uint64_t topk_idx;              /* const int64_t [num_tokens, num_topk]; -1 = no expert */
     uint64_t num_tokens_per_rank;   /* int32_t [num_ranks] */
     uint64_t num_tokens_per_node;   /* int32_t [num_nodes], or 0 to skip */
     uint64_t num_tokens_per_expert; /* int32_t [num_experts] */
     uint64_t is_token_in_rank;      /* uint8_t (bool) [num_tokens, num_ranks] */
+    uint64_t workspace;             /* int32_t scratch, see NOTES above (grid variant only) */
+    fep_dev_error_ref dev_error;    /* out-of-range indices are reported here */
     int32_t num_tokens;
     int32_t num_topk;
     int32_t num_experts;
     int32_t num_ranks;
     int32_t ranks_per_node;
+    int32_t tile_tokens;            /* tokens per shared-memory tile, a multiple of 16 (launcher picks) */
+    int32_t rank;                   /* this rank, for the error record */
     int32_t _pad;
-} fep_layout_params; /* 64 bytes */
+} fep_layout_params; /* 96 bytes */
+
+/* ---- test kernels (kernels/test_kernels.cu): the device-wait and proxy-ring paths ------------ */
+typedef struct fep_wait_test_params {
+    uint64_t counter;            /* const uint64_t* (mapped host memory or device): waited on */
+    fep_dev_error_ref dev_error;
+    uint64_t expected;      /* wait until *counter >= expected */
+    uint64_t budget_cycles; /* clock64 cycles before giving up */
+    uint32_t rank;
+    uint32_t phase;
+    uint32_t peer;
+    uint32_t _pad;
+} fep_wait_test_params; /* 56 bytes */
+
+typedef struct fep_ring_push_test_params {
+    uint64_t ring;             /* fep_ring_hdr* followed by `capacity` fep_cmd (mapped host memory) */
+    uint64_t arrival;          /* const uint64_t* arrival counter (mapped host memory) */
+    fep_dev_error_ref dev_error;
+    uint64_t budget_cycles;    /* per bounded wait (ring full, arrival) */
+    uint64_t arrival_expected; /* after pushing, wait until *arrival >= this */
+    uint32_t capacity;         /* ring entries, > 0 */
+    uint32_t num_cmds;         /* commands to push; command i: offsets i * length, imm = i */
+    uint32_t dst_rank;
+    uint32_t length;
+    uint32_t rank;
+    uint32_t phase;
+} fep_ring_push_test_params; /* 72 bytes */
 
 #ifdef __cplusplus
 static_assert(sizeof(fep_cmd) == 32, "fep_cmd layout");
 static_assert(sizeof(fep_ring_hdr) == 128, "fep_ring_hdr layout");
 static_assert(sizeof(fep_dev_error) == 32, "fep_dev_error layout");
-static_assert(sizeof(fep_layout_params) == 64, "fep_layout_params layout");
+static_assert(sizeof(fep_dev_error_ref) == 16, "fep_dev_error_ref layout");
+static_assert(sizeof(fep_layout_params) == 96, "fep_layout_params layout");
+static_assert(sizeof(fep_wait_test_params) == 56, "fep_wait_test_params layout");
+static_assert(sizeof(fep_ring_push_test_params) == 72, "fep_ring_push_test_params layout");
+static_assert(offsetof(fep_cmd, length) == 16 && offsetof(fep_cmd, seq) == 28, "fep_cmd fields");
+static_assert(offsetof(fep_ring_hdr, tail) == 64, "fep_ring_hdr tail on its own line");
+static_assert(offsetof(fep_dev_error, expected) == 16, "fep_dev_error fields");
+static_assert(offsetof(fep_layout_params, num_tokens) == 64, "fep_layout_params fields");
+static_assert(offsetof(fep_ring_push_test_params, capacity) == 48, "fep_ring_push_test_params");
 #endif
 
 #endif /* FEP_ABI_H */

@@ -1,0 +1,214 @@
+//! A GPU: its retained primary context, a few attributes, and the embedded kernel module
+//! (loaded once per context, on first use).
+
+use super::driver::{call, ensure, CUcontext, CUfunction};
+use super::module::{Kernel, Module};
+use super::{CudaError, CudaResult};
+use cudarc::driver::sys;
+use parking_lot::Mutex;
+use std::sync::Arc;
+
+/// One CUDA device (cheap to clone: an `Arc`). Owns a retained primary context, released when
+/// the last clone and every object made from it are gone.
+#[derive(Clone)]
+pub struct Device {
+    inner: Arc<DeviceInner>,
+}
+
+struct DeviceInner {
+    ordinal: usize,
+    dev: sys::CUdevice,
+    ctx: CUcontext,
+    name: String,
+    sm_count: u32,
+    cc: (u32, u32),
+    max_dynamic_smem: u32,
+    module: Mutex<Option<Module>>,
+}
+
+// SAFETY: a CUcontext may be made current on any thread; the driver is thread-safe.
+unsafe impl Send for DeviceInner {}
+// SAFETY: as above; the module is behind a mutex.
+unsafe impl Sync for DeviceInner {}
+
+impl Device {
+    /// Opens device `ordinal` (retains its primary context).
+    pub fn new(ordinal: usize) -> CudaResult<Device> {
+        let count = ensure()? as usize;
+        if ordinal >= count {
+            return Err(CudaError::InvalidArgument {
+                arg: "ordinal",
+                msg: format!("device {ordinal} requested, {count} visible"),
+            });
+        }
+        // SAFETY: the driver is initialised (`ensure`); out-pointers are valid locals.
+        unsafe {
+            let mut dev = 0;
+            call!(cuDeviceGet(&mut dev, ordinal as i32))?;
+            let mut ctx = std::ptr::null_mut();
+            call!(cuDevicePrimaryCtxRetain(&mut ctx, dev))?;
+            let inner = DeviceInner {
+                ordinal,
+                dev,
+                ctx,
+                name: String::new(),
+                sm_count: 0,
+                cc: (0, 0),
+                max_dynamic_smem: 0,
+                module: Mutex::new(None),
+            };
+            // From here on Drop releases the context, also on the error paths below.
+            let mut inner = inner;
+            let mut buf = [0 as std::ffi::c_char; 256];
+            call!(cuDeviceGetName(buf.as_mut_ptr(), buf.len() as i32, dev))?;
+            inner.name = std::ffi::CStr::from_ptr(buf.as_ptr()).to_string_lossy().into_owned();
+            inner.sm_count =
+                attribute(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+            inner.cc = (
+                attribute(
+                    dev,
+                    sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+                )?,
+                attribute(
+                    dev,
+                    sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+                )?,
+            );
+            // NOTES: kernels declare at most 1 KiB of static shared memory; the rest of the
+            // opt-in limit is what launchers may ask for dynamically.
+            let optin = attribute(
+                dev,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )?;
+            inner.max_dynamic_smem = optin.saturating_sub(1024).max(47 * 1024);
+            Ok(Device { inner: Arc::new(inner) })
+        }
+    }
+
+    /// The device for this process: `LOCAL_RANK` (default 0) modulo the number of visible
+    /// devices, so several ranks may share one GPU (how the GPU tests run on one-GPU machines).
+    pub fn from_env() -> CudaResult<Device> {
+        let count = ensure()? as usize;
+        let local_rank = match std::env::var("LOCAL_RANK") {
+            Ok(v) => v.trim().parse::<usize>().map_err(|_| CudaError::InvalidArgument {
+                arg: "LOCAL_RANK",
+                msg: format!("{v:?} is not a non-negative integer"),
+            })?,
+            Err(_) => 0,
+        };
+        Device::new(local_rank % count)
+    }
+
+    pub fn ordinal(&self) -> usize {
+        self.inner.ordinal
+    }
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+    pub fn sm_count(&self) -> u32 {
+        self.inner.sm_count
+    }
+    /// Compute capability (major, minor), e.g. (9, 0) on an H100/H200.
+    pub fn compute_capability(&self) -> (u32, u32) {
+        self.inner.cc
+    }
+    /// Dynamic shared memory a block of the large-shared-memory kernels may ask for (bytes).
+    pub fn max_dynamic_smem(&self) -> u32 {
+        self.inner.max_dynamic_smem
+    }
+    /// The raw primary context (escape hatch).
+    pub fn as_raw(&self) -> CUcontext {
+        self.inner.ctx
+    }
+
+    /// Makes this device's context current on the calling thread. Every call in this module
+    /// that needs a context does this first, so callers need not.
+    pub fn bind(&self) -> CudaResult<()> {
+        // SAFETY: the context is retained for the life of `inner`.
+        unsafe { call!(cuCtxSetCurrent(self.inner.ctx)) }
+    }
+
+    /// Waits for all work on the device. Unbounded on the host side: kernels here bound their
+    /// own waits, so this returns; prefer [`super::Stream::synchronize_within`].
+    pub fn synchronize(&self) -> CudaResult<()> {
+        self.bind()?;
+        // SAFETY: context bound above.
+        unsafe { call!(cuCtxSynchronize()) }
+    }
+
+    /// Free and total device memory in bytes.
+    pub fn mem_info(&self) -> CudaResult<(usize, usize)> {
+        self.bind()?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: context bound; out-pointers valid.
+        unsafe { call!(cuMemGetInfo_v2(&mut free, &mut total))? };
+        Ok((free, total))
+    }
+
+    /// Whether this device can map `peer`'s memory directly (same process, two GPUs).
+    pub fn can_access_peer(&self, peer: &Device) -> CudaResult<bool> {
+        if peer.inner.dev == self.inner.dev {
+            return Ok(true);
+        }
+        let mut ok = 0;
+        // SAFETY: both handles valid; out-pointer valid.
+        unsafe { call!(cuDeviceCanAccessPeer(&mut ok, self.inner.dev, peer.inner.dev))? };
+        Ok(ok != 0)
+    }
+
+    /// Lets kernels on this device dereference `peer`'s device pointers (same process). Enabling
+    /// twice is not an error.
+    pub fn enable_peer_access(&self, peer: &Device) -> CudaResult<()> {
+        if peer.inner.dev == self.inner.dev {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: context bound; peer context retained.
+        let r = unsafe { sys::cuCtxEnablePeerAccess(peer.inner.ctx, 0) };
+        if r == sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+            return Ok(());
+        }
+        super::driver::check("cuCtxEnablePeerAccess", r)
+    }
+
+    /// The kernel's function handle, loading the embedded module on first use.
+    pub(crate) fn function(&self, kernel: Kernel) -> CudaResult<CUfunction> {
+        let mut m = self.inner.module.lock();
+        if m.is_none() {
+            self.bind()?;
+            *m = Some(Module::load(self.inner.max_dynamic_smem)?);
+        }
+        Ok(m.as_ref().expect("loaded above").function(kernel))
+    }
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device")
+            .field("ordinal", &self.inner.ordinal)
+            .field("name", &self.inner.name)
+            .field("sm_count", &self.inner.sm_count)
+            .finish()
+    }
+}
+
+impl Drop for DeviceInner {
+    fn drop(&mut self) {
+        // SAFETY: the context is still retained; unload the module inside it, then release.
+        unsafe {
+            if sys::cuCtxSetCurrent(self.ctx) == sys::CUresult::CUDA_SUCCESS {
+                if let Some(m) = self.module.get_mut().take() {
+                    m.unload();
+                }
+            }
+            let _ = sys::cuDevicePrimaryCtxRelease_v2(self.dev);
+        }
+    }
+}
+
+fn attribute(dev: sys::CUdevice, a: sys::CUdevice_attribute) -> CudaResult<u32> {
+    let mut v = 0;
+    // SAFETY: valid device handle and out-pointer.
+    unsafe { call!(cuDeviceGetAttribute(&mut v, a, dev))? };
+    Ok(v.max(0) as u32)
+}

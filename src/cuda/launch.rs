@@ -1,0 +1,128 @@
+//! Typed launchers: one function per kernel, taking the kernel's `#[repr(C)]` parameter struct
+//! (from `kernels/include/fep_abi.h`) by value.
+//!
+//! All are `unsafe`: the structs carry raw device addresses, which must point at live memory of
+//! the sizes the struct's doc comments give until the stream has finished the launch.
+
+use super::driver::call;
+use super::module::Kernel;
+use super::stream::Stream;
+use super::{CudaError, CudaResult};
+use crate::abi;
+use bytemuck::Pod;
+
+/// Grid and block shape (1-D) and dynamic shared memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchConfig {
+    pub grid: u32,
+    pub block: u32,
+    pub shared_bytes: u32,
+}
+
+/// Launches `kernel` with one by-value parameter struct.
+///
+/// # Safety
+/// `params` must be the struct `kernel` takes, and every address in it must stay valid until the
+/// launch completes on `stream`.
+unsafe fn launch<P: Pod>(
+    stream: &Stream,
+    kernel: Kernel,
+    cfg: LaunchConfig,
+    params: &P,
+) -> CudaResult<()> {
+    if cfg.grid == 0 || cfg.block == 0 || cfg.block > 1024 {
+        return Err(CudaError::InvalidArgument {
+            arg: "cfg",
+            msg: format!("grid {} x block {} for {}", cfg.grid, cfg.block, kernel.symbol()),
+        });
+    }
+    let dev = stream.device();
+    let f = dev.function(kernel)?;
+    dev.bind()?;
+    let mut args = [params as *const P as *mut std::ffi::c_void];
+    // SAFETY: (caller) `params` matches the kernel's single by-value parameter; the driver copies
+    // it before returning.
+    call!(cuLaunchKernel(
+        f,
+        cfg.grid,
+        1,
+        1,
+        cfg.block,
+        1,
+        1,
+        cfg.shared_bytes,
+        stream.as_raw(),
+        args.as_mut_ptr(),
+        std::ptr::null_mut()
+    ))
+}
+
+/// `fep_dispatch_layout` (kernels/layout.cu): any grid, `FEP_LAYOUT_THREADS` threads.
+/// `ep::layout::DispatchLayoutGpu` picks the grid, tile and shared memory.
+///
+/// # Safety
+/// Every address in `p` is live for the sizes its doc comments give, until the launch completes;
+/// `p.workspace` is not used by another launch at the same time.
+pub unsafe fn dispatch_layout(
+    stream: &Stream,
+    cfg: LaunchConfig,
+    p: abi::fep_layout_params,
+) -> CudaResult<()> {
+    if cfg.block != abi::FEP_LAYOUT_THREADS {
+        return Err(CudaError::InvalidArgument {
+            arg: "cfg.block",
+            msg: format!(
+                "{} threads, the kernel is built for {}",
+                cfg.block,
+                abi::FEP_LAYOUT_THREADS
+            ),
+        });
+    }
+    launch(stream, Kernel::DispatchLayout, cfg, &p)
+}
+
+/// `fep_dispatch_layout_cluster` (kernels/layout.cu): exactly one cluster,
+/// `FEP_LAYOUT_CLUSTER_BLOCKS` blocks of `FEP_LAYOUT_CLUSTER_THREADS` threads (needs sm_90+).
+///
+/// # Safety
+/// Every address in `p` is live for the sizes its doc comments give, until the launch completes.
+pub unsafe fn dispatch_layout_cluster(
+    stream: &Stream,
+    cfg: LaunchConfig,
+    p: abi::fep_layout_params,
+) -> CudaResult<()> {
+    if cfg.block != abi::FEP_LAYOUT_CLUSTER_THREADS || cfg.grid != abi::FEP_LAYOUT_CLUSTER_BLOCKS {
+        return Err(CudaError::InvalidArgument {
+            arg: "cfg",
+            msg: format!(
+                "grid {} x {} threads, the kernel is one cluster of {} x {}",
+                cfg.grid,
+                cfg.block,
+                abi::FEP_LAYOUT_CLUSTER_BLOCKS,
+                abi::FEP_LAYOUT_CLUSTER_THREADS
+            ),
+        });
+    }
+    launch(stream, Kernel::DispatchLayoutCluster, cfg, &p)
+}
+
+/// `fep_wait_test`: one thread waits (bounded) for `*counter >= expected`.
+///
+/// # Safety
+/// `p.counter` and `p.dev_error` are live until the launch completes.
+pub unsafe fn wait_test(stream: &Stream, p: abi::fep_wait_test_params) -> CudaResult<()> {
+    launch(stream, Kernel::WaitTest, LaunchConfig { grid: 1, block: 32, shared_bytes: 0 }, &p)
+}
+
+/// `fep_ring_push_test`: one thread pushes `num_cmds` commands into the ring, then waits
+/// (bounded) for the arrival counter.
+///
+/// # Safety
+/// `p.ring` (header + `capacity` commands), `p.arrival` and `p.dev_error` are live until the
+/// launch completes.
+pub unsafe fn ring_push_test(stream: &Stream, p: abi::fep_ring_push_test_params) -> CudaResult<()> {
+    if p.capacity == 0 {
+        return Err(CudaError::InvalidArgument { arg: "capacity", msg: "must be > 0".into() });
+    }
+    launch(stream, Kernel::RingPushTest, LaunchConfig { grid: 1, block: 32, shared_bytes: 0 }, &p)
+}

@@ -1,0 +1,460 @@
+//! Device buffers, pinned host buffers mapped into the GPU, and sharing device memory with
+//! peers: CUDA IPC between processes, direct pointers within one process.
+
+use super::device::Device;
+use super::driver::{call, CUdeviceptr};
+use super::stream::Stream;
+use super::{CudaError, CudaResult};
+use bytemuck::Pod;
+use cudarc::driver::sys;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+fn bad(arg: &'static str, msg: String) -> CudaError {
+    CudaError::InvalidArgument { arg, msg }
+}
+
+/// Device memory (`cuMemAlloc`). A zero-length buffer holds no allocation (pointer 0).
+/// NOTES: Drop calls `cuMemFree`; keep a buffer alive until the streams that use it have
+/// synchronised (the launchers in [`super::launch`] are `unsafe` for exactly this reason).
+pub struct DeviceBuffer {
+    dev: Device,
+    ptr: CUdeviceptr,
+    len: usize,
+}
+
+// SAFETY: a device pointer is plain data; the allocation is freed once, by Drop.
+unsafe impl Send for DeviceBuffer {}
+// SAFETY: shared access only reads the pointer; data races on device memory are the kernels'.
+unsafe impl Sync for DeviceBuffer {}
+
+impl DeviceBuffer {
+    /// `len` bytes, uninitialised.
+    pub fn new(dev: &Device, len: usize) -> CudaResult<DeviceBuffer> {
+        dev.bind()?;
+        let mut ptr = 0;
+        if len > 0 {
+            // SAFETY: context bound; out-pointer valid.
+            unsafe { call!(cuMemAlloc_v2(&mut ptr, len))? };
+        }
+        Ok(DeviceBuffer { dev: dev.clone(), ptr, len })
+    }
+
+    /// `len` bytes of zeros.
+    pub fn zeroed(dev: &Device, len: usize) -> CudaResult<DeviceBuffer> {
+        let b = Self::new(dev, len)?;
+        b.memset(0)?;
+        Ok(b)
+    }
+
+    /// A copy of `data`.
+    pub fn from_slice<T: Pod>(dev: &Device, data: &[T]) -> CudaResult<DeviceBuffer> {
+        let mut b = Self::new(dev, std::mem::size_of_val(data))?;
+        b.copy_from_host(data)?;
+        Ok(b)
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.dev
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The device address (what kernel parameter structs carry).
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Synchronous copy host -> device of exactly `len` bytes.
+    pub fn copy_from_host<T: Pod>(&mut self, src: &[T]) -> CudaResult<()> {
+        let bytes: &[u8] = bytemuck::cast_slice(src);
+        if bytes.len() != self.len {
+            return Err(bad(
+                "src",
+                format!("{} bytes for a {}-byte buffer", bytes.len(), self.len),
+            ));
+        }
+        if self.len == 0 {
+            return Ok(());
+        }
+        self.dev.bind()?;
+        // SAFETY: both ranges are `len` bytes and valid.
+        unsafe { call!(cuMemcpyHtoD_v2(self.ptr, bytes.as_ptr().cast(), self.len)) }
+    }
+
+    /// Synchronous copy device -> host of exactly `len` bytes.
+    pub fn copy_to_host<T: Pod>(&self, dst: &mut [T]) -> CudaResult<()> {
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(dst);
+        if bytes.len() != self.len {
+            return Err(bad(
+                "dst",
+                format!("{} bytes for a {}-byte buffer", bytes.len(), self.len),
+            ));
+        }
+        if self.len == 0 {
+            return Ok(());
+        }
+        self.dev.bind()?;
+        // SAFETY: both ranges are `len` bytes and valid.
+        unsafe { call!(cuMemcpyDtoH_v2(bytes.as_mut_ptr().cast(), self.ptr, self.len)) }
+    }
+
+    /// The contents as `len / size_of::<T>()` values.
+    pub fn to_vec<T: Pod>(&self) -> CudaResult<Vec<T>> {
+        let n = std::mem::size_of::<T>();
+        if n == 0 || self.len % n != 0 {
+            return Err(bad("T", format!("{}-byte buffer is not a whole number of {n}", self.len)));
+        }
+        let mut v = vec![T::zeroed(); self.len / n];
+        self.copy_to_host(&mut v)?;
+        Ok(v)
+    }
+
+    /// Sets every byte (synchronous).
+    pub fn memset(&self, byte: u8) -> CudaResult<()> {
+        if self.len == 0 {
+            return Ok(());
+        }
+        self.dev.bind()?;
+        // SAFETY: range inside the allocation.
+        unsafe { call!(cuMemsetD8_v2(self.ptr, byte, self.len)) }
+    }
+
+    /// Sets every byte, ordered on `stream`.
+    pub fn memset_async(&self, byte: u8, stream: &Stream) -> CudaResult<()> {
+        if self.len == 0 {
+            return Ok(());
+        }
+        self.dev.bind()?;
+        // SAFETY: range inside the allocation; stream valid.
+        unsafe { call!(cuMemsetD8Async(self.ptr, byte, self.len, stream.as_raw())) }
+    }
+
+    /// Copies `other` (same length) into this buffer, device to device, synchronously.
+    pub fn copy_from_device(&mut self, other: &DeviceBuffer) -> CudaResult<()> {
+        if other.len != self.len {
+            return Err(bad("other", format!("{} bytes into {}", other.len, self.len)));
+        }
+        if self.len == 0 {
+            return Ok(());
+        }
+        self.dev.bind()?;
+        // SAFETY: both ranges valid and `len` long.
+        unsafe { call!(cuMemcpyDtoD_v2(self.ptr, other.ptr, self.len)) }
+    }
+
+    /// An IPC handle another process can open with [`IpcMapping::open`].
+    pub fn ipc_handle(&self) -> CudaResult<IpcHandle> {
+        if self.len == 0 {
+            return Err(bad("self", "cannot export an empty buffer".into()));
+        }
+        self.dev.bind()?;
+        let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
+        // SAFETY: pointer from cuMemAlloc; out-pointer valid.
+        unsafe { call!(cuIpcGetMemHandle(&mut h, self.ptr))? };
+        Ok(IpcHandle(h.reserved.map(|c| c as u8)))
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if self.ptr != 0 && self.dev.bind().is_ok() {
+            // SAFETY: allocated by cuMemAlloc, freed once.
+            unsafe {
+                let _ = sys::cuMemFree_v2(self.ptr);
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for DeviceBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceBuffer({:#x}, {} bytes)", self.ptr, self.len)
+    }
+}
+
+/// Pinned host memory mapped into the GPU's address space (`cuMemHostAlloc` with DEVICEMAP |
+/// PORTABLE): kernels read and write it over PCIe through [`HostMapped::device_ptr`], the CPU
+/// through [`HostMapped::as_ptr`]. Zeroed at allocation. Where the proxy's rings, arrival
+/// counters and the device error record live.
+/// NOTES: the GPU may write it at any time, so it is never exposed as a Rust slice reference;
+/// reads and writes are volatile or atomic.
+pub struct HostMapped {
+    dev: Device,
+    host: *mut u8,
+    dptr: CUdeviceptr,
+    len: usize,
+}
+
+// SAFETY: the allocation is plain memory owned by this value.
+unsafe impl Send for HostMapped {}
+// SAFETY: shared access is volatile/atomic only.
+unsafe impl Sync for HostMapped {}
+
+impl HostMapped {
+    pub fn new(dev: &Device, len: usize) -> CudaResult<HostMapped> {
+        if len == 0 {
+            return Err(bad("len", "mapped host buffers must not be empty".into()));
+        }
+        dev.bind()?;
+        let mut p = std::ptr::null_mut();
+        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+        // SAFETY: context bound; out-pointer valid.
+        unsafe { call!(cuMemHostAlloc(&mut p, len, flags))? };
+        let mut m = HostMapped { dev: dev.clone(), host: p.cast(), dptr: 0, len };
+        // SAFETY: fresh allocation of `len` bytes; then the device alias of it.
+        unsafe {
+            std::ptr::write_bytes(m.host, 0, len);
+            call!(cuMemHostGetDevicePointer_v2(&mut m.dptr, p, 0))?;
+        }
+        Ok(m)
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The CPU address.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.host
+    }
+    /// The GPU address of the same memory.
+    pub fn device_ptr(&self) -> u64 {
+        self.dptr
+    }
+    pub fn device(&self) -> &Device {
+        &self.dev
+    }
+
+    fn check_range<T>(&self, offset: usize) -> CudaResult<()> {
+        let n = std::mem::size_of::<T>();
+        let align = std::mem::align_of::<T>();
+        if offset.checked_add(n).is_none_or(|end| end > self.len) || offset % align != 0 {
+            return Err(bad(
+                "offset",
+                format!("{n} bytes at {offset} (align {align}) in a {}-byte buffer", self.len),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Volatile read of a `T` at `offset` (aligned for `T`).
+    pub fn read<T: Pod>(&self, offset: usize) -> CudaResult<T> {
+        self.check_range::<T>(offset)?;
+        // SAFETY: in range and aligned (checked); Pod accepts any bits.
+        Ok(unsafe { std::ptr::read_volatile(self.host.add(offset).cast::<T>()) })
+    }
+
+    /// Volatile write of a `T` at `offset` (aligned for `T`).
+    pub fn write<T: Pod>(&self, offset: usize, v: T) -> CudaResult<()> {
+        self.check_range::<T>(offset)?;
+        // SAFETY: in range and aligned (checked).
+        unsafe { std::ptr::write_volatile(self.host.add(offset).cast::<T>(), v) };
+        Ok(())
+    }
+
+    /// An atomic view of the u64 at `offset` (8-aligned): for counters and ring indices that
+    /// the CPU and the GPU (system-scope loads/stores) share.
+    pub fn atomic_u64(&self, offset: usize) -> CudaResult<&AtomicU64> {
+        self.check_range::<u64>(offset)?;
+        // SAFETY: in range, 8-aligned, lives as long as `self`; all CPU access is atomic.
+        Ok(unsafe { &*self.host.add(offset).cast::<AtomicU64>() })
+    }
+
+    /// Copies the whole buffer out (volatile byte reads are slow; this is for tests/debug).
+    pub fn snapshot(&self) -> Vec<u8> {
+        // SAFETY: `len` bytes valid; a racing GPU write gives some mix of old and new bytes.
+        (0..self.len).map(|i| unsafe { std::ptr::read_volatile(self.host.add(i)) }).collect()
+    }
+}
+
+impl Drop for HostMapped {
+    fn drop(&mut self) {
+        if self.dev.bind().is_ok() {
+            // SAFETY: allocated by cuMemHostAlloc, freed once.
+            unsafe {
+                let _ = sys::cuMemFreeHost(self.host.cast());
+            }
+        }
+    }
+}
+
+/// A CUDA IPC handle for a device buffer: 64 opaque bytes to send to a peer process (over the
+/// bootstrap) that opens it with [`IpcMapping::open`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct IpcHandle(pub [u8; 64]);
+
+impl IpcHandle {
+    pub fn as_bytes(&self) -> &[u8; 64] {
+        &self.0
+    }
+    pub fn from_bytes(b: &[u8]) -> CudaResult<IpcHandle> {
+        let a: [u8; 64] = b
+            .try_into()
+            .map_err(|_| bad("b", format!("{} bytes, an IPC handle is 64", b.len())))?;
+        Ok(IpcHandle(a))
+    }
+    /// Lower-case hex (128 chars), e.g. for an environment variable.
+    pub fn to_hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+    pub fn from_hex(s: &str) -> CudaResult<IpcHandle> {
+        if s.len() != 128 || !s.is_ascii() {
+            return Err(bad("s", format!("{} chars, expected 128 hex digits", s.len())));
+        }
+        let mut a = [0u8; 64];
+        for (i, b) in a.iter_mut().enumerate() {
+            *b = u8::from_str_radix(&s[2 * i..2 * i + 2], 16)
+                .map_err(|e| bad("s", format!("not hex at {}: {e}", 2 * i)))?;
+        }
+        Ok(IpcHandle(a))
+    }
+}
+
+impl std::fmt::Debug for IpcHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "IpcHandle({}..)", &self.to_hex()[..16])
+    }
+}
+
+/// A peer process's device buffer opened in this process (`cuIpcOpenMemHandle`); closed on Drop.
+/// NOTES: CUDA refuses to open a handle in the process that exported it: for a peer in the same
+/// process use [`PeerMemory::Direct`].
+pub struct IpcMapping {
+    dev: Device,
+    ptr: CUdeviceptr,
+    len: usize,
+}
+
+// SAFETY: plain device address, closed once.
+unsafe impl Send for IpcMapping {}
+// SAFETY: shared access only reads the address.
+unsafe impl Sync for IpcMapping {}
+
+impl IpcMapping {
+    /// Opens `handle`; `len` is the exported buffer's length (sent alongside the handle).
+    pub fn open(dev: &Device, handle: &IpcHandle, len: usize) -> CudaResult<IpcMapping> {
+        dev.bind()?;
+        let h = sys::CUipcMemHandle { reserved: handle.0.map(|b| b as std::ffi::c_char) };
+        let mut ptr = 0;
+        let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
+        // SAFETY: context bound; out-pointer valid.
+        unsafe { call!(cuIpcOpenMemHandle_v2(&mut ptr, h, flags))? };
+        Ok(IpcMapping { dev: dev.clone(), ptr, len })
+    }
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Synchronous copy out of the peer's buffer (tests, debugging).
+    pub fn copy_to_host(&self, dst: &mut [u8]) -> CudaResult<()> {
+        if dst.len() > self.len {
+            return Err(bad(
+                "dst",
+                format!("{} bytes from a {}-byte mapping", dst.len(), self.len),
+            ));
+        }
+        self.dev.bind()?;
+        // SAFETY: range inside the mapping.
+        unsafe { call!(cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), self.ptr, dst.len())) }
+    }
+
+    /// Synchronous copy into the peer's buffer (tests, debugging).
+    pub fn copy_from_host(&self, src: &[u8]) -> CudaResult<()> {
+        if src.len() > self.len {
+            return Err(bad(
+                "src",
+                format!("{} bytes into a {}-byte mapping", src.len(), self.len),
+            ));
+        }
+        self.dev.bind()?;
+        // SAFETY: range inside the mapping.
+        unsafe { call!(cuMemcpyHtoD_v2(self.ptr, src.as_ptr().cast(), src.len())) }
+    }
+}
+
+impl Drop for IpcMapping {
+    fn drop(&mut self) {
+        if self.dev.bind().is_ok() {
+            // SAFETY: opened by cuIpcOpenMemHandle, closed once.
+            unsafe {
+                let _ = sys::cuIpcCloseMemHandle(self.ptr);
+            }
+        }
+    }
+}
+
+/// A peer rank's buffer as this rank's kernels address it: the buffer itself when the peer
+/// lives in this process (after [`Device::enable_peer_access`] if on another GPU), or an IPC
+/// mapping of another process's buffer.
+pub enum PeerMemory {
+    Direct(Arc<DeviceBuffer>),
+    Ipc(IpcMapping),
+}
+
+impl PeerMemory {
+    /// A same-process peer's buffer, usable from `dev`'s kernels (enables peer access when the
+    /// buffer lives on another GPU).
+    pub fn direct(dev: &Device, buf: Arc<DeviceBuffer>) -> CudaResult<PeerMemory> {
+        if !dev.can_access_peer(buf.device())? {
+            return Err(bad(
+                "buf",
+                format!(
+                    "device {} cannot access device {}'s memory",
+                    dev.ordinal(),
+                    buf.device().ordinal()
+                ),
+            ));
+        }
+        dev.enable_peer_access(buf.device())?;
+        Ok(PeerMemory::Direct(buf))
+    }
+
+    pub fn device_ptr(&self) -> u64 {
+        match self {
+            PeerMemory::Direct(b) => b.device_ptr(),
+            PeerMemory::Ipc(m) => m.device_ptr(),
+        }
+    }
+    pub fn len(&self) -> usize {
+        match self {
+            PeerMemory::Direct(b) => b.len(),
+            PeerMemory::Ipc(m) => m.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ipc_handle_hex_round_trip() {
+        let mut a = [0u8; 64];
+        for (i, b) in a.iter_mut().enumerate() {
+            *b = (i * 37 + 5) as u8;
+        }
+        let h = IpcHandle(a);
+        let s = h.to_hex();
+        assert_eq!(s.len(), 128);
+        assert_eq!(IpcHandle::from_hex(&s).unwrap(), h);
+        assert!(IpcHandle::from_hex(&s[..126]).is_err());
+        assert!(IpcHandle::from_hex(&"zz".repeat(64)).is_err());
+        assert!(IpcHandle::from_bytes(&a[..63]).is_err());
+        assert_eq!(IpcHandle::from_bytes(&a).unwrap(), h);
+    }
+}

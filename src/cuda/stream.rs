@@ -1,0 +1,160 @@
+//! Streams and events.
+
+use super::device::Device;
+use super::driver::{call, driver_error, CUstream};
+use super::{CudaError, CudaResult};
+use cudarc::driver::sys;
+use std::time::{Duration, Instant};
+
+/// A non-blocking stream (does not synchronise with the legacy default stream).
+pub struct Stream {
+    dev: Device,
+    raw: CUstream,
+}
+
+// SAFETY: stream handles may be used from any thread.
+unsafe impl Send for Stream {}
+// SAFETY: as above; the driver serialises calls on one stream.
+unsafe impl Sync for Stream {}
+
+impl Stream {
+    pub fn new(dev: &Device) -> CudaResult<Stream> {
+        dev.bind()?;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: context bound; out-pointer valid.
+        unsafe {
+            call!(cuStreamCreate(&mut raw, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32))?
+        };
+        Ok(Stream { dev: dev.clone(), raw })
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.dev
+    }
+    pub fn as_raw(&self) -> CUstream {
+        self.raw
+    }
+
+    /// True when all work queued so far has finished.
+    pub fn query(&self) -> CudaResult<bool> {
+        self.dev.bind()?;
+        // SAFETY: stream valid.
+        match unsafe { sys::cuStreamQuery(self.raw) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            r => Err(driver_error("cuStreamQuery", r)),
+        }
+    }
+
+    /// Blocks until the stream is idle (unbounded on the host; kernels bound their own waits).
+    pub fn synchronize(&self) -> CudaResult<()> {
+        self.dev.bind()?;
+        // SAFETY: stream valid.
+        unsafe { call!(cuStreamSynchronize(self.raw)) }
+    }
+
+    /// Polls the stream until idle or `limit` passes (then `CudaError::Timeout`). The bounded
+    /// host-side wait for code that must never hang.
+    pub fn synchronize_within(&self, limit: Duration) -> CudaResult<()> {
+        let start = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            if self.query()? {
+                return Ok(());
+            }
+            if start.elapsed() >= limit {
+                return Err(CudaError::Timeout { call: "cuStreamQuery", waited: start.elapsed() });
+            }
+            spins += 1;
+            if spins > 64 {
+                std::thread::sleep(Duration::from_micros(50));
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    /// Makes later work on this stream wait for `event`.
+    pub fn wait_event(&self, event: &Event) -> CudaResult<()> {
+        self.dev.bind()?;
+        // SAFETY: both handles valid.
+        unsafe { call!(cuStreamWaitEvent(self.raw, event.raw, 0)) }
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // SAFETY: created by cuStreamCreate; destroy returns at once and the driver frees the
+        // stream once its work is done.
+        unsafe {
+            if self.dev.bind().is_ok() {
+                let _ = sys::cuStreamDestroy_v2(self.raw);
+            }
+        }
+    }
+}
+
+/// A CUDA event; with timing enabled, [`Event::elapsed_ms`] measures between two of them.
+pub struct Event {
+    dev: Device,
+    raw: sys::CUevent,
+}
+
+// SAFETY: event handles may be used from any thread.
+unsafe impl Send for Event {}
+// SAFETY: as above.
+unsafe impl Sync for Event {}
+
+impl Event {
+    /// A timing event.
+    pub fn new(dev: &Device) -> CudaResult<Event> {
+        Self::with_flags(dev, sys::CUevent_flags::CU_EVENT_DEFAULT as u32)
+    }
+    /// An event without timing (cheaper for pure ordering).
+    pub fn new_untimed(dev: &Device) -> CudaResult<Event> {
+        Self::with_flags(dev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
+    }
+    fn with_flags(dev: &Device, flags: u32) -> CudaResult<Event> {
+        dev.bind()?;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: context bound; out-pointer valid.
+        unsafe { call!(cuEventCreate(&mut raw, flags))? };
+        Ok(Event { dev: dev.clone(), raw })
+    }
+
+    pub fn record(&self, stream: &Stream) -> CudaResult<()> {
+        self.dev.bind()?;
+        // SAFETY: both handles valid.
+        unsafe { call!(cuEventRecord(self.raw, stream.as_raw())) }
+    }
+
+    pub fn synchronize(&self) -> CudaResult<()> {
+        self.dev.bind()?;
+        // SAFETY: event valid.
+        unsafe { call!(cuEventSynchronize(self.raw)) }
+    }
+
+    /// Milliseconds from `self` to `end` (both recorded and complete).
+    pub fn elapsed_ms(&self, end: &Event) -> CudaResult<f32> {
+        self.dev.bind()?;
+        let mut ms = 0f32;
+        // SAFETY: both events valid; out-pointer valid.
+        unsafe { call!(cuEventElapsedTime_v2(&mut ms, self.raw, end.raw))? };
+        Ok(ms)
+    }
+
+    pub fn as_raw(&self) -> sys::CUevent {
+        self.raw
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: created by cuEventCreate.
+        unsafe {
+            if self.dev.bind().is_ok() {
+                let _ = sys::cuEventDestroy_v2(self.raw);
+            }
+        }
+    }
+}
