@@ -108,6 +108,7 @@ pub fn alltoall_selftest(
     recv[rank * bytes_per_peer..(rank + 1) * bytes_per_peer]
         .copy_from_slice(&send[rank * bytes_per_peer..(rank + 1) * bytes_per_peer]);
     let mut local_done = 0usize;
+    let mut local_per_dst = vec![0usize; world];
     let mut buf = [EMPTY; 64];
     let expected_local = todo.len();
     while !todo.is_empty() || local_done < expected_local || arrivals.iter().any(|&a| a < msgs_per_peer)
@@ -157,14 +158,19 @@ pub fn alltoall_selftest(
                 arrivals[src] += 1;
             } else if c.is_local_tx() {
                 local_done += 1;
+                if let Some(n) = local_per_dst.get_mut((c.context as usize).wrapping_sub(1)) {
+                    *n += 1;
+                }
             }
         }
         if deadline.expired() {
-            let mut peers_missing: Vec<usize> =
-                (0..world).filter(|&s| arrivals[s] < msgs_per_peer).collect();
-            if local_done < expected_local && peers_missing.is_empty() {
-                peers_missing = (0..world).filter(|&d| d != rank).collect();
-            }
+            // A peer is missing if its writes did not all arrive, or ours to it did not all
+            // complete (on unordered/manual-progress providers the target must acknowledge).
+            let peers_missing: Vec<usize> = (0..world)
+                .filter(|&p| {
+                    arrivals[p] < msgs_per_peer || (p != rank && local_per_dst[p] < msgs_per_peer)
+                })
+                .collect();
             return Err(Error::Timeout {
                 rank,
                 phase: "alltoall (RMA writes with immediate data)",
@@ -187,12 +193,27 @@ pub fn alltoall_selftest(
             }
         }
     }
-    // NOTES: peers may still be writing into *their* peers; nobody writes into us any more
-    // (all arrivals are in), but we keep our regions until everyone is done, so no peer's
-    // in-flight write can target a closed region.
-    boot.barrier()?;
+    // NOTES: with manual progress (rxd, tcp) a peer's write completes only once *we* progress
+    // (acknowledge) it, so this rank keeps driving its CQ until every rank has passed the
+    // barrier; and our regions stay registered until then, so no peer's in-flight write can
+    // target a closed region.
+    barrier_progressing(boot, &stack)?;
     drop((smr, rmr));
     Ok(AllToAllReport { elapsed, writes_posted: expected_local, arrivals_per_source: arrivals })
+}
+
+/// A bootstrap barrier during which this rank keeps driving its CQ, so peers that still wait
+/// for our acknowledgements (manual-progress providers) can finish. Completions read meanwhile
+/// stay in the CQ's stash.
+pub fn barrier_progressing(boot: &dyn Bootstrap, stack: &Stack) -> Result<()> {
+    std::thread::scope(|s| {
+        let t = s.spawn(|| boot.barrier());
+        while !t.is_finished() {
+            stack.cq.progress()?;
+            std::thread::yield_now();
+        }
+        t.join().map_err(|_| Error::Other("barrier thread panicked".into()))?.map_err(Error::from)
+    })
 }
 
 /// One row of the fabric benchmark.
@@ -343,7 +364,7 @@ pub fn rma_bench(
             }
             let pp = t0.elapsed();
             t.settle()?;
-            boot.barrier()?;
+            barrier_progressing(boot, &stack)?;
             // Streaming: `window` writes in flight; the receiver acks once all have arrived.
             let n = iters.max(window);
             let t1 = Instant::now();
@@ -367,7 +388,7 @@ pub fn rma_bench(
             }
             let st = t1.elapsed();
             t.settle()?;
-            boot.barrier()?;
+            barrier_progressing(boot, &stack)?;
             rows.push(FabricRow {
                 bytes: size,
                 stream_mbps: (n * size) as f64 / st.as_secs_f64() / 1e6,
@@ -381,7 +402,7 @@ pub fn rma_bench(
             boot.barrier()?;
         }
     }
-    boot.barrier()?;
+    barrier_progressing(boot, &stack)?;
     drop((smr, rmr));
     Ok(if rank == 0 { rows } else { Vec::new() })
 }
