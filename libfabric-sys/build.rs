@@ -10,15 +10,16 @@ fn main() {
     println!("cargo:rerun-if-changed=wrapper.h");
     println!("cargo:rerun-if-env-changed=PKG_CONFIG_PATH");
 
-    let lib = pkg_config::Config::new().atleast_version(MIN_VERSION).probe("libfabric").unwrap_or_else(
-        |e| {
+    let lib = pkg_config::Config::new()
+        .atleast_version(MIN_VERSION)
+        .probe("libfabric")
+        .unwrap_or_else(|e| {
             panic!(
                 "libfabric >= {MIN_VERSION} not found through pkg-config ({e}).\n\
                  Install it: `apt-get install libfabric-dev pkg-config` (Debian/Ubuntu), or point \
                  PKG_CONFIG_PATH at the libfabric that AWS's EFA installer puts in /opt/amazon/efa."
             )
-        },
-    );
+        });
 
     let out = PathBuf::from(env::var("OUT_DIR").unwrap());
     let shims = out.join("fabric_static_fns");

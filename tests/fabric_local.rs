@@ -29,7 +29,8 @@ fn drain(stack: &Stack, n: usize, mut pred: impl FnMut(&Completion) -> bool) -> 
 #[test]
 fn write_with_immediate_between_two_endpoints() {
     for prov in providers() {
-        let a = Stack::open(&InfoQuery::provider(&prov), 2).unwrap_or_else(|e| panic!("{prov}: {e}"));
+        let a =
+            Stack::open(&InfoQuery::provider(&prov), 2).unwrap_or_else(|e| panic!("{prov}: {e}"));
         let b = Stack::open(&InfoQuery::provider(&prov), 2).unwrap();
         let addrs_a = a.connect(&[a.ep.name().unwrap(), b.ep.name().unwrap()]).unwrap();
         b.connect(&[a.ep.name().unwrap(), b.ep.name().unwrap()]).unwrap();
@@ -49,8 +50,18 @@ fn write_with_immediate_between_two_endpoints() {
             let plan = [(0usize, 1usize << 20, 11u64), (1 << 20, 2 << 20, 22), (0, 0, 33)];
             for (i, &(off, len, imm)) in plan.iter().enumerate() {
                 unsafe {
-                    a.ep.write(&smr, off, len, addrs_a[1], &remote, off as u64, Some(imm), i as u64 + 1, dl)
-                        .unwrap_or_else(|e| panic!("{prov}: {e}"));
+                    a.ep.write(
+                        &smr,
+                        off,
+                        len,
+                        addrs_a[1],
+                        &remote,
+                        off as u64,
+                        Some(imm),
+                        i as u64 + 1,
+                        dl,
+                    )
+                    .unwrap_or_else(|e| panic!("{prov}: {e}"));
                 }
             }
             let local = drain(&a, 3, |c| c.is_local_tx());
@@ -75,11 +86,14 @@ fn bad_arguments_are_typed_errors() {
     let mr = unsafe { a.register(buf.as_mut_ptr(), buf.len(), MemKind::Host).unwrap() };
     let remote = mr.remote();
     let dl = Deadline::after(Duration::from_secs(1));
-    let e = unsafe { a.ep.write(&mr, 4000, 200, addrs[0], &remote, 0, Some(1), 0, dl) }.unwrap_err();
+    let e =
+        unsafe { a.ep.write(&mr, 4000, 200, addrs[0], &remote, 0, Some(1), 0, dl) }.unwrap_err();
     assert!(e.to_string().contains("local_offset"), "{e}");
-    let e = unsafe { a.ep.write(&mr, 0, 200, addrs[0], &remote, 4000, Some(1), 0, dl) }.unwrap_err();
+    let e =
+        unsafe { a.ep.write(&mr, 0, 200, addrs[0], &remote, 4000, Some(1), 0, dl) }.unwrap_err();
     assert!(e.to_string().contains("remote_offset"), "{e}");
-    let e = Stack::open(&InfoQuery::provider("no-such-provider"), 1).err().expect("unknown provider");
+    let e =
+        Stack::open(&InfoQuery::provider("no-such-provider"), 1).err().expect("unknown provider");
     assert!(e.to_string().contains("no-such-provider"), "{e}");
     let e = unsafe { a.register(std::ptr::null_mut(), 0, MemKind::Host) }.err().unwrap();
     assert!(e.to_string().contains("len"), "{e}");

@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 fn ep_bench() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_ep-bench"));
     // Never join an outer job by accident.
-    for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"] {
+    for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
+    {
         c.env_remove(v);
     }
     c
@@ -81,5 +82,8 @@ fn unknown_provider_is_a_clear_error() {
         .expect("run ep-bench");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
-    assert!(stderr.contains("no libfabric provider matches provider=\"no-such-provider\""), "{stderr}");
+    assert!(
+        stderr.contains("no libfabric provider matches provider=\"no-such-provider\""),
+        "{stderr}"
+    );
 }

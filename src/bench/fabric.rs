@@ -35,8 +35,8 @@ pub fn connect(boot: &dyn Bootstrap, stack: &Stack, region: &MemoryRegion) -> Re
             phase: "connect",
             msg: format!("malformed connection blob of {} bytes", b.len()),
         };
-        let n = u32::from_le_bytes(b.get(..4).ok_or_else(bad)?.try_into().map_err(|_| bad())?)
-            as usize;
+        let n =
+            u32::from_le_bytes(b.get(..4).ok_or_else(bad)?.try_into().map_err(|_| bad())?) as usize;
         names.push(b.get(4..4 + n).ok_or_else(bad)?.to_vec());
         regions.push(RemoteRegion::from_bytes(b.get(4 + n..).ok_or_else(bad)?).map_err(|_| bad())?);
     }
@@ -111,7 +111,9 @@ pub fn alltoall_selftest(
     let mut local_per_dst = vec![0usize; world];
     let mut buf = [EMPTY; 64];
     let expected_local = todo.len();
-    while !todo.is_empty() || local_done < expected_local || arrivals.iter().any(|&a| a < msgs_per_peer)
+    while !todo.is_empty()
+        || local_done < expected_local
+        || arrivals.iter().any(|&a| a < msgs_per_peer)
     {
         if let Some((dst, m)) = todo.pop_front() {
             let off = dst * bytes_per_peer + m * msg;
@@ -327,7 +329,16 @@ pub fn rma_bench(
         for &size in sizes {
             let iters = iters_for(size, iters);
             let try_post = |imm: u64| unsafe {
-                stack.ep.try_write(&smr, 0, size, peers.addrs[peer], &peers.regions[peer], 0, Some(imm), 1)
+                stack.ep.try_write(
+                    &smr,
+                    0,
+                    size,
+                    peers.addrs[peer],
+                    &peers.regions[peer],
+                    0,
+                    Some(imm),
+                    1,
+                )
             };
             // Small messages go inline (no local completion), as fi_pingpong does for its sends.
             let inline = size <= stack.ep.inject_size();
@@ -335,7 +346,13 @@ pub fn rma_bench(
                 let mut buf = [EMPTY; 16];
                 loop {
                     let ok = if inline {
-                        stack.ep.try_inject_write(&src_copy[..size], peers.addrs[peer], &peers.regions[peer], 0, 1)?
+                        stack.ep.try_inject_write(
+                            &src_copy[..size],
+                            peers.addrs[peer],
+                            &peers.regions[peer],
+                            0,
+                            1,
+                        )?
                     } else {
                         try_post(1)?
                     };
@@ -428,11 +445,9 @@ pub fn fi_pingpong(provider: &str, size: usize, iters: usize) -> Result<Pingpong
     };
     let mut server = Command::new("fi_pingpong");
     common(&mut server);
-    let mut server = server
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| Error::Other(format!("fi_pingpong not runnable (apt-get install libfabric-bin): {e}")))?;
+    let mut server = server.stdout(Stdio::null()).stderr(Stdio::null()).spawn().map_err(|e| {
+        Error::Other(format!("fi_pingpong not runnable (apt-get install libfabric-bin): {e}"))
+    })?;
     std::thread::sleep(Duration::from_millis(300));
     let mut client = Command::new("fi_pingpong");
     client.args(["-p", provider, "-e", "rdm", "-I", &iters.to_string(), "-S", &size.to_string()]);
@@ -441,7 +456,8 @@ pub fn fi_pingpong(provider: &str, size: usize, iters: usize) -> Result<Pingpong
     let _ = server.kill();
     let _ = server.wait();
     let out = out?;
-    parse_pingpong(&out).ok_or_else(|| Error::Other(format!("could not parse fi_pingpong output:\n{out}")))
+    parse_pingpong(&out)
+        .ok_or_else(|| Error::Other(format!("could not parse fi_pingpong output:\n{out}")))
 }
 
 fn run_with_timeout(mut cmd: Command, limit: Duration) -> Result<String> {
@@ -484,7 +500,8 @@ mod tests {
 
     #[test]
     fn parses_fi_pingpong_table() {
-        let out = "bytes   #sent   #ack     total       time     MB/sec    usec/xfer   Mxfers/sec\n\
+        let out =
+            "bytes   #sent   #ack     total       time     MB/sec    usec/xfer   Mxfers/sec\n\
                    64k     1k      =1k      125m        0.01s  10327.95       6.35       0.16\n";
         let r = parse_pingpong(out).unwrap();
         assert_eq!((r.mbps, r.usec_per_xfer), (10327.95, 6.35));

@@ -50,11 +50,14 @@ impl Endpoint {
         };
         // From here on, an error drops `ep`, which closes the fid.
         unsafe {
-            check("fi_ep_bind(cq)", sys::fi_ep_bind(
-                ptr,
-                &mut (*cq.as_raw()).fid,
-                (sys::FI_TRANSMIT | sys::FI_RECV) as u64,
-            ) as i64)?;
+            check(
+                "fi_ep_bind(cq)",
+                sys::fi_ep_bind(
+                    ptr,
+                    &mut (*cq.as_raw()).fid,
+                    (sys::FI_TRANSMIT | sys::FI_RECV) as u64,
+                ) as i64,
+            )?;
             check("fi_ep_bind(av)", sys::fi_ep_bind(ptr, &mut (*av.as_raw()).fid, 0) as i64)?;
             check("fi_enable", sys::fi_enable(ptr) as i64)?;
         }
@@ -87,7 +90,8 @@ impl Endpoint {
             unsafe { sys::fi_getname(&mut (*self.ptr).fid, buf.as_mut_ptr().cast(), &mut len) };
         if ret == -(sys::FI_ETOOSMALL as i32) {
             buf.resize(len, 0);
-            ret = unsafe { sys::fi_getname(&mut (*self.ptr).fid, buf.as_mut_ptr().cast(), &mut len) };
+            ret =
+                unsafe { sys::fi_getname(&mut (*self.ptr).fid, buf.as_mut_ptr().cast(), &mut len) };
         }
         check("fi_getname", ret as i64)?;
         buf.truncate(len);
@@ -162,17 +166,32 @@ impl Endpoint {
         if data.len() > self.inject_size {
             return Err(FabricError::arg(
                 "len",
-                format!("{} bytes exceeds the provider's inject size {}", data.len(), self.inject_size),
+                format!(
+                    "{} bytes exceeds the provider's inject size {}",
+                    data.len(),
+                    self.inject_size
+                ),
             ));
         }
         if imm > self.imm_limit {
-            return Err(FabricError::arg("imm", format!("{imm:#x} exceeds the provider's CQ data")));
+            return Err(FabricError::arg(
+                "imm",
+                format!("{imm:#x} exceeds the provider's CQ data"),
+            ));
         }
         let (raddr, key) = remote.target(remote_off, data.len() as u64)?;
         // SAFETY: inject copies `data` before returning; the remote region is the peer's concern
         // (it must keep it registered while peers may write, which the protocol guarantees).
         let ret = unsafe {
-            sys::fi_inject_writedata(self.ptr, data.as_ptr().cast(), data.len(), imm, dest, raddr, key)
+            sys::fi_inject_writedata(
+                self.ptr,
+                data.as_ptr().cast(),
+                data.len(),
+                imm,
+                dest,
+                raddr,
+                key,
+            )
         } as i64;
         if ret == EAGAIN {
             return Ok(false);
@@ -213,7 +232,13 @@ impl Endpoint {
     ///
     /// # Safety
     /// The buffer must stay registered and untouched until the receive completes.
-    pub unsafe fn try_recv(&self, mr: &MemoryRegion, off: usize, len: usize, context: u64) -> Result<bool> {
+    pub unsafe fn try_recv(
+        &self,
+        mr: &MemoryRegion,
+        off: usize,
+        len: usize,
+        context: u64,
+    ) -> Result<bool> {
         let (addr, desc) = mr.local(off, len)?;
         let ret = sys::fi_recv(
             self.ptr,
@@ -243,9 +268,8 @@ impl Endpoint {
         context: u64,
     ) -> Result<bool> {
         let (addr, desc) = mr.local(off, len)?;
-        let ret =
-            sys::fi_send(self.ptr, addr.cast(), len, desc, dest, context as *mut libc::c_void)
-                as i64;
+        let ret = sys::fi_send(self.ptr, addr.cast(), len, desc, dest, context as *mut libc::c_void)
+            as i64;
         if ret == EAGAIN {
             return Ok(false);
         }

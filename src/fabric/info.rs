@@ -134,9 +134,8 @@ pub fn find(query: &InfoQuery) -> Result<Vec<Info>> {
     }
     let mut list: *mut sys::fi_info = ptr::null_mut();
     // SAFETY: hints is valid; list receives a newly allocated list or stays NULL.
-    let ret = unsafe {
-        sys::fi_getinfo(api_version(), ptr::null(), ptr::null(), 0, hints.0, &mut list)
-    };
+    let ret =
+        unsafe { sys::fi_getinfo(api_version(), ptr::null(), ptr::null(), 0, hints.0, &mut list) };
     if ret < 0 || list.is_null() {
         let provider = query
             .provider

@@ -60,7 +60,12 @@ impl Stack {
     ///
     /// # Safety
     /// As [`MemoryRegion::register`].
-    pub unsafe fn register(&self, base: *mut u8, len: usize, kind: MemKind) -> Result<MemoryRegion> {
+    pub unsafe fn register(
+        &self,
+        base: *mut u8,
+        len: usize,
+        kind: MemKind,
+    ) -> Result<MemoryRegion> {
         MemoryRegion::register(&self.domain, Some(&self.ep), base, len, kind)
     }
 }

@@ -185,9 +185,11 @@ unsafe fn register_chunk(
         }
     }
     let mut mr = ptr::null_mut();
-    check_ctx("fi_mr_regattr", sys::fi_mr_regattr(domain.as_raw(), &attr, 0, &mut mr) as i64, || {
-        format!("{len} bytes at {addr:p}, {kind:?}")
-    })?;
+    check_ctx(
+        "fi_mr_regattr",
+        sys::fi_mr_regattr(domain.as_raw(), &attr, 0, &mut mr) as i64,
+        || format!("{len} bytes at {addr:p}, {kind:?}"),
+    )?;
     let chunk = Chunk { mr, desc: sys::fi_mr_desc(mr), key: 0 };
     if let Some(ep) = ep {
         // FI_MR_ENDPOINT: bind to the endpoint, then enable, before the key is valid.
@@ -231,7 +233,10 @@ impl RemoteRegion {
     /// Target address and key for `len` bytes at `off`, which must not cross a chunk.
     pub fn target(&self, off: u64, len: u64) -> Result<(u64, u64)> {
         let end = off.checked_add(len).filter(|&e| e <= self.len).ok_or_else(|| {
-            FabricError::arg("remote_offset", format!("{off}+{len} past remote region of {}", self.len))
+            FabricError::arg(
+                "remote_offset",
+                format!("{off}+{len} past remote region of {}", self.len),
+            )
         })?;
         let c = off / self.chunk;
         if len > 0 && (end - 1) / self.chunk != c {
@@ -243,7 +248,8 @@ impl RemoteRegion {
         let c = (c as usize).min(self.keys.len().saturating_sub(1));
         let key = *self.keys.get(c).ok_or_else(|| FabricError::arg("remote", "no keys"))?;
         let in_chunk = off - c as u64 * self.chunk;
-        let addr = if self.virt_addr { self.base + c as u64 * self.chunk + in_chunk } else { in_chunk };
+        let addr =
+            if self.virt_addr { self.base + c as u64 * self.chunk + in_chunk } else { in_chunk };
         Ok((addr, key))
     }
 
@@ -281,7 +287,13 @@ mod tests {
 
     #[test]
     fn remote_region_roundtrip_and_bounds() {
-        let r = RemoteRegion { base: 0x1000, len: 2500, chunk: 1024, virt_addr: true, keys: vec![7, 8, 9] };
+        let r = RemoteRegion {
+            base: 0x1000,
+            len: 2500,
+            chunk: 1024,
+            virt_addr: true,
+            keys: vec![7, 8, 9],
+        };
         assert_eq!(RemoteRegion::from_bytes(&r.to_bytes()).unwrap(), r);
         assert_eq!(r.target(1030, 10).unwrap(), (0x1000 + 1030, 8));
         assert!(r.target(1020, 10).is_err(), "crosses a chunk");
