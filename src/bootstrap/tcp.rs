@@ -68,7 +68,7 @@ const FAIL_PROTOCOL: u8 = 4;
 pub struct TcpStoreOptions {
     /// Host of rank 0 (`MASTER_ADDR`): a name or an IP literal.
     pub addr: String,
-    /// Port of the store (`FEP_MASTER_PORT`, else `MASTER_PORT`).
+    /// Port of the store (`FEP_MASTER_PORT`, else `MASTER_PORT + 1`).
     pub port: u16,
     pub rank: usize,
     pub world_size: usize,
@@ -82,12 +82,13 @@ pub struct TcpStoreOptions {
 }
 
 impl TcpStoreOptions {
-    /// Reads `MASTER_ADDR`, `MASTER_PORT` (overridden by `FEP_MASTER_PORT`), `RANK`, `WORLD_SIZE`,
+    /// Reads `MASTER_ADDR`, `MASTER_PORT` (the store listens on `MASTER_PORT + 1`, or on
+    /// `FEP_MASTER_PORT` when set), `RANK`, `WORLD_SIZE`,
     /// `LOCAL_RANK` and `LOCAL_WORLD_SIZE` (these two default to `RANK` and `WORLD_SIZE`, i.e. one
     /// node), and the job id from `FEP_JOB_ID`, else `TORCHELASTIC_RUN_ID`, else `"none"`.
     ///
-    /// `FEP_MASTER_PORT` exists because under torchrun the agent's own store already listens on
-    /// `MASTER_PORT`; give fabric-ep another port there.
+    /// Under torchrun the agent's own store already listens on `MASTER_PORT`, hence the `+ 1`;
+    /// `FEP_MASTER_PORT` picks any other port.
     pub fn from_env(timeout: Duration) -> Result<Self, BootstrapError> {
         Self::from_lookup(
             |k| std::env::var_os(k).map(|v| v.to_string_lossy().into_owned()),
@@ -120,8 +121,12 @@ impl TcpStoreOptions {
             Some(p) => ("FEP_MASTER_PORT", p),
             None => ("MASTER_PORT", required("MASTER_PORT")?),
         };
-        let port = match port_str.parse::<u16>() {
-            Ok(p) if p != 0 => p,
+        // NOTES: under torchrun (and any job that calls torch.distributed.init_process_group)
+        // a torch TCPStore already listens on MASTER_PORT, so without FEP_MASTER_PORT the
+        // fabric-ep store takes the next port.
+        let bump = u16::from(port_var == "MASTER_PORT");
+        let port = match port_str.parse::<u16>().ok().and_then(|p| p.checked_add(bump)) {
+            Some(p) if p != bump => p,
             _ => {
                 return Err(BootstrapError::Env {
                     var: port_var,
@@ -526,7 +531,7 @@ impl Client {
         );
         let not_ours =
             "it is probably not a fabric-ep store (under torchrun the agent's own store \
-                        listens on MASTER_PORT: set FEP_MASTER_PORT to a free port)";
+                        listens on MASTER_PORT; fabric-ep uses MASTER_PORT + 1 unless FEP_MASTER_PORT names a free port)";
         match write_all_by(&mut self.stream, &msg, deadline) {
             Ok(()) => {}
             Err(Wire::TimedOut) => {
@@ -799,7 +804,7 @@ fn bind_store(host: &str, port: u16) -> Result<TcpListener, BootstrapError> {
     };
     TcpListener::bind(bind_to).map_err(|e| BootstrapError::Io {
         call: if e.kind() == io::ErrorKind::AddrInUse {
-            "bind the store (rank 0 serves it on MASTER_PORT, or FEP_MASTER_PORT if set; another \
+            "bind the store (rank 0 serves it on MASTER_PORT + 1, or FEP_MASTER_PORT if set; another \
              job, or torchrun's own store, holds that port) on"
         } else {
             "bind the store (rank 0) on"
@@ -1409,7 +1414,7 @@ mod tests {
         let o = TcpStoreOptions::from_lookup(lookup(BASE), Duration::from_secs(1)).expect("opts");
         assert_eq!((o.rank, o.world_size, o.local_rank, o.local_world_size), (3, 8, 3, 8));
         assert_eq!(o.job_id, "none");
-        assert_eq!(o.store_addr(), "10.0.0.1:29500");
+        assert_eq!(o.store_addr(), "10.0.0.1:29501", "MASTER_PORT + 1 beside torch's store");
     }
 
     #[test]
@@ -1441,7 +1446,7 @@ mod tests {
             ("WORLD_SIZE", "0", "WORLD_SIZE"),
             ("WORLD_SIZE", "99999999999", "WORLD_SIZE"),
             ("MASTER_PORT", "70000", "MASTER_PORT"),
-            ("MASTER_PORT", "0", "MASTER_PORT"),
+            ("MASTER_PORT", "65535", "MASTER_PORT"),
             ("FEP_MASTER_PORT", "x", "FEP_MASTER_PORT"),
             ("LOCAL_RANK", "-1", "LOCAL_RANK"),
             ("LOCAL_WORLD_SIZE", "9", "LOCAL_WORLD_SIZE"),
@@ -1458,7 +1463,7 @@ mod tests {
     fn ipv6_addr_is_bracketed() {
         let vars = with(&[("MASTER_ADDR", "::1")]);
         let o = TcpStoreOptions::from_lookup(lookup(&vars), Duration::from_secs(1)).expect("opts");
-        assert_eq!(o.store_addr(), "[::1]:29500");
+        assert_eq!(o.store_addr(), "[::1]:29501");
     }
 
     #[test]
