@@ -15,6 +15,7 @@ setup:
 # on machines without a GPU.
 test: setup
 	$(CARGO) test --workspace --no-fail-fast
+	python3 -m pytest -q tests/py
 
 # The main job: ep-bench with its embedded defaults.
 bench: setup

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 APT_PKGS=(libfabric-dev libfabric-bin libclang-dev pkg-config)
 CUDA_WHEELS=(nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88
              nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85)
-PY_PKGS=(numpy pyyaml)
+PY_PKGS=(numpy pyyaml pytest)
 TOOLS=tools
 CUDA_DIR=$TOOLS/cuda
 STAMP=$CUDA_DIR/.installed-$(printf '%s\n' "${CUDA_WHEELS[@]}" | md5sum | cut -c1-12)
@@ -42,9 +42,10 @@ fi
 test -x "$CUDA_DIR/nvidia/cu13/bin/nvcc" || { echo "setup: nvcc missing under $CUDA_DIR" >&2; exit 1; }
 
 PYDEPS=$TOOLS/py
-if [ ! -f "$PYDEPS/.installed" ]; then
+PYSTAMP=$PYDEPS/.installed-$(printf "%s\n" "${PY_PKGS[@]}" | md5sum | cut -c1-12)
+if [ ! -f "$PYSTAMP" ]; then
   echo "setup: installing Python test deps into $PYDEPS"
   rm -rf "$PYDEPS"; mkdir -p "$PYDEPS"
   $PY -m pip install -q --disable-pip-version-check --target "$PYDEPS" "${PY_PKGS[@]}"
-  touch "$PYDEPS/.installed"
+  touch "$PYSTAMP"
 fi
