@@ -2,3 +2,4 @@
 
 pub mod fabric;
 pub mod stats;
+pub mod ep;
