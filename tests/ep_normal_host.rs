@@ -6,7 +6,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fabric_ep::bench::ep::{check_dispatch, combine_input, rank_inputs, NormalBenchParams, RankInputs};
+use fabric_ep::bench::ep::{
+    check_dispatch, combine_input, rank_inputs, NormalBenchParams, RankInputs,
+};
 use fabric_ep::bootstrap::{Bootstrap, InProcGroup};
 use fabric_ep::ep::buffer::{
     Backend, Buffer, BufferOptions, CombineArgs, DispatchArgs, OwnedTokens, Tokens,
@@ -181,11 +183,8 @@ fn full_check(case: &Case) {
         let out = buf.dispatch(&args)?;
         check_dispatch(rank, &out, &want[rank])?;
         // Cached handle: same tokens, no notify, same result.
-        let cached = buf.dispatch(&DispatchArgs {
-            layout: None,
-            handle: Some(&out.handle),
-            ..args
-        })?;
+        let cached =
+            buf.dispatch(&DispatchArgs { layout: None, handle: Some(&out.handle), ..args })?;
         assert_eq!(cached, out, "rank {rank}: cached-handle dispatch differs from fresh");
         // Combine with weights against the reference.
         let x = combine_input(&out.recv_x, case.hidden)?;

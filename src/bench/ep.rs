@@ -52,8 +52,7 @@ impl RankInputs {
 pub fn rank_inputs(cfg: &EpConfig, p: &NormalBenchParams, rank: usize) -> Result<RankInputs> {
     let mut rng = SplitMix64(p.seed ^ (rank as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
     let (t, h) = (p.num_tokens, cfg.hidden);
-    let x_bf16: Vec<u16> =
-        (0..t * h).map(|_| f32_to_bf16((rng.unit_f32() - 0.5) * 4.0)).collect();
+    let x_bf16: Vec<u16> = (0..t * h).map(|_| f32_to_bf16((rng.unit_f32() - 0.5) * 4.0)).collect();
     let shape =
         LayoutShape::new(t, cfg.num_topk, cfg.num_experts, cfg.num_ranks, cfg.ranks_per_node)?;
     let topk_idx = random_topk_idx(&mut rng, shape, p.drop_pct, false);
@@ -75,7 +74,11 @@ pub fn combine_input(recv_x: &refm::Tokens, hidden: usize) -> Result<Vec<u16>> {
             let mut out = Vec::with_capacity(x.len());
             let mut row = vec![0f32; hidden];
             for r in 0..rows {
-                dequantize_row(&x[r * hidden..(r + 1) * hidden], &scales[r * g..(r + 1) * g], &mut row)?;
+                dequantize_row(
+                    &x[r * hidden..(r + 1) * hidden],
+                    &scales[r * g..(r + 1) * g],
+                    &mut row,
+                )?;
                 out.extend(row.iter().map(|&v| f32_to_bf16(v)));
             }
             Ok(out)
@@ -123,7 +126,9 @@ pub fn reference(
 
 /// Compares a dispatch result with the reference; the error names the rank and the field.
 pub fn check_dispatch(rank: usize, got: &DispatchOutput, want: &NormalDispatchOut) -> Result<()> {
-    let bad = |what: &str| Err(Error::Other(format!("rank {rank}: dispatch {what} differs from the reference")));
+    let bad = |what: &str| {
+        Err(Error::Other(format!("rank {rank}: dispatch {what} differs from the reference")))
+    };
     if got.recv_x != want.recv_x {
         return bad("recv_x");
     }

@@ -324,12 +324,10 @@ impl Buffer {
                 let recv = Arc::new(SharedRegion::alloc_host(geo.bytes as usize)?);
                 // SAFETY: both regions are kept alive by `Buffer::_mem`, which drops after the
                 // proxy (whose transport posts writes naming them) and after the registrations.
-                let send_mr = Arc::new(unsafe {
-                    stack.register(send.as_ptr(), send.len(), MemKind::Host)?
-                });
-                let recv_mr = Arc::new(unsafe {
-                    stack.register(recv.as_ptr(), recv.len(), MemKind::Host)?
-                });
+                let send_mr =
+                    Arc::new(unsafe { stack.register(send.as_ptr(), send.len(), MemKind::Host)? });
+                let recv_mr =
+                    Arc::new(unsafe { stack.register(recv.as_ptr(), recv.len(), MemKind::Host)? });
                 let name = stack.ep.name()?;
                 let desc = recv_mr.remote().to_bytes();
                 let mut blob = hash.to_le_bytes().to_vec();
@@ -453,7 +451,9 @@ impl Buffer {
         if len % h != 0 {
             return Err(Error::arg(
                 "x",
-                format!("length {len} is not a multiple of hidden {h} (x must be [tokens, hidden])"),
+                format!(
+                    "length {len} is not a multiple of hidden {h} (x must be [tokens, hidden])"
+                ),
             ));
         }
         let t = len / h;
@@ -569,7 +569,8 @@ impl Buffer {
                         &computed
                     }
                 };
-                let sp = SendPlan::from_is_token_in_rank(&layout.is_token_in_rank, t as u64, r as u64)?;
+                let sp =
+                    SendPlan::from_is_token_in_rank(&layout.is_token_in_rank, t as u64, r as u64)?;
                 let per_rank: Vec<u32> =
                     (0..r).map(|d| sp.tokens_for(d as u64).len() as u32).collect();
                 for (d, (&a, &b)) in per_rank.iter().zip(&layout.num_tokens_per_rank).enumerate() {
@@ -742,6 +743,8 @@ impl Buffer {
 
     /// Normal combine (DeepEP V1): every rank returns its rows of `x` to the ranks they came
     /// from; per original token the fp32 sum over the ranks it went to, in bf16. Collective.
+    // Index loops over ranks read closest to the reference's summation order.
+    #[allow(clippy::needless_range_loop)]
     pub fn combine(&mut self, args: &CombineArgs<'_>) -> Result<CombineOutput> {
         let cfg = self.cfg.clone();
         let (r, k, h) = (cfg.num_ranks, cfg.num_topk, cfg.hidden);

@@ -269,6 +269,8 @@ impl HostComm {
     /// (handed to `read_row(src, i, record)`), through the bounded slot queues. Returns once
     /// every chunk it sent was credited, every chunk it expects was consumed, and every command
     /// completed locally.
+    // Index loops over ranks read closest to the protocol.
+    #[allow(clippy::needless_range_loop)]
     pub fn step(
         &mut self,
         phase: Phase,
@@ -451,6 +453,8 @@ impl HostComm {
 ///
 /// # Safety
 /// Nobody else may read or write these bytes while the slice lives.
+// The region is shared memory (the NIC reads it); exclusivity is this unsafe fn's contract.
+#[allow(clippy::mut_from_ref)]
 unsafe fn region_mut(region: &SharedRegion, off: u64, len: usize) -> Result<&mut [u8]> {
     check_range(region, off, len)?;
     // SAFETY: in bounds (checked); exclusivity is the caller's contract.
