@@ -3,3 +3,4 @@
 pub mod fabric;
 pub mod plan;
 pub mod stats;
+pub mod ep;

@@ -200,12 +200,78 @@ fn run_rank(cli: &Cli) -> AnyResult<()> {
             }
         }
         None => {
-            return Err(format!(
-                "--mode {:?}: the EP modes are not built yet in this version; \
-                 `ep-bench fabric` and `ep-bench selftest` are",
-                c.mode
-            )
-            .into())
+            if c.mode == Mode::LowLatency {
+                return Err("--mode low-latency is not built yet in this version; \
+                            --mode normal, `ep-bench fabric` and `ep-bench selftest` are"
+                    .into());
+            }
+            run_normal_rank(c, boot)?;
+        }
+    }
+    Ok(())
+}
+
+/// `--mode normal` (and the normal half of `--mode both`) on this rank.
+fn run_normal_rank(c: &Common, boot: TcpStore) -> AnyResult<()> {
+    use fabric_ep::bench::ep::{run_normal, NormalBenchParams};
+    use fabric_ep::ep::buffer::{Buffer, BufferOptions};
+    use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
+    if c.backend == Some(Backend::Gpu) {
+        return Err("--backend gpu: the GPU normal-mode kernels are not available yet; \
+                    use --backend host"
+            .into());
+    }
+    let (rank, world) = (boot.rank(), boot.world_size());
+    let mut s = EpSettings::new(rank, world, c.experts, c.hidden, c.topk);
+    s.ranks_per_node = c.ranks_per_node.unwrap_or(world).min(world);
+    s.timeout = Duration::from_secs(c.timeout);
+    if c.fp8 {
+        s.dispatch_dtype = DispatchDtype::Fp8E4m3;
+    }
+    let cfg = EpConfig::new(s)?;
+    let boot: std::sync::Arc<dyn Bootstrap> = std::sync::Arc::new(boot);
+    let mut buf = Buffer::new(cfg.clone(), boot.clone(), BufferOptions::host(&c.provider))?;
+    let p = NormalBenchParams {
+        num_tokens: c.tokens.unwrap_or(512),
+        seed: 0x5eed,
+        drop_pct: 5,
+        iters: c.iters.max(1),
+        warmup: 2,
+        combine_weights: true,
+    };
+    let rep = run_normal(&mut buf, &p)?;
+    buf.destroy()?;
+    if rank == 0 {
+        let (dg, dm, dp) = rep.dispatch_figures();
+        let (cg, cm, cp) = rep.combine_figures();
+        println!(
+            "ep-bench normal (host backend): {world} ranks, {} per node, provider {}, \
+             tokens {}, hidden {}, top-{} of {} experts, {}, {} iters (+{} warm-up), \
+             every result checked against the reference",
+            cfg.ranks_per_node,
+            c.provider,
+            p.num_tokens,
+            cfg.hidden,
+            cfg.num_topk,
+            cfg.num_experts,
+            if c.fp8 { "fp8 dispatch" } else { "bf16 dispatch" },
+            p.iters,
+            p.warmup
+        );
+        println!(
+            "dispatch: {dg:>8.3} GB/s  median {dm:>10.1} us  p99 {dp:>10.1} us  ({} bytes sent)",
+            rep.dispatch_bytes
+        );
+        println!(
+            "combine:  {cg:>8.3} GB/s  median {cm:>10.1} us  p99 {cp:>10.1} us  ({} bytes received)",
+            rep.combine_bytes
+        );
+        println!(
+            "GB/s = bytes of the tokens rank 0 sends (dispatch) / receives (combine) per second \
+             (DeepEP's definition), at the median time"
+        );
+        if c.mode == Mode::Both {
+            println!("low-latency mode: not built yet in this version (skipped)");
         }
     }
     Ok(())

@@ -6,3 +6,6 @@ pub mod layout;
 pub mod plan;
 pub mod quant;
 pub mod reference;
+pub mod buffer;
+pub mod handle;
+pub mod host;

@@ -1,0 +1,250 @@
+//! EP runners shared by `ep-bench --mode normal` and the tests: deterministic per-rank inputs
+//! (every rank can compute every rank's, hence the full reference), a checked normal-mode
+//! dispatch + combine loop, and DeepEP's bandwidth figures.
+
+use std::time::Instant;
+
+use crate::ep::buffer::{Buffer, CombineArgs, DispatchArgs, DispatchOutput, Tokens};
+use crate::ep::config::{DispatchDtype, EpConfig};
+use crate::ep::layout::{random_topk_idx, LayoutShape};
+use crate::ep::quant::{dequantize_row, f32_to_bf16, quantize_bf16};
+use crate::ep::reference::{self as refm, NormalCombineOut, NormalDispatchOut};
+use crate::util::SplitMix64;
+use crate::{Error, Result};
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct NormalBenchParams {
+    /// Tokens per rank; `tokens_for_rank` may vary it per rank.
+    pub num_tokens: usize,
+    pub seed: u64,
+    /// Percent of top-k entries replaced by -1.
+    pub drop_pct: u64,
+    /// Timed iterations (each: fresh dispatch + combine, both checked).
+    pub iters: usize,
+    /// Untimed iterations first.
+    pub warmup: usize,
+    /// Combine with weights.
+    pub combine_weights: bool,
+}
+
+/// One rank's inputs.
+#[derive(Clone, Debug)]
+pub struct RankInputs {
+    pub x_bf16: Vec<u16>,
+    /// e4m3 bytes and scales of `x_bf16`, for fp8 configs.
+    pub x_fp8: Option<(Vec<u8>, Vec<f32>)>,
+    pub topk_idx: Vec<i64>,
+    pub topk_weights: Vec<f32>,
+}
+
+impl RankInputs {
+    /// `x` as the buffer's dispatch dtype wants it.
+    pub fn tokens(&self) -> Tokens<'_> {
+        match &self.x_fp8 {
+            Some((x, scales)) => Tokens::Fp8 { x, scales },
+            None => Tokens::Bf16(&self.x_bf16),
+        }
+    }
+}
+
+/// Rank `rank`'s inputs, from `(seed, rank)` alone.
+pub fn rank_inputs(cfg: &EpConfig, p: &NormalBenchParams, rank: usize) -> Result<RankInputs> {
+    let mut rng = SplitMix64(p.seed ^ (rank as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    let (t, h) = (p.num_tokens, cfg.hidden);
+    let x_bf16: Vec<u16> = (0..t * h).map(|_| f32_to_bf16((rng.unit_f32() - 0.5) * 4.0)).collect();
+    let shape =
+        LayoutShape::new(t, cfg.num_topk, cfg.num_experts, cfg.num_ranks, cfg.ranks_per_node)?;
+    let topk_idx = random_topk_idx(&mut rng, shape, p.drop_pct, false);
+    let topk_weights = (0..t * cfg.num_topk).map(|_| rng.unit_f32()).collect();
+    let x_fp8 = match cfg.dispatch_dtype {
+        DispatchDtype::Fp8E4m3 => Some(quantize_bf16(&x_bf16, h, false)?),
+        DispatchDtype::Bf16 => None,
+    };
+    Ok(RankInputs { x_bf16, x_fp8, topk_idx, topk_weights })
+}
+
+/// The bf16 rows a rank feeds to combine: `recv_x` itself (bf16), or dequantized (fp8).
+pub fn combine_input(recv_x: &refm::Tokens, hidden: usize) -> Result<Vec<u16>> {
+    match recv_x {
+        refm::Tokens::Bf16(x) => Ok(x.clone()),
+        refm::Tokens::Fp8 { x, scales } => {
+            let g = hidden / 128;
+            let rows = x.len() / hidden;
+            let mut out = Vec::with_capacity(x.len());
+            let mut row = vec![0f32; hidden];
+            for r in 0..rows {
+                dequantize_row(
+                    &x[r * hidden..(r + 1) * hidden],
+                    &scales[r * g..(r + 1) * g],
+                    &mut row,
+                )?;
+                out.extend(row.iter().map(|&v| f32_to_bf16(v)));
+            }
+            Ok(out)
+        }
+    }
+}
+
+/// The reference outputs of every rank: dispatch, then combine of [`combine_input`].
+pub fn reference(
+    cfg: &EpConfig,
+    inputs: &[RankInputs],
+    expert_alignment: usize,
+    num_worst_tokens: Option<usize>,
+    combine_weights: bool,
+) -> Result<(Vec<NormalDispatchOut>, Vec<NormalCombineOut>)> {
+    let params = refm::NormalParams {
+        num_experts: cfg.num_experts,
+        hidden: cfg.hidden,
+        num_topk: cfg.num_topk,
+        expert_alignment,
+        num_worst_tokens,
+    };
+    let rin: Vec<refm::NormalRankInput> = inputs
+        .iter()
+        .map(|i| refm::NormalRankInput {
+            x: i.tokens(),
+            topk_idx: &i.topk_idx,
+            topk_weights: &i.topk_weights,
+        })
+        .collect();
+    let d = refm::normal_dispatch(&params, &rin)?;
+    let xs: Vec<Vec<u16>> =
+        d.iter().map(|o| combine_input(&o.recv_x, cfg.hidden)).collect::<Result<_>>()?;
+    let cin: Vec<refm::NormalCombineInput> = d
+        .iter()
+        .zip(&xs)
+        .map(|(o, x)| refm::NormalCombineInput {
+            x,
+            topk_weights: combine_weights.then_some(&o.recv_topk_weights[..]),
+        })
+        .collect();
+    let c = refm::normal_combine(&params, &d, &cin)?;
+    Ok((d, c))
+}
+
+/// Compares a dispatch result with the reference; the error names the rank and the field.
+pub fn check_dispatch(rank: usize, got: &DispatchOutput, want: &NormalDispatchOut) -> Result<()> {
+    let bad = |what: &str| {
+        Err(Error::Other(format!("rank {rank}: dispatch {what} differs from the reference")))
+    };
+    if got.recv_x != want.recv_x {
+        return bad("recv_x");
+    }
+    if !got.recv_topk_idx.is_empty() && got.recv_topk_idx != want.recv_topk_idx {
+        return bad("recv_topk_idx");
+    }
+    if !got.recv_topk_weights.is_empty() && got.recv_topk_weights != want.recv_topk_weights {
+        return bad("recv_topk_weights");
+    }
+    if got.num_recv_tokens_per_expert != want.num_recv_tokens_per_expert {
+        return bad("num_recv_tokens_per_expert");
+    }
+    if got.num_recv_tokens != want.num_recv_tokens {
+        return bad("num_recv_tokens");
+    }
+    let prefix: Vec<usize> = got.handle.rank_prefix().iter().map(|&v| v as usize).collect();
+    if prefix != want.rank_prefix {
+        return bad("rank_prefix");
+    }
+    if got.handle.recv_src_idx() != &want.recv_src_idx[..] {
+        return bad("source indices");
+    }
+    Ok(())
+}
+
+/// Timings and sizes of [`run_normal`] on this rank.
+#[derive(Clone, Debug)]
+pub struct NormalBenchReport {
+    /// Per timed iteration, seconds.
+    pub dispatch_s: Vec<f64>,
+    pub combine_s: Vec<f64>,
+    /// Bytes of the tokens this rank sends in dispatch (token payload + fp8 scales, once per
+    /// destination rank), DeepEP's definition.
+    pub dispatch_bytes: u64,
+    /// Bytes of the bf16 tokens this rank receives in combine.
+    pub combine_bytes: u64,
+}
+
+/// `(median, p99)` of `v` in microseconds.
+pub fn median_p99_us(v: &[f64]) -> (f64, f64) {
+    if v.is_empty() {
+        return (f64::NAN, f64::NAN);
+    }
+    let mut s: Vec<f64> = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    let med = s[s.len() / 2];
+    let p99 = s[((s.len() as f64 * 0.99).ceil() as usize).clamp(1, s.len()) - 1];
+    (med * 1e6, p99 * 1e6)
+}
+
+impl NormalBenchReport {
+    /// `(GB/s at the median, median us, p99 us)` of dispatch.
+    pub fn dispatch_figures(&self) -> (f64, f64, f64) {
+        let (m, p) = median_p99_us(&self.dispatch_s);
+        (self.dispatch_bytes as f64 / (m * 1e-6) / 1e9, m, p)
+    }
+    /// `(GB/s at the median, median us, p99 us)` of combine.
+    pub fn combine_figures(&self) -> (f64, f64, f64) {
+        let (m, p) = median_p99_us(&self.combine_s);
+        (self.combine_bytes as f64 / (m * 1e-6) / 1e9, m, p)
+    }
+}
+
+/// Runs `warmup + iters` fresh dispatches + combines on `buf` with this rank's deterministic
+/// inputs, checks every result against the reference computed from every rank's inputs, and
+/// times the checked iterations. Collective.
+pub fn run_normal(buf: &mut Buffer, p: &NormalBenchParams) -> Result<NormalBenchReport> {
+    let cfg = buf.config().clone();
+    let rank = cfg.rank;
+    let inputs: Vec<RankInputs> =
+        (0..cfg.num_ranks).map(|r| rank_inputs(&cfg, p, r)).collect::<Result<_>>()?;
+    let (want_d, want_c) = reference(&cfg, &inputs, 1, None, p.combine_weights)?;
+    let me = &inputs[rank];
+    let layout = buf.get_dispatch_layout(&me.topk_idx)?;
+    let token_bytes = cfg.dispatch_dtype.token_bytes(cfg.hidden as u64);
+    let sent: u64 = layout.num_tokens_per_rank.iter().map(|&c| c.max(0) as u64).sum();
+    let mut rep = NormalBenchReport {
+        dispatch_s: Vec::new(),
+        combine_s: Vec::new(),
+        dispatch_bytes: sent * token_bytes,
+        combine_bytes: sent * 2 * cfg.hidden as u64,
+    };
+    if std::env::var("FEP_TEST_EP_DIE_RANK").ok().and_then(|v| v.parse().ok()) == Some(rank) {
+        // Failure tests: this rank vanishes right before its first dispatch.
+        std::process::exit(3);
+    }
+    for it in 0..p.warmup + p.iters {
+        let t0 = Instant::now();
+        let out = buf.dispatch(&DispatchArgs {
+            x: me.tokens(),
+            topk_idx: Some(&me.topk_idx),
+            topk_weights: Some(&me.topk_weights),
+            layout: Some(&layout),
+            ..DispatchArgs::default()
+        })?;
+        let td = t0.elapsed().as_secs_f64();
+        check_dispatch(rank, &out, &want_d[rank])?;
+        let x = combine_input(&out.recv_x, cfg.hidden)?;
+        let t1 = Instant::now();
+        let c = buf.combine(&CombineArgs {
+            x: &x,
+            handle: &out.handle,
+            topk_weights: p.combine_weights.then_some(&out.recv_topk_weights[..]),
+        })?;
+        let tc = t1.elapsed().as_secs_f64();
+        if c.combined_x != want_c[rank].combined_x
+            || c.combined_topk_weights != want_c[rank].combined_topk_weights
+        {
+            return Err(Error::Other(format!(
+                "rank {rank}: combine differs from the reference (iteration {it})"
+            )));
+        }
+        if it >= p.warmup {
+            rep.dispatch_s.push(td);
+            rep.combine_s.push(tc);
+        }
+    }
+    Ok(rep)
+}
