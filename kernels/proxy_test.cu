@@ -58,14 +58,17 @@ extern "C" __global__ void fep_proxy_exchange_test(const fep_proxy_exchange_para
     for (uint32_t i = 0; p.push != 0u && i < p.num_msgs; ++i) {
         const uint32_t len = fep_proxy_test::msg_len(p.rank, i, p.stride);
         uint8_t* dst = send + static_cast<uint64_t>(i) * p.stride;
-        for (uint32_t j = threadIdx.x; j < len; j += blockDim.x) dst[j] = fep_proxy_test::msg_byte(p.rank, p.peer, i, j);
+        for (uint32_t j = threadIdx.x; j < len; j += blockDim.x) {
+            dst[j] = fep_proxy_test::msg_byte(p.rank, p.peer, i, j);
+        }
         // NOTES: every writer fences its own payload stores (system scope) before the barrier,
         // so the command thread 0 publishes next never names bytes the proxy could read stale.
         __threadfence_system();
         __syncthreads();
         if (threadIdx.x == 0) {
             if (len > max_len) {
-                fep::report_error(p.dev_error, FEP_DEV_BAD_INPUT, p.rank, p.phase, p.peer, max_len, len);
+                fep::report_error(p.dev_error, FEP_DEV_BAD_INPUT, p.rank, p.phase, p.peer, max_len,
+                                  len);
                 ok = 0;
             } else {
                 fep_cmd cmd;
@@ -92,7 +95,9 @@ extern "C" __global__ void fep_proxy_exchange_test(const fep_proxy_exchange_para
     for (uint32_t i = 0; i < p.num_msgs; ++i) {
         const uint32_t len = fep_proxy_test::msg_len(p.peer, i, p.stride);
         const volatile uint8_t* src = recv + p.recv_base + static_cast<uint64_t>(i) * p.stride;
-        for (uint32_t j = threadIdx.x; j < len; j += blockDim.x) bad += src[j] != fep_proxy_test::msg_byte(p.peer, p.rank, i, j);
+        for (uint32_t j = threadIdx.x; j < len; j += blockDim.x) {
+            bad += src[j] != fep_proxy_test::msg_byte(p.peer, p.rank, i, j);
+        }
     }
     if (bad != 0u) atomicAdd(reinterpret_cast<uint32_t*>(p.mismatches), bad);
 }

@@ -182,7 +182,8 @@ run() {
     case " ${FEP_GPU_TESTS:-$name} " in *" $name "*) ;; *) continue ;; esac
     echo "===== $name" >>"$tests_log"
     set +e
-    timeout 300 "$t" --include-ignored --test-threads=1 >>"$tests_log" 2>&1
+    # --nocapture: the tests' own lines (timeout paths, what each rank checked) reach the log.
+    timeout 300 "$t" --include-ignored --test-threads=1 --nocapture >>"$tests_log" 2>&1
     rc=$?
     set -e
     line=$(awk -v n="===== $name" '$0==n{f=1} f && /^test result:/{print; exit}' "$tests_log")
@@ -195,7 +196,8 @@ run() {
     echo "===== compute-sanitizer memcheck gpu_proxy (two processes, shm)" >>"$tests_log"
     set +e
     FEP_TEST_PROVIDERS=shm timeout 120 compute-sanitizer --tool memcheck --target-processes all \
-      --error-exitcode 9 "$b/tests/gpu_proxy" --include-ignored --test-threads=1 exchange >>"$tests_log" 2>&1
+      --error-exitcode 9 "$b/tests/gpu_proxy" --include-ignored --test-threads=1 --nocapture exchange \
+      >>"$tests_log" 2>&1
     local rc=$?
     set -e
     [ "$rc" -eq 0 ] || fail=1

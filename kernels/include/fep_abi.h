@@ -123,12 +123,12 @@ typedef struct fep_proxy_exchange_params {
     uint64_t send;          /* uint8_t* this rank's send region, GPU address (mapped host memory) */
     uint64_t recv;          /* const uint8_t* this rank's receive region, GPU address */
     uint64_t arrivals;      /* const uint64_t*: arrivals of the slot the peer writes (mapped) */
-    uint64_t mismatches;    /* uint32_t* (DEVICE memory): received bytes that differ from the pattern */
+    uint64_t mismatches;    /* uint32_t* (DEVICE memory): received bytes unlike the pattern */
     fep_dev_error_ref dev_error;
     uint64_t budget_cycles; /* per bounded wait (ring full, arrivals) */
     uint64_t arrival_base;  /* arrivals counted on that slot before this launch */
     uint64_t remote_base;   /* bytes into the PEER's receive region where this rank's messages go */
-    uint64_t recv_base;     /* bytes into THIS rank's receive region where the peer's messages are */
+    uint64_t recv_base;     /* bytes into THIS rank's receive region of the peer's messages */
     uint32_t capacity;      /* ring entries, > 0 */
     uint32_t num_msgs;      /* messages each way; message i at offset i * stride on both sides */
     uint32_t stride;        /* bytes reserved per message; lengths are at most this */
@@ -147,7 +147,7 @@ typedef struct fep_proxy_exchange_params {
 typedef struct fep_proxy_pingpong_params {
     uint64_t ring;          /* fep_ring_hdr* + `capacity` fep_cmd (mapped host memory) */
     uint64_t arrivals;      /* const uint64_t*: the counter this rank waits on (mapped) */
-    uint64_t timestamps;    /* uint64_t [iters + 1] (device memory): clock64 at start, after each round */
+    uint64_t timestamps;    /* uint64_t [iters + 1] (device memory): clock64 at start, per round */
     uint64_t globaltimer;   /* uint64_t [2] (device memory): %globaltimer at start and end */
     fep_dev_error_ref dev_error;
     uint64_t budget_cycles; /* per bounded wait */
@@ -176,7 +176,7 @@ static_assert(offsetof(fep_layout_params, num_tokens) == 64, "fep_layout_params 
 static_assert(offsetof(fep_ring_push_test_params, capacity) == 48, "fep_ring_push_test_params");
 static_assert(sizeof(fep_proxy_exchange_params) == 128, "fep_proxy_exchange_params layout");
 static_assert(sizeof(fep_proxy_pingpong_params) == 120, "fep_proxy_pingpong_params layout");
-static_assert(offsetof(fep_proxy_exchange_params, capacity) == 88, "fep_proxy_exchange_params fields");
+static_assert(offsetof(fep_proxy_exchange_params, capacity) == 88, "fep_proxy_exchange_params");
 static_assert(offsetof(fep_proxy_pingpong_params, cmd) == 64, "fep_proxy_pingpong_params fields");
 #endif
 
