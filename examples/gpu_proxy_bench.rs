@@ -14,6 +14,20 @@
 //!     provider and message size, half round trip as it reports usec/xfer) run in the same job.
 //!     Two processes on one GPU time-slice unless MPS is running: the run says which.
 //!
+//! Measured on the H200 machine (2026-11-29, bundle dfd83ca, `bash gpu-bundle/gpu-check.sh run`,
+//! 16 CPUs, Debian's libfabric 1.17 carried in the bundle for both this and fi_pingpong):
+//!
+//! | path | bytes | one-way median | p99 | fi_pingpong (same provider, size) |
+//! |---|---|---|---|---|
+//! | (a) bare ring, CPU spin thread | 0 | 2.55 us | 2.61 us | |
+//! | (a) proxy worker + loopback | 8 | 2.69 us | 2.75 us | |
+//! | (b) shm, 2 procs, MPS | 8 / 64 / 4096 | 5.94 / 5.95 / 6.97 us | 9.6 / 9.2 / 11.2 us | 0.95 / 0.99 / 2.65 us |
+//! | (b) tcp;ofi_rxm, 2 procs, MPS | 64 | 12.03 us | 19.0 us | 13.73 us |
+//! | (b) shm, 2 procs, no MPS (time-sliced) | 64 | 2246 us | 2247 us | 1.34 us |
+//!
+//! (b)'s gap to fi_pingpong is the two GPU<->host-memory crossings per direction (kernel push seen
+//! by the CPU, arrival counter seen by the kernel), about what (a) measures for a whole (a) round.
+//!
 //! `gpu_proxy_bench [--iters N] [--warmup N] [--sizes 8,64,4096] [--provider shm]
 //!  [--remote-iters N] [--remote-warmup N] [--skip-local] [--skip-remote] [--label TEXT]`
 
