@@ -21,6 +21,10 @@ const _: () = assert!(offset_of!(fep_ring_hdr, tail) == 64);
 const _: () = assert!(offset_of!(fep_dev_error, expected) == 16);
 const _: () = assert!(offset_of!(fep_layout_params, num_tokens) == 64);
 const _: () = assert!(offset_of!(fep_ring_push_test_params, capacity) == 48);
+const _: () = assert!(size_of::<fep_proxy_exchange_params>() == 128);
+const _: () = assert!(size_of::<fep_proxy_pingpong_params>() == 120);
+const _: () = assert!(offset_of!(fep_proxy_exchange_params, capacity) == 88);
+const _: () = assert!(offset_of!(fep_proxy_pingpong_params, cmd) == 64);
 
 /// Size of the ring header plus `capacity` commands: what a ring's mapped allocation holds.
 pub const fn ring_bytes(capacity: usize) -> usize {
@@ -44,6 +48,8 @@ mod tests {
             ("fep_layout_params", size_of::<fep_layout_params>()),
             ("fep_wait_test_params", size_of::<fep_wait_test_params>()),
             ("fep_ring_push_test_params", size_of::<fep_ring_push_test_params>()),
+            ("fep_proxy_exchange_params", size_of::<fep_proxy_exchange_params>()),
+            ("fep_proxy_pingpong_params", size_of::<fep_proxy_pingpong_params>()),
         ];
         let mut seen = 0;
         for line in HEADER.lines() {

@@ -115,6 +115,52 @@ typedef struct fep_ring_push_test_params {
     uint32_t phase;
 } fep_ring_push_test_params; /* 72 bytes */
 
+/* ---- proxy kernels (kernels/proxy_test.cu): a kernel drives the real CPU proxy ---------------
+ * Message `i` of rank `src` for rank `dst` is fep_msg_len(src, i, stride) bytes (0 = count-only)
+ * of fep_msg_byte(src, dst, i, j); the Rust tests compute the same functions (tests/gpu_proxy*). */
+typedef struct fep_proxy_exchange_params {
+    uint64_t ring;          /* fep_ring_hdr* + `capacity` fep_cmd (mapped host memory) */
+    uint64_t send;          /* uint8_t* this rank's send region, GPU address (mapped host memory) */
+    uint64_t recv;          /* const uint8_t* this rank's receive region, GPU address */
+    uint64_t arrivals;      /* const uint64_t*: arrivals of the slot the peer writes (mapped) */
+    uint64_t mismatches;    /* uint32_t* (DEVICE memory): received bytes unlike the pattern */
+    fep_dev_error_ref dev_error;
+    uint64_t budget_cycles; /* per bounded wait (ring full, arrivals) */
+    uint64_t arrival_base;  /* arrivals counted on that slot before this launch */
+    uint64_t remote_base;   /* bytes into the PEER's receive region where this rank's messages go */
+    uint64_t recv_base;     /* bytes into THIS rank's receive region of the peer's messages */
+    uint32_t capacity;      /* ring entries, > 0 */
+    uint32_t num_msgs;      /* messages each way; message i at offset i * stride on both sides */
+    uint32_t stride;        /* bytes reserved per message; lengths are at most this */
+    uint32_t rank;
+    uint32_t peer;
+    uint32_t phase;
+    uint32_t imm_slot;      /* the counter slot this rank's messages name at the peer */
+    uint32_t value_bits;    /* imm = imm_slot << value_bits | length (length must fit) */
+    uint32_t push;          /* 0: push nothing (a silent rank), only wait */
+    uint32_t _pad;
+} fep_proxy_exchange_params; /* 128 bytes */
+
+/* Ping-pong through the proxy: the initiator pushes then waits, the responder waits then pushes,
+ * `iters` times; thread 0 stamps clock64 after every round (and globaltimer at both ends, so the
+ * host converts cycles to ns). */
+typedef struct fep_proxy_pingpong_params {
+    uint64_t ring;          /* fep_ring_hdr* + `capacity` fep_cmd (mapped host memory) */
+    uint64_t arrivals;      /* const uint64_t*: the counter this rank waits on (mapped) */
+    uint64_t timestamps;    /* uint64_t [iters + 1] (device memory): clock64 at start, per round */
+    uint64_t globaltimer;   /* uint64_t [2] (device memory): %globaltimer at start and end */
+    fep_dev_error_ref dev_error;
+    uint64_t budget_cycles; /* per bounded wait */
+    uint64_t arrival_base;  /* the counter's value before this launch */
+    fep_cmd cmd;            /* what every push sends (seq is filled in by the push) */
+    uint32_t capacity;
+    uint32_t iters;
+    uint32_t initiator;     /* 1: push, then wait; 0: wait, then push */
+    uint32_t rank;
+    uint32_t peer;
+    uint32_t phase;
+} fep_proxy_pingpong_params; /* 120 bytes */
+
 #ifdef __cplusplus
 static_assert(sizeof(fep_cmd) == 32, "fep_cmd layout");
 static_assert(sizeof(fep_ring_hdr) == 128, "fep_ring_hdr layout");
@@ -128,6 +174,10 @@ static_assert(offsetof(fep_ring_hdr, tail) == 64, "fep_ring_hdr tail on its own 
 static_assert(offsetof(fep_dev_error, expected) == 16, "fep_dev_error fields");
 static_assert(offsetof(fep_layout_params, num_tokens) == 64, "fep_layout_params fields");
 static_assert(offsetof(fep_ring_push_test_params, capacity) == 48, "fep_ring_push_test_params");
+static_assert(sizeof(fep_proxy_exchange_params) == 128, "fep_proxy_exchange_params layout");
+static_assert(sizeof(fep_proxy_pingpong_params) == 120, "fep_proxy_pingpong_params layout");
+static_assert(offsetof(fep_proxy_exchange_params, capacity) == 88, "fep_proxy_exchange_params");
+static_assert(offsetof(fep_proxy_pingpong_params, cmd) == 64, "fep_proxy_pingpong_params fields");
 #endif
 
 #endif /* FEP_ABI_H */

@@ -126,3 +126,41 @@ pub unsafe fn ring_push_test(stream: &Stream, p: abi::fep_ring_push_test_params)
     }
     launch(stream, Kernel::RingPushTest, LaunchConfig { grid: 1, block: 32, shared_bytes: 0 }, &p)
 }
+
+/// Threads per block of `fep_proxy_exchange_test`.
+pub const PROXY_EXCHANGE_THREADS: u32 = 256;
+
+/// `fep_proxy_exchange_test` (kernels/proxy_test.cu): one block writes `num_msgs` payloads into
+/// the send region and pushes their commands to the proxy ring, waits (bounded) for the peer's
+/// arrivals, then counts received bytes that differ from the pattern into `p.mismatches`.
+///
+/// # Safety
+/// `p.ring` (header + `capacity` commands), `p.send` and `p.recv` (mapped host memory covering
+/// every message), `p.arrivals`, `p.mismatches` (device memory, 4 bytes) and `p.dev_error` are
+/// live until the launch completes; the proxy does not read a send slot before its command.
+pub unsafe fn proxy_exchange_test(
+    stream: &Stream,
+    p: abi::fep_proxy_exchange_params,
+) -> CudaResult<()> {
+    if p.capacity == 0 || p.stride == 0 {
+        return Err(CudaError::InvalidArgument {
+            arg: "p",
+            msg: format!("capacity {} and stride {} must be > 0", p.capacity, p.stride),
+        });
+    }
+    let cfg = LaunchConfig { grid: 1, block: PROXY_EXCHANGE_THREADS, shared_bytes: 0 };
+    launch(stream, Kernel::ProxyExchangeTest, cfg, &p)
+}
+
+/// `fep_proxy_pingpong` (kernels/proxy_test.cu): one thread, `iters` rounds through the proxy,
+/// clock64 stamped into `p.timestamps[0..=iters]`, globaltimer into `p.globaltimer[0..2]`.
+///
+/// # Safety
+/// `p.ring`, `p.arrivals`, `p.timestamps` (`iters + 1` u64), `p.globaltimer` (2 u64) and
+/// `p.dev_error` are live until the launch completes.
+pub unsafe fn proxy_pingpong(stream: &Stream, p: abi::fep_proxy_pingpong_params) -> CudaResult<()> {
+    if p.capacity == 0 {
+        return Err(CudaError::InvalidArgument { arg: "capacity", msg: "must be > 0".into() });
+    }
+    launch(stream, Kernel::ProxyPingpong, LaunchConfig { grid: 1, block: 32, shared_bytes: 0 }, &p)
+}

@@ -22,14 +22,18 @@ pub enum Kernel {
     DispatchLayoutCluster,
     WaitTest,
     RingPushTest,
+    ProxyExchangeTest,
+    ProxyPingpong,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 4] = [
+    pub const ALL: [Kernel; 6] = [
         Kernel::DispatchLayout,
         Kernel::DispatchLayoutCluster,
         Kernel::WaitTest,
         Kernel::RingPushTest,
+        Kernel::ProxyExchangeTest,
+        Kernel::ProxyPingpong,
     ];
 
     /// The `extern "C"` symbol in kernels/*.cu.
@@ -39,6 +43,8 @@ impl Kernel {
             Kernel::DispatchLayoutCluster => "fep_dispatch_layout_cluster",
             Kernel::WaitTest => "fep_wait_test",
             Kernel::RingPushTest => "fep_ring_push_test",
+            Kernel::ProxyExchangeTest => "fep_proxy_exchange_test",
+            Kernel::ProxyPingpong => "fep_proxy_pingpong",
         }
     }
 }

@@ -1,39 +1,24 @@
-//! `#[repr(C)]` mirrors of the ring records in `kernels/include/fep_abi.h`.
+//! The ring records of `kernels/include/fep_abi.h`, as the proxy names them: aliases of the
+//! bindgen-generated structs in [`crate::abi`], so the proxy, the kernels and the CUDA layer
+//! share one definition and cannot drift.
 //!
-//! NOTES: these must match fep_abi.h byte for byte (the asserts below pin sizes and offsets). They
-//! move to `crate::abi` (bindgen-generated) at merge; until then this is the proxy's own copy.
+//! NOTES: the asserts below repeat the offsets the proxy's code relies on (head and tail on their
+//! own 64-byte lines, `seq` last); `crate::abi` checks the sizes against the header's own
+//! `static_assert`s.
 
 use std::mem::{offset_of, size_of};
 
-/// One proxy command (`fep_cmd`, 32 bytes): written by the producer, read by the proxy worker.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct FepCmd {
-    /// Bytes into the sender's registered send region.
-    pub local_offset: u64,
-    /// Bytes into the receiver's registered receive region.
-    pub remote_offset: u64,
-    /// Bytes to write; 0 is a valid count-only message.
-    pub length: u32,
-    /// Global rank of the receiver.
-    pub dst_rank: u32,
-    /// Immediate data delivered with the write (`slot << value_bits | value`).
-    pub imm: u32,
-    /// Low 32 bits of the entry's ticket; the consumer checks it.
-    pub seq: u32,
-}
+use crate::abi;
 
-/// The ring header (`fep_ring_hdr`, 128 bytes): head and tail on their own 64-byte lines.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct FepRingHdr {
-    /// Written by the producer only: tickets `[0, head)` are published.
-    pub head: u64,
-    pub _pad0: [u64; 7],
-    /// Written by the consumer only: tickets `[0, tail)` are consumed.
-    pub tail: u64,
-    pub _pad1: [u64; 7],
-}
+/// One proxy command (`fep_cmd`, 32 bytes): written by the producer, read by the proxy worker.
+/// Fields: `local_offset` (bytes into the sender's send region), `remote_offset` (bytes into the
+/// receiver's receive region), `length` (0 is a valid count-only message), `dst_rank`, `imm`
+/// (`slot << value_bits | value`) and `seq` (low 32 bits of the entry's ticket).
+pub type FepCmd = abi::fep_cmd;
+
+/// The ring header (`fep_ring_hdr`, 128 bytes): `head` (producer) and `tail` (consumer) on their
+/// own 64-byte lines.
+pub type FepRingHdr = abi::fep_ring_hdr;
 
 /// Bytes of one command entry.
 pub const CMD_BYTES: usize = size_of::<FepCmd>();
@@ -54,3 +39,4 @@ const _: () = assert!(offset_of!(FepCmd, seq) == 28);
 const _: () = assert!(size_of::<FepRingHdr>() == 128, "fep_ring_hdr layout");
 const _: () = assert!(offset_of!(FepRingHdr, head) == 0);
 const _: () = assert!(offset_of!(FepRingHdr, tail) == 64);
+const _: () = assert!(RING_HDR_BYTES + 4 * CMD_BYTES == abi::ring_bytes(4));
