@@ -21,6 +21,7 @@ test: setup
 bench: setup
 	$(CARGO) run --release --bin ep-bench --
 
+# The C example links the cdylib/staticlib: tests/ffi_example.rs builds them (`cargo build --lib`).
 lint: setup
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings

@@ -15,6 +15,46 @@
 #define FEP_ABI_VERSION 1
 
 /**
+ * `fep_tensor.dtype`: bf16 (as 16-bit words).
+ */
+#define FEP_DTYPE_BF16 0
+
+/**
+ * `fep_tensor.dtype`: fp8 e4m3fn bytes.
+ */
+#define FEP_DTYPE_FP8_E4M3 1
+
+/**
+ * `fep_tensor.dtype`: float32.
+ */
+#define FEP_DTYPE_F32 2
+
+/**
+ * `fep_tensor.dtype`: int64.
+ */
+#define FEP_DTYPE_I64 3
+
+/**
+ * `fep_tensor.dtype`: int32.
+ */
+#define FEP_DTYPE_I32 4
+
+/**
+ * `fep_tensor.dtype`: bool (one byte).
+ */
+#define FEP_DTYPE_BOOL 5
+
+/**
+ * `fep_config.backend`: CPU threads over host memory (no GPU needed).
+ */
+#define FEP_BACKEND_HOST 0
+
+/**
+ * `fep_config.backend`: CUDA kernels.
+ */
+#define FEP_BACKEND_GPU 1
+
+/**
  * Every `fep_*` call returns one of these. Errors live in their own range (7000..7100) so they
  * cannot be confused with errno, CUresult or libfabric codes.
  */
@@ -32,6 +72,120 @@ typedef enum fep_status {
   FEP_ERR_VERSION = 7010,
   FEP_ERR_INTERNAL = 7011,
 } fep_status;
+
+/**
+ * An EP buffer (opaque).
+ */
+typedef struct fep_buffer fep_buffer;
+
+/**
+ * A dispatch's handle and, until copied out, its outputs (opaque).
+ */
+typedef struct fep_handle fep_handle;
+
+/**
+ * Buffer configuration. Begins with its size and version (fill them with `fep_config_init`
+ * or `FEP_CONFIG_INIT`); zero fields take their defaults, -1 rank fields come from the
+ * environment (torchrun variables) or the all-gather callback's caller.
+ */
+typedef struct fep_config {
+  /**
+   * `sizeof(fep_config)`.
+   */
+  uint32_t struct_size;
+  /**
+   * `FEP_ABI_VERSION`.
+   */
+  uint32_t version;
+  /**
+   * This rank; -1: `RANK`.
+   */
+  int32_t rank;
+  /**
+   * World size; -1: `WORLD_SIZE`.
+   */
+  int32_t num_ranks;
+  /**
+   * Ranks per node; 0: `LOCAL_WORLD_SIZE` (or up to 8 dividing the world).
+   */
+  int32_t ranks_per_node;
+  /**
+   * Rank within the node; -1: `LOCAL_RANK` (or rank % ranks_per_node).
+   */
+  int32_t local_rank;
+  int32_t num_experts;
+  int32_t hidden;
+  int32_t num_topk;
+  /**
+   * Low-latency capacity; 0: 128.
+   */
+  int32_t max_tokens_per_rank;
+  /**
+   * `FEP_DTYPE_BF16` or `FEP_DTYPE_FP8_E4M3`.
+   */
+  int32_t dispatch_dtype;
+  /**
+   * SM budget; 0: 20.
+   */
+  int32_t num_sms;
+  /**
+   * Normal-mode chunk tokens; 0: 64.
+   */
+  int32_t chunk_tokens;
+  /**
+   * Normal-mode slots per peer; 0: 4.
+   */
+  int32_t slots_per_peer;
+  /**
+   * `FEP_BACKEND_HOST` or `FEP_BACKEND_GPU`.
+   */
+  int32_t backend;
+  int32_t reserved;
+  /**
+   * Bound on every wait, seconds; 0: 60.
+   */
+  double timeout_s;
+  /**
+   * libfabric provider ("shm", "tcp;ofi_rxm", "efa", ...); NULL: `FI_PROVIDER`, else "shm".
+   */
+  const char *provider;
+} fep_config;
+
+/**
+ * What a configuration needs, per rank.
+ */
+typedef struct fep_size_hints {
+  /**
+   * Normal mode: receive + send staging + notify bytes (independent of the token count).
+   */
+  uint64_t normal_bytes;
+  /**
+   * Low latency: both alternating buffer sets.
+   */
+  uint64_t ll_bytes;
+  /**
+   * Memory regions the normal buffers need at `FEP_MR_MAX_BYTES` (default 1 GiB) each.
+   */
+  uint64_t normal_regions;
+  uint64_t ll_regions;
+} fep_size_hints;
+
+/**
+ * Equal-length all-gather supplied by the caller (e.g. over a torch process group): `send` has
+ * `len` bytes; `recv` has `len * num_ranks`, rank r's contribution at `r * len`. Return 0 on
+ * success. It must carry its own timeout.
+ */
+typedef int (*fep_allgather_fn)(const void *send, size_t len, void *recv, void *user);
+
+/**
+ * A dense, row-major tensor: data pointer, dtype (`FEP_DTYPE_*`) and shape.
+ */
+typedef struct fep_tensor {
+  void *data;
+  int32_t dtype;
+  int32_t ndim;
+  int64_t shape[4];
+} fep_tensor;
 
 #ifdef __cplusplus
 extern "C" {
@@ -80,6 +234,126 @@ enum fep_status fep_plan_table(int64_t num_ranks,
                                char *buf,
                                size_t len,
                                size_t *needed);
+
+/**
+ * Fills `cfg` with its size, version and defaults (zero / -1 fields).
+ *
+ * # Safety
+ * `cfg` must point at a writable `fep_config`.
+ */
+enum fep_status fep_config_init(struct fep_config *cfg);
+
+/**
+ * Bytes and memory regions a configuration needs per rank (no communication).
+ *
+ * # Safety
+ * `cfg` and `out` must be valid pointers.
+ */
+enum fep_status fep_get_size_hints(const struct fep_config *cfg, struct fep_size_hints *out);
+
+/**
+ * Creates a buffer: validates `cfg`, bootstraps (through `allgather` when given, else the
+ * torchrun/PyTorchJob environment variables), exchanges a config hash (a mismatch is
+ * `FEP_ERR_CONFIG_MISMATCH` naming the rank), allocates, registers and connects.
+ *
+ * # Safety
+ * `cfg` and `out` must be valid; `allgather` (if given) must be callable with `user` from this
+ * thread for the duration of the call.
+ */
+enum fep_status fep_buffer_create(const struct fep_config *cfg,
+                                  fep_allgather_fn allgather,
+                                  void *user,
+                                  struct fep_buffer **out);
+
+/**
+ * Tears the buffer down (a bounded barrier with the other ranks, then teardown) and frees it.
+ * NULL is a no-op. The pointer is invalid afterwards, whatever the status.
+ *
+ * # Safety
+ * `buf` must come from `fep_buffer_create` and not be used afterwards.
+ */
+enum fep_status fep_buffer_destroy(struct fep_buffer *buf);
+
+/**
+ * Frees a dispatch handle. NULL is a no-op.
+ *
+ * # Safety
+ * `handle` must come from `fep_dispatch` and not be used afterwards.
+ */
+void fep_handle_destroy(struct fep_handle *handle);
+
+/**
+ * Normal dispatch, step 1 (DeepEP V1 semantics): sends this rank's tokens and receives its
+ * share; `*num_recv_tokens` tells the caller how many rows to allocate for step 2
+ * (`fep_handle_copy_out`). `x`: `[T, H]` bf16, or fp8 e4m3 with `x_scales` `[T, H/128]` f32;
+ * `topk_idx` `[T, K]` i64 (-1 = none) and `topk_weights` `[T, K]` f32, both NULL when
+ * `cached` (a previous dispatch's handle) is given; `num_worst_tokens` 0 = as many rows as
+ * arrive. `stream`: a `CUstream` on the GPU backend, NULL on the host backend.
+ *
+ * # Safety
+ * Every non-NULL pointer must be valid for the call.
+ */
+enum fep_status fep_dispatch(struct fep_buffer *buf,
+                             const struct fep_tensor *x,
+                             const struct fep_tensor *x_scales,
+                             const struct fep_tensor *topk_idx,
+                             const struct fep_tensor *topk_weights,
+                             const struct fep_handle *cached,
+                             int32_t expert_alignment,
+                             int64_t num_worst_tokens,
+                             void *stream,
+                             struct fep_handle **out_handle,
+                             int64_t *num_recv_tokens);
+
+/**
+ * Normal dispatch, step 2: copies the outputs into caller tensors of `rows` =
+ * `*num_recv_tokens` from step 1 (or `num_worst_tokens`): `recv_x` `[rows, H]` (bf16, or fp8
+ * with `recv_x_scales` `[rows, H/128]` f32), `recv_topk_idx` `[rows, K]` i64 (local expert ids,
+ * -1 where not local), `recv_topk_weights` `[rows, K]` f32, `num_recv_tokens_per_expert`
+ * `[local_experts]` i32. Optional outputs may be NULL. Can be called once per handle.
+ *
+ * # Safety
+ * Every non-NULL pointer must be valid for the call.
+ */
+enum fep_status fep_handle_copy_out(struct fep_handle *handle,
+                                    struct fep_tensor *recv_x,
+                                    struct fep_tensor *recv_x_scales,
+                                    struct fep_tensor *recv_topk_idx,
+                                    struct fep_tensor *recv_topk_weights,
+                                    struct fep_tensor *num_recv_tokens_per_expert);
+
+/**
+ * Number of rows of the dispatch outputs this handle holds.
+ *
+ * # Safety
+ * `handle` must be valid or NULL (returns -1).
+ */
+int64_t fep_handle_num_recv_tokens(const struct fep_handle *handle);
+
+/**
+ * Normal combine with a dispatch handle: `x` `[rows, H]` bf16 (rows as the dispatch's outputs),
+ * optional `topk_weights` `[rows, K]` f32; writes `combined_x` `[T, H]` bf16 (per original
+ * token, the fp32 sum over the ranks it went to) and, when given, `combined_topk_weights`
+ * `[T, K]` f32.
+ *
+ * # Safety
+ * Every non-NULL pointer must be valid for the call.
+ */
+enum fep_status fep_combine(struct fep_buffer *buf,
+                            const struct fep_handle *handle,
+                            const struct fep_tensor *x,
+                            const struct fep_tensor *topk_weights,
+                            struct fep_tensor *combined_x,
+                            struct fep_tensor *combined_topk_weights,
+                            void *stream);
+
+/**
+ * This buffer's rank and world size.
+ *
+ * # Safety
+ * `buf` must be valid; `rank`/`num_ranks` may be NULL.
+ */
+enum fep_status fep_buffer_rank(struct fep_buffer *buf, int32_t *rank, int32_t *num_ranks);
 
 /**
  * A static, human-readable name for a status (any integer is accepted).

@@ -8,7 +8,10 @@
 
 #![allow(non_camel_case_types)]
 
+mod buffer;
 mod status;
+
+pub use buffer::*;
 
 pub use status::*;
 

@@ -95,7 +95,7 @@ pub extern "C" fn fep_status_string(status: i32) -> *const c_char {
         FEP_ERR_INTERNAL,
     ];
     let Some(status) = ALL.iter().copied().find(|s| *s as i32 == status) else {
-        return b"unknown status\0".as_ptr().cast();
+        return c"unknown status".as_ptr();
     };
     let s: &'static [u8] = match status {
         FEP_OK => b"ok\0",

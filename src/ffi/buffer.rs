@@ -1,0 +1,728 @@
+//! The Buffer part of the C ABI: config, size hints, create/destroy, normal dispatch (two-step
+//! and `num_worst_tokens` forms) and combine.
+//!
+//! Ownership: `fep_buffer_create` returns a buffer the caller frees with `fep_buffer_destroy`;
+//! `fep_dispatch` returns a handle the caller frees with `fep_handle_destroy` (after its last
+//! use as a cached handle or by `fep_combine`). Tensors are borrowed for the call only.
+
+use std::ffi::CStr;
+use std::os::raw::{c_char, c_int, c_void};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{guard, usize_arg, FEP_ABI_VERSION};
+use crate::bootstrap::{Bootstrap, CallbackBootstrap, TcpStore};
+use crate::ep::buffer::DispatchOutput;
+use crate::ep::buffer::{
+    Backend, Buffer, BufferOptions, CombineArgs, DispatchArgs, OwnedTokens, Tokens,
+};
+use crate::ep::config::{DispatchDtype, EpConfig, EpSettings};
+use crate::ep::handle::DispatchHandle;
+use crate::error::Error;
+
+/// `fep_tensor.dtype`: bf16 (as 16-bit words).
+pub const FEP_DTYPE_BF16: i32 = 0;
+/// `fep_tensor.dtype`: fp8 e4m3fn bytes.
+pub const FEP_DTYPE_FP8_E4M3: i32 = 1;
+/// `fep_tensor.dtype`: float32.
+pub const FEP_DTYPE_F32: i32 = 2;
+/// `fep_tensor.dtype`: int64.
+pub const FEP_DTYPE_I64: i32 = 3;
+/// `fep_tensor.dtype`: int32.
+pub const FEP_DTYPE_I32: i32 = 4;
+/// `fep_tensor.dtype`: bool (one byte).
+pub const FEP_DTYPE_BOOL: i32 = 5;
+
+/// `fep_config.backend`: CPU threads over host memory (no GPU needed).
+pub const FEP_BACKEND_HOST: i32 = 0;
+/// `fep_config.backend`: CUDA kernels.
+pub const FEP_BACKEND_GPU: i32 = 1;
+
+/// A dense, row-major tensor: data pointer, dtype (`FEP_DTYPE_*`) and shape.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct fep_tensor {
+    pub data: *mut c_void,
+    pub dtype: i32,
+    pub ndim: i32,
+    pub shape: [i64; 4],
+}
+
+/// Buffer configuration. Begins with its size and version (fill them with `fep_config_init`
+/// or `FEP_CONFIG_INIT`); zero fields take their defaults, -1 rank fields come from the
+/// environment (torchrun variables) or the all-gather callback's caller.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct fep_config {
+    /// `sizeof(fep_config)`.
+    pub struct_size: u32,
+    /// `FEP_ABI_VERSION`.
+    pub version: u32,
+    /// This rank; -1: `RANK`.
+    pub rank: i32,
+    /// World size; -1: `WORLD_SIZE`.
+    pub num_ranks: i32,
+    /// Ranks per node; 0: `LOCAL_WORLD_SIZE` (or up to 8 dividing the world).
+    pub ranks_per_node: i32,
+    /// Rank within the node; -1: `LOCAL_RANK` (or rank % ranks_per_node).
+    pub local_rank: i32,
+    pub num_experts: i32,
+    pub hidden: i32,
+    pub num_topk: i32,
+    /// Low-latency capacity; 0: 128.
+    pub max_tokens_per_rank: i32,
+    /// `FEP_DTYPE_BF16` or `FEP_DTYPE_FP8_E4M3`.
+    pub dispatch_dtype: i32,
+    /// SM budget; 0: 20.
+    pub num_sms: i32,
+    /// Normal-mode chunk tokens; 0: 64.
+    pub chunk_tokens: i32,
+    /// Normal-mode slots per peer; 0: 4.
+    pub slots_per_peer: i32,
+    /// `FEP_BACKEND_HOST` or `FEP_BACKEND_GPU`.
+    pub backend: i32,
+    pub reserved: i32,
+    /// Bound on every wait, seconds; 0: 60.
+    pub timeout_s: f64,
+    /// libfabric provider ("shm", "tcp;ofi_rxm", "efa", ...); NULL: `FI_PROVIDER`, else "shm".
+    pub provider: *const c_char,
+}
+
+/// What a configuration needs, per rank.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct fep_size_hints {
+    /// Normal mode: receive + send staging + notify bytes (independent of the token count).
+    pub normal_bytes: u64,
+    /// Low latency: both alternating buffer sets.
+    pub ll_bytes: u64,
+    /// Memory regions the normal buffers need at `FEP_MR_MAX_BYTES` (default 1 GiB) each.
+    pub normal_regions: u64,
+    pub ll_regions: u64,
+}
+
+/// Equal-length all-gather supplied by the caller (e.g. over a torch process group): `send` has
+/// `len` bytes; `recv` has `len * num_ranks`, rank r's contribution at `r * len`. Return 0 on
+/// success. It must carry its own timeout.
+pub type fep_allgather_fn = Option<
+    unsafe extern "C" fn(
+        send: *const c_void,
+        len: usize,
+        recv: *mut c_void,
+        user: *mut c_void,
+    ) -> c_int,
+>;
+
+/// An EP buffer (opaque).
+pub struct fep_buffer {
+    inner: Option<Buffer>,
+}
+
+/// A dispatch's handle and, until copied out, its outputs (opaque).
+pub struct fep_handle {
+    handle: DispatchHandle,
+    out: Option<DispatchOutput>,
+}
+
+/// Fills `cfg` with its size, version and defaults (zero / -1 fields).
+///
+/// # Safety
+/// `cfg` must point at a writable `fep_config`.
+#[no_mangle]
+pub unsafe extern "C" fn fep_config_init(cfg: *mut fep_config) -> super::fep_status {
+    guard(|| {
+        let c = cfg.as_mut().ok_or_else(|| Error::arg("cfg", "NULL pointer"))?;
+        *c = fep_config {
+            struct_size: std::mem::size_of::<fep_config>() as u32,
+            version: FEP_ABI_VERSION,
+            rank: -1,
+            num_ranks: -1,
+            ranks_per_node: 0,
+            local_rank: -1,
+            num_experts: 0,
+            hidden: 0,
+            num_topk: 0,
+            max_tokens_per_rank: 0,
+            dispatch_dtype: FEP_DTYPE_BF16,
+            num_sms: 0,
+            chunk_tokens: 0,
+            slots_per_peer: 0,
+            backend: FEP_BACKEND_HOST,
+            reserved: 0,
+            timeout_s: 0.0,
+            provider: std::ptr::null(),
+        };
+        Ok(())
+    })
+}
+
+fn env_usize(var: &'static str) -> Result<usize, Error> {
+    let v = std::env::var(var).map_err(|_| {
+        Error::arg("cfg", format!("{var} is not set and the config leaves it to the environment"))
+    })?;
+    v.parse().map_err(|_| Error::arg("cfg", format!("{var}={v:?} is not a non-negative integer")))
+}
+
+struct Resolved {
+    settings: EpSettings,
+    local_rank: usize,
+    backend: Backend,
+    provider: String,
+}
+
+unsafe fn resolve(cfg: *const fep_config) -> Result<Resolved, Error> {
+    let c = cfg.as_ref().ok_or_else(|| Error::arg("cfg", "NULL pointer"))?;
+    if c.version != FEP_ABI_VERSION || (c.struct_size as usize) < std::mem::size_of::<fep_config>()
+    {
+        return Err(Error::arg(
+            "cfg",
+            format!(
+                "version {} / struct_size {}: this library is ABI {FEP_ABI_VERSION} with a {}-byte fep_config (use fep_config_init)",
+                c.version,
+                c.struct_size,
+                std::mem::size_of::<fep_config>()
+            ),
+        ));
+    }
+    let pos = |name: &'static str, v: i32| -> Result<usize, Error> {
+        if v <= 0 {
+            Err(Error::arg(name, format!("{v}: must be positive")))
+        } else {
+            Ok(v as usize)
+        }
+    };
+    let rank = if c.rank < 0 { env_usize("RANK")? } else { c.rank as usize };
+    let num_ranks =
+        if c.num_ranks < 0 { env_usize("WORLD_SIZE")? } else { pos("num_ranks", c.num_ranks)? };
+    let mut s = EpSettings::new(
+        rank,
+        num_ranks,
+        pos("num_experts", c.num_experts)?,
+        pos("hidden", c.hidden)?,
+        pos("num_topk", c.num_topk)?,
+    );
+    if c.ranks_per_node > 0 {
+        s.ranks_per_node = c.ranks_per_node as usize;
+    } else if let Ok(v) = env_usize("LOCAL_WORLD_SIZE") {
+        s.ranks_per_node = v;
+    }
+    if c.max_tokens_per_rank > 0 {
+        s.max_tokens_per_rank = c.max_tokens_per_rank as usize;
+    }
+    s.dispatch_dtype = match c.dispatch_dtype {
+        FEP_DTYPE_BF16 => DispatchDtype::Bf16,
+        FEP_DTYPE_FP8_E4M3 => DispatchDtype::Fp8E4m3,
+        d => {
+            return Err(Error::arg(
+                "dispatch_dtype",
+                format!("{d}: use FEP_DTYPE_BF16 or FEP_DTYPE_FP8_E4M3"),
+            ))
+        }
+    };
+    if c.num_sms > 0 {
+        s.num_sms = c.num_sms as usize;
+    }
+    if c.chunk_tokens > 0 {
+        s.chunk_tokens = c.chunk_tokens as usize;
+    }
+    if c.slots_per_peer > 0 {
+        s.slots_per_peer = c.slots_per_peer as usize;
+    }
+    if c.timeout_s > 0.0 {
+        s.timeout = Duration::try_from_secs_f64(c.timeout_s)
+            .map_err(|e| Error::arg("timeout_s", e.to_string()))?;
+    }
+    let backend = match c.backend {
+        FEP_BACKEND_HOST => Backend::Host,
+        FEP_BACKEND_GPU => Backend::Gpu,
+        b => {
+            return Err(Error::arg(
+                "backend",
+                format!("{b}: use FEP_BACKEND_HOST or FEP_BACKEND_GPU"),
+            ))
+        }
+    };
+    let provider = if c.provider.is_null() {
+        std::env::var("FI_PROVIDER").unwrap_or_else(|_| "shm".into())
+    } else {
+        CStr::from_ptr(c.provider)
+            .to_str()
+            .map_err(|_| Error::arg("provider", "not UTF-8"))?
+            .to_string()
+    };
+    let local_rank = if c.local_rank >= 0 {
+        c.local_rank as usize
+    } else {
+        env_usize("LOCAL_RANK").unwrap_or(rank % s.ranks_per_node.max(1))
+    };
+    Ok(Resolved { settings: s, local_rank, backend, provider })
+}
+
+/// Bytes and memory regions a configuration needs per rank (no communication).
+///
+/// # Safety
+/// `cfg` and `out` must be valid pointers.
+#[no_mangle]
+pub unsafe extern "C" fn fep_get_size_hints(
+    cfg: *const fep_config,
+    out: *mut fep_size_hints,
+) -> super::fep_status {
+    guard(|| {
+        let r = resolve(cfg)?;
+        let out = out.as_mut().ok_or_else(|| Error::arg("out", "NULL pointer"))?;
+        let c = EpConfig::new(r.settings)?;
+        let max_region = std::env::var("FEP_MR_MAX_BYTES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1u64 << 30);
+        *out = fep_size_hints {
+            normal_bytes: c.normal_recv_bytes() + c.normal_send_bytes() + c.normal_notify_bytes(),
+            ll_bytes: c.ll_buffer_bytes(),
+            normal_regions: c.normal_num_regions(max_region)?,
+            ll_regions: c.ll_num_regions(max_region)?,
+        };
+        Ok(())
+    })
+}
+
+/// Creates a buffer: validates `cfg`, bootstraps (through `allgather` when given, else the
+/// torchrun/PyTorchJob environment variables), exchanges a config hash (a mismatch is
+/// `FEP_ERR_CONFIG_MISMATCH` naming the rank), allocates, registers and connects.
+///
+/// # Safety
+/// `cfg` and `out` must be valid; `allgather` (if given) must be callable with `user` from this
+/// thread for the duration of the call.
+#[no_mangle]
+pub unsafe extern "C" fn fep_buffer_create(
+    cfg: *const fep_config,
+    allgather: fep_allgather_fn,
+    user: *mut c_void,
+    out: *mut *mut fep_buffer,
+) -> super::fep_status {
+    guard(|| {
+        let out = out.as_mut().ok_or_else(|| Error::arg("out", "NULL pointer"))?;
+        *out = std::ptr::null_mut();
+        let r = resolve(cfg)?;
+        let s = &r.settings;
+        let boot: Arc<dyn Bootstrap> = match allgather {
+            Some(f) => {
+                // NOTES: the pointer is only used during fep_buffer_create (the Buffer's connect
+                // phase); later collectives of the Buffer (destroy's barrier) use it too, so the
+                // caller's callback must stay valid until fep_buffer_destroy returns.
+                let user = user as usize;
+                let gather: crate::bootstrap::AllGatherFn =
+                    Box::new(move |send: &[u8], recv: &mut [u8]| {
+                        let rc = f(
+                            send.as_ptr().cast(),
+                            send.len(),
+                            recv.as_mut_ptr().cast(),
+                            user as *mut c_void,
+                        );
+                        if rc == 0 {
+                            Ok(())
+                        } else {
+                            Err(format!("the caller's all-gather returned {rc}"))
+                        }
+                    });
+                Arc::new(CallbackBootstrap::new(
+                    s.rank,
+                    s.num_ranks,
+                    r.local_rank,
+                    s.ranks_per_node,
+                    gather,
+                )?)
+            }
+            None => Arc::new(TcpStore::from_env(s.timeout)?),
+        };
+        if boot.rank() != s.rank || boot.world_size() != s.num_ranks {
+            return Err(Error::arg(
+                "cfg",
+                format!(
+                    "rank {}/{} disagrees with the bootstrap's {}/{}",
+                    s.rank,
+                    s.num_ranks,
+                    boot.rank(),
+                    boot.world_size()
+                ),
+            ));
+        }
+        let mut opts = BufferOptions::host(&r.provider);
+        opts.backend = r.backend;
+        let buf = Buffer::new(EpConfig::new(r.settings)?, boot, opts)?;
+        *out = Box::into_raw(Box::new(fep_buffer { inner: Some(buf) }));
+        Ok(())
+    })
+}
+
+/// Tears the buffer down (a bounded barrier with the other ranks, then teardown) and frees it.
+/// NULL is a no-op. The pointer is invalid afterwards, whatever the status.
+///
+/// # Safety
+/// `buf` must come from `fep_buffer_create` and not be used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn fep_buffer_destroy(buf: *mut fep_buffer) -> super::fep_status {
+    guard(|| {
+        if buf.is_null() {
+            return Ok(());
+        }
+        let mut b = Box::from_raw(buf);
+        match b.inner.take() {
+            Some(inner) => inner.destroy(),
+            None => Ok(()),
+        }
+    })
+}
+
+/// Frees a dispatch handle. NULL is a no-op.
+///
+/// # Safety
+/// `handle` must come from `fep_dispatch` and not be used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn fep_handle_destroy(handle: *mut fep_handle) {
+    if !handle.is_null() {
+        drop(Box::from_raw(handle));
+    }
+}
+
+fn dtype_name(d: i32) -> &'static str {
+    match d {
+        FEP_DTYPE_BF16 => "bf16",
+        FEP_DTYPE_FP8_E4M3 => "fp8_e4m3",
+        FEP_DTYPE_F32 => "f32",
+        FEP_DTYPE_I64 => "i64",
+        FEP_DTYPE_I32 => "i32",
+        FEP_DTYPE_BOOL => "bool",
+        _ => "unknown",
+    }
+}
+
+/// Checks a tensor's dtype and shape (`None` = any extent) and returns its element count.
+unsafe fn check_tensor(
+    name: &'static str,
+    t: &fep_tensor,
+    dtype: i32,
+    shape: &[Option<i64>],
+) -> Result<usize, Error> {
+    if t.dtype != dtype {
+        return Err(Error::arg(
+            name,
+            format!("dtype {} ({}), expected {}", t.dtype, dtype_name(t.dtype), dtype_name(dtype)),
+        ));
+    }
+    let dims = &t.shape[..(t.ndim.clamp(0, 4) as usize)];
+    if t.ndim as usize != shape.len()
+        || dims.iter().zip(shape).any(|(d, s)| *d < 0 || s.is_some_and(|s| s != *d))
+    {
+        return Err(Error::arg(name, format!("shape {dims:?}, expected {shape:?}")));
+    }
+    dims.iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d as usize))
+        .ok_or_else(|| Error::arg(name, "size overflows"))
+}
+
+unsafe fn view<'a, T>(
+    name: &'static str,
+    t: *const fep_tensor,
+    dtype: i32,
+    shape: &[Option<i64>],
+) -> Result<(&'a [T], [i64; 4]), Error> {
+    let t = t.as_ref().ok_or_else(|| Error::arg(name, "NULL tensor"))?;
+    let n = check_tensor(name, t, dtype, shape)?;
+    Ok((super::slice_in(name, t.data as *const T, n)?, t.shape))
+}
+
+unsafe fn view_mut<'a, T>(
+    name: &'static str,
+    t: *mut fep_tensor,
+    dtype: i32,
+    shape: &[Option<i64>],
+) -> Result<&'a mut [T], Error> {
+    let t = t.as_mut().ok_or_else(|| Error::arg(name, "NULL tensor"))?;
+    let n = check_tensor(name, t, dtype, shape)?;
+    if n == 0 {
+        return Ok(&mut []);
+    }
+    if t.data.is_null() || (t.data as usize) % std::mem::align_of::<T>() != 0 {
+        return Err(Error::arg(name, "NULL or misaligned data"));
+    }
+    Ok(std::slice::from_raw_parts_mut(t.data as *mut T, n))
+}
+
+fn buffer<'a>(buf: *mut fep_buffer) -> Result<&'a mut Buffer, Error> {
+    // SAFETY: the caller passes a pointer from fep_buffer_create (checked for NULL).
+    unsafe { buf.as_mut() }
+        .and_then(|b| b.inner.as_mut())
+        .ok_or_else(|| Error::arg("buf", "NULL or destroyed buffer"))
+}
+
+fn no_stream(stream: *mut c_void, buf: &Buffer) -> Result<(), Error> {
+    let _ = buf;
+    if !stream.is_null() {
+        return Err(Error::arg("stream", "the host backend runs on the calling thread: pass NULL"));
+    }
+    Ok(())
+}
+
+/// Normal dispatch, step 1 (DeepEP V1 semantics): sends this rank's tokens and receives its
+/// share; `*num_recv_tokens` tells the caller how many rows to allocate for step 2
+/// (`fep_handle_copy_out`). `x`: `[T, H]` bf16, or fp8 e4m3 with `x_scales` `[T, H/128]` f32;
+/// `topk_idx` `[T, K]` i64 (-1 = none) and `topk_weights` `[T, K]` f32, both NULL when
+/// `cached` (a previous dispatch's handle) is given; `num_worst_tokens` 0 = as many rows as
+/// arrive. `stream`: a `CUstream` on the GPU backend, NULL on the host backend.
+///
+/// # Safety
+/// Every non-NULL pointer must be valid for the call.
+#[no_mangle]
+pub unsafe extern "C" fn fep_dispatch(
+    buf: *mut fep_buffer,
+    x: *const fep_tensor,
+    x_scales: *const fep_tensor,
+    topk_idx: *const fep_tensor,
+    topk_weights: *const fep_tensor,
+    cached: *const fep_handle,
+    expert_alignment: i32,
+    num_worst_tokens: i64,
+    stream: *mut c_void,
+    out_handle: *mut *mut fep_handle,
+    num_recv_tokens: *mut i64,
+) -> super::fep_status {
+    guard(|| {
+        let out_handle =
+            out_handle.as_mut().ok_or_else(|| Error::arg("out_handle", "NULL pointer"))?;
+        *out_handle = std::ptr::null_mut();
+        let b = buffer(buf)?;
+        no_stream(stream, b)?;
+        let (hidden, k) = (b.config().hidden as i64, b.config().num_topk as i64);
+        let xt = x.as_ref().ok_or_else(|| Error::arg("x", "NULL tensor"))?;
+        let tokens = xt.shape[0];
+        let xs = match xt.dtype {
+            FEP_DTYPE_BF16 => {
+                Tokens::Bf16(view::<u16>("x", x, FEP_DTYPE_BF16, &[None, Some(hidden)])?.0)
+            }
+            FEP_DTYPE_FP8_E4M3 => Tokens::Fp8 {
+                x: view::<u8>("x", x, FEP_DTYPE_FP8_E4M3, &[None, Some(hidden)])?.0,
+                scales: view::<f32>(
+                    "x_scales",
+                    x_scales,
+                    FEP_DTYPE_F32,
+                    &[Some(tokens), Some(hidden / 128)],
+                )?
+                .0,
+            },
+            d => {
+                return Err(Error::arg(
+                    "x",
+                    format!("dtype {d} ({}): use bf16 or fp8_e4m3", dtype_name(d)),
+                ))
+            }
+        };
+        let idx = if topk_idx.is_null() {
+            None
+        } else {
+            Some(view::<i64>("topk_idx", topk_idx, FEP_DTYPE_I64, &[Some(tokens), Some(k)])?.0)
+        };
+        let w = if topk_weights.is_null() {
+            None
+        } else {
+            Some(
+                view::<f32>("topk_weights", topk_weights, FEP_DTYPE_F32, &[Some(tokens), Some(k)])?
+                    .0,
+            )
+        };
+        let cached = cached.as_ref().map(|h| &h.handle);
+        let args = DispatchArgs {
+            x: xs,
+            topk_idx: idx,
+            topk_weights: w,
+            layout: None,
+            handle: cached,
+            expert_alignment: usize_arg("expert_alignment", expert_alignment as i64)?,
+            num_worst_tokens: if num_worst_tokens > 0 {
+                Some(num_worst_tokens as usize)
+            } else {
+                None
+            },
+        };
+        let out = b.dispatch(&args)?;
+        if !num_recv_tokens.is_null() {
+            *num_recv_tokens = out.handle.num_out_rows() as i64;
+        }
+        *out_handle =
+            Box::into_raw(Box::new(fep_handle { handle: out.handle.clone(), out: Some(out) }));
+        Ok(())
+    })
+}
+
+/// Normal dispatch, step 2: copies the outputs into caller tensors of `rows` =
+/// `*num_recv_tokens` from step 1 (or `num_worst_tokens`): `recv_x` `[rows, H]` (bf16, or fp8
+/// with `recv_x_scales` `[rows, H/128]` f32), `recv_topk_idx` `[rows, K]` i64 (local expert ids,
+/// -1 where not local), `recv_topk_weights` `[rows, K]` f32, `num_recv_tokens_per_expert`
+/// `[local_experts]` i32. Optional outputs may be NULL. Can be called once per handle.
+///
+/// # Safety
+/// Every non-NULL pointer must be valid for the call.
+#[no_mangle]
+pub unsafe extern "C" fn fep_handle_copy_out(
+    handle: *mut fep_handle,
+    recv_x: *mut fep_tensor,
+    recv_x_scales: *mut fep_tensor,
+    recv_topk_idx: *mut fep_tensor,
+    recv_topk_weights: *mut fep_tensor,
+    num_recv_tokens_per_expert: *mut fep_tensor,
+) -> super::fep_status {
+    guard(|| {
+        let h = handle.as_mut().ok_or_else(|| Error::arg("handle", "NULL pointer"))?;
+        let out = h.out.take().ok_or_else(|| Error::arg("handle", "outputs already copied out"))?;
+        let rows = out.handle.num_out_rows() as i64;
+        let restore = |h: &mut fep_handle, out| h.out = Some(out);
+        let res = (|| -> Result<(), Error> {
+            match &out.recv_x {
+                OwnedTokens::Bf16(v) => {
+                    let hidden = v.len() as i64 / rows.max(1);
+                    view_mut::<u16>("recv_x", recv_x, FEP_DTYPE_BF16, &[Some(rows), Some(hidden)])?
+                        .copy_from_slice(v)
+                }
+                OwnedTokens::Fp8 { x, scales } => {
+                    let hidden = x.len() as i64 / rows.max(1);
+                    view_mut::<u8>(
+                        "recv_x",
+                        recv_x,
+                        FEP_DTYPE_FP8_E4M3,
+                        &[Some(rows), Some(hidden)],
+                    )?
+                    .copy_from_slice(x);
+                    if !recv_x_scales.is_null() {
+                        view_mut::<f32>(
+                            "recv_x_scales",
+                            recv_x_scales,
+                            FEP_DTYPE_F32,
+                            &[Some(rows), Some(hidden / 128)],
+                        )?
+                        .copy_from_slice(scales);
+                    }
+                }
+            }
+            if !recv_topk_idx.is_null() && !out.recv_topk_idx.is_empty() {
+                let k = out.recv_topk_idx.len() as i64 / rows.max(1);
+                view_mut::<i64>(
+                    "recv_topk_idx",
+                    recv_topk_idx,
+                    FEP_DTYPE_I64,
+                    &[Some(rows), Some(k)],
+                )?
+                .copy_from_slice(&out.recv_topk_idx);
+            }
+            if !recv_topk_weights.is_null() && !out.recv_topk_weights.is_empty() {
+                let k = out.recv_topk_weights.len() as i64 / rows.max(1);
+                view_mut::<f32>(
+                    "recv_topk_weights",
+                    recv_topk_weights,
+                    FEP_DTYPE_F32,
+                    &[Some(rows), Some(k)],
+                )?
+                .copy_from_slice(&out.recv_topk_weights);
+            }
+            if !num_recv_tokens_per_expert.is_null() {
+                let n = out.num_recv_tokens_per_expert.len() as i64;
+                let dst = view_mut::<i32>(
+                    "num_recv_tokens_per_expert",
+                    num_recv_tokens_per_expert,
+                    FEP_DTYPE_I32,
+                    &[Some(n)],
+                )?;
+                for (d, s) in dst.iter_mut().zip(&out.num_recv_tokens_per_expert) {
+                    *d = i32::try_from(*s).map_err(|_| {
+                        Error::arg("num_recv_tokens_per_expert", "count exceeds int32")
+                    })?;
+                }
+            }
+            Ok(())
+        })();
+        if res.is_err() {
+            // Let the caller fix its tensors and try again.
+            restore(h, out);
+        }
+        res
+    })
+}
+
+/// Number of rows of the dispatch outputs this handle holds.
+///
+/// # Safety
+/// `handle` must be valid or NULL (returns -1).
+#[no_mangle]
+pub unsafe extern "C" fn fep_handle_num_recv_tokens(handle: *const fep_handle) -> i64 {
+    handle.as_ref().map_or(-1, |h| h.handle.num_out_rows() as i64)
+}
+
+/// Normal combine with a dispatch handle: `x` `[rows, H]` bf16 (rows as the dispatch's outputs),
+/// optional `topk_weights` `[rows, K]` f32; writes `combined_x` `[T, H]` bf16 (per original
+/// token, the fp32 sum over the ranks it went to) and, when given, `combined_topk_weights`
+/// `[T, K]` f32.
+///
+/// # Safety
+/// Every non-NULL pointer must be valid for the call.
+#[no_mangle]
+pub unsafe extern "C" fn fep_combine(
+    buf: *mut fep_buffer,
+    handle: *const fep_handle,
+    x: *const fep_tensor,
+    topk_weights: *const fep_tensor,
+    combined_x: *mut fep_tensor,
+    combined_topk_weights: *mut fep_tensor,
+    stream: *mut c_void,
+) -> super::fep_status {
+    guard(|| {
+        let b = buffer(buf)?;
+        no_stream(stream, b)?;
+        let h = handle.as_ref().ok_or_else(|| Error::arg("handle", "NULL pointer"))?;
+        let (hidden, k) = (b.config().hidden as i64, b.config().num_topk as i64);
+        let rows = h.handle.num_out_rows() as i64;
+        let xs = view::<u16>("x", x, FEP_DTYPE_BF16, &[Some(rows), Some(hidden)])?.0;
+        let w = if topk_weights.is_null() {
+            None
+        } else {
+            Some(
+                view::<f32>("topk_weights", topk_weights, FEP_DTYPE_F32, &[Some(rows), Some(k)])?.0,
+            )
+        };
+        let out = b.combine(&CombineArgs { x: xs, handle: &h.handle, topk_weights: w })?;
+        let t = h.handle.num_tokens() as i64;
+        view_mut::<u16>("combined_x", combined_x, FEP_DTYPE_BF16, &[Some(t), Some(hidden)])?
+            .copy_from_slice(&out.combined_x);
+        if let (false, Some(cw)) =
+            (combined_topk_weights.is_null(), out.combined_topk_weights.as_ref())
+        {
+            view_mut::<f32>(
+                "combined_topk_weights",
+                combined_topk_weights,
+                FEP_DTYPE_F32,
+                &[Some(t), Some(k)],
+            )?
+            .copy_from_slice(cw);
+        }
+        Ok(())
+    })
+}
+
+/// This buffer's rank and world size.
+///
+/// # Safety
+/// `buf` must be valid; `rank`/`num_ranks` may be NULL.
+#[no_mangle]
+pub unsafe extern "C" fn fep_buffer_rank(
+    buf: *mut fep_buffer,
+    rank: *mut i32,
+    num_ranks: *mut i32,
+) -> super::fep_status {
+    guard(|| {
+        let b = buffer(buf)?;
+        if let Some(r) = rank.as_mut() {
+            *r = b.rank() as i32;
+        }
+        if let Some(n) = num_ranks.as_mut() {
+            *n = b.config().num_ranks as i32;
+        }
+        Ok(())
+    })
+}
