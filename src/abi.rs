@@ -21,6 +21,11 @@ const _: () = assert!(offset_of!(fep_ring_hdr, tail) == 64);
 const _: () = assert!(offset_of!(fep_dev_error, expected) == 16);
 const _: () = assert!(offset_of!(fep_layout_params, num_tokens) == 64);
 const _: () = assert!(offset_of!(fep_ring_push_test_params, capacity) == 48);
+const _: () = assert!(size_of::<fep_ll_peer>() == 32);
+const _: () = assert!(size_of::<fep_ll_dispatch_params>() == 200);
+const _: () = assert!(size_of::<fep_ll_combine_params>() == 160);
+const _: () = assert!(offset_of!(fep_ll_dispatch_params, tag) == 120);
+const _: () = assert!(offset_of!(fep_ll_combine_params, record_bytes) == 120);
 
 /// Size of the ring header plus `capacity` commands: what a ring's mapped allocation holds.
 pub const fn ring_bytes(capacity: usize) -> usize {
@@ -44,6 +49,9 @@ mod tests {
             ("fep_layout_params", size_of::<fep_layout_params>()),
             ("fep_wait_test_params", size_of::<fep_wait_test_params>()),
             ("fep_ring_push_test_params", size_of::<fep_ring_push_test_params>()),
+            ("fep_ll_peer", size_of::<fep_ll_peer>()),
+            ("fep_ll_dispatch_params", size_of::<fep_ll_dispatch_params>()),
+            ("fep_ll_combine_params", size_of::<fep_ll_combine_params>()),
         ];
         let mut seen = 0;
         for line in HEADER.lines() {

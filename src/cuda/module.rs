@@ -22,14 +22,22 @@ pub enum Kernel {
     DispatchLayoutCluster,
     WaitTest,
     RingPushTest,
+    LlDispatchSend,
+    LlDispatchRecv,
+    LlCombineSend,
+    LlCombineRecv,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 4] = [
+    pub const ALL: [Kernel; 8] = [
         Kernel::DispatchLayout,
         Kernel::DispatchLayoutCluster,
         Kernel::WaitTest,
         Kernel::RingPushTest,
+        Kernel::LlDispatchSend,
+        Kernel::LlDispatchRecv,
+        Kernel::LlCombineSend,
+        Kernel::LlCombineRecv,
     ];
 
     /// The `extern "C"` symbol in kernels/*.cu.
@@ -39,6 +47,10 @@ impl Kernel {
             Kernel::DispatchLayoutCluster => "fep_dispatch_layout_cluster",
             Kernel::WaitTest => "fep_wait_test",
             Kernel::RingPushTest => "fep_ring_push_test",
+            Kernel::LlDispatchSend => "fep_ll_dispatch_send",
+            Kernel::LlDispatchRecv => "fep_ll_dispatch_recv",
+            Kernel::LlCombineSend => "fep_ll_combine_send",
+            Kernel::LlCombineRecv => "fep_ll_combine_recv",
         }
     }
 }
