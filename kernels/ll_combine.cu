@@ -56,11 +56,16 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     }
 
     if (!last_block_ticket(reinterpret_cast<uint32_t*>(p.workspace))) return;
+    __shared__ uint64_t s_tag;
+    uint64_t* epoch = reinterpret_cast<uint64_t*>(p.epoch) + p.set;
+    if (tid == 0) s_tag = *epoch + 1;
+    __syncthreads();
     for (int u = tid; u < E; u += kThreads) {
         const int e = u / R, dst = u % R;
         fep::st_release_sys(flag_ptr(peers[dst].flags, p.set, 1, E, p.rank * L + e),
-                            flag_value(p.tag, static_cast<uint32_t>(s_cnt[u])));
+                            flag_value(s_tag, static_cast<uint32_t>(s_cnt[u])));
     }
+    if (tid == 0) *epoch = s_tag;
 }
 
 extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
@@ -80,6 +85,7 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     const float* weights = reinterpret_cast<const float*>(p.topk_weights);
     const int32_t* pos = reinterpret_cast<const int32_t*>(p.pos);
 
+    const uint64_t tag = reinterpret_cast<const uint64_t*>(p.epoch)[p.set];
     if (tid == 0) s_fail = 0;
     for (int g = tid; g < E; g += kThreads) s_hist[g] = 0;
     __syncthreads();
@@ -92,13 +98,13 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
         const fep::WaitCtx ctx{p.dev_error, p.budget_cycles, static_cast<uint32_t>(p.rank),
                                FEP_PHASE_LL_COMBINE_RECV, static_cast<uint32_t>(g / L)};
         const uint64_t* f = flag_ptr(p.local_flags, p.set, 1, E, g);
-        if (!fep::wait_geq(f, flag_value(p.tag, 0), ctx)) {
+        if (!fep::wait_geq(f, flag_value(tag, 0), ctx)) {
             s_fail = 1;
         } else {
             const uint64_t v = fep::ld_acquire_sys(f);
-            if (v != flag_value(p.tag, static_cast<uint32_t>(s_hist[g]))) {
+            if (v != flag_value(tag, static_cast<uint32_t>(s_hist[g]))) {
                 fep::report_error(p.dev_error, FEP_DEV_BAD_COUNT, p.rank, FEP_PHASE_LL_COMBINE_RECV,
-                                  g / L, flag_value(p.tag, s_hist[g]), v);
+                                  g / L, flag_value(tag, s_hist[g]), v);
                 s_fail = 1;
             }
         }

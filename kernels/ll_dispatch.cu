@@ -131,12 +131,16 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     for (int i = tid; i < TK; i += kThreads) {
         if (s_topk[i] >= 0) atomicAdd(&s_count[s_topk[i]], 1);
     }
+    __shared__ uint64_t s_tag;
+    uint64_t* epoch = reinterpret_cast<uint64_t*>(p.epoch) + p.set;
+    if (tid == 0) s_tag = *epoch + 1;
     __syncthreads();
     for (int g = tid; g < E; g += kThreads) {
         const int dst = g / L, e = g % L;
         fep::st_release_sys(flag_ptr(peers[dst].flags, p.set, 0, E, e * R + p.rank),
-                            flag_value(p.tag, static_cast<uint32_t>(s_count[g])));
+                            flag_value(s_tag, static_cast<uint32_t>(s_count[g])));
     }
+    if (tid == 0) *epoch = s_tag;  // the receive (same stream, next) expects this tag
 }
 
 extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
@@ -153,6 +157,8 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     int32_t* s_start = s_cnt + E;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
+    // Written by this rank's send (earlier on the same stream).
+    const uint64_t tag = reinterpret_cast<const uint64_t*>(p.epoch)[p.set];
     if (tid == 0) s_fail = 0;
     __syncthreads();
     // Every block waits for all E flags (one thread each, in parallel): it needs every count for
@@ -162,14 +168,14 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
                                FEP_PHASE_LL_DISPATCH_RECV, static_cast<uint32_t>(u % R)};
         const uint64_t* f = flag_ptr(p.local_flags, p.set, 0, E, u);
         int c = 0;
-        if (!fep::wait_geq(f, flag_value(p.tag, 0), ctx)) {
+        if (!fep::wait_geq(f, flag_value(tag, 0), ctx)) {
             s_fail = 1;
         } else {
             const uint64_t v = fep::ld_acquire_sys(f);
             c = static_cast<int>(v & 0xffffffffu);
-            if ((v >> 32) != p.tag || c > M) {
+            if ((v >> 32) != tag || c > M) {
                 fep::report_error(p.dev_error, FEP_DEV_BAD_COUNT, p.rank,
-                                  FEP_PHASE_LL_DISPATCH_RECV, u % R, flag_value(p.tag, M), v);
+                                  FEP_PHASE_LL_DISPATCH_RECV, u % R, flag_value(tag, M), v);
                 s_fail = 1;
                 c = 0;
             }

@@ -11,7 +11,7 @@
 #                                  table at the end. Exit status non-zero if anything failed.
 set -euo pipefail
 
-usage() { echo "usage: $0 build | run" >&2; exit 2; }
+usage() { echo "usage: $0 build | run | run-ll" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 
 build() {
@@ -53,7 +53,7 @@ if ptxas:
 EOF
   rm -f "$json"
   strip "$bundle"/tests/* "$bundle"/examples/* 2>/dev/null || true
-  cp scripts/gpu-check.sh scripts/bench_layout_torch.py "$bundle/"
+  cp scripts/gpu-check.sh scripts/bench_layout_torch.py scripts/bench_ll_torch.py "$bundle/"
   for f in "$bundle"/tests/* "$bundle"/examples/*; do
     if ldd "$f" | grep -q "not found\|libfabric\|libcuda"; then
       echo "gpu-check: $f links a library the GPU machine may lack:" >&2
@@ -146,8 +146,36 @@ run() {
   return $fail
 }
 
+# Low-latency mode only (tests/gpu_ll.rs, examples/gpu_ll_bench.rs, scripts/bench_ll_torch.py).
+run_ll() {
+  local b out
+  b=$(cd "$(dirname "$0")" && pwd)
+  out=${OUT:-/tmp/fep-gpu-out}
+  mkdir -p "$out"
+  local log="$out/ll.log" fail=0 rc
+  : >"$log"
+  echo "== $(cat "$b/MANIFEST" 2>/dev/null)" | tee -a "$log"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$log" || true
+  set +e
+  timeout 240 "$b/tests/gpu_ll" --include-ignored --test-threads=1 --nocapture >>"$log" 2>&1
+  rc=$?
+  [ "$rc" -eq 0 ] || fail=1
+  echo "gpu_ll tests rc=$rc" | tee -a "$log"
+  timeout 150 "$b/examples/gpu_ll_bench" --ranks 1,4 --dump /tmp/fep-ll-dump 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || fail=1
+  timeout 60 "$b/examples/gpu_ll_bench" --ranks 1,4 --bf16 --iters 200 2>&1 | tee -a "$log"
+  PYTHONUNBUFFERED=1 timeout 90 python3 "$b/bench_ll_torch.py" /tmp/fep-ll-dump 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || fail=1
+  set -e
+  echo "================ gpu-check ll summary ================"
+  grep -E "^test .*(ok|FAILED)$|^ok:|timeout path|test result|LL_RESULT|TORCH_RESULT|rc=|panicked" "$log"
+  echo "overall: $([ $fail -eq 0 ] && echo PASS || echo FAIL)"
+  return $fail
+}
+
 case "$1" in
   build) build ;;
   run) run ;;
+  run-ll) run_ll ;;
   *) usage ;;
 esac

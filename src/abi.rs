@@ -24,7 +24,7 @@ const _: () = assert!(offset_of!(fep_ring_push_test_params, capacity) == 48);
 const _: () = assert!(size_of::<fep_ll_peer>() == 32);
 const _: () = assert!(size_of::<fep_ll_dispatch_params>() == 200);
 const _: () = assert!(size_of::<fep_ll_combine_params>() == 160);
-const _: () = assert!(offset_of!(fep_ll_dispatch_params, tag) == 120);
+const _: () = assert!(offset_of!(fep_ll_dispatch_params, epoch) == 120);
 const _: () = assert!(offset_of!(fep_ll_combine_params, record_bytes) == 120);
 
 /// Size of the ring header plus `capacity` commands: what a ring's mapped allocation holds.

@@ -160,7 +160,9 @@ typedef struct fep_ll_dispatch_params {
     uint64_t recv_count;    /* out int32 [L] */
     uint64_t layout_range;  /* out int32 [L, R, 2] (begin, count) */
     fep_dev_error_ref dev_error;
-    uint64_t tag;           /* this call's epoch, >= 1 */
+    uint64_t epoch;         /* uint64 [2] per-set call counters of this rank, device memory, zero
+                               at start: the send's last block publishes tag = epoch[set] + 1 and
+                               stores it back; the receive expects tag = epoch[set] */
     uint64_t budget_cycles; /* per bounded wait */
     uint64_t unit_bytes;
     uint32_t record_bytes;  /* LL dispatch record (payload, scales, src idx, padded to 16) */
@@ -191,7 +193,7 @@ typedef struct fep_ll_combine_params {
     uint64_t local_flags;
     uint64_t out;           /* out bf16 [num_tokens, hidden] */
     fep_dev_error_ref dev_error;
-    uint64_t tag;
+    uint64_t epoch;         /* as in fep_ll_dispatch_params */
     uint64_t budget_cycles;
     uint64_t unit_bytes;
     uint32_t record_bytes;  /* LL combine record: 2 * hidden */
@@ -222,7 +224,7 @@ static_assert(offsetof(fep_ring_push_test_params, capacity) == 48, "fep_ring_pus
 static_assert(sizeof(fep_ll_peer) == 32, "fep_ll_peer layout");
 static_assert(sizeof(fep_ll_dispatch_params) == 200, "fep_ll_dispatch_params layout");
 static_assert(sizeof(fep_ll_combine_params) == 160, "fep_ll_combine_params layout");
-static_assert(offsetof(fep_ll_dispatch_params, tag) == 120, "fep_ll_dispatch_params fields");
+static_assert(offsetof(fep_ll_dispatch_params, epoch) == 120, "fep_ll_dispatch_params fields");
 static_assert(offsetof(fep_ll_combine_params, record_bytes) == 120, "fep_ll_combine_params fields");
 #endif
 
