@@ -157,14 +157,14 @@ run_ll() {
   echo "== $(cat "$b/MANIFEST" 2>/dev/null)" | tee -a "$log"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$log" || true
   set +e
-  timeout 240 "$b/tests/gpu_ll" --include-ignored --test-threads=1 --nocapture >>"$log" 2>&1
+  timeout 120 "$b/tests/gpu_ll" --include-ignored --test-threads=1 --nocapture >>"$log" 2>&1
   rc=$?
   [ "$rc" -eq 0 ] || fail=1
   echo "gpu_ll tests rc=$rc" | tee -a "$log"
-  timeout 150 "$b/examples/gpu_ll_bench" --ranks 1,4 --dump /tmp/fep-ll-dump 2>&1 | tee -a "$log"
+  timeout 60 "$b/examples/gpu_ll_bench" --ranks 1,4 --dump /tmp/fep-ll-dump 2>&1 | tee -a "$log"
   rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || fail=1
-  timeout 60 "$b/examples/gpu_ll_bench" --ranks 1,4 --bf16 --iters 200 2>&1 | tee -a "$log"
-  PYTHONUNBUFFERED=1 timeout 90 python3 "$b/bench_ll_torch.py" /tmp/fep-ll-dump 2>&1 | tee -a "$log"
+  timeout 30 "$b/examples/gpu_ll_bench" --ranks 1,4 --bf16 --iters 200 2>&1 | tee -a "$log"
+  PYTHONUNBUFFERED=1 timeout 45 python3 "$b/bench_ll_torch.py" /tmp/fep-ll-dump 2>&1 | tee -a "$log"
   rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || fail=1
   set -e
   echo "================ gpu-check ll summary ================"
