@@ -62,7 +62,11 @@ struct Set {
     hw: Vec<f32>,
 }
 
-fn make_set(dev: &Device, rng: &mut SplitMix64, a: &Args) -> Result<Set, Box<dyn std::error::Error>> {
+fn make_set(
+    dev: &Device,
+    rng: &mut SplitMix64,
+    a: &Args,
+) -> Result<Set, Box<dyn std::error::Error>> {
     let hx: Vec<u16> =
         (0..a.tokens * a.hidden).map(|_| f32_to_bf16((rng.unit_f32() - 0.5) * 8.0)).collect();
     let mut htopk = Vec::with_capacity(a.tokens * a.topk);
@@ -94,7 +98,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Ok(());
     }
     let dev = Device::from_env()?;
-    let ranks: Vec<usize> = a.ranks.split(',').map(|s| s.trim().parse()).collect::<Result<_, _>>()?;
+    let ranks: Vec<usize> =
+        a.ranks.split(',').map(|s| s.trim().parse()).collect::<Result<_, _>>()?;
     let gate = HostMapped::new(&dev, 8)?;
     let gate_ctr = gate.atomic_u64(0)?;
     let mut gate_val = 0u64;
@@ -144,7 +149,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         let start = Event::new(&dev)?;
         let stop = Event::new(&dev)?;
-        let joins: Vec<Event> = (0..nr).map(|_| Event::new_untimed(&dev)).collect::<Result<_, _>>()?;
+        let joins: Vec<Event> =
+            (0..nr).map(|_| Event::new_untimed(&dev)).collect::<Result<_, _>>()?;
         let (mut td, mut tc) = (Vec::new(), Vec::new());
         for it in 0..a.warmup + a.iters {
             let si = it % a.sets;
@@ -185,7 +191,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                         if phase == 0 {
                             g.ranks[r].dispatch_recv(tickets[r], &outs[r])?
                         } else {
-                            g.ranks[r].combine_recv(tickets[r], &s.topk, &s.w, &outs[r], &combs[r])?
+                            g.ranks[r]
+                                .combine_recv(tickets[r], &s.topk, &s.w, &outs[r], &combs[r])?
                         }
                     };
                 }
@@ -199,7 +206,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 g.finish()?;
                 let us = start.elapsed_ms(&stop)? as f64 * 1e3;
                 if it >= a.warmup {
-                    if phase == 0 { td.push(us) } else { tc.push(us) }
+                    if phase == 0 {
+                        td.push(us)
+                    } else {
+                        tc.push(us)
+                    }
                 }
             }
         }

@@ -25,7 +25,9 @@ fn gpu() -> Option<Device> {
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Routing {
-    Random { mask_pct: u64 },
+    Random {
+        mask_pct: u64,
+    },
     /// Every token's first choice is expert 0 (one message carries all of a source's tokens).
     AllToExpert0,
     AllMasked,
@@ -124,8 +126,9 @@ fn run(
     for i in 0..n {
         if active[i] {
             // SAFETY: every buffer outlives the finish() below.
-            tickets[i] =
-                Some(unsafe { g.ranks[i].dispatch_send(&dd[i].x, &dd[i].topk, d[i].t, &dd[i].out) }?);
+            tickets[i] = Some(unsafe {
+                g.ranks[i].dispatch_send(&dd[i].x, &dd[i].topk, d[i].t, &dd[i].out)
+            }?);
         }
     }
     for i in 0..n {
@@ -145,9 +148,7 @@ fn run(
     for i in 0..n {
         if let Some(t) = tickets[i] {
             // SAFETY: as above.
-            unsafe {
-                g.ranks[i].combine_recv(t, &dd[i].topk, &dd[i].w, &dd[i].out, &dd[i].comb)
-            }?;
+            unsafe { g.ranks[i].combine_recv(t, &dd[i].topk, &dd[i].w, &dd[i].out, &dd[i].comb) }?;
         }
     }
     g.finish()?;
@@ -238,11 +239,19 @@ fn check(cfg: &LlGpuConfig, d: &[RankData], disp: &[LlDispatchHost], comb: &[Vec
     for (r, (g, w)) in comb.iter().zip(&wc).enumerate() {
         if g != w {
             let i = g.iter().zip(w).position(|(a, b)| a != b).unwrap();
-            panic!("rank {r}: combine differs at token {} channel {}: got {:#06x} want {:#06x}",
-                i / h, i % h, g[i], w[i]);
+            panic!(
+                "rank {r}: combine differs at token {} channel {}: got {:#06x} want {:#06x}",
+                i / h,
+                i % h,
+                g[i],
+                w[i]
+            );
         }
     }
-    format!("{rows} rows dispatched, {} tokens combined", comb.iter().map(|c| c.len() / h).sum::<usize>())
+    format!(
+        "{rows} rows dispatched, {} tokens combined",
+        comb.iter().map(|c| c.len() / h).sum::<usize>()
+    )
 }
 
 fn small(num_ranks: usize, use_fp8: bool) -> LlGpuConfig {

@@ -152,8 +152,7 @@ impl LlGpuConfig {
             ));
         }
         let rows = self.num_local_experts() as u64 * self.rows_per_expert() as u64;
-        if rows * self.hidden as u64 / 16 > i32::MAX as u64 || layout.unit_bytes > u32::MAX as u64
-        {
+        if rows * self.hidden as u64 / 16 > i32::MAX as u64 || layout.unit_bytes > u32::MAX as u64 {
             return Err(Error::arg("max_tokens_per_rank", "outputs too large for 32-bit indices"));
         }
         Ok(layout)
@@ -211,7 +210,10 @@ impl LlDispatchOut {
         let elem = if cfg.use_fp8 { 1 } else { 2 };
         Ok(LlDispatchOut {
             recv_x: DeviceBuffer::new(dev, l * s * h * elem)?,
-            recv_scales: DeviceBuffer::new(dev, if cfg.use_fp8 { l * s * (h / 128) * 4 } else { 0 })?,
+            recv_scales: DeviceBuffer::new(
+                dev,
+                if cfg.use_fp8 { l * s * (h / 128) * 4 } else { 0 },
+            )?,
             recv_src_rank: DeviceBuffer::new(dev, l * s * 4)?,
             recv_src_idx: DeviceBuffer::new(dev, l * s * 4)?,
             recv_count: DeviceBuffer::new(dev, l * 4)?,
@@ -318,7 +320,11 @@ impl LlGpuRank {
         LaunchConfig { grid: self.grid, block: abi::FEP_LL_THREADS, shared_bytes: smem as u32 }
     }
 
-    fn dispatch_params(&self, t: LlTicket, out: &LlDispatchOut) -> Result<abi::fep_ll_dispatch_params> {
+    fn dispatch_params(
+        &self,
+        t: LlTicket,
+        out: &LlDispatchOut,
+    ) -> Result<abi::fep_ll_dispatch_params> {
         let c = &self.cfg;
         let (l, s, h) = (c.num_local_experts(), c.rows_per_expert(), c.hidden);
         let elem = if c.use_fp8 { 1 } else { 2 };
