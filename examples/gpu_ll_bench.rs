@@ -197,9 +197,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     };
                 }
                 let s0 = g.ranks[0].stream();
-                for r in 1..nr {
-                    joins[r].record(g.ranks[r].stream())?;
-                    s0.wait_event(&joins[r])?;
+                for (j, r) in joins.iter().zip(&g.ranks).skip(1) {
+                    j.record(r.stream())?;
+                    s0.wait_event(j)?;
                 }
                 stop.record(s0)?;
                 gate_ctr.store(gate_val, std::sync::atomic::Ordering::Release);

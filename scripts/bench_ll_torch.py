@@ -65,6 +65,22 @@ def time_us(fn, n, iters, warmup=20):
     return statistics.median(us), us[min(len(us) - 1, round(0.99 * (len(us) - 1)))]
 
 
+def time_graph_us(fns, iters):
+    """Each input set's sequence captured in a CUDA graph; replays timed (no launch gaps)."""
+    graphs = []
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()  # warm (allocations)
+    torch.cuda.synchronize()
+    for f in fns:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            f()
+        graphs.append(g)
+    return time_us(lambda i: graphs[i].replay(), len(graphs), iters)
+
+
 def main():
     d = sys.argv[1]
     iters = int(sys.argv[2]) if len(sys.argv) > 2 else 300
@@ -80,6 +96,16 @@ def main():
         perms = [permute(x, tk, e, False) for x, tk, _ in big]
         med, p99 = time_us(lambda i: unpermute(perms[i][1], perms[i][0], big[i][2], t), len(big), iters)
         print(f"TORCH_RESULT op=combine tokens={t} median_us={med:.2f} p99_us={p99:.2f}")
+        try:
+            for fp8 in (True, False):
+                fns = [lambda b=b, fp8=fp8: permute(b[0], b[1], e, fp8) for b in big]
+                med, p99 = time_graph_us(fns, iters)
+                print(f"TORCH_RESULT op=dispatch graph=1 tokens={t} fp8={int(fp8)} median_us={med:.2f} p99_us={p99:.2f}")
+            fns = [lambda p=p, b=b: unpermute(p[1], p[0], b[2], t) for p, b in zip(perms, big)]
+            med, p99 = time_graph_us(fns, iters)
+            print(f"TORCH_RESULT op=combine graph=1 tokens={t} median_us={med:.2f} p99_us={p99:.2f}")
+        except Exception as ex:  # report, keep the eager numbers
+            print(f"TORCH_RESULT graph capture failed: {ex}")
 
 
 if __name__ == "__main__":

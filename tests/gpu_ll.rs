@@ -120,6 +120,7 @@ fn run(
     for r in dd {
         r.out.poison(POISON)?;
         r.comb.memset(POISON)?;
+        r.comb.device().synchronize()?; // the legacy-stream memset, before the ranks' streams
     }
     let n = g.num_ranks();
     let mut tickets = vec![None; n];

@@ -222,7 +222,10 @@ impl LlDispatchOut {
         })
     }
 
-    /// Fills every output with `byte` (tests poison before each run).
+    /// Fills every output with `byte` (tests poison before each run) and waits for the device.
+    // NOTES: cuMemset on device memory may complete after it returns, on the legacy stream, which
+    // does not order against the ranks' non-blocking streams: without the device synchronisation a
+    // poison could land after the kernels wrote (seen on the H200 at 7168 x 4 ranks).
     pub fn poison(&self, byte: u8) -> Result<()> {
         for b in [
             &self.recv_x,
@@ -235,6 +238,7 @@ impl LlDispatchOut {
         ] {
             b.memset(byte)?;
         }
+        self.recv_x.device().synchronize()?;
         Ok(())
     }
 
@@ -595,6 +599,7 @@ impl LlGpuGroup {
         for r in ranks.iter_mut() {
             r.peers.copy_from_host(&table)?;
         }
+        dev.synchronize()?; // the zeroing memsets, before any rank's stream uses the buffers
         Ok(LlGpuGroup { ranks })
     }
 
@@ -613,6 +618,10 @@ impl LlGpuGroup {
             r.workspace.memset(0)?;
             r.err.reset()?;
             r.calls = 0;
+        }
+        // NOTES: the memsets run on the legacy stream; the ranks' streams do not wait for it.
+        if let Some(r) = self.ranks.first() {
+            r.stream.device().synchronize()?;
         }
         Ok(())
     }
