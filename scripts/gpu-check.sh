@@ -18,7 +18,7 @@
 # the GPU machine may have none, and fi_pingpong must use the same libfabric as the tests.
 set -euo pipefail
 
-usage() { echo "usage: $0 build | run" >&2; exit 2; }
+usage() { echo "usage: $0 build | run | run-ll" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 
 build() {
@@ -64,7 +64,7 @@ if ptxas:
 EOF
   rm -f "$json"
   strip "$bundle"/tests/* "$bundle"/examples/* "$bundle"/benches/* 2>/dev/null || true
-  cp scripts/gpu-check.sh scripts/bench_layout_torch.py "$bundle/"
+  cp scripts/gpu-check.sh scripts/bench_layout_torch.py scripts/bench_ll_torch.py "$bundle/"
   # libfabric and everything it loads (not libc/ld.so), and the fabtests we compare against.
   local fab dep
   fab=$(ldconfig -p | awk '/libfabric\.so\.1 /{print $NF; exit}')
@@ -259,8 +259,36 @@ run() {
   return $fail
 }
 
+# Low-latency mode only (tests/gpu_ll.rs, examples/gpu_ll_bench.rs, scripts/bench_ll_torch.py).
+run_ll() {
+  local b out
+  b=$(cd "$(dirname "$0")" && pwd)
+  out=${OUT:-/tmp/fep-gpu-out}
+  mkdir -p "$out"
+  local log="$out/ll.log" fail=0 rc
+  : >"$log"
+  echo "== $(cat "$b/MANIFEST" 2>/dev/null)" | tee -a "$log"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$log" || true
+  set +e
+  timeout 120 "$b/tests/gpu_ll" --include-ignored --test-threads=1 --nocapture >>"$log" 2>&1
+  rc=$?
+  [ "$rc" -eq 0 ] || fail=1
+  echo "gpu_ll tests rc=$rc" | tee -a "$log"
+  timeout 60 "$b/examples/gpu_ll_bench" --ranks 1,4 --dump /tmp/fep-ll-dump 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || fail=1
+  timeout 30 "$b/examples/gpu_ll_bench" --ranks 1,4 --bf16 --iters 200 2>&1 | tee -a "$log"
+  PYTHONUNBUFFERED=1 timeout 45 python3 "$b/bench_ll_torch.py" /tmp/fep-ll-dump 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || fail=1
+  set -e
+  echo "================ gpu-check ll summary ================"
+  grep -E "^test .*(ok|FAILED)$|^ok:|timeout path|test result|LL_RESULT|TORCH_RESULT|rc=|panicked" "$log"
+  echo "overall: $([ $fail -eq 0 ] && echo PASS || echo FAIL)"
+  return $fail
+}
+
 case "$1" in
   build) build ;;
   run) run ;;
+  run-ll) run_ll ;;
   *) usage ;;
 esac

@@ -25,6 +25,11 @@ const _: () = assert!(size_of::<fep_proxy_exchange_params>() == 128);
 const _: () = assert!(size_of::<fep_proxy_pingpong_params>() == 120);
 const _: () = assert!(offset_of!(fep_proxy_exchange_params, capacity) == 88);
 const _: () = assert!(offset_of!(fep_proxy_pingpong_params, cmd) == 64);
+const _: () = assert!(size_of::<fep_ll_peer>() == 32);
+const _: () = assert!(size_of::<fep_ll_dispatch_params>() == 200);
+const _: () = assert!(size_of::<fep_ll_combine_params>() == 160);
+const _: () = assert!(offset_of!(fep_ll_dispatch_params, epoch) == 120);
+const _: () = assert!(offset_of!(fep_ll_combine_params, record_bytes) == 120);
 
 /// Size of the ring header plus `capacity` commands: what a ring's mapped allocation holds.
 pub const fn ring_bytes(capacity: usize) -> usize {
@@ -50,6 +55,9 @@ mod tests {
             ("fep_ring_push_test_params", size_of::<fep_ring_push_test_params>()),
             ("fep_proxy_exchange_params", size_of::<fep_proxy_exchange_params>()),
             ("fep_proxy_pingpong_params", size_of::<fep_proxy_pingpong_params>()),
+            ("fep_ll_peer", size_of::<fep_ll_peer>()),
+            ("fep_ll_dispatch_params", size_of::<fep_ll_dispatch_params>()),
+            ("fep_ll_combine_params", size_of::<fep_ll_combine_params>()),
         ];
         let mut seen = 0;
         for line in HEADER.lines() {

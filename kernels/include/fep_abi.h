@@ -160,6 +160,98 @@ typedef struct fep_proxy_pingpong_params {
     uint32_t peer;
     uint32_t phase;
 } fep_proxy_pingpong_params; /* 120 bytes */
+/* ---- low-latency dispatch / combine (kernels/ll_dispatch.cu, kernels/ll_combine.cu) ----------
+ * Buffer: src/ep/plan.rs LlLayout (two sets x {send, recv} x E units of unit_bytes):
+ *   unit_offset(set, area, unit) = ((set * 2 + area) * E + unit) * unit_bytes
+ *   dispatch recv: unit e * R + src, row i = the i-th token of src that selected local expert e
+ *   combine  recv: unit g = expert_rank * L + e, row i = answer to the i-th token of this rank
+ *                  that selected g (the same `pos` the dispatch used)
+ * Flags: uint64 [2 sets][2 phases (0 dispatch, 1 combine)][E] in the RECEIVER's device memory;
+ *   dispatch flag index e * R + src, combine flag index g. Value = (tag << 32) | count, written
+ *   once per call with a release store after the rows; tag = the call's epoch (>= 1, grows by one
+ *   per LL call on every rank), so no reset pass is needed and a stale value is never mistaken
+ *   for a fresh one.
+ * Transport per peer: FEP_LL_TRANSPORT_PEER = stores through a device pointer (same GPU, NVLink
+ *   or an IPC mapping). FEP_LL_TRANSPORT_PROXY is reserved for staging the rows in the send area
+ *   and pushing one fep_cmd per (peer, expert) instead (not built yet: launchers refuse it). */
+#define FEP_LL_THREADS 512
+#define FEP_LL_TRANSPORT_PEER 0u
+#define FEP_LL_TRANSPORT_PROXY 1u
+#define FEP_PHASE_LL_DISPATCH_SEND 16u
+#define FEP_PHASE_LL_DISPATCH_RECV 17u
+#define FEP_PHASE_LL_COMBINE_SEND 18u
+#define FEP_PHASE_LL_COMBINE_RECV 19u
+
+typedef struct fep_ll_peer {
+    uint64_t buf;       /* the peer's LL buffer base, as this rank's kernels address it */
+    uint64_t flags;     /* the peer's flag array (see above) */
+    uint32_t transport; /* FEP_LL_TRANSPORT_* */
+    uint32_t _pad;
+    uint64_t proxy;     /* reserved for the proxy transport (ring), 0 */
+} fep_ll_peer;          /* 32 bytes */
+
+typedef struct fep_ll_dispatch_params {
+    uint64_t x;             /* const bf16 [num_tokens, hidden] */
+    uint64_t topk_idx;      /* const int64 [num_tokens, num_topk], -1 = none, distinct per token */
+    uint64_t peers;         /* const fep_ll_peer [num_ranks] */
+    uint64_t workspace;     /* uint32 [1] ticket counter, zero between launches (kernel resets) */
+    uint64_t pos;           /* out int32 [num_tokens, num_topk]: row within the expert's block */
+    uint64_t local_buf;     /* this rank's LL buffer */
+    uint64_t local_flags;   /* this rank's flags */
+    uint64_t recv_x;        /* out [L, R * M, hidden] e4m3 bytes or bf16 */
+    uint64_t recv_scales;   /* out f32 [L, R * M, hidden / 128] (fp8 only) */
+    uint64_t recv_src_rank; /* out int32 [L, R * M] */
+    uint64_t recv_src_idx;  /* out int32 [L, R * M] */
+    uint64_t recv_count;    /* out int32 [L] */
+    uint64_t layout_range;  /* out int32 [L, R, 2] (begin, count) */
+    fep_dev_error_ref dev_error;
+    uint64_t epoch;         /* uint64 [2] per-set call counters of this rank, device memory, zero
+                               at start: the send's last block publishes tag = epoch[set] + 1 and
+                               stores it back; the receive expects tag = epoch[set] */
+    uint64_t budget_cycles; /* per bounded wait */
+    uint64_t unit_bytes;
+    uint32_t record_bytes;  /* LL dispatch record (payload, scales, src idx, padded to 16) */
+    uint32_t scales_offset;
+    uint32_t src_idx_offset;
+    int32_t num_tokens;
+    int32_t hidden;
+    int32_t num_topk;
+    int32_t num_experts;
+    int32_t num_ranks;
+    int32_t max_tokens;     /* M = max_tokens_per_rank */
+    int32_t rank;
+    int32_t set;            /* 0 or 1 */
+    int32_t use_fp8;
+    int32_t round_scale;
+    int32_t _pad;
+} fep_ll_dispatch_params;   /* 200 bytes */
+
+typedef struct fep_ll_combine_params {
+    uint64_t x;             /* const bf16 [L, R * M, hidden]: expert outputs, rows as dispatched */
+    uint64_t topk_idx;      /* const int64 [num_tokens, num_topk] (as passed to dispatch) */
+    uint64_t topk_weights;  /* const f32 [num_tokens, num_topk] */
+    uint64_t pos;           /* const int32 [num_tokens, num_topk] from this rank's dispatch */
+    uint64_t layout_range;  /* const int32 [L, R, 2] from this rank's dispatch */
+    uint64_t peers;         /* const fep_ll_peer [num_ranks] */
+    uint64_t workspace;     /* uint32 [1] ticket counter, zero between launches */
+    uint64_t local_buf;
+    uint64_t local_flags;
+    uint64_t out;           /* out bf16 [num_tokens, hidden] */
+    fep_dev_error_ref dev_error;
+    uint64_t epoch;         /* as in fep_ll_dispatch_params */
+    uint64_t budget_cycles;
+    uint64_t unit_bytes;
+    uint32_t record_bytes;  /* LL combine record: 2 * hidden */
+    int32_t num_tokens;
+    int32_t hidden;
+    int32_t num_topk;
+    int32_t num_experts;
+    int32_t num_ranks;
+    int32_t max_tokens;
+    int32_t rank;
+    int32_t set;
+    int32_t _pad;
+} fep_ll_combine_params;    /* 160 bytes */
 
 #ifdef __cplusplus
 static_assert(sizeof(fep_cmd) == 32, "fep_cmd layout");
@@ -178,6 +270,11 @@ static_assert(sizeof(fep_proxy_exchange_params) == 128, "fep_proxy_exchange_para
 static_assert(sizeof(fep_proxy_pingpong_params) == 120, "fep_proxy_pingpong_params layout");
 static_assert(offsetof(fep_proxy_exchange_params, capacity) == 88, "fep_proxy_exchange_params");
 static_assert(offsetof(fep_proxy_pingpong_params, cmd) == 64, "fep_proxy_pingpong_params fields");
+static_assert(sizeof(fep_ll_peer) == 32, "fep_ll_peer layout");
+static_assert(sizeof(fep_ll_dispatch_params) == 200, "fep_ll_dispatch_params layout");
+static_assert(sizeof(fep_ll_combine_params) == 160, "fep_ll_combine_params layout");
+static_assert(offsetof(fep_ll_dispatch_params, epoch) == 120, "fep_ll_dispatch_params fields");
+static_assert(offsetof(fep_ll_combine_params, record_bytes) == 120, "fep_ll_combine_params fields");
 #endif
 
 #endif /* FEP_ABI_H */

@@ -164,3 +164,75 @@ pub unsafe fn proxy_pingpong(stream: &Stream, p: abi::fep_proxy_pingpong_params)
     }
     launch(stream, Kernel::ProxyPingpong, LaunchConfig { grid: 1, block: 32, shared_bytes: 0 }, &p)
 }
+
+fn ll_cfg_check(cfg: LaunchConfig, what: &'static str) -> CudaResult<()> {
+    if cfg.block != abi::FEP_LL_THREADS || cfg.shared_bytes > 48 * 1024 {
+        return Err(CudaError::InvalidArgument {
+            arg: "cfg",
+            msg: format!(
+                "{what}: block {} (built for {}), {} bytes of shared memory (at most 48 KiB)",
+                cfg.block,
+                abi::FEP_LL_THREADS,
+                cfg.shared_bytes
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// `fep_ll_dispatch_send` (kernels/ll_dispatch.cu): any grid, `FEP_LL_THREADS` threads; dynamic
+/// shared memory `K * 8 + (T * K + E) * 4`. `ep::ll_gpu` plans and checks every field.
+///
+/// # Safety
+/// Every address in `p` (peers' buffers included) is live for the sizes fep_abi.h gives until
+/// the launch completes; `p.workspace` is used by no other launch at the same time.
+pub unsafe fn ll_dispatch_send(
+    stream: &Stream,
+    cfg: LaunchConfig,
+    p: abi::fep_ll_dispatch_params,
+) -> CudaResult<()> {
+    ll_cfg_check(cfg, "fep_ll_dispatch_send")?;
+    launch(stream, Kernel::LlDispatchSend, cfg, &p)
+}
+
+/// `fep_ll_dispatch_recv` (the receive hook): any grid, `FEP_LL_THREADS` threads; dynamic shared
+/// memory `(2 * E + 1) * 4`.
+///
+/// # Safety
+/// As [`ll_dispatch_send`].
+pub unsafe fn ll_dispatch_recv(
+    stream: &Stream,
+    cfg: LaunchConfig,
+    p: abi::fep_ll_dispatch_params,
+) -> CudaResult<()> {
+    ll_cfg_check(cfg, "fep_ll_dispatch_recv")?;
+    launch(stream, Kernel::LlDispatchRecv, cfg, &p)
+}
+
+/// `fep_ll_combine_send` (kernels/ll_combine.cu): any grid, `FEP_LL_THREADS` threads; dynamic
+/// shared memory `(2 * E + 1) * 4`.
+///
+/// # Safety
+/// As [`ll_dispatch_send`].
+pub unsafe fn ll_combine_send(
+    stream: &Stream,
+    cfg: LaunchConfig,
+    p: abi::fep_ll_combine_params,
+) -> CudaResult<()> {
+    ll_cfg_check(cfg, "fep_ll_combine_send")?;
+    launch(stream, Kernel::LlCombineSend, cfg, &p)
+}
+
+/// `fep_ll_combine_recv` (the receive hook): any grid, `FEP_LL_THREADS` threads; dynamic shared
+/// memory `K * 12 + E * 4`.
+///
+/// # Safety
+/// As [`ll_dispatch_send`].
+pub unsafe fn ll_combine_recv(
+    stream: &Stream,
+    cfg: LaunchConfig,
+    p: abi::fep_ll_combine_params,
+) -> CudaResult<()> {
+    ll_cfg_check(cfg, "fep_ll_combine_recv")?;
+    launch(stream, Kernel::LlCombineRecv, cfg, &p)
+}

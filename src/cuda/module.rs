@@ -24,16 +24,24 @@ pub enum Kernel {
     RingPushTest,
     ProxyExchangeTest,
     ProxyPingpong,
+    LlDispatchSend,
+    LlDispatchRecv,
+    LlCombineSend,
+    LlCombineRecv,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 6] = [
+    pub const ALL: [Kernel; 10] = [
         Kernel::DispatchLayout,
         Kernel::DispatchLayoutCluster,
         Kernel::WaitTest,
         Kernel::RingPushTest,
         Kernel::ProxyExchangeTest,
         Kernel::ProxyPingpong,
+        Kernel::LlDispatchSend,
+        Kernel::LlDispatchRecv,
+        Kernel::LlCombineSend,
+        Kernel::LlCombineRecv,
     ];
 
     /// The `extern "C"` symbol in kernels/*.cu.
@@ -45,6 +53,10 @@ impl Kernel {
             Kernel::RingPushTest => "fep_ring_push_test",
             Kernel::ProxyExchangeTest => "fep_proxy_exchange_test",
             Kernel::ProxyPingpong => "fep_proxy_pingpong",
+            Kernel::LlDispatchSend => "fep_ll_dispatch_send",
+            Kernel::LlDispatchRecv => "fep_ll_dispatch_recv",
+            Kernel::LlCombineSend => "fep_ll_combine_send",
+            Kernel::LlCombineRecv => "fep_ll_combine_recv",
         }
     }
 }

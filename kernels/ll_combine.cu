@@ -1,0 +1,162 @@
+// Low-latency combine (DeepEP V1 LL semantics; oracle: src/ep/reference.rs ll_combine).
+//
+// fep_ll_combine_send (any grid, FEP_LL_THREADS threads): the expert rank sends row i of unit
+//   (e, dst) of its dispatch result (layout_range: rows begin .. begin + count of x[e]) back to
+//   rank dst's combine receive block g = rank * L + e, row i. Rows of all units are spread over
+//   every warp of the grid (segments of 4 KiB). The last block publishes one flag per (dst, e),
+//   zero counts included: (tag << 32) | count.
+// fep_ll_combine_recv (the hook; any grid): bounded wait for all E flags (each count checked
+//   against this rank's own top-k), then per token t the weighted sum over its top-k in fp32,
+//   k ascending, one fma per step (acc = fma(y, w, acc)), rounded once to bf16 (RNE).
+#include "fep_abi.h"
+#include "fep_device.cuh"
+#include "fep_ll.cuh"
+
+extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
+    fep_ll_combine_send(const fep_ll_combine_params p) {
+    using namespace fep::ll;
+    // NOTES: dynamic shared memory = (2 * E + 1) * 4, as the dispatch receive (same unit order).
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int E = p.num_experts, R = p.num_ranks, L = E / R, M = p.max_tokens;
+    const int H = p.hidden;
+    const size_t S = static_cast<size_t>(R) * M;
+    int32_t* s_cnt = reinterpret_cast<int32_t*>(smem);
+    int32_t* s_start = s_cnt + E;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int32_t* range = reinterpret_cast<const int32_t*>(p.layout_range);
+    const fep_ll_peer* peers = reinterpret_cast<const fep_ll_peer*>(p.peers);
+
+    for (int u = tid; u < E; u += kThreads) {
+        int c = range[2 * u + 1];
+        if (c < 0 || c > M) {
+            fep::report_error(p.dev_error, FEP_DEV_BAD_INPUT, p.rank, FEP_PHASE_LL_COMBINE_SEND,
+                              u % R, static_cast<uint64_t>(M), static_cast<uint64_t>(c));
+            c = 0;
+        }
+        s_cnt[u] = c;
+    }
+    __syncthreads();
+    block_exclusive_scan(s_cnt, s_start, E);
+
+    const int row_bytes = 2 * H;
+    const int n16 = row_bytes / 16;
+    const int segs = (row_bytes + kSegBytes - 1) / kSegBytes;
+    const int total = s_start[E] * segs;
+    for (int item = blockIdx.x * kWarps + warp; item < total; item += gridDim.x * kWarps) {
+        const int n = item / segs, seg = item - n * segs;
+        const int u = find_unit(s_start, E, n);
+        const int i = n - s_start[u];
+        const int e = u / R, dst = u % R;
+        const size_t in_row = static_cast<size_t>(e) * S + range[2 * u] + i;
+        const uint64_t out = peers[dst].buf +
+                             unit_offset(p.set, 1, E, p.rank * L + e, p.unit_bytes) +
+                             static_cast<uint64_t>(i) * p.record_bytes;
+        copy_seg(reinterpret_cast<const uint4*>(p.x) + in_row * n16, reinterpret_cast<uint4*>(out),
+                 n16, seg, lane);
+    }
+
+    if (!last_block_ticket(reinterpret_cast<uint32_t*>(p.workspace))) return;
+    __shared__ uint64_t s_tag;
+    uint64_t* epoch = reinterpret_cast<uint64_t*>(p.epoch) + p.set;
+    if (tid == 0) s_tag = *epoch + 1;
+    __syncthreads();
+    for (int u = tid; u < E; u += kThreads) {
+        const int e = u / R, dst = u % R;
+        fep::st_release_sys(flag_ptr(peers[dst].flags, p.set, 1, E, p.rank * L + e),
+                            flag_value(s_tag, static_cast<uint32_t>(s_cnt[u])));
+    }
+    if (tid == 0) *epoch = s_tag;
+}
+
+extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
+    fep_ll_combine_recv(const fep_ll_combine_params p) {
+    using namespace fep::ll;
+    // NOTES: dynamic shared memory = K * 8 + K * 4 + E * 4 (rows and weights of the current
+    // token, then this rank's count per expert).
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ int s_fail;
+    const int T = p.num_tokens, K = p.num_topk, E = p.num_experts, R = p.num_ranks;
+    const int L = E / R, H = p.hidden;
+    uint64_t* s_row = reinterpret_cast<uint64_t*>(smem);
+    float* s_w = reinterpret_cast<float*>(smem + static_cast<size_t>(K) * 8);
+    int32_t* s_hist = reinterpret_cast<int32_t*>(s_w + K);
+    const int tid = threadIdx.x;
+    const int64_t* topk = reinterpret_cast<const int64_t*>(p.topk_idx);
+    const float* weights = reinterpret_cast<const float*>(p.topk_weights);
+    const int32_t* pos = reinterpret_cast<const int32_t*>(p.pos);
+
+    const uint64_t tag = reinterpret_cast<const uint64_t*>(p.epoch)[p.set];
+    if (tid == 0) s_fail = 0;
+    for (int g = tid; g < E; g += kThreads) s_hist[g] = 0;
+    __syncthreads();
+    for (int i = tid; i < T * K; i += kThreads) {
+        const int64_t g = topk[i];
+        if (g >= 0 && g < E) atomicAdd(&s_hist[g], 1);
+    }
+    __syncthreads();
+    for (int g = tid; g < E; g += kThreads) {
+        const fep::WaitCtx ctx{p.dev_error, p.budget_cycles, static_cast<uint32_t>(p.rank),
+                               FEP_PHASE_LL_COMBINE_RECV, static_cast<uint32_t>(g / L)};
+        const uint64_t* f = flag_ptr(p.local_flags, p.set, 1, E, g);
+        if (!fep::wait_geq(f, flag_value(tag, 0), ctx)) {
+            s_fail = 1;
+        } else {
+            const uint64_t v = fep::ld_acquire_sys(f);
+            if (v != flag_value(tag, static_cast<uint32_t>(s_hist[g]))) {
+                fep::report_error(p.dev_error, FEP_DEV_BAD_COUNT, p.rank, FEP_PHASE_LL_COMBINE_RECV,
+                                  g / L, flag_value(tag, s_hist[g]), v);
+                s_fail = 1;
+            }
+        }
+    }
+    __syncthreads();
+    if (s_fail) return;  // block-uniform
+
+    const uint64_t base = p.local_buf;
+    const int n8 = H / 8;  // one uint4 = 8 bf16 channels per thread and step
+    for (int t = blockIdx.x; t < T; t += gridDim.x) {
+        for (int k = tid; k < K; k += kThreads) {
+            const int64_t g = topk[t * K + k];
+            uint64_t row = 0;
+            if (g >= 0 && g < E) {
+                row = base + unit_offset(p.set, 1, E, static_cast<int>(g), p.unit_bytes) +
+                      static_cast<uint64_t>(pos[t * K + k]) * p.record_bytes;
+            }
+            s_row[k] = row;
+            s_w[k] = weights[t * K + k];
+        }
+        __syncthreads();
+        uint4* out = reinterpret_cast<uint4*>(p.out) + static_cast<size_t>(t) * n8;
+        for (int i = tid; i < n8; i += kThreads) {
+            float acc[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+            for (int k0 = 0; k0 < K; k0 += 8) {
+                uint4 v[8];
+#pragma unroll
+                for (int j = 0; j < 8; ++j) v[j] = make_uint4(0, 0, 0, 0);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const int k = k0 + j;
+                    if (k < K && s_row[k] != 0) v[j] = __ldcg(reinterpret_cast<const uint4*>(s_row[k]) + i);
+                }
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const int k = k0 + j;
+                    if (k < K && s_row[k] != 0) {
+                        const float w = s_w[k];
+                        const uint32_t ws[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+#pragma unroll
+                        for (int c = 0; c < 4; ++c) {
+                            acc[2 * c] = fmaf(bf16_lo(ws[c]), w, acc[2 * c]);
+                            acc[2 * c + 1] = fmaf(bf16_hi(ws[c]), w, acc[2 * c + 1]);
+                        }
+                    }
+                }
+            }
+            out[i] = make_uint4(pack_bf16x2(acc[0], acc[1]), pack_bf16x2(acc[2], acc[3]),
+                                pack_bf16x2(acc[4], acc[5]), pack_bf16x2(acc[6], acc[7]));
+        }
+        __syncthreads();  // s_row / s_w are rewritten for the next token
+    }
+}

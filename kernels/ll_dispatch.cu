@@ -1,0 +1,231 @@
+// Low-latency dispatch (DeepEP V1 LL semantics; oracle: src/ep/reference.rs ll_dispatch).
+//
+// fep_ll_dispatch_send (any grid, FEP_LL_THREADS threads): blocks stride over tokens. Per token:
+//   the K destination rows, `pos[t][k]` = the number of earlier tokens that chose the same expert
+//   (deterministic, no atomics), then the row is read once, cast to e4m3 once (or kept bf16) and
+//   stored straight into each destination's receive block [e][this rank] through the peer
+//   pointer. The last block to finish publishes one flag per (destination, local expert), the
+//   zero-count ones included, with a release store: (tag << 32) | count.
+// fep_ll_dispatch_recv (the hook; any grid): blocks stride over units (e, src). Bounded wait for
+//   the flags of sources 0..src of expert e, prefix of their counts = begin, then the rows are
+//   copied into the packed output at [e][begin + i] with their source info; unit (e, R-1) writes
+//   recv_count[e]. Rows past recv_count are not written (DeepEP: undefined).
+#include "fep_abi.h"
+#include "fep_device.cuh"
+#include "fep_ll.cuh"
+
+
+extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
+    fep_ll_dispatch_send(const fep_ll_dispatch_params p) {
+    using namespace fep::ll;
+    // NOTES: dynamic shared memory = K * 8 (destination rows) + (T * K + E) * 4; src/ep/ll_gpu.rs
+    // sizes it the same way.
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int T = p.num_tokens, K = p.num_topk, E = p.num_experts, R = p.num_ranks;
+    const int L = E / R;
+    const int H = p.hidden;
+    const int TK = T * K;
+    uint64_t* s_dst = reinterpret_cast<uint64_t*>(smem);
+    int32_t* s_topk = reinterpret_cast<int32_t*>(smem + static_cast<size_t>(K) * 8);
+    int32_t* s_count = s_topk + TK;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+    const int64_t* topk = reinterpret_cast<const int64_t*>(p.topk_idx);
+    for (int i = tid; i < TK; i += kThreads) {
+        int64_t g = topk[i];
+        if (g < -1 || g >= E) {
+            fep::report_error(p.dev_error, FEP_DEV_BAD_INPUT, p.rank, FEP_PHASE_LL_DISPATCH_SEND,
+                              UINT32_MAX, static_cast<uint64_t>(E), static_cast<uint64_t>(g));
+            g = -1;
+        }
+        s_topk[i] = static_cast<int32_t>(g);
+    }
+    __syncthreads();
+
+    const fep_ll_peer* peers = reinterpret_cast<const fep_ll_peer*>(p.peers);
+    int32_t* pos_out = reinterpret_cast<int32_t*>(p.pos);
+    const int n_items = H / 16;  // 16 channels per thread and step (H % 128 == 0 for fp8, % 16 else)
+    for (int t = blockIdx.x; t < T; t += gridDim.x) {
+        for (int k = warp; k < K; k += kWarps) {
+            const int g = s_topk[t * K + k];
+            int c = 0;
+            if (g >= 0) {
+                for (int j = lane; j < t * K; j += 32) c += (s_topk[j] == g);
+            }
+            c = warp_sum(c);
+            if (lane == 0) {
+                uint64_t addr = 0;
+                if (g >= 0) {
+                    const int dst = g / L, e = g % L;
+                    addr = peers[dst].buf +
+                           unit_offset(p.set, 1, E, e * R + p.rank, p.unit_bytes) +
+                           static_cast<uint64_t>(c) * p.record_bytes;
+                }
+                s_dst[k] = addr;
+                pos_out[t * K + k] = g >= 0 ? c : -1;
+            }
+        }
+        __syncthreads();
+
+        const uint4* xrow = reinterpret_cast<const uint4*>(p.x) + static_cast<size_t>(t) * (H / 8);
+        for (int base = warp * 32; base < n_items; base += kThreads) {
+            const int i = base + lane;
+            const bool valid = i < n_items;
+            uint4 a = make_uint4(0, 0, 0, 0), b = make_uint4(0, 0, 0, 0);
+            if (valid) {
+                a = __ldg(xrow + 2 * i);
+                b = __ldg(xrow + 2 * i + 1);
+            }
+            if (p.use_fp8) {
+                const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+                float f[16];
+                float amax = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    f[2 * j] = bf16_lo(w[j]);
+                    f[2 * j + 1] = bf16_hi(w[j]);
+                    amax = fmaxf(amax, fmaxf(fabsf(f[2 * j]), fabsf(f[2 * j + 1])));
+                }
+                // 8 lanes = 128 channels = one scale group (groups never straddle a warp).
+#pragma unroll
+                for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+                float scale;
+                const float mult = fp8_group_scale(amax, p.round_scale != 0, &scale);
+                uint32_t q[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    q[j] = fp8x2(f[4 * j] * mult, f[4 * j + 1] * mult) |
+                           (fp8x2(f[4 * j + 2] * mult, f[4 * j + 3] * mult) << 16);
+                }
+                const uint4 qv = make_uint4(q[0], q[1], q[2], q[3]);
+                if (valid) {
+                    for (int k = 0; k < K; ++k) {
+                        const uint64_t d = s_dst[k];
+                        if (d == 0) continue;
+                        reinterpret_cast<uint4*>(d)[i] = qv;
+                        if ((lane & 7) == 0) {
+                            reinterpret_cast<float*>(d + p.scales_offset)[i >> 3] = scale;
+                        }
+                    }
+                }
+            } else if (valid) {
+                for (int k = 0; k < K; ++k) {
+                    const uint64_t d = s_dst[k];
+                    if (d == 0) continue;
+                    reinterpret_cast<uint4*>(d)[2 * i] = a;
+                    reinterpret_cast<uint4*>(d)[2 * i + 1] = b;
+                }
+            }
+        }
+        if (tid < K) {
+            const uint64_t d = s_dst[tid];
+            if (d != 0) *reinterpret_cast<int32_t*>(d + p.src_idx_offset) = t;
+        }
+        __syncthreads();  // s_dst is rewritten for the next token
+    }
+
+    if (!last_block_ticket(reinterpret_cast<uint32_t*>(p.workspace))) return;
+
+    for (int g = tid; g < E; g += kThreads) s_count[g] = 0;
+    __syncthreads();
+    for (int i = tid; i < TK; i += kThreads) {
+        if (s_topk[i] >= 0) atomicAdd(&s_count[s_topk[i]], 1);
+    }
+    __shared__ uint64_t s_tag;
+    uint64_t* epoch = reinterpret_cast<uint64_t*>(p.epoch) + p.set;
+    if (tid == 0) s_tag = *epoch + 1;
+    __syncthreads();
+    for (int g = tid; g < E; g += kThreads) {
+        const int dst = g / L, e = g % L;
+        fep::st_release_sys(flag_ptr(peers[dst].flags, p.set, 0, E, e * R + p.rank),
+                            flag_value(s_tag, static_cast<uint32_t>(s_count[g])));
+    }
+    if (tid == 0) *epoch = s_tag;  // the receive (same stream, next) expects this tag
+}
+
+extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
+    fep_ll_dispatch_recv(const fep_ll_dispatch_params p) {
+    using namespace fep::ll;
+    // NOTES: dynamic shared memory = (2 * E + 1) * 4: counts and their prefix over units
+    // u = e * R + src, which is exactly the packed output order (expert-major, then source).
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ int s_fail;
+    const int E = p.num_experts, R = p.num_ranks, M = p.max_tokens;
+    const int H = p.hidden;
+    const size_t S = static_cast<size_t>(R) * M;
+    int32_t* s_cnt = reinterpret_cast<int32_t*>(smem);
+    int32_t* s_start = s_cnt + E;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+    // Written by this rank's send (earlier on the same stream).
+    const uint64_t tag = reinterpret_cast<const uint64_t*>(p.epoch)[p.set];
+    if (tid == 0) s_fail = 0;
+    __syncthreads();
+    // Every block waits for all E flags (one thread each, in parallel): it needs every count for
+    // the prefix. The flag of unit (e, src) comes from rank src.
+    for (int u = tid; u < E; u += kThreads) {
+        const fep::WaitCtx ctx{p.dev_error, p.budget_cycles, static_cast<uint32_t>(p.rank),
+                               FEP_PHASE_LL_DISPATCH_RECV, static_cast<uint32_t>(u % R)};
+        const uint64_t* f = flag_ptr(p.local_flags, p.set, 0, E, u);
+        int c = 0;
+        if (!fep::wait_geq(f, flag_value(tag, 0), ctx)) {
+            s_fail = 1;
+        } else {
+            const uint64_t v = fep::ld_acquire_sys(f);
+            c = static_cast<int>(v & 0xffffffffu);
+            if ((v >> 32) != tag || c > M) {
+                fep::report_error(p.dev_error, FEP_DEV_BAD_COUNT, p.rank,
+                                  FEP_PHASE_LL_DISPATCH_RECV, u % R, flag_value(tag, M), v);
+                s_fail = 1;
+                c = 0;
+            }
+        }
+        s_cnt[u] = c;
+    }
+    __syncthreads();
+    if (s_fail) return;  // block-uniform
+    block_exclusive_scan(s_cnt, s_start, E);
+
+    if (blockIdx.x == 0) {
+        int32_t* range = reinterpret_cast<int32_t*>(p.layout_range);
+        for (int u = tid; u < E; u += kThreads) {
+            const int e = u / R, src = u % R;
+            range[2 * u] = s_start[u] - s_start[e * R];
+            range[2 * u + 1] = s_cnt[u];
+            if (src == R - 1) {
+                reinterpret_cast<int32_t*>(p.recv_count)[e] = s_start[u + 1] - s_start[e * R];
+            }
+        }
+    }
+
+    const int payload_bytes = p.use_fp8 ? H : 2 * H;
+    const int n16 = payload_bytes / 16;
+    const int segs = (payload_bytes + kSegBytes - 1) / kSegBytes;
+    const int groups = H / 128;
+    const int total = s_start[E] * segs;
+    const unsigned char* recv = reinterpret_cast<const unsigned char*>(p.local_buf);
+    for (int item = blockIdx.x * kWarps + warp; item < total; item += gridDim.x * kWarps) {
+        const int n = item / segs, seg = item - n * segs;
+        const int u = find_unit(s_start, E, n);
+        const int i = n - s_start[u];
+        const int e = u / R, src = u % R;
+        const size_t out_row = static_cast<size_t>(e) * S + (s_start[u] - s_start[e * R]) + i;
+        const unsigned char* rec =
+            recv + unit_offset(p.set, 1, E, u, p.unit_bytes) + static_cast<size_t>(i) * p.record_bytes;
+        copy_seg(reinterpret_cast<const uint4*>(rec),
+                 reinterpret_cast<uint4*>(p.recv_x) + out_row * n16, n16, seg, lane);
+        if (seg == 0) {
+            if (p.use_fp8) {
+                for (int gi = lane; gi < groups; gi += 32) {
+                    reinterpret_cast<float*>(p.recv_scales)[out_row * groups + gi] =
+                        __ldcg(reinterpret_cast<const float*>(rec + p.scales_offset) + gi);
+                }
+            }
+            if (lane == 0) {
+                reinterpret_cast<int32_t*>(p.recv_src_idx)[out_row] =
+                    __ldcg(reinterpret_cast<const int*>(rec + p.src_idx_offset));
+                reinterpret_cast<int32_t*>(p.recv_src_rank)[out_row] = src;
+            }
+        }
+    }
+}

@@ -1,0 +1,663 @@
+//! Low-latency (LL) dispatch/combine on the GPU: fixed buffers, the kernels of
+//! `kernels/ll_dispatch.cu` and `kernels/ll_combine.cu`, and a threads-as-ranks harness
+//! ([`LlGpuGroup`]) that runs N ranks in one process on one GPU, each with its own buffers and
+//! stream, peers' buffers addressed through plain device pointers.
+//!
+//! Per rank and call (DeepEP V1 LL semantics, oracle: [`crate::ep::reference`]):
+//! - `dispatch_send`: `x [T, hidden]` bf16 + `topk_idx [T, K]` int64 -> for each global expert
+//!   `g`, the rows of the tokens that chose it, written straight into the receive block
+//!   `[g % L][this rank]` of rank `g / L` (fp8 e4m3 + per-128 f32 scales cast in-kernel, or bf16),
+//!   then one flag per (destination, local expert) with the count, zero counts included.
+//! - `dispatch_recv` (the hook): waits (bounded) for every source's flags, writes
+//!   `recv_x [L, R * M, hidden]` (+ scales) in the deterministic order (for local expert `e`, rows
+//!   of source 0, then 1, ...; within a source in its token order), `recv_count [L]`, source rank
+//!   and token index per row, and `layout_range [L, R]` as `(begin, count)`.
+//! - `combine_send`: `x [L, R * M, hidden]` bf16 rows go back to their source rank's combine
+//!   receive block `g`, row `pos` (the row the token had in the dispatch message).
+//! - `combine_recv` (the hook): per token, the top-k weighted sum in fp32 (k ascending, fma),
+//!   bf16 out `[T, hidden]`.
+//!
+//! Buffers follow [`LlLayout`] exactly (two sets that alternate per call, each a send and a
+//! receive area of `E` units); flags are `u64 [2 sets][2 phases][E]` in the receiver's memory.
+//!
+// NOTES (ordering): payload stores -> `__threadfence_system` in every sending thread -> barrier ->
+// ticket atomic (the last block to finish is chosen) -> fence -> release store of each flag
+// `(tag << 32) | count`. The receiver acquires the flag (system scope), then a barrier, then reads
+// the rows through L2. The tag is the set's epoch (1, 2, ... per use of the set; the same on every
+// rank because every rank makes the same sequence of LL calls), kept in device memory (the send's
+// last block advances it, the receive on the same stream reads it), so flags never need resetting
+// (a value of an earlier call is always smaller than `tag << 32`) and a captured CUDA graph
+// replays correctly. The host picks the set by call parity, as DeepEP does.
+//
+// NOTES (buffer reuse): a call uses set `call parity` (host side). Rank A's dispatch of call n+2 overwrites rank
+// B's set only after A's combine receive of call n+1 saw B's combine send, which B issues after its
+// dispatch receive of call n has finished reading: the usual dispatch -> combine alternation
+// keeps the two sets safe, as in DeepEP.
+//
+// NOTES (co-residency): receive kernels spin on flags written by other ranks' kernels. Each rank's
+// kernels run on one stream (so at most one of them runs at a time) with a grid of at most
+// `sm_budget` blocks, and `num_ranks * sm_budget <= SMs`, so every rank's running kernel fits on
+// the GPU at once and no spin can starve a sender.
+
+use crate::abi;
+use crate::cuda::launch::{self, LaunchConfig};
+use crate::cuda::{CudaError, DevErrorRecord, Device, DeviceBuffer, Stream};
+use crate::ep::config::DispatchDtype;
+use crate::ep::plan::LlLayout;
+use crate::{Error, Result};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Clock assumed to turn a timeout into a device cycle budget (H200 boost clock, about 2 GHz).
+/// NOTES: at lower clocks the device-side wait lasts longer than `timeout`, never shorter.
+pub const ASSUMED_CLOCK_HZ: u64 = 2_000_000_000;
+/// Largest number of experts the kernels' shared-memory scans take.
+pub const MAX_EXPERTS: usize = 8 * abi::FEP_LL_THREADS as usize;
+const SMEM_LIMIT: usize = 48 * 1024;
+
+/// Settings of the low-latency GPU path, validated by [`LlGpuConfig::layout`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LlGpuConfig {
+    pub num_ranks: usize,
+    pub num_experts: usize,
+    /// Channels; a multiple of 128.
+    pub hidden: usize,
+    pub num_topk: usize,
+    pub max_tokens_per_rank: usize,
+    /// Dispatch in fp8 (e4m3 + per-128 f32 scales) instead of bf16.
+    pub use_fp8: bool,
+    /// Power-of-two fp8 scales (DeepEP's `round_scale`).
+    pub round_scale: bool,
+    /// Blocks per kernel launch of one rank; `None`: SMs / num_ranks.
+    pub sm_budget: Option<u32>,
+    /// Bound on every device-side wait.
+    pub timeout: Duration,
+}
+
+impl LlGpuConfig {
+    /// The DeepSeek-style benchmark setting: 128 tokens, hidden 7168, top-8 of 256, fp8.
+    pub fn bench(num_ranks: usize) -> Self {
+        LlGpuConfig {
+            num_ranks,
+            num_experts: 256,
+            hidden: 7168,
+            num_topk: 8,
+            max_tokens_per_rank: 128,
+            use_fp8: true,
+            round_scale: false,
+            sm_budget: None,
+            timeout: Duration::from_secs(10),
+        }
+    }
+
+    pub fn num_local_experts(&self) -> usize {
+        self.num_experts / self.num_ranks.max(1)
+    }
+
+    /// Rows per local expert in the outputs, `num_ranks * max_tokens_per_rank`.
+    pub fn rows_per_expert(&self) -> usize {
+        self.num_ranks * self.max_tokens_per_rank
+    }
+
+    /// Checks every setting the kernels rely on and returns the buffer layout.
+    pub fn layout(&self) -> Result<LlLayout> {
+        if self.num_ranks == 0 {
+            return Err(Error::arg("num_ranks", "must be at least 1"));
+        }
+        if self.num_experts == 0
+            || self.num_experts % self.num_ranks != 0
+            || self.num_experts > MAX_EXPERTS
+        {
+            return Err(Error::arg(
+                "num_experts",
+                format!(
+                    "{}: must be a positive multiple of num_ranks {} and at most {MAX_EXPERTS}",
+                    self.num_experts, self.num_ranks
+                ),
+            ));
+        }
+        if self.hidden == 0 || self.hidden % 128 != 0 {
+            return Err(Error::arg(
+                "hidden",
+                format!("{}: the GPU path needs a positive multiple of 128", self.hidden),
+            ));
+        }
+        if self.num_topk == 0 || self.num_topk > self.num_experts {
+            return Err(Error::arg(
+                "num_topk",
+                format!("{} not in 1..={}", self.num_topk, self.num_experts),
+            ));
+        }
+        if self.round_scale && !self.use_fp8 {
+            return Err(Error::arg("round_scale", "only meaningful with use_fp8"));
+        }
+        let dtype = if self.use_fp8 { DispatchDtype::Fp8E4m3 } else { DispatchDtype::Bf16 };
+        let layout = LlLayout::from_parts(
+            self.num_ranks as u64,
+            self.num_experts as u64,
+            self.hidden as u64,
+            dtype,
+            self.max_tokens_per_rank as u64,
+        )?;
+        if self.send_smem(self.max_tokens_per_rank) > SMEM_LIMIT {
+            return Err(Error::arg(
+                "max_tokens_per_rank",
+                format!(
+                    "{} x top-{} with {} experts needs {} bytes of shared memory (limit {SMEM_LIMIT})",
+                    self.max_tokens_per_rank,
+                    self.num_topk,
+                    self.num_experts,
+                    self.send_smem(self.max_tokens_per_rank)
+                ),
+            ));
+        }
+        let rows = self.num_local_experts() as u64 * self.rows_per_expert() as u64;
+        if rows * self.hidden as u64 / 16 > i32::MAX as u64 || layout.unit_bytes > u32::MAX as u64 {
+            return Err(Error::arg("max_tokens_per_rank", "outputs too large for 32-bit indices"));
+        }
+        Ok(layout)
+    }
+
+    fn send_smem(&self, num_tokens: usize) -> usize {
+        self.num_topk * 8 + (num_tokens * self.num_topk + self.num_experts) * 4
+    }
+    fn scan_smem(&self) -> usize {
+        (2 * self.num_experts + 1) * 4
+    }
+    fn combine_recv_smem(&self) -> usize {
+        self.num_topk * 12 + self.num_experts * 4
+    }
+    fn budget_cycles(&self) -> u64 {
+        let ns = self.timeout.as_nanos().min(u64::MAX as u128 / 4) as u64;
+        ns.saturating_mul(ASSUMED_CLOCK_HZ / 1_000_000_000).max(1)
+    }
+}
+
+/// One rank's dispatch outputs on the device; also the handle its combine reads
+/// (`layout_range`, `pos`). `S = num_ranks * max_tokens_per_rank`.
+pub struct LlDispatchOut {
+    /// `[L, S, hidden]` e4m3 bytes (fp8) or bf16.
+    pub recv_x: DeviceBuffer,
+    /// f32 `[L, S, hidden / 128]` (fp8 only; empty otherwise).
+    pub recv_scales: DeviceBuffer,
+    /// i32 `[L, S]`.
+    pub recv_src_rank: DeviceBuffer,
+    /// i32 `[L, S]`.
+    pub recv_src_idx: DeviceBuffer,
+    /// i32 `[L]`.
+    pub recv_count: DeviceBuffer,
+    /// i32 `[L, R, 2]` `(begin, count)`.
+    pub layout_range: DeviceBuffer,
+    /// i32 `[max_tokens_per_rank, K]`: row of `(t, k)` within its expert's message (-1 masked).
+    pub pos: DeviceBuffer,
+}
+
+/// [`LlDispatchOut`] copied to the host.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlDispatchHost {
+    pub recv_x: Vec<u8>,
+    pub recv_scales: Vec<f32>,
+    pub recv_src_rank: Vec<i32>,
+    pub recv_src_idx: Vec<i32>,
+    pub recv_count: Vec<i32>,
+    pub layout_range: Vec<i32>,
+    pub pos: Vec<i32>,
+}
+
+impl LlDispatchOut {
+    pub fn new(dev: &Device, cfg: &LlGpuConfig) -> Result<Self> {
+        let (l, s, h) = (cfg.num_local_experts(), cfg.rows_per_expert(), cfg.hidden);
+        let elem = if cfg.use_fp8 { 1 } else { 2 };
+        Ok(LlDispatchOut {
+            recv_x: DeviceBuffer::new(dev, l * s * h * elem)?,
+            recv_scales: DeviceBuffer::new(
+                dev,
+                if cfg.use_fp8 { l * s * (h / 128) * 4 } else { 0 },
+            )?,
+            recv_src_rank: DeviceBuffer::new(dev, l * s * 4)?,
+            recv_src_idx: DeviceBuffer::new(dev, l * s * 4)?,
+            recv_count: DeviceBuffer::new(dev, l * 4)?,
+            layout_range: DeviceBuffer::new(dev, cfg.num_experts * 8)?,
+            pos: DeviceBuffer::new(dev, cfg.max_tokens_per_rank * cfg.num_topk * 4)?,
+        })
+    }
+
+    /// Fills every output with `byte` (tests poison before each run) and waits for the device.
+    // NOTES: cuMemset on device memory may complete after it returns, on the legacy stream, which
+    // does not order against the ranks' non-blocking streams: without the device synchronisation a
+    // poison could land after the kernels wrote (seen on the H200 at 7168 x 4 ranks).
+    pub fn poison(&self, byte: u8) -> Result<()> {
+        for b in [
+            &self.recv_x,
+            &self.recv_scales,
+            &self.recv_src_rank,
+            &self.recv_src_idx,
+            &self.recv_count,
+            &self.layout_range,
+            &self.pos,
+        ] {
+            b.memset(byte)?;
+        }
+        self.recv_x.device().synchronize()?;
+        Ok(())
+    }
+
+    pub fn to_host(&self) -> Result<LlDispatchHost> {
+        Ok(LlDispatchHost {
+            recv_x: self.recv_x.to_vec()?,
+            recv_scales: self.recv_scales.to_vec()?,
+            recv_src_rank: self.recv_src_rank.to_vec()?,
+            recv_src_idx: self.recv_src_idx.to_vec()?,
+            recv_count: self.recv_count.to_vec()?,
+            layout_range: self.layout_range.to_vec()?,
+            pos: self.pos.to_vec()?,
+        })
+    }
+}
+
+/// A send in flight: what the matching receive (the hook) needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LlTicket {
+    pub set: u32,
+    pub num_tokens: usize,
+}
+
+/// One rank: its LL buffer, flags, peer table, stream and error record.
+pub struct LlGpuRank {
+    rank: usize,
+    cfg: LlGpuConfig,
+    layout: LlLayout,
+    stream: Stream,
+    buf: Arc<DeviceBuffer>,
+    flags: Arc<DeviceBuffer>,
+    peers: DeviceBuffer,
+    /// u32 [2] dispatch-send and combine-send tickets (kernels leave them zero), then u64 [2]
+    /// per-set epochs (device memory, advanced by the send kernels).
+    workspace: DeviceBuffer,
+    err: DevErrorRecord,
+    calls: u64,
+    grid: u32,
+}
+
+fn need(arg: &'static str, buf: &DeviceBuffer, bytes: usize) -> Result<()> {
+    if buf.len() < bytes {
+        return Err(Error::arg(arg, format!("{} bytes, needs {bytes}", buf.len())));
+    }
+    Ok(())
+}
+
+/// Name of a `FEP_PHASE_LL_*` phase.
+pub fn phase_name(phase: u32) -> &'static str {
+    match phase {
+        abi::FEP_PHASE_LL_DISPATCH_SEND => "low-latency dispatch send",
+        abi::FEP_PHASE_LL_DISPATCH_RECV => "low-latency dispatch receive",
+        abi::FEP_PHASE_LL_COMBINE_SEND => "low-latency combine send",
+        abi::FEP_PHASE_LL_COMBINE_RECV => "low-latency combine receive",
+        _ => "unknown phase",
+    }
+}
+
+impl LlGpuRank {
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+    pub fn config(&self) -> &LlGpuConfig {
+        &self.cfg
+    }
+    pub fn layout(&self) -> &LlLayout {
+        &self.layout
+    }
+    /// Blocks per launch.
+    pub fn grid(&self) -> u32 {
+        self.grid
+    }
+
+    fn next_ticket(&mut self, num_tokens: usize) -> LlTicket {
+        self.calls += 1;
+        LlTicket { set: (self.calls % 2) as u32, num_tokens }
+    }
+
+    fn cfg(&self, smem: usize) -> LaunchConfig {
+        LaunchConfig { grid: self.grid, block: abi::FEP_LL_THREADS, shared_bytes: smem as u32 }
+    }
+
+    fn dispatch_params(
+        &self,
+        t: LlTicket,
+        out: &LlDispatchOut,
+    ) -> Result<abi::fep_ll_dispatch_params> {
+        let c = &self.cfg;
+        let (l, s, h) = (c.num_local_experts(), c.rows_per_expert(), c.hidden);
+        let elem = if c.use_fp8 { 1 } else { 2 };
+        need("out.recv_x", &out.recv_x, l * s * h * elem)?;
+        if c.use_fp8 {
+            need("out.recv_scales", &out.recv_scales, l * s * (h / 128) * 4)?;
+        }
+        need("out.recv_src_rank", &out.recv_src_rank, l * s * 4)?;
+        need("out.recv_src_idx", &out.recv_src_idx, l * s * 4)?;
+        need("out.recv_count", &out.recv_count, l * 4)?;
+        need("out.layout_range", &out.layout_range, c.num_experts * 8)?;
+        need("out.pos", &out.pos, t.num_tokens * c.num_topk * 4)?;
+        let rec = &self.layout.dispatch_record;
+        Ok(abi::fep_ll_dispatch_params {
+            x: 0,
+            topk_idx: 0,
+            peers: self.peers.device_ptr(),
+            workspace: self.workspace.device_ptr(),
+            pos: out.pos.device_ptr(),
+            local_buf: self.buf.device_ptr(),
+            local_flags: self.flags.device_ptr(),
+            recv_x: out.recv_x.device_ptr(),
+            recv_scales: out.recv_scales.device_ptr(),
+            recv_src_rank: out.recv_src_rank.device_ptr(),
+            recv_src_idx: out.recv_src_idx.device_ptr(),
+            recv_count: out.recv_count.device_ptr(),
+            layout_range: out.layout_range.device_ptr(),
+            dev_error: self.err.as_abi(),
+            epoch: self.workspace.device_ptr() + 8,
+            budget_cycles: c.budget_cycles(),
+            unit_bytes: self.layout.unit_bytes,
+            record_bytes: rec.bytes as u32,
+            scales_offset: rec.scales_offset as u32,
+            src_idx_offset: rec.src_idx_offset.unwrap_or(0) as u32,
+            num_tokens: t.num_tokens as i32,
+            hidden: h as i32,
+            num_topk: c.num_topk as i32,
+            num_experts: c.num_experts as i32,
+            num_ranks: c.num_ranks as i32,
+            max_tokens: c.max_tokens_per_rank as i32,
+            rank: self.rank as i32,
+            set: t.set as i32,
+            use_fp8: c.use_fp8 as i32,
+            round_scale: c.round_scale as i32,
+            _pad: 0,
+        })
+    }
+
+    /// Launches the dispatch send of `x [num_tokens, hidden]` bf16 and `topk_idx
+    /// [num_tokens, K]` int64 (global ids, -1 = none, distinct per token) on this rank's stream.
+    /// `out.pos` is written here; the rest of `out` by [`Self::dispatch_recv`] with the ticket.
+    ///
+    /// # Safety
+    /// `x`, `topk_idx`, `out` and every rank of the group stay alive until this rank's stream has
+    /// finished the launch.
+    pub unsafe fn dispatch_send(
+        &mut self,
+        x: &DeviceBuffer,
+        topk_idx: &DeviceBuffer,
+        num_tokens: usize,
+        out: &LlDispatchOut,
+    ) -> Result<LlTicket> {
+        let c = &self.cfg;
+        if num_tokens > c.max_tokens_per_rank {
+            return Err(Error::arg(
+                "x",
+                format!(
+                    "{num_tokens} tokens, more than max_tokens_per_rank {}",
+                    c.max_tokens_per_rank
+                ),
+            ));
+        }
+        need("x", x, num_tokens * c.hidden * 2)?;
+        need("topk_idx", topk_idx, num_tokens * c.num_topk * 8)?;
+        let smem = c.send_smem(num_tokens);
+        let mut t = self.next_ticket(num_tokens);
+        let mut p = match self.dispatch_params(t, out) {
+            Ok(p) => p,
+            Err(e) => {
+                self.calls -= 1;
+                return Err(e);
+            }
+        };
+        p.x = x.device_ptr();
+        p.topk_idx = topk_idx.device_ptr();
+        t.num_tokens = num_tokens;
+        launch::ll_dispatch_send(&self.stream, self.cfg(smem), p)?;
+        Ok(t)
+    }
+
+    /// Launches the dispatch receive (the hook) of `t` into `out`.
+    ///
+    /// # Safety
+    /// As [`Self::dispatch_send`].
+    pub unsafe fn dispatch_recv(&self, t: LlTicket, out: &LlDispatchOut) -> Result<()> {
+        let p = self.dispatch_params(t, out)?;
+        launch::ll_dispatch_recv(&self.stream, self.cfg(self.cfg.scan_smem()), p)?;
+        Ok(())
+    }
+
+    fn combine_params(
+        &self,
+        t: LlTicket,
+        handle: &LlDispatchOut,
+    ) -> Result<abi::fep_ll_combine_params> {
+        let c = &self.cfg;
+        need("handle.layout_range", &handle.layout_range, c.num_experts * 8)?;
+        need("handle.pos", &handle.pos, t.num_tokens * c.num_topk * 4)?;
+        Ok(abi::fep_ll_combine_params {
+            x: 0,
+            topk_idx: 0,
+            topk_weights: 0,
+            pos: handle.pos.device_ptr(),
+            layout_range: handle.layout_range.device_ptr(),
+            peers: self.peers.device_ptr(),
+            workspace: self.workspace.device_ptr() + 4,
+            local_buf: self.buf.device_ptr(),
+            local_flags: self.flags.device_ptr(),
+            out: 0,
+            dev_error: self.err.as_abi(),
+            epoch: self.workspace.device_ptr() + 8,
+            budget_cycles: c.budget_cycles(),
+            unit_bytes: self.layout.unit_bytes,
+            record_bytes: self.layout.combine_record.bytes as u32,
+            num_tokens: t.num_tokens as i32,
+            hidden: c.hidden as i32,
+            num_topk: c.num_topk as i32,
+            num_experts: c.num_experts as i32,
+            num_ranks: c.num_ranks as i32,
+            max_tokens: c.max_tokens_per_rank as i32,
+            rank: self.rank as i32,
+            set: t.set as i32,
+            _pad: 0,
+        })
+    }
+
+    /// Launches the combine send of `x [L, S, hidden]` bf16 (expert outputs, rows as this rank's
+    /// dispatch `handle` received them). `num_tokens` is this rank's own token count (as passed
+    /// to its dispatch; the combine receive needs it).
+    ///
+    /// # Safety
+    /// As [`Self::dispatch_send`].
+    pub unsafe fn combine_send(
+        &mut self,
+        x: &DeviceBuffer,
+        handle: &LlDispatchOut,
+        num_tokens: usize,
+    ) -> Result<LlTicket> {
+        let c = &self.cfg;
+        if num_tokens > c.max_tokens_per_rank {
+            return Err(Error::arg("num_tokens", format!("{num_tokens} > max_tokens_per_rank")));
+        }
+        need("x", x, c.num_local_experts() * c.rows_per_expert() * c.hidden * 2)?;
+        let t = self.next_ticket(num_tokens);
+        let mut p = match self.combine_params(t, handle) {
+            Ok(p) => p,
+            Err(e) => {
+                self.calls -= 1;
+                return Err(e);
+            }
+        };
+        p.x = x.device_ptr();
+        launch::ll_combine_send(&self.stream, self.cfg(self.cfg.scan_smem()), p)?;
+        Ok(t)
+    }
+
+    /// Launches the combine receive (the hook) of `t`: `out [T, hidden]` bf16 from this rank's
+    /// `topk_idx`/`topk_weights [T, K]` (int64 / f32, as passed to the dispatch) and its `handle`.
+    ///
+    /// # Safety
+    /// As [`Self::dispatch_send`].
+    pub unsafe fn combine_recv(
+        &self,
+        t: LlTicket,
+        topk_idx: &DeviceBuffer,
+        topk_weights: &DeviceBuffer,
+        handle: &LlDispatchOut,
+        out: &DeviceBuffer,
+    ) -> Result<()> {
+        let c = &self.cfg;
+        need("topk_idx", topk_idx, t.num_tokens * c.num_topk * 8)?;
+        need("topk_weights", topk_weights, t.num_tokens * c.num_topk * 4)?;
+        need("out", out, t.num_tokens * c.hidden * 2)?;
+        let mut p = self.combine_params(t, handle)?;
+        p.topk_idx = topk_idx.device_ptr();
+        p.topk_weights = topk_weights.device_ptr();
+        p.out = out.device_ptr();
+        launch::ll_combine_recv(&self.stream, self.cfg(self.cfg.combine_recv_smem()), p)?;
+        Ok(())
+    }
+
+    /// Waits (bounded: the config's timeout plus 5 s) for this rank's stream, then turns a
+    /// recorded device error into a typed error: a device wait that ran out becomes
+    /// [`Error::Timeout`] naming this rank, the phase and the peer.
+    pub fn finish(&self) -> Result<()> {
+        self.stream.synchronize_within(self.cfg.timeout + Duration::from_secs(5))?;
+        match self.err.check() {
+            Ok(()) => Ok(()),
+            Err(CudaError::Device { code, rank, phase, peer, .. })
+                if code == abi::FEP_DEV_WAIT_TIMEOUT =>
+            {
+                Err(Error::Timeout {
+                    rank: rank as usize,
+                    phase: phase_name(phase),
+                    peers: peer.map(|p| vec![p as usize]).unwrap_or_default(),
+                    waited: self.cfg.timeout,
+                })
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+/// N ranks as threads of one process on one GPU (the harness the GPU tests and benchmark use).
+pub struct LlGpuGroup {
+    pub ranks: Vec<LlGpuRank>,
+}
+
+impl LlGpuGroup {
+    /// Allocates every rank's buffers on `dev` and wires each rank's peer table to the others'
+    /// buffers (direct device pointers).
+    pub fn new(dev: &Device, cfg: LlGpuConfig) -> Result<Self> {
+        let layout = cfg.layout()?;
+        let sms = dev.sm_count().max(1);
+        let grid = cfg.sm_budget.unwrap_or((sms / cfg.num_ranks as u32).max(1));
+        if grid == 0 || grid as u64 * cfg.num_ranks as u64 > sms as u64 {
+            return Err(Error::arg(
+                "sm_budget",
+                format!(
+                    "{grid} blocks x {} ranks: must be >= 1 and fit the GPU's {sms} SMs at once \
+                     (the receive kernels spin on the other ranks' sends)",
+                    cfg.num_ranks
+                ),
+            ));
+        }
+        let total = usize::try_from(layout.total_bytes())
+            .map_err(|_| Error::arg("max_tokens_per_rank", "LL buffer larger than memory"))?;
+        let flag_bytes = 2 * 2 * cfg.num_experts * 8;
+        let mut ranks = Vec::with_capacity(cfg.num_ranks);
+        for rank in 0..cfg.num_ranks {
+            ranks.push(LlGpuRank {
+                rank,
+                cfg: cfg.clone(),
+                layout,
+                stream: Stream::new(dev)?,
+                buf: Arc::new(DeviceBuffer::new(dev, total)?),
+                flags: Arc::new(DeviceBuffer::zeroed(dev, flag_bytes)?),
+                peers: DeviceBuffer::new(
+                    dev,
+                    cfg.num_ranks * std::mem::size_of::<abi::fep_ll_peer>(),
+                )?,
+                workspace: DeviceBuffer::zeroed(dev, 24)?,
+                err: DevErrorRecord::new(dev)?,
+                calls: 0,
+                grid,
+            });
+        }
+        let table: Vec<abi::fep_ll_peer> = ranks
+            .iter()
+            .map(|r| abi::fep_ll_peer {
+                buf: r.buf.device_ptr(),
+                flags: r.flags.device_ptr(),
+                transport: abi::FEP_LL_TRANSPORT_PEER,
+                _pad: 0,
+                proxy: 0,
+            })
+            .collect();
+        for r in ranks.iter_mut() {
+            r.peers.copy_from_host(&table)?;
+        }
+        dev.synchronize()?; // the zeroing memsets, before any rank's stream uses the buffers
+        Ok(LlGpuGroup { ranks })
+    }
+
+    pub fn num_ranks(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// Makes the buffers usable again after a failed call (a timeout): waits for every stream
+    /// (bounded), zeroes flags and tickets, clears the error records and restarts the epochs.
+    pub fn clean(&mut self) -> Result<()> {
+        for r in &self.ranks {
+            r.stream.synchronize_within(r.cfg.timeout + Duration::from_secs(5))?;
+        }
+        for r in self.ranks.iter_mut() {
+            r.flags.memset(0)?;
+            r.workspace.memset(0)?;
+            r.err.reset()?;
+            r.calls = 0;
+        }
+        // NOTES: the memsets run on the legacy stream; the ranks' streams do not wait for it.
+        if let Some(r) = self.ranks.first() {
+            r.stream.device().synchronize()?;
+        }
+        Ok(())
+    }
+
+    /// Every rank's [`LlGpuRank::finish`]; the first error wins (after all streams are drained).
+    pub fn finish(&self) -> Result<()> {
+        let mut first = None;
+        for r in &self.ranks {
+            if let Err(e) = r.finish() {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_checks() {
+        let c = LlGpuConfig::bench(4);
+        let l = c.layout().unwrap();
+        assert_eq!(l.num_local_experts, 64);
+        assert_eq!(l.dispatch_record.bytes, 7408);
+        assert!(c.send_smem(128) <= SMEM_LIMIT);
+        let mut bad = c.clone();
+        bad.hidden = 7160;
+        assert!(matches!(bad.layout(), Err(Error::InvalidArgument { arg: "hidden", .. })));
+        let mut bad = c.clone();
+        bad.num_experts = 255;
+        assert!(matches!(bad.layout(), Err(Error::InvalidArgument { arg: "num_experts", .. })));
+        let mut bad = c;
+        bad.max_tokens_per_rank = 4096;
+        assert!(bad.layout().is_err());
+        assert_eq!(phase_name(abi::FEP_PHASE_LL_DISPATCH_RECV), "low-latency dispatch receive");
+    }
+}
