@@ -138,6 +138,14 @@ run() {
       grep -E "TORCH_RESULT|outputs equal" "$bench_log" >>"$sum" || true
     fi
   fi
+  if [ -x "$b/examples/gpu_normal_bench" ]; then
+    set +e
+    timeout 240 "$b/examples/gpu_normal_bench" --chunks 16,32 2>&1 | tee -a "$bench_log"
+    local rc=${PIPESTATUS[0]}
+    set -e
+    [ "$rc" -eq 0 ] || fail=1
+    grep -E "^copy ceiling|NORMAL_RESULT|NORMAL_MOVED" "$bench_log" | tee -a "$sum" >/dev/null
+  fi
   [ -f "$b/ptxas.log" ] && cp "$b/ptxas.log" "$out/ptxas.log"
   echo
   echo "================ gpu-check summary ================"

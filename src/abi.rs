@@ -21,6 +21,12 @@ const _: () = assert!(offset_of!(fep_ring_hdr, tail) == 64);
 const _: () = assert!(offset_of!(fep_dev_error, expected) == 16);
 const _: () = assert!(offset_of!(fep_layout_params, num_tokens) == 64);
 const _: () = assert!(offset_of!(fep_ring_push_test_params, capacity) == 48);
+const _: () = assert!(size_of::<fep_normal_comm>() == 176);
+const _: () = assert!(size_of::<fep_normal_handle>() == 48);
+const _: () = assert!(size_of::<fep_normal_notify_params>() == 256);
+const _: () = assert!(size_of::<fep_normal_dispatch_params>() == 336);
+const _: () = assert!(size_of::<fep_normal_combine_params>() == 272);
+const _: () = assert!(offset_of!(fep_normal_comm, dev_error) == 128);
 
 /// Size of the ring header plus `capacity` commands: what a ring's mapped allocation holds.
 pub const fn ring_bytes(capacity: usize) -> usize {
@@ -44,6 +50,11 @@ mod tests {
             ("fep_layout_params", size_of::<fep_layout_params>()),
             ("fep_wait_test_params", size_of::<fep_wait_test_params>()),
             ("fep_ring_push_test_params", size_of::<fep_ring_push_test_params>()),
+            ("fep_normal_comm", size_of::<fep_normal_comm>()),
+            ("fep_normal_handle", size_of::<fep_normal_handle>()),
+            ("fep_normal_notify_params", size_of::<fep_normal_notify_params>()),
+            ("fep_normal_dispatch_params", size_of::<fep_normal_dispatch_params>()),
+            ("fep_normal_combine_params", size_of::<fep_normal_combine_params>()),
         ];
         let mut seen = 0;
         for line in HEADER.lines() {

@@ -22,14 +22,20 @@ pub enum Kernel {
     DispatchLayoutCluster,
     WaitTest,
     RingPushTest,
+    NormalNotify,
+    NormalDispatch,
+    NormalCombine,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 4] = [
+    pub const ALL: [Kernel; 7] = [
         Kernel::DispatchLayout,
         Kernel::DispatchLayoutCluster,
         Kernel::WaitTest,
         Kernel::RingPushTest,
+        Kernel::NormalNotify,
+        Kernel::NormalDispatch,
+        Kernel::NormalCombine,
     ];
 
     /// The `extern "C"` symbol in kernels/*.cu.
@@ -39,6 +45,9 @@ impl Kernel {
             Kernel::DispatchLayoutCluster => "fep_dispatch_layout_cluster",
             Kernel::WaitTest => "fep_wait_test",
             Kernel::RingPushTest => "fep_ring_push_test",
+            Kernel::NormalNotify => "fep_normal_notify",
+            Kernel::NormalDispatch => "fep_normal_dispatch",
+            Kernel::NormalCombine => "fep_normal_combine",
         }
     }
 }

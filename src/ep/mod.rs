@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod layout;
+pub mod normal_gpu;
 pub mod plan;
 pub mod quant;
 pub mod reference;
