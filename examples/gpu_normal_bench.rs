@@ -148,7 +148,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 x_scales,
                 topk_idx: idx,
                 topk_weights: w,
-                combine_x: None,
+                // What the experts "computed": bf16 rows for combine (recv_x is fp8).
+                combine_x: Some(
+                    (0..t * r * h)
+                        .map(|i| f32_to_bf16(((i * 2654435761) % 1000) as f32 * 1e-3 - 0.5))
+                        .collect(),
+                ),
                 combine_weights: None,
             }
         })
@@ -163,11 +168,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             expert_alignment: 1,
             num_worst_tokens: None,
         };
+        let x16s: Vec<Vec<u16>> =
+            inputs.iter().map(|i| bytemuck::pod_collect_to_vec(&i.x)).collect();
         let ri: Vec<NormalRankInput> = inputs
             .iter()
-            .map(|i| NormalRankInput {
+            .zip(&x16s)
+            .map(|(i, x16)| NormalRankInput {
                 x: match dtype {
-                    DispatchDtype::Bf16 => TokensRef::Bf16(bytemuck::cast_slice(&i.x)),
+                    DispatchDtype::Bf16 => TokensRef::Bf16(x16.as_slice()),
                     DispatchDtype::Fp8E4m3 => TokensRef::Fp8 { x: &i.x, scales: &i.x_scales },
                 },
                 topk_idx: &i.topk_idx,

@@ -73,6 +73,11 @@ impl Case {
     }
 }
 
+/// bf16 bits from bytes (copies: a `Vec<u8>` need not be 2-byte aligned, e.g. when empty).
+fn as_u16(x: &[u8]) -> Vec<u16> {
+    bytemuck::pod_collect_to_vec(x)
+}
+
 fn random_bf16(rng: &mut SplitMix64, n: usize) -> Vec<u16> {
     // Values in [-2, 2) with a few exponents; never all zero.
     (0..n).map(|_| f32_to_bf16((rng.unit_f32() - 0.5) * 4.0 + 1e-3)).collect()
@@ -145,11 +150,13 @@ fn check_case(dev: &Device, c: &Case) {
         expert_alignment: c.align,
         num_worst_tokens: c.worst,
     };
+    let xs16: Vec<Vec<u16>> = inputs.iter().map(|i| as_u16(&i.x)).collect();
     let ref_in: Vec<NormalRankInput> = inputs
         .iter()
-        .map(|i| NormalRankInput {
+        .zip(&xs16)
+        .map(|(i, x16)| NormalRankInput {
             x: match c.dtype {
-                DispatchDtype::Bf16 => TokensRef::Bf16(bytemuck::cast_slice(&i.x)),
+                DispatchDtype::Bf16 => TokensRef::Bf16(x16),
                 DispatchDtype::Fp8E4m3 => TokensRef::Fp8 { x: &i.x, scales: &i.x_scales },
             },
             topk_idx: &i.topk_idx,
@@ -194,7 +201,8 @@ fn check_case(dev: &Device, c: &Case) {
             let rx: Vec<u8> = b.recv_x.to_vec().unwrap();
             match &w.recv_x {
                 Tokens::Bf16(v) => {
-                    let got: &[u16] = bytemuck::cast_slice(&rx[..rows * h * 2]);
+                    let got16 = as_u16(&rx[..rows * h * 2]);
+                    let got: &[u16] = &got16;
                     if got != &v[..] {
                         let bad =
                             (0..rows).find(|&i| got[i * h..(i + 1) * h] != v[i * h..(i + 1) * h]);
@@ -328,7 +336,8 @@ fn combine_of_dispatch_is_x_times_destination_ranks() {
     let (h, k, l) = (c.hidden, c.topk, c.experts / c.ranks);
     for (r, (b, inp)) in bufs.iter().zip(&inputs).enumerate() {
         let got: Vec<u16> = b.combined_x.to_vec().unwrap();
-        let x: &[u16] = bytemuck::cast_slice(&inp.x);
+        let x16 = as_u16(&inp.x);
+        let x: &[u16] = &x16;
         for t in 0..inp.num_tokens {
             let row = &inp.topk_idx[t * k..(t + 1) * k];
             let mut dst: Vec<i64> =
