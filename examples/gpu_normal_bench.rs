@@ -168,8 +168,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             expert_alignment: 1,
             num_worst_tokens: None,
         };
-        let x16s: Vec<Vec<u16>> =
-            inputs.iter().map(|i| bytemuck::pod_collect_to_vec(&i.x)).collect();
+        let x16s: Vec<Vec<u16>> = inputs
+            .iter()
+            .map(|i| i.x.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect())
+            .collect();
         let ri: Vec<NormalRankInput> = inputs
             .iter()
             .zip(&x16s)

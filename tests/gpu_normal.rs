@@ -75,7 +75,7 @@ impl Case {
 
 /// bf16 bits from bytes (copies: a `Vec<u8>` need not be 2-byte aligned, e.g. when empty).
 fn as_u16(x: &[u8]) -> Vec<u16> {
-    bytemuck::pod_collect_to_vec(x)
+    x.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect()
 }
 
 fn random_bf16(rng: &mut SplitMix64, n: usize) -> Vec<u16> {
