@@ -159,7 +159,6 @@ fn several_endpoints_per_domain_and_several_domains() {
 }
 
 /// Registers a vector with a domain, binding to `ep` where the provider asks for it.
-
 unsafe fn register_on(
     d: &std::sync::Arc<fabric_ep::fabric::Domain>,
     ep: &std::sync::Arc<fabric_ep::fabric::Endpoint>,
