@@ -200,19 +200,20 @@ fn run_rank(cli: &Cli) -> AnyResult<()> {
             }
         }
         None => {
-            if c.mode == Mode::LowLatency {
-                return Err("--mode low-latency is not built yet in this version; \
-                            --mode normal, `ep-bench fabric` and `ep-bench selftest` are"
-                    .into());
+            let boot: std::sync::Arc<dyn Bootstrap> = std::sync::Arc::new(boot);
+            if c.mode != Mode::LowLatency {
+                run_normal_rank(c, boot.clone())?;
             }
-            run_normal_rank(c, boot)?;
+            if c.mode != Mode::Normal {
+                run_ll_rank(c, boot)?;
+            }
         }
     }
     Ok(())
 }
 
 /// `--mode normal` (and the normal half of `--mode both`) on this rank.
-fn run_normal_rank(c: &Common, boot: TcpStore) -> AnyResult<()> {
+fn run_normal_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult<()> {
     use fabric_ep::bench::ep::{run_normal, NormalBenchParams};
     use fabric_ep::ep::buffer::{Buffer, BufferOptions};
     use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
@@ -229,7 +230,6 @@ fn run_normal_rank(c: &Common, boot: TcpStore) -> AnyResult<()> {
         s.dispatch_dtype = DispatchDtype::Fp8E4m3;
     }
     let cfg = EpConfig::new(s)?;
-    let boot: std::sync::Arc<dyn Bootstrap> = std::sync::Arc::new(boot);
     let mut buf = Buffer::new(cfg.clone(), boot.clone(), BufferOptions::host(&c.provider))?;
     let p = NormalBenchParams {
         num_tokens: c.tokens.unwrap_or(512),
@@ -270,9 +270,74 @@ fn run_normal_rank(c: &Common, boot: TcpStore) -> AnyResult<()> {
             "GB/s = bytes of the tokens rank 0 sends (dispatch) / receives (combine) per second \
              (DeepEP's definition), at the median time"
         );
-        if c.mode == Mode::Both {
-            println!("low-latency mode: not built yet in this version (skipped)");
+    }
+    Ok(())
+}
+
+/// `--mode low-latency` (and the low-latency half of `--mode both`) on this rank: every rank
+/// with `--tokens` (= max tokens per rank, default 128) tokens, each result checked against the
+/// reference; rows of the same table as normal mode.
+fn run_ll_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult<()> {
+    use fabric_ep::bench::ep::{run_low_latency, LlBenchParams, LlBenchReport};
+    use fabric_ep::ep::buffer::{Buffer, BufferOptions};
+    use fabric_ep::ep::config::{EpConfig, EpSettings};
+    if c.backend == Some(Backend::Gpu) {
+        return Err("--backend gpu: the GPU low-latency kernels are not available yet; \
+                    use --backend host"
+            .into());
+    }
+    let (rank, world) = (boot.rank(), boot.world_size());
+    let m = c.tokens.unwrap_or(128);
+    let mut s = EpSettings::new(rank, world, c.experts, c.hidden, c.topk);
+    s.ranks_per_node = c.ranks_per_node.unwrap_or(world).min(world);
+    s.timeout = Duration::from_secs(c.timeout);
+    s.max_tokens_per_rank = m;
+    let cfg = EpConfig::new(s)?;
+    let mut buf = Buffer::new(cfg.clone(), boot, BufferOptions::host(&c.provider))?;
+    let p = LlBenchParams {
+        tokens: vec![m],
+        seed: 0x11ed,
+        drop_pct: 5,
+        use_fp8: c.fp8,
+        round_scale: false,
+        iters: c.iters.max(1),
+        warmup: 2,
+    };
+    let rep = run_low_latency(&mut buf, &p)?;
+    buf.destroy()?;
+    if rank == 0 {
+        println!(
+            "ep-bench low-latency (host backend): {world} ranks, {} per node, provider {}, \
+             {m} tokens per rank (= max), hidden {}, top-{} of {} experts, {} dispatch / bf16 \
+             combine, {} iters (+{} warm-up) without and with the recv hook, every result \
+             checked against the reference",
+            cfg.ranks_per_node,
+            c.provider,
+            cfg.hidden,
+            cfg.num_topk,
+            cfg.num_experts,
+            if c.fp8 { "fp8" } else { "bf16" },
+            p.iters,
+            p.warmup
+        );
+        let rows = [
+            ("ll dispatch:", rep.dispatch_bytes, &rep.dispatch_s, "sent"),
+            ("ll dispatch+hook:", rep.dispatch_bytes, &rep.dispatch_hook_s, "sent"),
+            ("ll combine:", rep.combine_bytes, &rep.combine_s, "received"),
+            ("ll combine+hook:", rep.combine_bytes, &rep.combine_hook_s, "received"),
+        ];
+        for (name, bytes, v, dir) in rows {
+            let (g, med, p99) = LlBenchReport::figures(bytes, v);
+            println!(
+                "{name:<17} {g:>8.3} GB/s  median {med:>10.1} us  p99 {p99:>10.1} us  \
+                 ({bytes} bytes {dir})"
+            );
         }
+        println!(
+            "ll GB/s = bytes of the rows rank 0 sends (dispatch, once per selected expert, \
+             payload + fp8 scales) / receives (combine, bf16) per second at the median; \
+             +hook = send, then hook completion, back to back"
+        );
     }
     Ok(())
 }
