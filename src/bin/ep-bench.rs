@@ -35,21 +35,21 @@ struct Common {
     #[arg(long, default_value_t = 60, global = true)]
     timeout: u64,
     /// EP mode (normal / low-latency dispatch+combine).
-    #[arg(long, value_enum, default_value_t = Mode::Both)]
+    #[arg(long, value_enum, default_value_t = Mode::Both, global = true)]
     mode: Mode,
     /// gpu | host (default: gpu when one is present, else host).
-    #[arg(long, value_enum)]
+    #[arg(long, value_enum, global = true)]
     backend: Option<Backend>,
-    #[arg(long)]
+    #[arg(long, global = true)]
     tokens: Option<usize>,
-    #[arg(long, default_value_t = 7168)]
+    #[arg(long, default_value_t = 7168, global = true)]
     hidden: usize,
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, global = true)]
     topk: usize,
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, global = true)]
     experts: usize,
     /// FP8 dispatch (e4m3, one fp32 scale per 128 channels).
-    #[arg(long)]
+    #[arg(long, global = true)]
     fp8: bool,
     #[arg(long, default_value_t = 20, global = true)]
     iters: usize,
@@ -71,6 +71,25 @@ enum Cmd {
         /// Skip fi_pingpong.
         #[arg(long)]
         no_pingpong: bool,
+    },
+    /// Buffer bytes, memory regions, messages per step and bytes per peer for a setting at each
+    /// rank count (no communication): size a cluster before renting it.
+    Plan {
+        /// Rank counts to tabulate.
+        #[arg(long = "at", value_delimiter = ',', default_values_t = [8u64, 16, 32, 64, 128, 256])]
+        at: Vec<u64>,
+        /// Normal-mode chunk tokens (one RMA write).
+        #[arg(long, default_value_t = 64)]
+        chunk_tokens: u64,
+        /// Normal-mode chunk slots per peer queue.
+        #[arg(long, default_value_t = 4)]
+        slots_per_peer: u64,
+        /// Low-latency tokens per rank.
+        #[arg(long, default_value_t = 128)]
+        ll_tokens: u64,
+        /// Largest memory region the provider takes, bytes.
+        #[arg(long, default_value_t = 1 << 30)]
+        max_region: u64,
     },
     /// All-to-all of RMA writes with immediate data between all ranks, every byte checked.
     Selftest {
@@ -116,7 +135,27 @@ fn in_job() -> bool {
 fn main() -> ExitCode {
     adopt_mpi_env();
     let cli = Cli::parse();
-    let res = if in_job() { run_rank(&cli) } else { launch(&cli) };
+    let res = match &cli.cmd {
+        Some(Cmd::Plan { at, chunk_tokens, slots_per_peer, ll_tokens, max_region }) => {
+            let c = &cli.common;
+            fabric_ep::bench::plan::plan_table(
+                at,
+                c.experts as u64,
+                c.hidden as u64,
+                c.topk as u64,
+                c.fp8,
+                c.tokens.unwrap_or(4096) as u64,
+                *ll_tokens,
+                *chunk_tokens,
+                *slots_per_peer,
+                *max_region,
+            )
+            .map(|t| print!("{t}"))
+            .map_err(|e| e.into())
+        }
+        _ if in_job() => run_rank(&cli),
+        _ => launch(&cli),
+    };
     match res {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -199,6 +238,7 @@ fn run_rank(cli: &Cli) -> AnyResult<()> {
                 );
             }
         }
+        Some(Cmd::Plan { .. }) => return Err("`plan` runs without ranks: do not launch it as a job".into()),
         None => {
             let boot: std::sync::Arc<dyn Bootstrap> = std::sync::Arc::new(boot);
             if c.mode != Mode::LowLatency {
