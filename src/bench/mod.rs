@@ -4,3 +4,4 @@ pub mod fabric;
 pub mod plan;
 pub mod stats;
 pub mod ep;
+pub mod ep_gpu;

@@ -30,6 +30,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::config::{DispatchDtype, EpConfig};
+use super::gpu::{GpuBuffer, GpuOptions};
 use super::handle::DispatchHandle;
 use super::host::{Geometry, HostComm, StepCounts};
 use super::layout::{dispatch_layout, Layout};
@@ -52,7 +53,8 @@ const _: () = assert!(cfg!(target_endian = "little"), "wire records are little-e
 pub enum Backend {
     /// CPU threads over host memory (CI, the GPU tests' oracle, ep-bench without a GPU).
     Host,
-    /// CUDA kernels (not available in this version).
+    /// CUDA kernels, ranks as threads of one process on one GPU ([`BufferOptions::gpu`];
+    /// the calls are [`Buffer::gpu`]'s).
     Gpu,
 }
 
@@ -78,6 +80,8 @@ pub struct BufferOptions {
     pub timeout: Option<Duration>,
     /// Command ring entries (the writes one rank may have queued to its proxy).
     pub ring_capacity: u32,
+    /// The GPU backend's options (required with [`Backend::Gpu`]).
+    pub gpu: Option<GpuOptions>,
 }
 
 impl BufferOptions {
@@ -89,7 +93,13 @@ impl BufferOptions {
             transport: TransportKind::Fabric,
             timeout: None,
             ring_capacity: 1024,
+            gpu: None,
         }
+    }
+
+    /// GPU backend (see [`crate::ep::gpu`]).
+    pub fn gpu(opts: GpuOptions) -> Self {
+        BufferOptions { backend: Backend::Gpu, gpu: Some(opts), ..Self::host("none") }
     }
 
     /// Host backend over an in-process loopback group.
@@ -204,8 +214,10 @@ pub struct Buffer {
     // go, and they go before the memory they cover (the regions in `_mem`).
     comm: Option<HostComm>,
     fabric: Option<FabricHold>,
-    _mem: (Arc<SharedRegion>, Arc<SharedRegion>),
+    _mem: Option<(Arc<SharedRegion>, Arc<SharedRegion>)>,
     poisoned: Option<String>,
+    /// The GPU backend's engine (`Backend::Gpu`); the host fields above are then empty.
+    gpu: Option<Box<GpuBuffer>>,
 }
 
 impl std::fmt::Debug for Buffer {
@@ -248,12 +260,6 @@ impl Buffer {
     /// has the same config hash ([`Error::ConfigMismatch`] naming the rank otherwise) and
     /// starts the proxy. Collective: every rank calls it.
     pub fn new(cfg: EpConfig, boot: Arc<dyn Bootstrap>, opts: BufferOptions) -> Result<Self> {
-        if opts.backend == Backend::Gpu {
-            return Err(Error::arg(
-                "backend",
-                "the GPU backend of normal mode is not available yet in this version; use Host",
-            ));
-        }
         if boot.rank() != cfg.rank || boot.world_size() != cfg.num_ranks {
             return Err(Error::arg(
                 "boot",
@@ -265,6 +271,24 @@ impl Buffer {
                     cfg.num_ranks
                 ),
             ));
+        }
+        if opts.backend == Backend::Gpu {
+            let g = opts.gpu.as_ref().ok_or_else(|| {
+                Error::arg("backend", "Backend::Gpu needs GPU options: use BufferOptions::gpu")
+            })?;
+            let id = NEXT_BUFFER_ID.fetch_add(1, Ordering::Relaxed);
+            let gpu = Box::new(GpuBuffer::connect(cfg.clone(), &boot, g, id)?);
+            let (comm, fabric, _mem) = (None, None, None);
+            return Ok(Buffer {
+                cfg,
+                id,
+                boot,
+                comm,
+                fabric,
+                _mem,
+                poisoned: None,
+                gpu: Some(gpu),
+            });
         }
         if opts.ring_capacity == 0 {
             return Err(Error::arg("ring_capacity", "must be at least 1"));
@@ -369,7 +393,8 @@ impl Buffer {
         boot.barrier()?;
         let producer = rings.producer(0)?;
         let comm = HostComm::new(rank, geo, timeout, producer, proxy, send.clone(), recv.clone());
-        Ok(Buffer { cfg, id, boot, comm: Some(comm), fabric, _mem: (send, recv), poisoned: None })
+        let _mem = Some((send, recv));
+        Ok(Buffer { cfg, id, boot, comm: Some(comm), fabric, _mem, poisoned: None, gpu: None })
     }
 
     /// The config this buffer was built from.
@@ -400,6 +425,16 @@ impl Buffer {
     fn teardown(&mut self) {
         self.comm.take();
         self.fabric.take();
+        self.gpu.take();
+    }
+
+    /// The GPU engine of a [`Backend::Gpu`] buffer: device-pointer dispatch/combine on CUDA
+    /// streams (an argument error on a host buffer).
+    pub fn gpu(&mut self) -> Result<&mut GpuBuffer> {
+        match self.gpu.as_deref_mut() {
+            Some(g) => Ok(g),
+            None => Err(Error::arg("backend", "this Buffer uses the host backend")),
+        }
     }
 
     fn comm(&mut self) -> Result<&mut HostComm> {
@@ -408,6 +443,9 @@ impl Buffer {
                 "rank {}: buffer unusable after an earlier failure: {why}",
                 self.cfg.rank
             )));
+        }
+        if self.gpu.is_some() {
+            return Err(Error::arg("backend", "a GPU buffer: use the calls of Buffer::gpu"));
         }
         self.comm.as_mut().ok_or_else(|| Error::Other("buffer destroyed".into()))
     }
