@@ -136,7 +136,26 @@ fn on_threads<T: Send>(
             })
             .collect()
     });
-    res.into_iter().collect()
+    // NOTES: a rank that failed on the host leaves its peers waiting: report the root cause
+    // (non-timeout errors first) and every rank's error, not just the lowest rank's timeout.
+    let mut errs: Vec<(usize, Error)> = Vec::new();
+    let mut oks = Vec::with_capacity(n);
+    for (r, x) in res.into_iter().enumerate() {
+        match x {
+            Ok(v) => oks.push(v),
+            Err(e) => errs.push((r, e)),
+        }
+    }
+    if errs.is_empty() {
+        return Ok(oks);
+    }
+    errs.sort_by_key(|(r, e)| (matches!(e, Error::Timeout { .. }), *r));
+    let all: Vec<String> = errs.iter().map(|(r, e)| format!("rank {r}: {e}")).collect();
+    let (r0, first) = errs.swap_remove(0);
+    if all.len() == 1 {
+        return Err(first);
+    }
+    Err(Error::Other(format!("rank {r0} failed first: {}", all.join("; "))))
 }
 
 fn elapsed_s(a: &Event, b: &Event) -> Result<f64> {

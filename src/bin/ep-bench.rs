@@ -413,7 +413,7 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
         c.ranks,
         dev.name(),
         sms,
-        (sms / c.ranks) & !1,
+        (sms / c.ranks).min(fabric_ep::ep::gpu::DEFAULT_MAX_SMS) & !1,
         if c.bf16 { "bf16" } else { "fp8" },
         c.topk,
         c.experts,

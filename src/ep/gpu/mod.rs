@@ -64,8 +64,8 @@ use crate::{Error, Result};
 pub struct GpuOptions {
     /// The GPU every rank of this process uses.
     pub device: Device,
-    /// Blocks per kernel of this rank (its SM budget); `None`: SMs / num_ranks, rounded down to
-    /// even. Every rank shares the GPU, so `num_sms * num_ranks` must not exceed its SMs.
+    /// Blocks per kernel of this rank (its SM budget); `None`: SMs / num_ranks, at most
+    /// [`DEFAULT_MAX_SMS`], rounded down to even. Every rank shares the GPU, so `num_sms * num_ranks` must not exceed its SMs.
     pub num_sms: Option<usize>,
     /// Normal mode: records per queue chunk (same on every rank).
     pub chunk_tokens: usize,
@@ -327,6 +327,10 @@ impl std::fmt::Debug for GpuBuffer {
     }
 }
 
+/// Default cap of the per-rank SM budget: the normal kernels were measured and tested at 32
+/// blocks per rank (kernels/NOTES.md); `GpuOptions::num_sms` overrides it.
+pub const DEFAULT_MAX_SMS: usize = 32;
+
 /// Connection blob: hash, pid, context, chunk, slots, flags, normal buffer, LL peer entry.
 const BLOB_BYTES: usize = 8 * 7 + std::mem::size_of::<abi::fep_ll_peer>();
 
@@ -360,7 +364,7 @@ impl GpuBuffer {
         dev.bind()?;
         let (rank, r) = (cfg.rank, cfg.num_ranks);
         let sms = dev.sm_count() as usize;
-        let num_sms = opts.num_sms.unwrap_or((sms / r.max(1)) & !1);
+        let num_sms = opts.num_sms.unwrap_or((sms / r.max(1)).min(DEFAULT_MAX_SMS) & !1);
         if num_sms == 0
             || num_sms * r > sms
             || (opts.normal && (num_sms < 2 * r || num_sms % 2 != 0))
