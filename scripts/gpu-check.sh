@@ -33,6 +33,7 @@ build() {
   cargo test --release --no-run --message-format=json --test 'gpu_*' >"$json"
   cargo build --release --message-format=json --example 'gpu_*' >>"$json"
   cargo bench --no-run --message-format=json --bench proxy >>"$json"
+  cargo build --release --message-format=json --bin ep-bench >>"$json"
   rm -rf "$bundle"
   mkdir -p "$bundle/tests" "$bundle/examples" "$bundle/benches" "$bundle/lib" "$bundle/bin"
   python3 - "$json" "$bundle" <<'EOF'
@@ -53,6 +54,8 @@ for line in open(src):
     name, kinds = m["target"]["name"], m["target"]["kind"]
     if "bench" in kinds and name == "proxy":
         sub = "benches"
+    elif "bin" in kinds and name == "ep-bench":
+        sub = "bin"
     elif not name.startswith("gpu_"):
         continue
     else:
@@ -63,7 +66,7 @@ if ptxas:
     shutil.copy2(ptxas, os.path.join(bundle, "ptxas.log"))
 EOF
   rm -f "$json"
-  strip "$bundle"/tests/* "$bundle"/examples/* "$bundle"/benches/* 2>/dev/null || true
+  strip "$bundle"/tests/* "$bundle"/examples/* "$bundle"/benches/* "$bundle"/bin/ep-bench 2>/dev/null || true
   cp scripts/gpu-check.sh scripts/bench_layout_torch.py scripts/bench_ll_torch.py "$bundle/"
   # libfabric and everything it loads (not libc/ld.so), and the fabtests we compare against.
   local fab dep
@@ -94,7 +97,7 @@ EOF
   [ "$size" -le 50 ] || { echo "gpu-check: bundle is ${size} MiB (> 50)" >&2; exit 1; }
 }
 
-has_section() { case ",${FEP_GPU_SECTIONS:-tests,memcheck,memcheck-proxy,layout,proxy,normal}," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+has_section() { case ",${FEP_GPU_SECTIONS:-tests,memcheck,memcheck-proxy,layout,proxy,normal,epbench}," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 
 # GPU proxy latency (examples/gpu_proxy_bench.rs): first as the machine is (two processes on one
 # GPU time-slice it: few rounds), then under MPS if its control daemon is there (the daemon is
@@ -258,6 +261,17 @@ run() {
     set -e
     [ "$rc" -eq 0 ] || fail=1
     grep -E "^copy ceiling|NORMAL_RESULT|NORMAL_MOVED" "$bench_log" | tee -a "$sum" >/dev/null
+  fi
+  # ep-bench's GPU backend (ranks as threads of one process through Buffer, DeepEP's standard
+  # settings, every result checked; exits non-zero on a mismatch).
+  if has_section epbench && [ -x "$b/bin/ep-bench" ]; then
+    set +e
+    timeout 300 "$b/bin/ep-bench" --backend gpu --ranks 4 --iters "${FEP_EPBENCH_ITERS:-20}" 2>&1 | tee -a "$bench_log"
+    rc=${PIPESTATUS[0]}
+    set -e
+    [ "$rc" -eq 0 ] || fail=1
+    printf '%-18s rc=%-3s %s\n' "ep-bench-gpu" "$rc" "ep-bench --backend gpu --ranks 4" >>"$sum"
+    grep -E "^ep-bench \(GPU|^mode |^normal |^low-latency|error" "$bench_log" >>"$sum" || true
   fi
   [ -f "$b/ptxas.log" ] && cp "$b/ptxas.log" "$out/ptxas.log"
   echo

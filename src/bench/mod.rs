@@ -5,3 +5,4 @@ pub mod plan;
 pub mod report;
 pub mod stats;
 pub mod ep;
+pub mod ep_gpu;

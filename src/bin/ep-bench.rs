@@ -51,6 +51,9 @@ struct Common {
     /// FP8 dispatch (e4m3, one fp32 scale per 128 channels).
     #[arg(long, global = true)]
     fp8: bool,
+    /// GPU backend: bf16 dispatch instead of its default, fp8 (DeepEP's standard setting).
+    #[arg(long, conflicts_with = "fp8")]
+    bf16: bool,
     #[arg(long, default_value_t = 20, global = true)]
     iters: usize,
 }
@@ -154,6 +157,7 @@ fn main() -> ExitCode {
             .map_err(|e| e.into())
         }
         _ if in_job() => run_rank(&cli),
+        _ if gpu_backend(&cli) => run_gpu(&cli),
         _ => launch(&cli),
     };
     match res {
@@ -216,7 +220,10 @@ fn run_rank(cli: &Cli) -> AnyResult<()> {
             all.extend(sizes.iter().copied().filter(|s| s != lat_bytes));
             let rows = fb::rma_bench(&boot, &c.provider, &all, fabric_iters(c), *window)?;
             for r in rows {
-                println!("@row {} {} {} {}", r.bytes, r.stream_mbps, r.pingpong_mbps, r.pingpong_us);
+                println!(
+                    "@row {} {} {} {}",
+                    r.bytes, r.stream_mbps, r.pingpong_mbps, r.pingpong_us
+                );
             }
         }
         Some(Cmd::Selftest { bytes_per_peer, msgs_per_peer }) => {
@@ -258,8 +265,9 @@ fn run_normal_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult
     use fabric_ep::ep::buffer::{Buffer, BufferOptions};
     use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
     if c.backend == Some(Backend::Gpu) {
-        return Err("--backend gpu: the GPU normal-mode kernels are not available yet; \
-                    use --backend host"
+        return Err("--backend gpu runs every rank as a thread of one process on one GPU; \
+                    it cannot join a torchrun/MPI job as one rank in this version \
+                    (use --backend host there)"
             .into());
     }
     let (rank, world) = (boot.rank(), boot.world_size());
@@ -421,11 +429,21 @@ fn print_fabric_table(
     window: usize,
     no_pingpong: bool,
 ) -> AnyResult<()> {
-    println!("ep-bench fabric: provider {}, libfabric {}, 2 local processes", c.provider,
-        fabric_ep::fabric::library_version());
+    println!(
+        "ep-bench fabric: provider {}, libfabric {}, 2 local processes",
+        c.provider,
+        fabric_ep::fabric::library_version()
+    );
     println!(
         "{:>7} | {:>14} {:>14} {:>10} | {:>14} {:>10} | {:>8} {:>8}",
-        "size", "rma stream", "rma pingpong", "rma us", "fi_pingpong", "fi_pp us", "stream%", "lat x"
+        "size",
+        "rma stream",
+        "rma pingpong",
+        "rma us",
+        "fi_pingpong",
+        "fi_pp us",
+        "stream%",
+        "lat x"
     );
     for r in rows {
         let pp: Option<PingpongRow> = if no_pingpong {
@@ -452,6 +470,100 @@ fn print_fabric_table(
          rma pingpong: one write each way per iteration (fi_pingpong's pattern, which uses \
          send/recv); MB/s = 1e6 bytes/s; us = half round trip; stream% = rma stream / fi_pingpong; \
          lat x = rma us / fi_pingpong us."
+    );
+    Ok(())
+}
+
+/// The GPU backend is used for EP runs (no subcommand) with `--backend gpu`, and by default
+/// when a GPU is visible; never inside a torchrun/MPI job (see `run_normal_rank`).
+fn gpu_backend(cli: &Cli) -> bool {
+    cli.cmd.is_none()
+        && match cli.common.backend {
+            Some(Backend::Gpu) => true,
+            Some(Backend::Host) => false,
+            None => fabric_ep::cuda::gpu_available(),
+        }
+}
+
+/// `--backend gpu`: every rank a thread of this process on one GPU, each with its own
+/// `Buffer` (GPU backend), every result checked against the reference, CUDA-event timings.
+fn run_gpu(cli: &Cli) -> AnyResult<()> {
+    use fabric_ep::bench::ep::NormalBenchReport;
+    use fabric_ep::bench::ep_gpu::{run_ll_gpu, run_normal_gpu, GpuBenchParams};
+    let c = &cli.common;
+    if c.ranks == 0 {
+        return Err("--ranks must be at least 1".into());
+    }
+    let dev = fabric_ep::cuda::Device::from_env()?;
+    let base = |tokens: usize| GpuBenchParams {
+        num_tokens: c.tokens.unwrap_or(tokens),
+        hidden: c.hidden,
+        num_topk: c.topk,
+        num_experts: c.experts,
+        fp8: !c.bf16,
+        iters: c.iters.max(1),
+        timeout: Duration::from_secs(c.timeout),
+        ..GpuBenchParams::normal_standard(c.ranks)
+    };
+    let sms = dev.sm_count() as usize;
+    println!(
+        "ep-bench (GPU backend): {} ranks as THREADS of one process on one GPU ({}, {} SMs, \
+         SM budget {} per rank), {} dispatch / bf16 combine, top-{} of {} experts, {} iters \
+         (+{} warm-up); every result checked against the reference",
+        c.ranks,
+        dev.name(),
+        sms,
+        (sms / c.ranks).min(fabric_ep::ep::gpu::DEFAULT_MAX_SMS) & !1,
+        if c.bf16 { "bf16" } else { "fp8" },
+        c.topk,
+        c.experts,
+        c.iters.max(1),
+        base(0).warmup
+    );
+    println!(
+        "{:<20} {:>5} {:>6} {:>6} | {:>9} {:>9} {:>9} | {:>9} {:>9} {:>9}",
+        "mode",
+        "ranks",
+        "tokens",
+        "hidden",
+        "disp GB/s",
+        "med us",
+        "p99 us",
+        "comb GB/s",
+        "med us",
+        "p99 us"
+    );
+    let row = |mode: &str, p: &GpuBenchParams, r: &[NormalBenchReport]| {
+        if let Some(r0) = r.first() {
+            let (dg, dm, dp) = r0.dispatch_figures();
+            let (cg, cm, cp) = r0.combine_figures();
+            println!(
+                "{mode:<20} {:>5} {:>6} {:>6} | {dg:>9.2} {dm:>9.1} {dp:>9.1} | {cg:>9.2} {cm:>9.1} \
+                 {cp:>9.1}",
+                p.num_ranks, p.num_tokens, p.hidden
+            );
+        }
+    };
+    if matches!(c.mode, Mode::Normal | Mode::Both) {
+        let p = base(4096);
+        let r = run_normal_gpu(&dev, &p)?;
+        row("normal", &p, &r);
+    }
+    if matches!(c.mode, Mode::LowLatency | Mode::Both) {
+        let p = base(128);
+        let r = run_ll_gpu(&dev, &p)?;
+        row("low-latency", &p, &r);
+        let ph = GpuBenchParams { hook: true, ..p };
+        let r = run_ll_gpu(&dev, &ph)?;
+        row("low-latency (hook)", &ph, &r);
+    }
+    println!(
+        "rank 0's figures. GB/s = bytes of the tokens rank 0 sends (dispatch: once per destination \
+         rank in normal mode, once per selected expert in low-latency mode; fp8 payload + scales) \
+         or receives (combine, bf16) per second at the median (DeepEP's definition). normal \
+         dispatch = GPU layout + notify + host count sync + dispatch kernel; combine = combine \
+         kernel; low-latency = send + receive kernels (hook: the receive launched by the hook \
+         right after the send). Times from CUDA events."
     );
     Ok(())
 }

@@ -68,6 +68,18 @@ impl DeviceBuffer {
         self.ptr
     }
 
+    /// A non-owning view of `len` bytes of device memory at `ptr` that something else allocated
+    /// (a framework's tensor, another rank's buffer in this process): what the launchers take,
+    /// never freed by this value (it is wrapped in `ManuallyDrop`).
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` is device memory of `dev`'s context that stays allocated while the view
+    /// and every launch made with it are alive; the view must never be taken out of its
+    /// `ManuallyDrop` and dropped.
+    pub unsafe fn view(dev: &Device, ptr: u64, len: usize) -> std::mem::ManuallyDrop<DeviceBuffer> {
+        std::mem::ManuallyDrop::new(DeviceBuffer { dev: dev.clone(), ptr, len })
+    }
+
     /// Synchronous copy host -> device of exactly `len` bytes.
     pub fn copy_from_host<T: Pod>(&mut self, src: &[T]) -> CudaResult<()> {
         let bytes: &[u8] = bytemuck::cast_slice(src);

@@ -94,6 +94,12 @@ impl Drop for Stream {
     }
 }
 
+impl std::fmt::Debug for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Stream({:p})", self.as_raw())
+    }
+}
+
 /// A CUDA event; with timing enabled, [`Event::elapsed_ms`] measures between two of them.
 pub struct Event {
     dev: Device,

@@ -30,6 +30,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::config::{DispatchDtype, EpConfig};
+use super::gpu::{GpuBuffer, GpuOptions};
 use super::handle::{DispatchHandle, LlHandle};
 use super::host::ll::{LlComm, LlFabricHold, LlGeometry, LlLane, LlPhase};
 use super::host::{Geometry, HostComm, StepCounts};
@@ -56,7 +57,8 @@ const _: () = assert!(cfg!(target_endian = "little"), "wire records are little-e
 pub enum Backend {
     /// CPU threads over host memory (CI, the GPU tests' oracle, ep-bench without a GPU).
     Host,
-    /// CUDA kernels (not available in this version).
+    /// CUDA kernels, ranks as threads of one process on one GPU ([`BufferOptions::gpu`];
+    /// the calls are [`Buffer::gpu`]'s).
     Gpu,
 }
 
@@ -85,6 +87,8 @@ pub struct BufferOptions {
     /// Low-latency mode over [`TransportKind::Loopback`]: the in-process group of the LL lane
     /// (build it with [`Buffer::ll_loopback_group`]); unused over libfabric.
     pub ll_loopback: Option<LoopbackGroup>,
+    /// The GPU backend's options (required with [`Backend::Gpu`]).
+    pub gpu: Option<GpuOptions>,
 }
 
 impl BufferOptions {
@@ -97,7 +101,13 @@ impl BufferOptions {
             timeout: None,
             ring_capacity: 1024,
             ll_loopback: None,
+            gpu: None,
         }
+    }
+
+    /// GPU backend (see [`crate::ep::gpu`]).
+    pub fn gpu(opts: GpuOptions) -> Self {
+        BufferOptions { backend: Backend::Gpu, gpu: Some(opts), ..Self::host("none") }
     }
 
     /// Host backend over an in-process loopback group.
@@ -218,12 +228,14 @@ pub struct Buffer {
     // go, and they go before the memory they cover (the regions in `_mem`).
     comm: Option<HostComm>,
     fabric: Option<FabricHold>,
-    _mem: (Arc<SharedRegion>, Arc<SharedRegion>),
+    _mem: Option<(Arc<SharedRegion>, Arc<SharedRegion>)>,
     poisoned: Option<String>,
     /// The low-latency lane, connected by the first LL call (its own ring, proxy, transport
     /// and registered buffer; normal-mode users never pay for it).
     ll: Option<LlLane>,
     opts: BufferOptions,
+    /// The GPU backend's engine (`Backend::Gpu`); the host fields above are then empty.
+    gpu: Option<Box<GpuBuffer>>,
 }
 
 impl std::fmt::Debug for Buffer {
@@ -266,12 +278,6 @@ impl Buffer {
     /// has the same config hash ([`Error::ConfigMismatch`] naming the rank otherwise) and
     /// starts the proxy. Collective: every rank calls it.
     pub fn new(cfg: EpConfig, boot: Arc<dyn Bootstrap>, opts: BufferOptions) -> Result<Self> {
-        if opts.backend == Backend::Gpu {
-            return Err(Error::arg(
-                "backend",
-                "the GPU backend of normal mode is not available yet in this version; use Host",
-            ));
-        }
         if boot.rank() != cfg.rank || boot.world_size() != cfg.num_ranks {
             return Err(Error::arg(
                 "boot",
@@ -283,6 +289,26 @@ impl Buffer {
                     cfg.num_ranks
                 ),
             ));
+        }
+        if opts.backend == Backend::Gpu {
+            let g = opts.gpu.as_ref().ok_or_else(|| {
+                Error::arg("backend", "Backend::Gpu needs GPU options: use BufferOptions::gpu")
+            })?;
+            let id = NEXT_BUFFER_ID.fetch_add(1, Ordering::Relaxed);
+            let gpu = Box::new(GpuBuffer::connect(cfg.clone(), &boot, g, id)?);
+            let (comm, fabric, _mem) = (None, None, None);
+            return Ok(Buffer {
+                cfg,
+                id,
+                boot,
+                comm,
+                fabric,
+                _mem,
+                poisoned: None,
+                ll: None,
+                opts: opts.clone(),
+                gpu: Some(gpu),
+            });
         }
         if opts.ring_capacity == 0 {
             return Err(Error::arg("ring_capacity", "must be at least 1"));
@@ -394,10 +420,11 @@ impl Buffer {
             boot,
             comm: Some(comm),
             fabric,
-            _mem: (send, recv),
+            _mem: Some((send, recv)),
             poisoned: None,
             ll: None,
             opts: opts_kept,
+            gpu: None,
         })
     }
 
@@ -430,6 +457,16 @@ impl Buffer {
         self.ll.take();
         self.comm.take();
         self.fabric.take();
+        self.gpu.take();
+    }
+
+    /// The GPU engine of a [`Backend::Gpu`] buffer: device-pointer dispatch/combine on CUDA
+    /// streams (an argument error on a host buffer).
+    pub fn gpu(&mut self) -> Result<&mut GpuBuffer> {
+        match self.gpu.as_deref_mut() {
+            Some(g) => Ok(g),
+            None => Err(Error::arg("backend", "this Buffer uses the host backend")),
+        }
     }
 
     fn comm(&mut self) -> Result<&mut HostComm> {
@@ -438,6 +475,9 @@ impl Buffer {
                 "rank {}: buffer unusable after an earlier failure: {why}",
                 self.cfg.rank
             )));
+        }
+        if self.gpu.is_some() {
+            return Err(Error::arg("backend", "a GPU buffer: use the calls of Buffer::gpu"));
         }
         self.comm.as_mut().ok_or_else(|| Error::Other("buffer destroyed".into()))
     }
@@ -1079,6 +1119,9 @@ impl Buffer {
 
     /// Connects the LL lane (collective; the first LL call of every rank does it).
     fn ll_connect(&mut self) -> Result<LlLane> {
+        if self.gpu.is_some() {
+            return Err(Error::arg("backend", "a GPU buffer: use the calls of Buffer::gpu"));
+        }
         let cfg = &self.cfg;
         let (rank, r) = (cfg.rank, cfg.num_ranks);
         let layout = ll_layout_bf16(cfg)?;

@@ -298,6 +298,84 @@ pub fn phase_name(phase: u32) -> &'static str {
 }
 
 impl LlGpuRank {
+    /// One rank's buffers on `dev` (flags and tickets zeroed, device synchronised), for ranks
+    /// built one by one (a `Buffer` per thread): exchange [`Self::peer_entry`] of every rank,
+    /// then [`Self::set_peers`]. `grid` is the rank's SM budget (blocks per launch).
+    pub fn new_unconnected(dev: &Device, cfg: LlGpuConfig, rank: usize, grid: u32) -> Result<Self> {
+        let layout = cfg.layout()?;
+        if rank >= cfg.num_ranks || grid == 0 || grid > dev.sm_count() {
+            return Err(Error::arg(
+                "sm_budget",
+                format!(
+                    "rank {rank} of {}, {grid} blocks on {} SMs",
+                    cfg.num_ranks,
+                    dev.sm_count()
+                ),
+            ));
+        }
+        let total = usize::try_from(layout.total_bytes())
+            .map_err(|_| Error::arg("max_tokens_per_rank", "LL buffer larger than memory"))?;
+        let flag_bytes = 2 * 2 * cfg.num_experts * 8;
+        let r = LlGpuRank {
+            rank,
+            layout,
+            stream: Stream::new(dev)?,
+            buf: Arc::new(DeviceBuffer::new(dev, total)?),
+            flags: Arc::new(DeviceBuffer::zeroed(dev, flag_bytes)?),
+            peers: DeviceBuffer::zeroed(
+                dev,
+                cfg.num_ranks * std::mem::size_of::<abi::fep_ll_peer>(),
+            )?,
+            workspace: DeviceBuffer::zeroed(dev, 24)?,
+            err: DevErrorRecord::new(dev)?,
+            calls: 0,
+            grid,
+            cfg,
+        };
+        dev.synchronize()?;
+        Ok(r)
+    }
+
+    /// This rank's entry of every peer's table (buffer and flags reached by peer stores).
+    pub fn peer_entry(&self) -> abi::fep_ll_peer {
+        abi::fep_ll_peer {
+            buf: self.buf.device_ptr(),
+            flags: self.flags.device_ptr(),
+            transport: abi::FEP_LL_TRANSPORT_PEER,
+            _pad: 0,
+            proxy: 0,
+        }
+    }
+
+    /// Installs the peer table (`table[p]` = rank `p`'s [`Self::peer_entry`]).
+    ///
+    /// # Safety
+    /// Every entry addresses buffers of a rank with the same config that stay allocated while
+    /// this rank's kernels may run.
+    pub unsafe fn set_peers(&mut self, table: &[abi::fep_ll_peer]) -> Result<()> {
+        if table.len() != self.cfg.num_ranks {
+            return Err(Error::arg(
+                "table",
+                format!("{} entries for {} ranks", table.len(), self.cfg.num_ranks),
+            ));
+        }
+        self.peers.copy_from_host(table)?;
+        Ok(())
+    }
+
+    /// After a failed call (a timeout) on every rank: waits for this rank's stream (bounded),
+    /// zeroes its flags and tickets, clears its error record and restarts its epochs. Every
+    /// rank must do it before the next call, with no kernel of the group running.
+    pub fn clean(&mut self) -> Result<()> {
+        self.stream.synchronize_within(self.cfg.timeout + Duration::from_secs(5))?;
+        self.flags.memset(0)?;
+        self.workspace.memset(0)?;
+        self.err.reset()?;
+        self.calls = 0;
+        self.stream.device().synchronize()?;
+        Ok(())
+    }
+
     pub fn rank(&self) -> usize {
         self.rank
     }

@@ -11,3 +11,4 @@ pub mod reference;
 pub mod buffer;
 pub mod handle;
 pub mod host;
+pub mod gpu;

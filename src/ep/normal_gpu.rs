@@ -318,6 +318,61 @@ impl NormalGpuRank {
         Ok(out)
     }
 
+    /// One rank whose peers' comm buffers were allocated elsewhere and whose device pointers
+    /// this rank can use directly (ranks as threads of one process on `dev`, or IPC mappings):
+    /// `buf` is this rank's own comm buffer (zeroed, [`CommMap::total_bytes`] at least),
+    /// `peer_ptrs[p]` rank `p`'s buffer (`peer_ptrs[rank]` is `buf`'s pointer).
+    ///
+    /// # Safety
+    /// Every pointer of `peer_ptrs` addresses a zeroed comm buffer of this map's size that stays
+    /// allocated while this rank's kernels may run.
+    pub unsafe fn from_peer_pointers(
+        dev: &Device,
+        settings: &NormalGpuSettings,
+        rank: usize,
+        buf: Arc<DeviceBuffer>,
+        peer_ptrs: &[u64],
+    ) -> Result<NormalGpuRank> {
+        let map = CommMap::new(settings)?;
+        let r = settings.num_ranks;
+        let sm = dev.sm_count() as usize;
+        if settings.num_sms < 2 * r || settings.num_sms > sm || settings.num_sms % 2 != 0 {
+            return Err(Error::arg(
+                "num_sms",
+                format!("{}: needs an even 2 x num_ranks ({r}) ..= {sm} SMs", settings.num_sms),
+            ));
+        }
+        if peer_ptrs.len() != r || rank >= r {
+            return Err(Error::arg(
+                "peer_ptrs",
+                format!("{} pointers for rank {rank} of {r}", peer_ptrs.len()),
+            ));
+        }
+        if (buf.len() as u64) < map.total_bytes || peer_ptrs[rank] != buf.device_ptr() {
+            return Err(Error::arg(
+                "buf",
+                format!(
+                    "{} bytes (needs {}), or not peer_ptrs[{rank}]",
+                    buf.len(),
+                    map.total_bytes
+                ),
+            ));
+        }
+        let mut peers = [0u64; MAX_RANKS];
+        peers[..r].copy_from_slice(peer_ptrs);
+        Ok(NormalGpuRank {
+            rank,
+            settings: settings.clone(),
+            map,
+            dev: dev.clone(),
+            buf,
+            peers,
+            transports: vec![PeerTransport::PeerStore; r],
+            err: DevErrorRecord::new(dev)?,
+            epoch: 0,
+        })
+    }
+
     pub fn rank(&self) -> usize {
         self.rank
     }

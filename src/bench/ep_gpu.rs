@@ -1,0 +1,541 @@
+//! GPU runners shared by `ep-bench --backend gpu` and tests/gpu_buffer.rs: every rank a thread
+//! of this process on one GPU, each with its own `Buffer` (`Backend::Gpu`, in-process
+//! bootstrap), deterministic inputs from a seed, every result checked against the
+//! single-process reference (src/ep/reference.rs), times from CUDA events.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::ep::{self as host_bench, NormalBenchParams, NormalBenchReport, RankInputs};
+use crate::bootstrap::{Bootstrap, InProcGroup};
+use crate::cuda::{Device, DeviceBuffer, Event, Stream};
+use crate::ep::buffer::{Buffer, BufferOptions};
+use crate::ep::config::{DispatchDtype, EpConfig, EpSettings};
+use crate::ep::gpu::{
+    DevSlice, GpuCombineArgs, GpuDispatchArgs, GpuDispatchBuffers, GpuLlCombineArgs,
+    GpuLlDispatchArgs, GpuNotifyArgs, GpuOptions,
+};
+use crate::ep::layout::{dispatch_layout, random_topk_idx, LayoutShape};
+use crate::ep::ll_gpu::LlDispatchHost;
+use crate::ep::quant::f32_to_bf16;
+use crate::ep::reference::{self as refm, NormalCombineOut, NormalDispatchOut, Tokens};
+use crate::util::SplitMix64;
+use crate::{Error, Result};
+
+/// The shape of a GPU run (both modes).
+#[derive(Clone, Debug)]
+pub struct GpuBenchParams {
+    pub num_ranks: usize,
+    /// Tokens per rank (normal), or `max_tokens_per_rank` = tokens per rank (low-latency).
+    pub num_tokens: usize,
+    pub hidden: usize,
+    pub num_topk: usize,
+    pub num_experts: usize,
+    /// fp8 dispatch (combine is bf16).
+    pub fp8: bool,
+    pub iters: usize,
+    pub warmup: usize,
+    pub seed: u64,
+    /// Percent of top-k entries replaced by -1.
+    pub drop_pct: u64,
+    pub timeout: Duration,
+    /// Per-rank SM budget; `None`: SMs / ranks.
+    pub num_sms: Option<usize>,
+    /// Normal: use `num_worst_tokens` (no host sync) instead of the two-step form.
+    pub worst: bool,
+    /// Low-latency: hook mode (send, then the hook's receive) instead of one call.
+    pub hook: bool,
+}
+
+impl GpuBenchParams {
+    /// DeepEP's standard normal setting: 4096 tokens, hidden 7168, top-8 of 256, fp8 dispatch.
+    pub fn normal_standard(num_ranks: usize) -> Self {
+        GpuBenchParams {
+            num_ranks,
+            num_tokens: 4096,
+            hidden: 7168,
+            num_topk: 8,
+            num_experts: 256,
+            fp8: true,
+            iters: 20,
+            warmup: 3,
+            seed: 0x5eed,
+            drop_pct: 0,
+            timeout: Duration::from_secs(30),
+            num_sms: None,
+            worst: false,
+            hook: false,
+        }
+    }
+    /// DeepEP's standard low-latency setting: 128 tokens, otherwise as normal.
+    pub fn ll_standard(num_ranks: usize) -> Self {
+        GpuBenchParams { num_tokens: 128, ..Self::normal_standard(num_ranks) }
+    }
+
+    fn config(&self, rank: usize) -> Result<EpConfig> {
+        let mut s =
+            EpSettings::new(rank, self.num_ranks, self.num_experts, self.hidden, self.num_topk);
+        s.ranks_per_node = self.num_ranks;
+        s.timeout = self.timeout;
+        s.max_tokens_per_rank = self.num_tokens.max(1);
+        if self.fp8 {
+            s.dispatch_dtype = DispatchDtype::Fp8E4m3;
+        }
+        EpConfig::new(s)
+    }
+
+    fn gpu_options(&self, dev: &Device, normal: bool) -> GpuOptions {
+        GpuOptions {
+            num_sms: self.num_sms,
+            normal,
+            low_latency: !normal,
+            ..GpuOptions::new(dev.clone())
+        }
+    }
+}
+
+/// Per-rank figures of a GPU run, in the host runner's shape (bytes as DeepEP counts them).
+pub type GpuReport = Vec<NormalBenchReport>;
+
+fn upload<T: bytemuck::Pod>(dev: &Device, v: &[T]) -> Result<DeviceBuffer> {
+    if v.is_empty() {
+        return Ok(DeviceBuffer::zeroed(dev, 16)?);
+    }
+    Ok(DeviceBuffer::from_slice(dev, v)?)
+}
+
+fn mismatch(rank: usize, what: &str, it: usize) -> Error {
+    Error::Other(format!("rank {rank}: GPU {what} differs from the reference (iteration {it})"))
+}
+
+/// Runs `f(rank, boot)` on one thread per rank; the first error wins (by rank).
+fn on_threads<T: Send>(
+    n: usize,
+    timeout: Duration,
+    f: impl Fn(usize, Arc<dyn Bootstrap>) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
+    let boots = InProcGroup::new(n, n, timeout)?;
+    let res: Vec<Result<T>> = std::thread::scope(|s| {
+        let hs: Vec<_> = boots
+            .into_iter()
+            .enumerate()
+            .map(|(rank, b)| {
+                let f = &f;
+                std::thread::Builder::new()
+                    .name(format!("gpu-rank-{rank}"))
+                    .spawn_scoped(s, move || f(rank, Arc::new(b)))
+            })
+            .collect();
+        hs.into_iter()
+            .enumerate()
+            .map(|(r, h)| match h {
+                Ok(h) => h
+                    .join()
+                    .unwrap_or_else(|_| Err(Error::Other(format!("rank {r}: thread panicked")))),
+                Err(e) => Err(Error::Other(format!("rank {r}: spawn: {e}"))),
+            })
+            .collect()
+    });
+    // NOTES: a rank that failed on the host leaves its peers waiting: report the root cause
+    // (non-timeout errors first) and every rank's error, not just the lowest rank's timeout.
+    let mut errs: Vec<(usize, Error)> = Vec::new();
+    let mut oks = Vec::with_capacity(n);
+    for (r, x) in res.into_iter().enumerate() {
+        match x {
+            Ok(v) => oks.push(v),
+            Err(e) => errs.push((r, e)),
+        }
+    }
+    if errs.is_empty() {
+        return Ok(oks);
+    }
+    errs.sort_by_key(|(r, e)| (matches!(e, Error::Timeout { .. }), *r));
+    let all: Vec<String> = errs.iter().map(|(r, e)| format!("rank {r}: {e}")).collect();
+    let (r0, first) = errs.swap_remove(0);
+    if all.len() == 1 {
+        return Err(first);
+    }
+    Err(Error::Other(format!("rank {r0} failed first: {}", all.join("; "))))
+}
+
+fn elapsed_s(a: &Event, b: &Event) -> Result<f64> {
+    Ok(a.elapsed_ms(b)? as f64 * 1e-3)
+}
+
+/// Checks one rank's normal dispatch outputs (device) against the reference.
+#[allow(clippy::too_many_arguments)]
+fn check_normal_dispatch(
+    rank: usize,
+    it: usize,
+    fp8: bool,
+    out: &GpuDispatchBuffers,
+    handle_prefix: &[i32],
+    handle_experts: &[i32],
+    want: &NormalDispatchOut,
+    hidden: usize,
+    topk: usize,
+) -> Result<()> {
+    let n = want.num_recv_tokens;
+    let pw: Vec<i32> = want.rank_prefix.iter().map(|&v| v as i32).collect();
+    if handle_prefix != &pw[..] {
+        return Err(mismatch(rank, "rank_prefix", it));
+    }
+    let ew: Vec<i32> = want.num_recv_tokens_per_expert.iter().map(|&v| v as i32).collect();
+    if handle_experts != &ew[..] {
+        return Err(mismatch(rank, "tokens per expert", it));
+    }
+    let rx: Vec<u8> = out.recv_x.to_vec()?;
+    match &want.recv_x {
+        Tokens::Bf16(v) => {
+            if rx[..n * hidden * 2] != *bytemuck::cast_slice::<u16, u8>(&v[..n * hidden]) {
+                return Err(mismatch(rank, "recv_x (bf16)", it));
+            }
+        }
+        Tokens::Fp8 { x, scales } => {
+            if !fp8 || rx[..n * hidden] != x[..n * hidden] {
+                return Err(mismatch(rank, "recv_x (fp8)", it));
+            }
+            let s: Vec<f32> = out.recv_x_scales.as_ref().map_or(Ok(Vec::new()), |b| b.to_vec())?;
+            let g = n * (hidden / 128);
+            if s.get(..g) != scales.get(..g) {
+                return Err(mismatch(rank, "recv_x_scales", it));
+            }
+        }
+    }
+    let ti: Vec<i64> = out.recv_topk_idx.to_vec()?;
+    if ti[..n * topk] != want.recv_topk_idx[..n * topk] {
+        return Err(mismatch(rank, "recv_topk_idx", it));
+    }
+    let tw: Vec<f32> = out.recv_topk_weights.to_vec()?;
+    if tw[..n * topk] != want.recv_topk_weights[..n * topk] {
+        return Err(mismatch(rank, "recv_topk_weights", it));
+    }
+    let si: Vec<i32> = out.recv_src_idx.to_vec()?;
+    if si[..n] != want.recv_src_idx[..n] {
+        return Err(mismatch(rank, "recv_src_idx", it));
+    }
+    Ok(())
+}
+
+/// Normal mode: `warmup + iters` fresh dispatches (GPU layout, notify, then either the host
+/// learns the count or `num_worst_tokens`, then dispatch) and combines, every one checked.
+/// Dispatch time: from before the layout to after the dispatch kernel (the host sync included),
+/// combine time: the combine kernel; both from CUDA events. Returns each rank's report.
+pub fn run_normal_gpu(dev: &Device, p: &GpuBenchParams) -> Result<GpuReport> {
+    let cfg0 = p.config(0)?;
+    let hp = NormalBenchParams {
+        num_tokens: p.num_tokens,
+        seed: p.seed,
+        drop_pct: p.drop_pct,
+        iters: p.iters,
+        warmup: p.warmup,
+        combine_weights: true,
+    };
+    let inputs: Vec<RankInputs> =
+        (0..p.num_ranks).map(|r| host_bench::rank_inputs(&cfg0, &hp, r)).collect::<Result<_>>()?;
+    let total: usize = p.num_tokens * p.num_ranks;
+    let worst = p.worst.then_some(total.max(1));
+    let (want_d, want_c): (Vec<NormalDispatchOut>, Vec<NormalCombineOut>) =
+        host_bench::reference(&cfg0, &inputs, 1, worst, true)?;
+    on_threads(p.num_ranks, p.timeout, |rank, boot| {
+        let cfg = p.config(rank)?;
+        let (t, h, k) = (p.num_tokens, cfg.hidden, cfg.num_topk);
+        let mut buf =
+            Buffer::new(cfg.clone(), boot.clone(), BufferOptions::gpu(p.gpu_options(dev, true)))?;
+        let me = &inputs[rank];
+        let want = &want_d[rank];
+        let x = match &me.x_fp8 {
+            Some((q, _)) => upload(dev, q)?,
+            None => upload(dev, &me.x_bf16)?,
+        };
+        let xs = match &me.x_fp8 {
+            Some((_, s)) => Some(upload(dev, s)?),
+            None => None,
+        };
+        let ti = upload(dev, &me.topk_idx)?;
+        let tw = upload(dev, &me.topk_weights)?;
+        let cx = upload(dev, &host_bench::combine_input(&want.recv_x, h)?)?;
+        let cw = upload(dev, &want.recv_topk_weights)?;
+        let out_c = DeviceBuffer::new(dev, (t * h * 2).max(16))?;
+        let out_cw = DeviceBuffer::new(dev, (t * k * 4).max(16))?;
+        let stream = Stream::new(dev)?;
+        let ev: Vec<Event> =
+            (0..3).map(|_| Event::new(dev)).collect::<std::result::Result<_, _>>()?;
+        let lay =
+            dispatch_layout(&me.topk_idx, t, k, cfg.num_experts, cfg.num_ranks, cfg.num_ranks)?;
+        let sent: u64 = lay.num_tokens_per_rank.iter().map(|&c| c.max(0) as u64).sum();
+        let mut rep = NormalBenchReport {
+            dispatch_s: Vec::new(),
+            combine_s: Vec::new(),
+            dispatch_bytes: sent * cfg.dispatch_dtype.token_bytes(h as u64),
+            combine_bytes: sent * 2 * h as u64,
+        };
+        let gpu = buf.gpu()?;
+        let mut handle = gpu.new_handle(t)?;
+        let mut outs: Option<GpuDispatchBuffers> = None;
+        for it in 0..p.warmup + p.iters {
+            boot.barrier()?;
+            if let Some(o) = &outs {
+                for b in [&o.recv_x, &o.recv_topk_idx, &o.recv_topk_weights, &o.recv_src_idx] {
+                    b.memset_async(0xAB, &stream)?;
+                }
+                if let Some(b) = &o.recv_x_scales {
+                    b.memset_async(0xAB, &stream)?;
+                }
+            }
+            out_c.memset_async(0xAB, &stream)?;
+            ev[0].record(&stream)?;
+            let notify = GpuNotifyArgs {
+                num_worst_tokens: worst,
+                ..GpuNotifyArgs::new(DevSlice::of(&ti), t, &stream)
+            };
+            // SAFETY: every buffer lives until the stream synchronises at the end of the
+            // iteration (sync_gpu); all ranks run the same sequence of calls.
+            unsafe {
+                let info = gpu.notify_gpu(&notify, &mut handle)?;
+                let rows = info.map_or(worst.unwrap_or(0), |i| i.num_recv_tokens);
+                if outs.as_ref().is_none_or(|o| o.rows < rows) {
+                    outs = Some(GpuDispatchBuffers::new(gpu, rows)?);
+                }
+                let o = outs.as_ref().ok_or_else(|| Error::Other("no outputs".into()))?;
+                let args = GpuDispatchArgs {
+                    x: DevSlice::of(&x),
+                    x_scales: xs.as_ref().map(DevSlice::of),
+                    topk_idx: DevSlice::of(&ti),
+                    topk_weights: DevSlice::of(&tw),
+                    stream: &stream,
+                };
+                gpu.dispatch_gpu(&args, &handle, &o.out())?;
+                ev[1].record(&stream)?;
+                gpu.combine_gpu(
+                    &GpuCombineArgs {
+                        x: DevSlice::of(&cx),
+                        topk_weights: Some(DevSlice::of(&cw)),
+                        combined_x: DevSlice::of(&out_c),
+                        combined_topk_weights: Some(DevSlice::of(&out_cw)),
+                        stream: &stream,
+                    },
+                    &handle,
+                )?;
+                ev[2].record(&stream)?;
+            }
+            gpu.sync_gpu(&stream)?;
+            let o = outs.as_ref().ok_or_else(|| Error::Other("no outputs".into()))?;
+            let prefix: Vec<i32> = handle.device().rank_prefix.to_vec()?;
+            let experts: Vec<i32> = handle.device().recv_expert_counts.to_vec()?;
+            check_normal_dispatch(rank, it, p.fp8, o, &prefix, &experts, want, h, k)?;
+            let got: Vec<u16> = out_c.to_vec()?;
+            if got[..t * h] != want_c[rank].combined_x[..] {
+                return Err(mismatch(rank, "combined_x", it));
+            }
+            let gw: Vec<f32> = out_cw.to_vec()?;
+            if Some(&gw[..t * k]) != want_c[rank].combined_topk_weights.as_deref() {
+                return Err(mismatch(rank, "combined_topk_weights", it));
+            }
+            if it >= p.warmup {
+                rep.dispatch_s.push(elapsed_s(&ev[0], &ev[1])?);
+                rep.combine_s.push(elapsed_s(&ev[1], &ev[2])?);
+            }
+        }
+        boot.barrier()?;
+        drop(outs);
+        buf.destroy()?;
+        Ok(rep)
+    })
+}
+
+/// One rank's low-latency inputs.
+struct LlInput {
+    x: Vec<u16>,
+    topk_idx: Vec<i64>,
+    topk_weights: Vec<f32>,
+}
+
+fn ll_inputs(p: &GpuBenchParams) -> Result<Vec<LlInput>> {
+    (0..p.num_ranks)
+        .map(|r| {
+            let mut rng = SplitMix64(p.seed ^ (r as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            let t = p.num_tokens;
+            let shape = LayoutShape::new(t, p.num_topk, p.num_experts, p.num_ranks, p.num_ranks)?;
+            let topk_idx = random_topk_idx(&mut rng, shape, p.drop_pct, false);
+            let x = (0..t * p.hidden).map(|_| f32_to_bf16((rng.unit_f32() - 0.5) * 8.0)).collect();
+            let topk_weights = (0..t * p.num_topk).map(|_| rng.unit_f32()).collect();
+            Ok(LlInput { x, topk_idx, topk_weights })
+        })
+        .collect()
+}
+
+fn ll_params(p: &GpuBenchParams) -> refm::LlParams {
+    refm::LlParams {
+        num_experts: p.num_experts,
+        hidden: p.hidden,
+        num_topk: p.num_topk,
+        max_tokens_per_rank: p.num_tokens,
+        use_fp8: p.fp8,
+        round_scale: false,
+    }
+}
+
+/// Checks one rank's low-latency dispatch against the reference (rows past the counts are
+/// not part of the contract and are skipped).
+fn check_ll_dispatch(
+    rank: usize,
+    it: usize,
+    p: &GpuBenchParams,
+    got: &LlDispatchHost,
+    want: &refm::LlDispatchOut,
+) -> Result<()> {
+    let (h, nr) = (p.hidden, p.num_ranks);
+    let l = p.num_experts / nr;
+    let s = nr * p.num_tokens;
+    let wc: Vec<i32> = want.recv_count.iter().map(|&c| c as i32).collect();
+    if got.recv_count != wc {
+        return Err(mismatch(rank, "low-latency recv_count", it));
+    }
+    let lr: Vec<i32> = want.layout_range.iter().flat_map(|&(b, c)| [b as i32, c as i32]).collect();
+    if got.layout_range != lr {
+        return Err(mismatch(rank, "low-latency layout_range", it));
+    }
+    for e in 0..l {
+        let rows = e * s..e * s + want.recv_count[e] as usize;
+        if got.recv_src_rank[rows.clone()] != want.recv_src_rank[rows.clone()]
+            || got.recv_src_idx[rows.clone()] != want.recv_src_idx[rows.clone()]
+        {
+            return Err(mismatch(rank, "low-latency source info", it));
+        }
+        match &want.recv_x {
+            Tokens::Bf16(x) => {
+                let gx: &[u16] = bytemuck::cast_slice(&got.recv_x);
+                if gx[rows.start * h..rows.end * h] != x[rows.start * h..rows.end * h] {
+                    return Err(mismatch(rank, "low-latency recv_x (bf16)", it));
+                }
+            }
+            Tokens::Fp8 { x, scales } => {
+                let g = h / 128;
+                if got.recv_x[rows.start * h..rows.end * h] != x[rows.start * h..rows.end * h] {
+                    return Err(mismatch(rank, "low-latency recv_x (fp8)", it));
+                }
+                let a = &got.recv_scales[rows.start * g..rows.end * g];
+                let b = &scales[rows.start * g..rows.end * g];
+                if a.iter().zip(b).any(|(u, v)| u.to_bits() != v.to_bits()) {
+                    return Err(mismatch(rank, "low-latency scales", it));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Low-latency mode: `warmup + iters` dispatches and combines (`p.hook`: each as send, then the
+/// hook's receive), every one checked against the reference. Times from CUDA events around
+/// dispatch (send + receive) and combine (send + receive).
+pub fn run_ll_gpu(dev: &Device, p: &GpuBenchParams) -> Result<GpuReport> {
+    let inputs = ll_inputs(p)?;
+    let lp = ll_params(p);
+    let rin: Vec<refm::LlRankInput> =
+        inputs.iter().map(|i| refm::LlRankInput { x: &i.x, topk_idx: &i.topk_idx }).collect();
+    let want_d = refm::ll_dispatch(&lp, &rin)?;
+    let (nr, h, m) = (p.num_ranks, p.hidden, p.num_tokens);
+    let l = p.num_experts / nr;
+    let s = nr * m;
+    // Expert outputs: random bf16 on the rows each rank received (the rest is never read).
+    let ys: Vec<Vec<u16>> = want_d
+        .iter()
+        .enumerate()
+        .map(|(r, w)| {
+            let mut rng = SplitMix64(p.seed.wrapping_add(77 + r as u64));
+            let mut y = vec![0u16; l * s * h];
+            for e in 0..l {
+                let n = w.recv_count[e] as usize;
+                for v in &mut y[e * s * h..(e * s + n) * h] {
+                    *v = f32_to_bf16((rng.unit_f32() - 0.5) * 4.0 + 1e-3);
+                }
+            }
+            y
+        })
+        .collect();
+    let cin: Vec<refm::LlCombineInput> = inputs
+        .iter()
+        .zip(&ys)
+        .map(|(i, y)| refm::LlCombineInput {
+            x: y,
+            topk_idx: &i.topk_idx,
+            topk_weights: &i.topk_weights,
+        })
+        .collect();
+    let want_c = refm::ll_combine(&lp, &want_d, &cin)?;
+    on_threads(nr, p.timeout, |rank, boot| {
+        let cfg = p.config(rank)?;
+        let me = &inputs[rank];
+        let t = m;
+        let mut buf =
+            Buffer::new(cfg, boot.clone(), BufferOptions::gpu(p.gpu_options(dev, false)))?;
+        let x = upload(dev, &me.x)?;
+        let ti = upload(dev, &me.topk_idx)?;
+        let tw = upload(dev, &me.topk_weights)?;
+        let y = upload(dev, &ys[rank])?;
+        let out_c = DeviceBuffer::new(dev, (t * h * 2).max(16))?;
+        let stream = Stream::new(dev)?;
+        let ev: Vec<Event> =
+            (0..3).map(|_| Event::new(dev)).collect::<std::result::Result<_, _>>()?;
+        let pairs = me.topk_idx.iter().filter(|&&e| e >= 0).count() as u64;
+        let tok_bytes = if p.fp8 { h + h / 128 * 4 } else { 2 * h } as u64;
+        let mut rep = NormalBenchReport {
+            dispatch_s: Vec::new(),
+            combine_s: Vec::new(),
+            dispatch_bytes: pairs * tok_bytes,
+            combine_bytes: pairs * 2 * h as u64,
+        };
+        let gpu = buf.gpu()?;
+        let out = gpu.new_ll_dispatch_out()?;
+        for it in 0..p.warmup + p.iters {
+            boot.barrier()?;
+            out.recv_x.memset_async(0xAB, &stream)?;
+            out_c.memset_async(0xAB, &stream)?;
+            ev[0].record(&stream)?;
+            let da = GpuLlDispatchArgs {
+                x: DevSlice::of(&x),
+                topk_idx: DevSlice::of(&ti),
+                num_tokens: t,
+                use_fp8: p.fp8,
+                return_recv_hook: p.hook,
+                stream: &stream,
+            };
+            let ca = GpuLlCombineArgs {
+                x: DevSlice::of(&y),
+                topk_idx: DevSlice::of(&ti),
+                topk_weights: DevSlice::of(&tw),
+                num_tokens: t,
+                handle: &out,
+                out: DevSlice::of(&out_c),
+                return_recv_hook: p.hook,
+                stream: &stream,
+            };
+            // SAFETY: every buffer lives until sync_gpu below; all ranks make the same calls.
+            unsafe {
+                if let Some(hook) = gpu.low_latency_dispatch_gpu(&da, &out)? {
+                    gpu.low_latency_dispatch_recv_gpu(hook, &out, &stream)?;
+                }
+                ev[1].record(&stream)?;
+                if let Some(hook) = gpu.low_latency_combine_gpu(&ca)? {
+                    gpu.low_latency_combine_recv_gpu(hook, &ca)?;
+                }
+                ev[2].record(&stream)?;
+            }
+            gpu.sync_gpu(&stream)?;
+            check_ll_dispatch(rank, it, p, &out.to_host()?, &want_d[rank])?;
+            let got: Vec<u16> = out_c.to_vec()?;
+            if got[..t * h] != want_c[rank][..] {
+                return Err(mismatch(rank, "low-latency combine", it));
+            }
+            if it >= p.warmup {
+                rep.dispatch_s.push(elapsed_s(&ev[0], &ev[1])?);
+                rep.combine_s.push(elapsed_s(&ev[1], &ev[2])?);
+            }
+        }
+        boot.barrier()?;
+        drop(out);
+        buf.destroy()?;
+        Ok(rep)
+    })
+}

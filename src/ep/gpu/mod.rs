@@ -1,0 +1,911 @@
+//! The GPU backend of [`Buffer`](super::buffer::Buffer): normal and low-latency dispatch/combine
+//! with CUDA kernels ([`super::normal_gpu`], [`super::ll_gpu`]) for ranks that are threads of
+//! one process on one GPU.
+//!
+//! ```no_run
+//! # use std::sync::Arc;
+//! # use fabric_ep::cuda::{Device, DeviceBuffer, Stream};
+//! # use fabric_ep::ep::buffer::{Buffer, BufferOptions};
+//! # use fabric_ep::ep::config::{EpConfig, EpSettings};
+//! # use fabric_ep::ep::gpu::*;
+//! # fn f(boot: Arc<dyn fabric_ep::bootstrap::Bootstrap>, dev: Device, x: &DeviceBuffer,
+//! #      idx: &DeviceBuffer, w: &DeviceBuffer, t: usize) -> fabric_ep::Result<()> {
+//! let cfg = EpConfig::new(EpSettings::new(boot.rank(), boot.world_size(), 64, 4096, 8))?;
+//! let mut buf = Buffer::new(cfg, boot, BufferOptions::gpu(GpuOptions::new(dev.clone())))?;
+//! let stream = Stream::new(&dev)?;
+//! let gpu = buf.gpu()?;
+//! let mut handle = gpu.new_handle(t)?;
+//! // Step 1: notify; one host synchronisation tells the receive count.
+//! let notify = GpuNotifyArgs::new(DevSlice::of(idx), t, &stream);
+//! let info = unsafe { gpu.notify_gpu(&notify, &mut handle)? }.expect("no num_worst_tokens");
+//! // Step 2: allocate outputs for exactly that many rows, then dispatch.
+//! let out = GpuDispatchBuffers::new(gpu, info.num_recv_tokens)?;
+//! let args = GpuDispatchArgs {
+//!     x: DevSlice::of(x), x_scales: None, topk_idx: DevSlice::of(idx),
+//!     topk_weights: DevSlice::of(w), stream: &stream,
+//! };
+//! unsafe { gpu.dispatch_gpu(&args, &handle, &out.out())? };
+//! gpu.sync_gpu(&stream)?;
+//! # Ok(()) }
+//! ```
+//!
+//! Connection: every rank allocates its own comm buffers and sends their device pointers, its
+//! process id and its CUDA context through the bootstrap; pointers are only valid in the same
+//! address space and context, so a rank in another process (or on another GPU) is refused at
+//! connect time with an error naming it (CUDA IPC of the comm buffers, for processes sharing a
+//! GPU, is not built in this version).
+//!
+//! NOTES (co-residency): receive kernels spin on other ranks' sends, so every rank's running
+//! kernel must be resident at once. Each rank launches at most `num_sms` blocks (default:
+//! SMs / ranks, even) and `num_sms * num_ranks <= SMs` is checked at connect time.
+//!
+//! NOTES (lifetime): a rank's comm buffers are written by its peers' kernels. Tear down with
+//! [`Buffer::destroy`](super::buffer::Buffer::destroy) (collective: it waits for every rank)
+//! after every stream that ran this buffer's kernels has synchronised.
+
+use std::mem::ManuallyDrop;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::config::{DispatchDtype, EpConfig};
+use super::layout::{DispatchLayoutGpu, LayoutBuffers, LayoutTuning};
+use super::ll_gpu::{self, LlDispatchOut, LlGpuConfig, LlGpuRank, LlTicket};
+use super::normal_gpu::{
+    CombineArgs, DispatchInputs, DispatchOutputs, NormalGpuRank, NormalGpuSettings, NormalHandle,
+    RecvInfo,
+};
+use crate::abi;
+use crate::bootstrap::Bootstrap;
+use crate::cuda::{CudaError, Device, DeviceBuffer, Event, Stream};
+use crate::{Error, Result};
+
+/// GPU options of a [`Buffer`](super::buffer::Buffer) (`BufferOptions::gpu`).
+#[derive(Clone, Debug)]
+pub struct GpuOptions {
+    /// The GPU every rank of this process uses.
+    pub device: Device,
+    /// Blocks per kernel of this rank (its SM budget); `None`: SMs / num_ranks, at most
+    /// [`DEFAULT_MAX_SMS`], rounded down to even. Every rank shares the GPU, so `num_sms * num_ranks` must not exceed its SMs.
+    pub num_sms: Option<usize>,
+    /// Normal mode: records per queue chunk (same on every rank).
+    pub chunk_tokens: usize,
+    /// Normal mode: chunks in flight per (sender, receiver) pair (same on every rank).
+    pub slots_per_peer: usize,
+    /// Allocate the normal-mode comm buffer.
+    pub normal: bool,
+    /// Allocate the low-latency buffers (two sets, sized from `max_tokens_per_rank`; dispatch
+    /// dtype = the config's `dispatch_dtype`).
+    pub low_latency: bool,
+}
+
+impl GpuOptions {
+    /// Both modes, default SM budget, 16-token chunks, 8 slots per peer.
+    pub fn new(device: Device) -> Self {
+        GpuOptions {
+            device,
+            num_sms: None,
+            chunk_tokens: 16,
+            slots_per_peer: 8,
+            normal: true,
+            low_latency: true,
+        }
+    }
+}
+
+/// A range of device memory: pointer and its size in bytes (a tensor's `data_ptr()` and
+/// `numel() * element_size()`). Every call checks the size against what it will touch.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DevSlice {
+    pub ptr: u64,
+    pub bytes: usize,
+}
+
+impl DevSlice {
+    /// All of `b`.
+    pub fn of(b: &DeviceBuffer) -> Self {
+        DevSlice { ptr: b.device_ptr(), bytes: b.len() }
+    }
+}
+
+/// Normal-mode dispatch handle on the device: the send plan and receive counts a notify made,
+/// reused by a cached dispatch and by combine. Made by [`GpuBuffer::new_handle`].
+pub struct GpuHandle {
+    inner: NormalHandle,
+    buffer_id: u64,
+    capacity: usize,
+    out_rows: Option<usize>,
+    info: Option<RecvInfo>,
+}
+
+impl GpuHandle {
+    /// Rows of the dispatch outputs (received tokens, or `num_worst_tokens`); `None` before a
+    /// notify.
+    pub fn num_out_rows(&self) -> Option<usize> {
+        self.out_rows
+    }
+    /// The receive counts read back after the notify (`None` in `num_worst_tokens` mode).
+    pub fn recv_info(&self) -> Option<&RecvInfo> {
+        self.info.as_ref()
+    }
+    /// The device buffers (send plan, `rank_prefix [R + 1]`, `recv_expert_counts [L]`).
+    pub fn device(&self) -> &NormalHandle {
+        &self.inner
+    }
+    /// Input tokens of the dispatch this handle describes.
+    pub fn num_tokens(&self) -> usize {
+        self.inner.num_tokens()
+    }
+}
+
+/// Notify (step 1 of a fresh dispatch).
+#[derive(Clone, Copy, Debug)]
+pub struct GpuNotifyArgs<'a> {
+    /// int64 `[num_tokens, num_topk]` global expert ids, -1 = none.
+    pub topk_idx: DevSlice,
+    pub num_tokens: usize,
+    /// Tokens per local expert are rounded up to this (>= 1).
+    pub expert_alignment: usize,
+    /// Fixed output rows, no host synchronisation; more arrivals are a device error.
+    pub num_worst_tokens: Option<usize>,
+    pub stream: &'a Stream,
+}
+
+impl<'a> GpuNotifyArgs<'a> {
+    /// Alignment 1, no `num_worst_tokens`.
+    pub fn new(topk_idx: DevSlice, num_tokens: usize, stream: &'a Stream) -> Self {
+        GpuNotifyArgs { topk_idx, num_tokens, expert_alignment: 1, num_worst_tokens: None, stream }
+    }
+}
+
+/// Dispatch inputs (device memory).
+#[derive(Clone, Copy, Debug)]
+pub struct GpuDispatchArgs<'a> {
+    /// bf16 or e4m3 `[num_tokens, hidden]` (the config's `dispatch_dtype`).
+    pub x: DevSlice,
+    /// f32 `[num_tokens, hidden / 128]`, fp8 only.
+    pub x_scales: Option<DevSlice>,
+    /// int64 `[num_tokens, num_topk]`.
+    pub topk_idx: DevSlice,
+    /// f32 `[num_tokens, num_topk]`.
+    pub topk_weights: DevSlice,
+    pub stream: &'a Stream,
+}
+
+/// Dispatch outputs (device memory), `handle.num_out_rows()` rows each.
+#[derive(Clone, Copy, Debug)]
+pub struct GpuDispatchOut {
+    /// `[rows, hidden]` bf16 or e4m3, grouped by source rank.
+    pub recv_x: DevSlice,
+    /// f32 `[rows, hidden / 128]`, fp8 only.
+    pub recv_x_scales: Option<DevSlice>,
+    /// int64 `[rows, num_topk]` local expert ids, -1 where not local.
+    pub recv_topk_idx: DevSlice,
+    /// f32 `[rows, num_topk]`.
+    pub recv_topk_weights: DevSlice,
+    /// int32 `[rows]` token index on the source rank (-1 on padding rows).
+    pub recv_src_idx: DevSlice,
+}
+
+/// Dispatch outputs allocated by the buffer.
+pub struct GpuDispatchBuffers {
+    pub rows: usize,
+    pub recv_x: DeviceBuffer,
+    pub recv_x_scales: Option<DeviceBuffer>,
+    pub recv_topk_idx: DeviceBuffer,
+    pub recv_topk_weights: DeviceBuffer,
+    pub recv_src_idx: DeviceBuffer,
+}
+
+impl GpuDispatchBuffers {
+    /// Outputs of `rows` rows for `gpu`'s config (at least one row, so pointers are valid).
+    pub fn new(gpu: &GpuBuffer, rows: usize) -> Result<Self> {
+        let (c, dev) = (&gpu.cfg, &gpu.dev);
+        let n = rows.max(1);
+        let fp8 = c.dispatch_dtype == DispatchDtype::Fp8E4m3;
+        let payload = if fp8 { c.hidden } else { 2 * c.hidden };
+        Ok(GpuDispatchBuffers {
+            rows,
+            recv_x: DeviceBuffer::new(dev, n * payload)?,
+            recv_x_scales: if fp8 {
+                Some(DeviceBuffer::new(dev, n * (c.hidden / 128) * 4)?)
+            } else {
+                None
+            },
+            recv_topk_idx: DeviceBuffer::new(dev, n * c.num_topk * 8)?,
+            recv_topk_weights: DeviceBuffer::new(dev, n * c.num_topk * 4)?,
+            recv_src_idx: DeviceBuffer::new(dev, n * 4)?,
+        })
+    }
+
+    pub fn out(&self) -> GpuDispatchOut {
+        GpuDispatchOut {
+            recv_x: DevSlice::of(&self.recv_x),
+            recv_x_scales: self.recv_x_scales.as_ref().map(DevSlice::of),
+            recv_topk_idx: DevSlice::of(&self.recv_topk_idx),
+            recv_topk_weights: DevSlice::of(&self.recv_topk_weights),
+            recv_src_idx: DevSlice::of(&self.recv_src_idx),
+        }
+    }
+}
+
+/// Normal combine (device memory).
+#[derive(Clone, Copy, Debug)]
+pub struct GpuCombineArgs<'a> {
+    /// bf16 `[rows, hidden]`, rows as the dispatch delivered them.
+    pub x: DevSlice,
+    /// f32 `[rows, num_topk]`, summed back like `x`.
+    pub topk_weights: Option<DevSlice>,
+    /// bf16 `[num_tokens, hidden]` out: per token the fp32 sum over the ranks it went to.
+    pub combined_x: DevSlice,
+    /// f32 `[num_tokens, num_topk]` out.
+    pub combined_topk_weights: Option<DevSlice>,
+    pub stream: &'a Stream,
+}
+
+/// Low-latency dispatch (device memory).
+#[derive(Clone, Copy, Debug)]
+pub struct GpuLlDispatchArgs<'a> {
+    /// bf16 `[num_tokens, hidden]`, `num_tokens <= max_tokens_per_rank`.
+    pub x: DevSlice,
+    /// int64 `[num_tokens, num_topk]` global expert ids, -1 = none.
+    pub topk_idx: DevSlice,
+    pub num_tokens: usize,
+    /// Must match the config's `dispatch_dtype` (the buffers are sized for it).
+    pub use_fp8: bool,
+    /// Return after the send; the receive runs when the hook is called.
+    pub return_recv_hook: bool,
+    pub stream: &'a Stream,
+}
+
+/// Low-latency combine (device memory).
+#[derive(Clone, Copy)]
+pub struct GpuLlCombineArgs<'a> {
+    /// bf16 `[L, R * max_tokens_per_rank, hidden]` expert outputs, rows as dispatched.
+    pub x: DevSlice,
+    /// int64 / f32 `[num_tokens, num_topk]`, as given to the dispatch.
+    pub topk_idx: DevSlice,
+    pub topk_weights: DevSlice,
+    pub num_tokens: usize,
+    /// The dispatch's outputs (its `layout_range` and `pos` are the handle).
+    pub handle: &'a LlDispatchOut,
+    /// bf16 `[num_tokens, hidden]` out.
+    pub out: DevSlice,
+    pub return_recv_hook: bool,
+    pub stream: &'a Stream,
+}
+
+/// A low-latency dispatch whose receive has not run: pass it to
+/// [`GpuBuffer::low_latency_dispatch_recv_gpu`].
+#[must_use = "the receive runs only when the hook is completed"]
+#[derive(Debug)]
+pub struct LlDispatchHook {
+    ticket: LlTicket,
+    buffer_id: u64,
+}
+
+/// A low-latency combine whose receive has not run: pass it to
+/// [`GpuBuffer::low_latency_combine_recv_gpu`] with the same arguments.
+#[must_use = "the receive runs only when the hook is completed"]
+#[derive(Debug)]
+pub struct LlCombineHook {
+    ticket: LlTicket,
+    buffer_id: u64,
+}
+
+struct NormalPart {
+    rank: NormalGpuRank,
+    layout_gpu: DispatchLayoutGpu,
+    layout: LayoutBuffers,
+    layout_cap: usize,
+}
+
+struct LlPart {
+    rank: LlGpuRank,
+    enter: Event,
+    leave: Event,
+}
+
+/// One rank's GPU engine (owned by a `Buffer` with `Backend::Gpu`; reach it with
+/// `Buffer::gpu`).
+pub struct GpuBuffer {
+    cfg: EpConfig,
+    id: u64,
+    dev: Device,
+    num_sms: usize,
+    // NOTES: field order is drop order; both parts only free memory.
+    normal: Option<NormalPart>,
+    ll: Option<LlPart>,
+    poisoned: Option<String>,
+}
+
+impl std::fmt::Debug for GpuBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuBuffer")
+            .field("rank", &self.cfg.rank)
+            .field("num_sms", &self.num_sms)
+            .finish()
+    }
+}
+
+/// Default cap of the per-rank SM budget: the normal kernels were measured and tested at 32
+/// blocks per rank (kernels/NOTES.md); `GpuOptions::num_sms` overrides it.
+pub const DEFAULT_MAX_SMS: usize = 32;
+
+/// Connection blob: hash, pid, context, chunk, slots, flags, normal buffer, LL peer entry.
+const BLOB_BYTES: usize = 8 * 7 + std::mem::size_of::<abi::fep_ll_peer>();
+
+fn read_u64(b: &[u8], i: usize) -> Option<u64> {
+    Some(u64::from_le_bytes(b.get(i * 8..i * 8 + 8)?.try_into().ok()?))
+}
+
+/// Name of a normal or low-latency device phase.
+pub fn phase_name(phase: u32) -> &'static str {
+    match phase {
+        abi::FEP_NORMAL_PHASE_NOTIFY => "normal notify",
+        abi::FEP_NORMAL_PHASE_DISPATCH_SEND => "normal dispatch send",
+        abi::FEP_NORMAL_PHASE_DISPATCH_RECV => "normal dispatch receive",
+        abi::FEP_NORMAL_PHASE_COMBINE_SEND => "normal combine send",
+        abi::FEP_NORMAL_PHASE_COMBINE_RECV => "normal combine receive",
+        p => ll_gpu::phase_name(p),
+    }
+}
+
+impl GpuBuffer {
+    /// Allocates this rank's buffers, exchanges their device pointers through `boot` and checks
+    /// that every rank has the same config, lives in this process and uses this GPU context.
+    /// Collective. `id` is the owning `Buffer`'s id (handles carry it).
+    pub(crate) fn connect(
+        cfg: EpConfig,
+        boot: &Arc<dyn Bootstrap>,
+        opts: &GpuOptions,
+        id: u64,
+    ) -> Result<Self> {
+        let dev = opts.device.clone();
+        dev.bind()?;
+        let (rank, r) = (cfg.rank, cfg.num_ranks);
+        let sms = dev.sm_count() as usize;
+        let num_sms = opts.num_sms.unwrap_or((sms / r.max(1)).min(DEFAULT_MAX_SMS) & !1);
+        if num_sms == 0
+            || num_sms * r > sms
+            || (opts.normal && (num_sms < 2 * r || num_sms % 2 != 0))
+        {
+            return Err(Error::arg(
+                "num_sms",
+                format!(
+                    "{num_sms} blocks x {r} ranks on one GPU of {sms} SMs: every rank's kernels \
+                     must be resident at once (normal mode also needs an even budget >= 2 x ranks)"
+                ),
+            ));
+        }
+        let timeout = cfg.timeout;
+        let normal = if opts.normal {
+            let settings = NormalGpuSettings {
+                chunk_tokens: opts.chunk_tokens,
+                slots_per_peer: opts.slots_per_peer,
+                num_sms,
+                timeout,
+                ..NormalGpuSettings::new(
+                    r,
+                    cfg.num_experts,
+                    cfg.hidden,
+                    cfg.num_topk,
+                    cfg.dispatch_dtype,
+                )
+            };
+            let map = super::normal_gpu::CommMap::new(&settings)?;
+            let buf = Arc::new(DeviceBuffer::zeroed(&dev, map.total_bytes as usize)?);
+            Some((settings, buf))
+        } else {
+            None
+        };
+        let ll = if opts.low_latency {
+            let lcfg = LlGpuConfig {
+                num_ranks: r,
+                num_experts: cfg.num_experts,
+                hidden: cfg.hidden,
+                num_topk: cfg.num_topk,
+                max_tokens_per_rank: cfg.max_tokens_per_rank,
+                use_fp8: cfg.dispatch_dtype == DispatchDtype::Fp8E4m3,
+                round_scale: false,
+                sm_budget: Some(num_sms as u32),
+                timeout,
+            };
+            Some(LlGpuRank::new_unconnected(&dev, lcfg, rank, num_sms as u32)?)
+        } else {
+            None
+        };
+        // NOTES: the zeroing memsets must land before any peer can learn the pointers.
+        dev.synchronize()?;
+        let pid = std::process::id() as u64;
+        let ctx = dev.as_raw() as u64;
+        let mut blob = Vec::with_capacity(BLOB_BYTES);
+        for v in [
+            cfg.hash(),
+            pid,
+            ctx,
+            opts.chunk_tokens as u64,
+            opts.slots_per_peer as u64,
+            opts.normal as u64 | (opts.low_latency as u64) << 1,
+            normal.as_ref().map_or(0, |(_, b)| b.device_ptr()),
+        ] {
+            blob.extend_from_slice(&v.to_le_bytes());
+        }
+        let entry = ll.as_ref().map(|l| l.peer_entry()).unwrap_or_default();
+        blob.extend_from_slice(bytemuck::bytes_of(&entry));
+        let all = boot.all_gather(&blob)?;
+        let mut normal_ptrs = Vec::with_capacity(r);
+        let mut table = Vec::with_capacity(r);
+        for (peer, b) in all.iter().enumerate() {
+            let bad = || Error::Protocol {
+                rank,
+                peer,
+                phase: "connect",
+                msg: format!("malformed GPU connection blob of {} bytes", b.len()),
+            };
+            if b.len() != BLOB_BYTES {
+                return Err(bad());
+            }
+            let v = |i| read_u64(b, i).ok_or_else(bad);
+            cfg.check_peer_hash(peer, v(0)?)?;
+            if v(1)? != pid || v(2)? != ctx {
+                return Err(Error::arg(
+                    "backend",
+                    format!(
+                        "rank {peer} is in process {} (context {:#x}), this rank {rank} in \
+                         process {pid} (context {ctx:#x}): the GPU backend of this version \
+                         runs ranks as threads of one process on one GPU (device pointers are \
+                         exchanged directly; CUDA IPC between processes is not built yet)",
+                        v(1)?,
+                        v(2)?
+                    ),
+                ));
+            }
+            let theirs = (v(3)?, v(4)?, v(5)?);
+            let ours = (
+                opts.chunk_tokens as u64,
+                opts.slots_per_peer as u64,
+                opts.normal as u64 | (opts.low_latency as u64) << 1,
+            );
+            if theirs != ours {
+                return Err(Error::ConfigMismatch(format!(
+                    "rank {peer} has GPU options (chunk_tokens, slots_per_peer, modes) {theirs:?}, \
+                     rank {rank} has {ours:?}"
+                )));
+            }
+            normal_ptrs.push(v(6)?);
+            let e: abi::fep_ll_peer = bytemuck::pod_read_unaligned(b.get(56..).ok_or_else(bad)?);
+            table.push(e);
+        }
+        let normal = match normal {
+            Some((settings, buf)) => {
+                // SAFETY: same process and context (checked above); every peer's buffer is a
+                // zeroed comm buffer of this map that lives until its Buffer is destroyed
+                // (collectively, after every rank's last kernel).
+                let rank_n = unsafe {
+                    NormalGpuRank::from_peer_pointers(&dev, &settings, rank, buf, &normal_ptrs)?
+                };
+                let layout_gpu = DispatchLayoutGpu::new(&dev, cfg.num_experts, r, r)?;
+                let layout = LayoutBuffers::new(&layout_gpu, 1)?;
+                Some(NormalPart { rank: rank_n, layout_gpu, layout, layout_cap: 1 })
+            }
+            None => None,
+        };
+        let ll = match ll {
+            Some(mut l) => {
+                // SAFETY: as above, for the LL buffers and flags.
+                unsafe { l.set_peers(&table)? };
+                Some(LlPart {
+                    rank: l,
+                    enter: Event::new_untimed(&dev)?,
+                    leave: Event::new_untimed(&dev)?,
+                })
+            }
+            None => None,
+        };
+        Ok(GpuBuffer { cfg, id, dev, num_sms, normal, ll, poisoned: None })
+    }
+
+    /// This rank's SM budget (blocks per kernel).
+    pub fn num_sms(&self) -> usize {
+        self.num_sms
+    }
+    pub fn device(&self) -> &Device {
+        &self.dev
+    }
+    pub fn config(&self) -> &EpConfig {
+        &self.cfg
+    }
+
+    fn usable(&self) -> Result<()> {
+        match &self.poisoned {
+            Some(why) => Err(Error::Other(format!(
+                "rank {}: GPU buffer unusable after an earlier failure ({why}); \
+                 call clean_low_latency_gpu on every rank (low-latency) or rebuild the Buffer",
+                self.cfg.rank
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    fn normal(&mut self) -> Result<&mut NormalPart> {
+        self.usable()?;
+        self.normal
+            .as_mut()
+            .ok_or_else(|| Error::arg("mode", "normal mode was not enabled (GpuOptions::normal)"))
+    }
+
+    fn ll(&mut self) -> Result<&mut LlPart> {
+        self.usable()?;
+        self.ll.as_mut().ok_or_else(|| {
+            Error::arg("mode", "low-latency mode was not enabled (GpuOptions::low_latency)")
+        })
+    }
+
+    /// A view of `s` named `arg` (null with a size is an argument error).
+    ///
+    /// # Safety
+    /// `s` is device memory of this context, alive while the launches using it run.
+    unsafe fn view(&self, arg: &'static str, s: DevSlice) -> Result<ManuallyDrop<DeviceBuffer>> {
+        if s.ptr == 0 && s.bytes > 0 {
+            return Err(Error::arg(arg, "null device pointer"));
+        }
+        Ok(DeviceBuffer::view(&self.dev, s.ptr, s.bytes))
+    }
+
+    /// Turns a device error into a typed one ([`Error::Timeout`] naming the peer for a wait that
+    /// ran out) and marks the buffer unusable.
+    fn device_error(&mut self, e: Error) -> Error {
+        let e = match e {
+            Error::Cuda(CudaError::Device { code, rank, phase, peer, .. })
+                if code == abi::FEP_DEV_WAIT_TIMEOUT =>
+            {
+                Error::Timeout {
+                    rank: rank as usize,
+                    phase: phase_name(phase),
+                    peers: peer.map(|p| vec![p as usize]).unwrap_or_default(),
+                    waited: self.cfg.timeout,
+                }
+            }
+            Error::Cuda(CudaError::Timeout { call, waited }) => {
+                Error::Timeout { rank: self.cfg.rank, phase: call, peers: Vec::new(), waited }
+            }
+            e => e,
+        };
+        self.poisoned = Some(e.to_string());
+        e
+    }
+
+    /// Waits (bounded: the config's timeout twice plus 5 s) for `stream`, then reports any error
+    /// this rank's kernels recorded, as a typed error.
+    pub fn sync_gpu(&mut self, stream: &Stream) -> Result<()> {
+        let limit = self.cfg.timeout * 2 + Duration::from_secs(5);
+        let mut res = stream.synchronize_within(limit).map_err(Error::from);
+        if res.is_ok() {
+            if let Some(n) = &self.normal {
+                res = n.rank.check();
+            }
+        }
+        if res.is_ok() {
+            if let Some(l) = &self.ll {
+                res = l.rank.finish();
+            }
+        }
+        res.map_err(|e| self.device_error(e))
+    }
+
+    /// A normal-mode handle for up to `capacity_tokens` input tokens.
+    pub fn new_handle(&mut self, capacity_tokens: usize) -> Result<GpuHandle> {
+        let id = self.id;
+        let n = self.normal()?;
+        Ok(GpuHandle {
+            inner: NormalHandle::new(&n.rank, capacity_tokens.max(1))?,
+            buffer_id: id,
+            capacity: capacity_tokens.max(1),
+            out_rows: None,
+            info: None,
+        })
+    }
+
+    /// Notify of a fresh normal dispatch: the GPU `get_dispatch_layout` of `topk_idx`, the send
+    /// plan into `handle` and the count exchange with every rank, on `a.stream`. Without
+    /// `num_worst_tokens` it then synchronises the stream once (bounded) and returns the
+    /// receive counts, so the caller can allocate outputs of `num_recv_tokens` rows; with it,
+    /// returns `None` at once. Collective.
+    ///
+    /// # Safety
+    /// `a.topk_idx` addresses device memory of this context that stays alive until the stream
+    /// has finished; every rank notifies concurrently.
+    pub unsafe fn notify_gpu(
+        &mut self,
+        a: &GpuNotifyArgs<'_>,
+        handle: &mut GpuHandle,
+    ) -> Result<Option<RecvInfo>> {
+        let (k, t) = (self.cfg.num_topk, a.num_tokens);
+        if handle.buffer_id != self.id {
+            return Err(Error::arg("handle", "made by another Buffer"));
+        }
+        if t > handle.capacity {
+            return Err(Error::arg(
+                "num_tokens",
+                format!("{t}: the handle was made for at most {} tokens", handle.capacity),
+            ));
+        }
+        if a.topk_idx.bytes < t * k * 8 {
+            return Err(Error::arg(
+                "topk_idx",
+                format!("{} bytes, needs {t} x {k} int64", a.topk_idx.bytes),
+            ));
+        }
+        let topk = self.view("topk_idx", a.topk_idx)?;
+        let rank = self.cfg.rank as u32;
+        let cap = a.num_worst_tokens.unwrap_or(i32::MAX as usize);
+        let n = self.normal()?;
+        if t > n.layout_cap {
+            // The old layout buffers may still be read by an earlier launch on this stream.
+            a.stream.synchronize_within(self.cfg.timeout * 2 + Duration::from_secs(5))?;
+            let n = self.normal()?;
+            n.layout = LayoutBuffers::new(&n.layout_gpu, t)?;
+            n.layout_cap = t;
+        }
+        let n = self.normal()?;
+        handle.out_rows = None;
+        handle.info = None;
+        n.layout_gpu.launch(
+            a.stream,
+            &topk,
+            t,
+            k,
+            &n.layout,
+            None,
+            rank,
+            LayoutTuning::default(),
+        )?;
+        n.rank.notify(a.stream, &n.layout, t, &mut handle.inner, a.expert_alignment, cap)?;
+        match a.num_worst_tokens {
+            Some(w) => {
+                handle.out_rows = Some(w);
+                Ok(None)
+            }
+            None => {
+                let info = match n.rank.recv_info(a.stream, &handle.inner) {
+                    Ok(i) => i,
+                    Err(e) => return Err(self.device_error(e)),
+                };
+                handle.out_rows = Some(info.num_recv_tokens);
+                handle.info = Some(info.clone());
+                Ok(Some(info))
+            }
+        }
+    }
+
+    /// Normal dispatch with `handle` (fresh from [`Self::notify_gpu`], or cached from an earlier
+    /// dispatch of the same routing) into `out` (`handle.num_out_rows()` rows), on `a.stream`.
+    /// Asynchronous: [`Self::sync_gpu`] reports device errors. Collective.
+    ///
+    /// # Safety
+    /// Every slice addresses device memory of this context that stays alive until the stream
+    /// has finished; every rank dispatches concurrently.
+    pub unsafe fn dispatch_gpu(
+        &mut self,
+        a: &GpuDispatchArgs<'_>,
+        handle: &GpuHandle,
+        out: &GpuDispatchOut,
+    ) -> Result<()> {
+        if handle.buffer_id != self.id {
+            return Err(Error::arg("handle", "made by another Buffer"));
+        }
+        let rows =
+            handle.out_rows.ok_or_else(|| Error::arg("handle", "no notify has filled it"))?;
+        let fp8 = self.cfg.dispatch_dtype == DispatchDtype::Fp8E4m3;
+        if fp8 != a.x_scales.is_some() || fp8 != out.recv_x_scales.is_some() {
+            return Err(Error::arg(
+                "x_scales",
+                format!(
+                    "the buffer dispatches {:?}: x_scales and recv_x_scales are required \
+                     exactly for fp8",
+                    self.cfg.dispatch_dtype
+                ),
+            ));
+        }
+        let x = self.view("x", a.x)?;
+        let xs = match a.x_scales {
+            Some(s) => Some(self.view("x_scales", s)?),
+            None => None,
+        };
+        let ti = self.view("topk_idx", a.topk_idx)?;
+        let tw = self.view("topk_weights", a.topk_weights)?;
+        let rx = self.view("recv_x", out.recv_x)?;
+        let rxs = match out.recv_x_scales {
+            Some(s) => Some(self.view("recv_x_scales", s)?),
+            None => None,
+        };
+        let rti = self.view("recv_topk_idx", out.recv_topk_idx)?;
+        let rtw = self.view("recv_topk_weights", out.recv_topk_weights)?;
+        let rsi = self.view("recv_src_idx", out.recv_src_idx)?;
+        let n = self.normal()?;
+        n.rank.dispatch(
+            a.stream,
+            &handle.inner,
+            &DispatchInputs { x: &x, x_scales: xs.as_deref(), topk_idx: &ti, topk_weights: &tw },
+            &DispatchOutputs {
+                recv_x: &rx,
+                recv_x_scales: rxs.as_deref(),
+                recv_topk_idx: &rti,
+                recv_topk_weights: &rtw,
+                recv_src_idx: &rsi,
+            },
+            rows,
+        )
+    }
+
+    /// Normal combine with the dispatch's `handle`, on `a.stream`. Asynchronous. Collective.
+    ///
+    /// # Safety
+    /// As [`Self::dispatch_gpu`].
+    pub unsafe fn combine_gpu(&mut self, a: &GpuCombineArgs<'_>, handle: &GpuHandle) -> Result<()> {
+        if handle.buffer_id != self.id {
+            return Err(Error::arg("handle", "made by another Buffer"));
+        }
+        let rows =
+            handle.out_rows.ok_or_else(|| Error::arg("handle", "no notify has filled it"))?;
+        let x = self.view("x", a.x)?;
+        let w = match a.topk_weights {
+            Some(s) => Some(self.view("topk_weights", s)?),
+            None => None,
+        };
+        let cx = self.view("combined_x", a.combined_x)?;
+        let cw = match a.combined_topk_weights {
+            Some(s) => Some(self.view("combined_topk_weights", s)?),
+            None => None,
+        };
+        let n = self.normal()?;
+        n.rank.combine(
+            a.stream,
+            &handle.inner,
+            &CombineArgs {
+                x: &x,
+                topk_weights: w.as_deref(),
+                combined_x: &cx,
+                combined_weights: cw.as_deref(),
+            },
+            rows,
+        )
+    }
+
+    /// Low-latency dispatch outputs (and combine handle) for this buffer's config.
+    pub fn new_ll_dispatch_out(&mut self) -> Result<LlDispatchOut> {
+        let dev = self.dev.clone();
+        let l = self.ll()?;
+        LlDispatchOut::new(&dev, l.rank.config())
+    }
+
+    /// Runs `f` on the rank's own LL stream, ordered after `stream`'s work so far and before
+    /// `stream`'s later work (two event joins; capturable in a CUDA graph).
+    fn on_ll_stream<T>(
+        &mut self,
+        stream: &Stream,
+        f: impl FnOnce(&mut LlGpuRank) -> Result<T>,
+    ) -> Result<T> {
+        let l = self.ll()?;
+        l.enter.record(stream)?;
+        l.rank.stream().wait_event(&l.enter)?;
+        let res = f(&mut l.rank);
+        l.leave.record(l.rank.stream())?;
+        stream.wait_event(&l.leave)?;
+        res
+    }
+
+    /// Low-latency dispatch (DeepEP V1): sends `x`'s rows to their experts' ranks (fp8 cast
+    /// in-kernel when the config is fp8) into `out` (`[L, R * max_tokens, hidden]`, counts,
+    /// source info, the combine handle). With `return_recv_hook` only the send is launched and
+    /// the hook runs the receive; without, both. No host synchronisation. Collective.
+    ///
+    /// # Safety
+    /// Every slice and `out` stay alive until `a.stream` has finished (the hook's receive
+    /// included); every rank dispatches concurrently.
+    pub unsafe fn low_latency_dispatch_gpu(
+        &mut self,
+        a: &GpuLlDispatchArgs<'_>,
+        out: &LlDispatchOut,
+    ) -> Result<Option<LlDispatchHook>> {
+        let fp8 = self.cfg.dispatch_dtype == DispatchDtype::Fp8E4m3;
+        if a.use_fp8 != fp8 {
+            return Err(Error::arg(
+                "use_fp8",
+                format!(
+                    "{}: this buffer's low-latency buffers are sized for {:?} (config dispatch_dtype)",
+                    a.use_fp8, self.cfg.dispatch_dtype
+                ),
+            ));
+        }
+        let x = self.view("x", a.x)?;
+        let ti = self.view("topk_idx", a.topk_idx)?;
+        let hook = a.return_recv_hook;
+        let id = self.id;
+        self.on_ll_stream(a.stream, |r| {
+            let t = r.dispatch_send(&x, &ti, a.num_tokens, out)?;
+            if hook {
+                Ok(Some(LlDispatchHook { ticket: t, buffer_id: id }))
+            } else {
+                r.dispatch_recv(t, out)?;
+                Ok(None)
+            }
+        })
+    }
+
+    /// Completes a hooked low-latency dispatch: launches its receive into the same `out`.
+    ///
+    /// # Safety
+    /// As [`Self::low_latency_dispatch_gpu`].
+    pub unsafe fn low_latency_dispatch_recv_gpu(
+        &mut self,
+        hook: LlDispatchHook,
+        out: &LlDispatchOut,
+        stream: &Stream,
+    ) -> Result<()> {
+        if hook.buffer_id != self.id {
+            return Err(Error::arg("hook", "made by another Buffer"));
+        }
+        self.on_ll_stream(stream, |r| r.dispatch_recv(hook.ticket, out))
+    }
+
+    /// Low-latency combine (DeepEP V1): expert outputs go back to their tokens' ranks, where
+    /// the receive computes the top-k weighted sum in fp32 into `a.out`. Hook as in dispatch.
+    /// Collective.
+    ///
+    /// # Safety
+    /// As [`Self::low_latency_dispatch_gpu`].
+    pub unsafe fn low_latency_combine_gpu(
+        &mut self,
+        a: &GpuLlCombineArgs<'_>,
+    ) -> Result<Option<LlCombineHook>> {
+        let x = self.view("x", a.x)?;
+        let id = self.id;
+        let send = self.on_ll_stream(a.stream, |r| r.combine_send(&x, a.handle, a.num_tokens))?;
+        let hook = LlCombineHook { ticket: send, buffer_id: id };
+        if a.return_recv_hook {
+            return Ok(Some(hook));
+        }
+        self.low_latency_combine_recv_gpu(hook, a)?;
+        Ok(None)
+    }
+
+    /// Completes a hooked low-latency combine (the same arguments as the send).
+    ///
+    /// # Safety
+    /// As [`Self::low_latency_dispatch_gpu`].
+    pub unsafe fn low_latency_combine_recv_gpu(
+        &mut self,
+        hook: LlCombineHook,
+        a: &GpuLlCombineArgs<'_>,
+    ) -> Result<()> {
+        if hook.buffer_id != self.id {
+            return Err(Error::arg("hook", "made by another Buffer"));
+        }
+        if hook.ticket.num_tokens != a.num_tokens {
+            return Err(Error::arg(
+                "num_tokens",
+                format!("{}: the combine send had {}", a.num_tokens, hook.ticket.num_tokens),
+            ));
+        }
+        let ti = self.view("topk_idx", a.topk_idx)?;
+        let tw = self.view("topk_weights", a.topk_weights)?;
+        let out = self.view("out", a.out)?;
+        self.on_ll_stream(a.stream, |r| r.combine_recv(hook.ticket, &ti, &tw, a.handle, &out))
+    }
+
+    /// DeepEP's `clean_low_latency_buffer`, and the reset after any device error: every rank
+    /// calls it (no kernel of the group running); the buffer is usable again (both modes).
+    pub fn clean_low_latency_gpu(&mut self) -> Result<()> {
+        let l = self.ll.as_mut().ok_or_else(|| {
+            Error::arg("mode", "low-latency mode was not enabled (GpuOptions::low_latency)")
+        })?;
+        l.rank.clean()?;
+        if let Some(n) = self.normal.as_mut() {
+            n.rank.reset()?;
+        }
+        self.dev.synchronize()?;
+        self.poisoned = None;
+        Ok(())
+    }
+}
