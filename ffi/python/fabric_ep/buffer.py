@@ -1,0 +1,731 @@
+"""``Buffer``: DeepEP V1's ``deep_ep.Buffer`` over fabric-ep's C ABI.
+
+Shapes use DeepEP's names: ``T`` tokens on this rank, ``H`` hidden, ``K`` top-k, ``R`` ranks,
+``E`` experts (global), ``L = E / R`` local experts, ``rows`` received tokens of a dispatch.
+
+The one difference from DeepEP's constructor: fabric-ep sizes its buffers from the model shape,
+not from byte counts, so ``num_experts``, ``hidden`` and ``num_topk`` are required keyword
+arguments (``num_nvl_bytes``/``num_rdma_bytes`` are accepted and kept, but size nothing).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any, List, Optional, Tuple, Union
+
+from . import _lib
+from ._arrays import Arr, addr, arr, data_ptr, tensor
+from ._lib import (
+    FEP_BACKEND_HOST,
+    FEP_DTYPE_BF16,
+    FEP_DTYPE_BOOL,
+    FEP_DTYPE_F32,
+    FEP_DTYPE_FP8_E4M3,
+    FEP_DTYPE_I32,
+    FEP_DTYPE_I64,
+    lib,
+)
+from .config import DEFAULT_NUM_SMS, Config
+from .utils import EventOverlap
+
+FP8_GROUP = 128  # channels per fp8 scale
+
+_DISPATCH_DTYPES = {"bf16": FEP_DTYPE_BF16, "fp8": FEP_DTYPE_FP8_E4M3}
+
+
+def _default_ranks_per_node(num_ranks: int) -> int:
+    # NOTES: the same rule as EpSettings::new (largest divisor of num_ranks not above 8);
+    # resolved here and passed explicitly so Python and the library agree on the node count.
+    for d in range(min(8, num_ranks), 0, -1):
+        if num_ranks % d == 0:
+            return d
+    return 1
+
+
+def _env_int(name: str) -> Optional[int]:
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"{name}={v!r} is not an integer") from None
+
+
+def _no_event(previous_event: Any) -> None:
+    if previous_event is None:
+        return
+    if isinstance(previous_event, EventOverlap) and previous_event.event is None:
+        return  # nothing pending (what this backend's calls return)
+    raise ValueError(
+        "previous_event: the host backend runs each call to completion on the calling thread and "
+        "cannot wait on a stream event; pass None (or an EventOverlap with nothing pending)"
+    )
+
+
+def _host_only(async_finish: bool, allocate_on_comm_stream: bool) -> None:
+    if async_finish:
+        raise ValueError(
+            "async_finish=True: the host backend completes every call before it returns; pass "
+            "async_finish=False"
+        )
+    if allocate_on_comm_stream:
+        raise ValueError(
+            "allocate_on_comm_stream=True: the host backend has no communication stream; pass "
+            "allocate_on_comm_stream=False"
+        )
+
+
+def _destroy_handle(ptr: int, _destroy=lib.fep_handle_destroy) -> None:
+    _destroy(ptr)
+
+
+class DispatchHandle:
+    """What ``dispatch`` returns as ``handle``: pass it to ``combine`` and to a cached
+    ``dispatch``. Owns the native ``fep_handle`` (freed when this object is collected). Opaque;
+    ``num_tokens`` (this rank's ``T``) and ``num_recv_tokens`` (``rows``) are informational."""
+
+    __slots__ = ("_ptr", "_buffer_id", "num_tokens", "num_recv_tokens", "__weakref__")
+
+    def __init__(self, ptr: int, buffer_id: int, num_tokens: int, num_recv_tokens: int):
+        self._ptr = ptr
+        self._buffer_id = buffer_id
+        self.num_tokens = num_tokens
+        self.num_recv_tokens = num_recv_tokens
+
+    def __del__(self, _destroy=_destroy_handle) -> None:
+        p, self._ptr = self._ptr, 0
+        if p:
+            _destroy(p)
+
+    def __repr__(self) -> str:
+        return f"DispatchHandle(num_tokens={self.num_tokens}, rows={self.num_recv_tokens})"
+
+
+class _TorchAllGather:
+    """The ``fep_allgather_fn`` over a ``torch.distributed`` group: equal-length all-gather of the
+    connection info (``torch.distributed.all_gather`` of uint8 tensors; on the current CUDA
+    device for NCCL groups). Exceptions are kept and re-raised by the caller."""
+
+    def __init__(self, group: Any):
+        import torch
+        import torch.distributed as dist
+
+        self.group = group
+        self.size = dist.get_world_size(group)
+        backend = str(dist.get_backend(group)).lower()
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+        )
+        self.error: Optional[BaseException] = None
+        self.fn = _lib.ALLGATHER_FN(self._call)
+
+    def _call(self, send: int, length: int, recv: int, user: int) -> int:
+        try:
+            import torch
+            import torch.distributed as dist
+
+            if length == 0:
+                return 0
+            src = bytes((ctypes.c_uint8 * length).from_address(send))
+            t = torch.frombuffer(bytearray(src), dtype=torch.uint8).to(self.device)
+            parts = [torch.empty(length, dtype=torch.uint8, device=self.device) for _ in range(self.size)]
+            dist.all_gather(parts, t, group=self.group)
+            out = torch.cat(parts).cpu().contiguous()
+            ctypes.memmove(recv, out.data_ptr(), length * self.size)
+            return 0
+        except BaseException as e:  # noqa: BLE001 - reported to the caller after the C call
+            self.error = e
+            return 1
+
+
+class Buffer:
+    """DeepEP V1's ``Buffer`` on fabric-ep (host backend: CPU threads over host memory).
+
+    Arguments (DeepEP's, in DeepEP's order):
+        group: a ``torch.distributed`` ProcessGroup (the connection info is all-gathered over it)
+            or ``None``: bootstrap from the torchrun variables ``RANK``, ``WORLD_SIZE``,
+            ``MASTER_ADDR``, ``MASTER_PORT`` (fabric-ep's store listens on ``MASTER_PORT + 1``
+            unless ``FEP_MASTER_PORT`` is set), ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``.
+        num_nvl_bytes, num_rdma_bytes: accepted and kept as attributes; fabric-ep sizes its own
+            buffers from ``num_experts``/``hidden``/``num_topk`` (see :meth:`size_hints`).
+        low_latency_mode: must be True for the ``low_latency_*`` calls (as in DeepEP).
+        num_qps_per_rank, allow_nvlink_for_low_latency_mode: accepted (validated) and kept; they
+            tune DeepEP's NVSHMEM/IBGDA transport, which fabric-ep does not have (it uses
+            libfabric endpoints; intranode traffic goes through the provider).
+        explicitly_destroy: when True, :meth:`destroy` must be called; otherwise the native
+            buffer is also freed by ``__del__`` (a collective: every rank must drop its Buffer).
+
+    fabric-ep keywords (the one difference from DeepEP's signature):
+        num_experts, hidden, num_topk: required. ``hidden`` a multiple of 8 (of 128 for fp8);
+            ``num_experts`` a multiple of the number of ranks.
+        dispatch_dtype: ``"bf16"`` (default) or ``"fp8"``: the normal-mode token format the
+            buffer carries (fabric-ep sizes the buffer for one format; DeepEP decides per call).
+        num_max_dispatch_tokens_per_rank: low-latency capacity (0: the library's default, 128).
+        config: a :class:`Config` for normal mode (default ``Buffer.get_dispatch_config(R)``).
+        backend: ``"host"`` (the only backend in the C ABI today).
+        provider: libfabric provider (``"shm"``, ``"tcp;ofi_rxm"``, ``"efa"``); None:
+            ``FI_PROVIDER``, else ``"shm"``.
+        timeout_s: bound on every wait inside the library (0: 60 s).
+        ranks_per_node: None: ``LOCAL_WORLD_SIZE``, else the largest divisor of R up to 8.
+    """
+
+    num_sms: int = DEFAULT_NUM_SMS
+
+    def __init__(
+        self,
+        group: Any,
+        num_nvl_bytes: int = 0,
+        num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
+        num_qps_per_rank: int = 24,
+        allow_nvlink_for_low_latency_mode: bool = True,
+        explicitly_destroy: bool = False,
+        *,
+        num_experts: Optional[int] = None,
+        hidden: Optional[int] = None,
+        num_topk: Optional[int] = None,
+        dispatch_dtype: str = "bf16",
+        num_max_dispatch_tokens_per_rank: int = 0,
+        config: Optional[Config] = None,
+        backend: str = "host",
+        provider: Optional[str] = None,
+        timeout_s: float = 0.0,
+        ranks_per_node: Optional[int] = None,
+    ) -> None:
+        self._ptr = 0  # set last: __del__ must see a consistent object if __init__ raises
+        missing = [
+            n for n, v in (("num_experts", num_experts), ("hidden", hidden), ("num_topk", num_topk))
+            if v is None
+        ]
+        if missing:
+            raise TypeError(
+                "Buffer: fabric-ep sizes its buffers from the model shape, so "
+                + ", ".join(missing)
+                + " must be given as keyword arguments (e.g. Buffer(group, num_experts=256, "
+                "hidden=7168, num_topk=8)); num_nvl_bytes/num_rdma_bytes do not size anything"
+            )
+        for n, v in (("num_experts", num_experts), ("hidden", hidden), ("num_topk", num_topk)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{n}: {v!r} must be a positive int")
+        for n, v in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{n}: {v!r} must be a non-negative int")
+        if isinstance(num_qps_per_rank, bool) or not isinstance(num_qps_per_rank, int) or num_qps_per_rank <= 0:
+            raise ValueError(f"num_qps_per_rank: {num_qps_per_rank!r} must be a positive int")
+        if dispatch_dtype not in _DISPATCH_DTYPES:
+            raise ValueError(f"dispatch_dtype: {dispatch_dtype!r}, expected 'bf16' or 'fp8'")
+        if backend != "host":
+            raise NotImplementedError(
+                f"backend: {backend!r}: the C ABI has only the host backend so far; the GPU "
+                "backend (CUDA tensors, the current stream) is not in it yet"
+            )
+        if num_max_dispatch_tokens_per_rank < 0:
+            raise ValueError(
+                f"num_max_dispatch_tokens_per_rank: {num_max_dispatch_tokens_per_rank} is negative"
+            )
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"config: expected a fabric_ep.Config, got {type(config).__name__}")
+
+        self.group = group
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = bool(low_latency_mode)
+        self.num_qps_per_rank = num_qps_per_rank
+        self.allow_nvlink_for_low_latency_mode = bool(allow_nvlink_for_low_latency_mode)
+        self.explicitly_destroy = bool(explicitly_destroy)
+        self.num_experts = num_experts
+        self.hidden = hidden
+        self.num_topk = num_topk
+        self.dispatch_dtype = dispatch_dtype
+        self._dispatch_code = _DISPATCH_DTYPES[dispatch_dtype]
+
+        cfg = _lib.new_config()
+        self._gather: Optional[_TorchAllGather] = None
+        if group is not None:
+            self._gather = _TorchAllGather(group)
+            cfg.rank = group.rank()
+            cfg.num_ranks = group.size()
+            world = cfg.num_ranks
+        else:
+            world = _env_int("WORLD_SIZE")  # None: the library reports the missing variable
+        if ranks_per_node is None:
+            ranks_per_node = _env_int("LOCAL_WORLD_SIZE")
+            if ranks_per_node is None and world is not None and world > 0:
+                ranks_per_node = _default_ranks_per_node(world)
+        if ranks_per_node is not None:
+            if ranks_per_node <= 0:
+                raise ValueError(f"ranks_per_node: {ranks_per_node} must be positive")
+            cfg.ranks_per_node = ranks_per_node
+        if config is None:
+            config = Buffer.get_dispatch_config(world if world else 1)
+        sms, chunk, slots = config.fabric_chunking()
+        self.config = config
+        cfg.num_experts = num_experts
+        cfg.hidden = hidden
+        cfg.num_topk = num_topk
+        cfg.max_tokens_per_rank = num_max_dispatch_tokens_per_rank
+        cfg.dispatch_dtype = self._dispatch_code
+        cfg.num_sms = sms
+        cfg.chunk_tokens = chunk
+        cfg.slots_per_peer = slots
+        cfg.backend = FEP_BACKEND_HOST
+        cfg.timeout_s = float(timeout_s)
+        self._provider = provider.encode() if provider is not None else None
+        cfg.provider = self._provider
+        self._cfg = cfg
+
+        out = ctypes.c_void_p()
+        fn = self._gather.fn if self._gather is not None else _lib.ALLGATHER_FN()
+        st = lib.fep_buffer_create(ctypes.byref(cfg), fn, None, ctypes.byref(out))
+        if st != _lib.FEP_OK:
+            err = _lib.error("fep_buffer_create", st)
+            if self._gather is not None and self._gather.error is not None:
+                raise err from self._gather.error
+            raise err
+        self._ptr = out.value or 0
+        r, n = ctypes.c_int32(), ctypes.c_int32()
+        _lib.check("fep_buffer_rank", lib.fep_buffer_rank(self._ptr, ctypes.byref(r), ctypes.byref(n)))
+        self.rank = r.value
+        self.group_size = n.value
+        self.num_ranks = n.value
+        self.ranks_per_node = ranks_per_node if ranks_per_node else _default_ranks_per_node(n.value)
+        self.num_local_experts = num_experts // n.value
+        self._num_nodes = n.value // self.ranks_per_node
+
+        # Scratch out-parameters reused by every call (a Buffer is used by one thread at a time,
+        # as in DeepEP); their addresses are computed once.
+        self._out_handle = ctypes.c_void_p()
+        self._out_rows = ctypes.c_int64()
+        self._out_handle_addr = ctypes.addressof(self._out_handle)
+        self._out_rows_addr = ctypes.addressof(self._out_rows)
+
+    # ---------------------------------------------------------------- lifetime
+
+    def _live(self) -> int:
+        if not self._ptr:
+            raise RuntimeError("Buffer: already destroyed")
+        return self._ptr
+
+    def destroy(self) -> None:
+        """Frees the native buffer (a bounded barrier with the other ranks, then teardown).
+        Collective: every rank calls it. Later calls on this Buffer raise."""
+        p, self._ptr = self._ptr, 0
+        if not p:
+            raise RuntimeError("Buffer.destroy: already destroyed")
+        st = lib.fep_buffer_destroy(p)
+        if st != _lib.FEP_OK:
+            raise _lib.error("fep_buffer_destroy", st)
+
+    def __del__(self) -> None:
+        if getattr(self, "_ptr", 0) and not getattr(self, "explicitly_destroy", True):
+            p, self._ptr = self._ptr, 0
+            try:
+                lib.fep_buffer_destroy(p)
+            except Exception:  # noqa: BLE001 - interpreter shutdown; nothing to report to
+                pass
+
+    def __enter__(self) -> "Buffer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._ptr:
+            self.destroy()
+
+    # ---------------------------------------------------------------- static helpers
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Sets the SM budget the default configs carry (DeepEP's ``Buffer.set_num_sms``)."""
+        if isinstance(new_num_sms, bool) or not isinstance(new_num_sms, int) or new_num_sms <= 0:
+            raise ValueError(f"new_num_sms: {new_num_sms!r} must be a positive int")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """fabric-ep's normal-mode config for ``num_ranks`` ranks: 64-token chunks, 4 slots per
+        peer, ``Buffer.num_sms`` SMs (the same for every ``num_ranks`` and for combine)."""
+        if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks <= 0:
+            raise ValueError(f"num_ranks: {num_ranks!r} must be a positive int")
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """Same as :meth:`get_dispatch_config`: fabric-ep's dispatch and combine share chunking."""
+        return Buffer.get_dispatch_config(num_ranks)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(
+        num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
+    ) -> int:
+        """Bytes of fabric-ep's low-latency buffer per rank (both alternating sets), sized for
+        bf16 like DeepEP's hint."""
+        cfg = _lib.new_config()
+        cfg.rank, cfg.num_ranks, cfg.ranks_per_node, cfg.local_rank = 0, num_ranks, 1, 0
+        cfg.num_experts, cfg.hidden, cfg.num_topk = num_experts, hidden, 1
+        cfg.max_tokens_per_rank = num_max_dispatch_tokens_per_rank
+        cfg.provider = b"shm"
+        return int(_lib.size_hints(cfg).ll_bytes)
+
+    def size_hints(self) -> "dict[str, int]":
+        """What this buffer's configuration needs per rank: ``normal_bytes``, ``ll_bytes``,
+        ``normal_regions``, ``ll_regions`` (memory regions at ``FEP_MR_MAX_BYTES`` each)."""
+        h = _lib.size_hints(self._cfg)
+        return {n: int(getattr(h, n)) for n, _ in _lib.fep_size_hints._fields_}
+
+    def get_comm_stream(self) -> None:
+        """DeepEP returns its communication stream; the host backend has none: returns None
+        (``torch.cuda.stream(None)`` is a no-op context)."""
+        self._live()
+        return None
+
+    def get_local_buffer_tensor(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            "get_local_buffer_tensor: fabric-ep does not expose its registered buffers as tensors"
+        )
+
+    # ---------------------------------------------------------------- normal mode
+
+    def get_dispatch_layout(
+        self,
+        topk_idx: Any,
+        num_experts: int,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> Tuple[Any, Optional[Any], Any, Any, EventOverlap]:
+        """Counts for a dispatch.
+
+        Arguments:
+            topk_idx: ``[T, K]`` int64 global expert ids, -1 = no expert.
+            num_experts: must equal the buffer's ``num_experts``.
+
+        Returns:
+            num_tokens_per_rank: ``[R]`` int32, tokens this rank sends to each rank.
+            num_tokens_per_rdma_rank: ``[R / ranks_per_node]`` int32 per node, or None when all
+                ranks share one node (as DeepEP returns for intranode settings).
+            num_tokens_per_expert: ``[E]`` int32.
+            is_token_in_rank: ``[T, R]`` bool.
+            event: ``EventOverlap(None)`` (the work is done).
+        """
+        self._live()
+        _no_event(previous_event)
+        _host_only(async_finish, allocate_on_comm_stream)
+        if num_experts != self.num_experts:
+            raise ValueError(
+                f"num_experts: {num_experts}, but this Buffer was built for {self.num_experts}"
+            )
+        idx = arr("topk_idx", topk_idx, FEP_DTYPE_I64, (None, None))
+        t, k = idx.shape
+        r = self.num_ranks
+        per_rank = idx.empty((r,), FEP_DTYPE_I32)
+        per_node = idx.empty((self._num_nodes,), FEP_DTYPE_I32)
+        per_expert = idx.empty((num_experts,), FEP_DTYPE_I32)
+        in_rank = idx.empty((t, r), FEP_DTYPE_BOOL)
+        st = lib.fep_get_dispatch_layout_host(
+            idx.ptr, t, k, num_experts, r, self.ranks_per_node,
+            data_ptr(per_rank), data_ptr(per_node), data_ptr(per_expert), data_ptr(in_rank),
+        )
+        if st:
+            raise _lib.error("fep_get_dispatch_layout_host", st)
+        return (
+            per_rank,
+            per_node if self._num_nodes > 1 else None,
+            per_expert,
+            in_rank,
+            EventOverlap(None),
+        )
+
+    def _check_config(self, config: Optional[Config]) -> None:
+        if config is not None and config != self.config:
+            raise ValueError(
+                f"config: {config!r} differs from this Buffer's {self.config!r}; fabric-ep fixes "
+                "its chunking when the Buffer is built: pass config= to Buffer(...) instead"
+            )
+
+    def dispatch(
+        self,
+        x: Union[Any, Tuple[Any, Any]],
+        handle: Optional[DispatchHandle] = None,
+        num_tokens_per_rank: Optional[Any] = None,
+        num_tokens_per_rdma_rank: Optional[Any] = None,
+        is_token_in_rank: Optional[Any] = None,
+        num_tokens_per_expert: Optional[Any] = None,
+        topk_idx: Optional[Any] = None,
+        topk_weights: Optional[Any] = None,
+        expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
+        config: Optional[Config] = None,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> Tuple[Any, Optional[Any], Optional[Any], Optional[List[int]], Optional[DispatchHandle], EventOverlap]:
+        """Normal-mode dispatch: sends each token to every rank holding one of its experts.
+
+        Arguments:
+            x: ``[T, H]`` bf16, or ``(x, x_scales)`` with ``x`` ``[T, H]`` fp8 e4m3 and
+                ``x_scales`` ``[T, H / 128]`` float32 (needs ``dispatch_dtype="fp8"``).
+            handle: a previous dispatch's handle: reuse its routing (cached mode; then
+                ``topk_idx``/``topk_weights`` must be None).
+            num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                num_tokens_per_expert: :meth:`get_dispatch_layout`'s outputs. Optional here and
+                checked for shape/dtype only: the library derives the same counts from
+                ``topk_idx``.
+            topk_idx: ``[T, K]`` int64, -1 = no expert. topk_weights: ``[T, K]`` float32.
+            expert_alignment: each ``num_recv_tokens_per_expert_list`` entry is rounded up to it.
+            num_worst_tokens: > 0: output rows fixed at this (rows past the received ones are
+                zero, their ``recv_topk_idx`` -1) and, as in DeepEP, an empty
+                ``num_recv_tokens_per_expert_list``; an error if more tokens arrive.
+            config: None or this Buffer's config.
+            previous_event, async_finish, allocate_on_comm_stream: host backend: None / False /
+                False (anything else is refused).
+
+        Returns:
+            recv_x: ``[rows, H]`` (same type as ``x``; a tuple with ``[rows, H / 128]`` scales
+                for fp8), grouped by source rank ascending, token order within a source.
+            recv_topk_idx: ``[rows, K]`` int64 local expert ids (-1 where not on this rank).
+            recv_topk_weights: ``[rows, K]`` float32 (0 where ``recv_topk_idx`` is -1).
+            num_recv_tokens_per_expert_list: Python list of ``L`` ints.
+            handle: a :class:`DispatchHandle` for ``combine``.
+            event: ``EventOverlap(None)``.
+            In cached mode (``handle`` given) only ``recv_x`` and ``event`` are returned, the
+            others are None (as in DeepEP).
+        """
+        p = self._live()
+        if previous_event is not None:
+            _no_event(previous_event)
+        if async_finish or allocate_on_comm_stream:
+            _host_only(async_finish, allocate_on_comm_stream)
+        if config is not None:
+            self._check_config(config)
+        h = self.hidden
+        k = self.num_topk
+
+        # ---- x
+        if isinstance(x, tuple):
+            if len(x) != 2:
+                raise ValueError(f"x: a tuple must be (x, x_scales), got {len(x)} elements")
+            xa = arr("x", x[0], FEP_DTYPE_FP8_E4M3, (None, h))
+            t = xa.shape[0]
+            sa = arr("x_scales", x[1], FEP_DTYPE_F32, (t, h // FP8_GROUP))
+            scales_t = tensor(sa.ptr, FEP_DTYPE_F32, sa.shape)
+        else:
+            xa = arr("x", x, None, (None, h))
+            if xa.code != FEP_DTYPE_BF16:
+                raise TypeError(
+                    f"x: dtype {xa.obj.dtype}: pass bf16 tokens, or fp8 as a tuple (x, x_scales)"
+                )
+            t = xa.shape[0]
+            sa = None
+            scales_t = None
+        if xa.code != self._dispatch_code:
+            raise TypeError(
+                f"x: {'fp8' if sa is not None else 'bf16'} tokens on a Buffer built with "
+                f"dispatch_dtype={self.dispatch_dtype!r} (fabric-ep sizes its buffer for one "
+                "token format: build it with the other dispatch_dtype)"
+            )
+        x_t = tensor(xa.ptr, xa.code, xa.shape)
+
+        # ---- routing
+        if handle is not None:
+            if not isinstance(handle, DispatchHandle):
+                raise TypeError(f"handle: expected a fabric_ep DispatchHandle, got {type(handle).__name__}")
+            if handle._buffer_id != id(self) or not handle._ptr:
+                raise ValueError("handle: made by another Buffer (or already freed)")
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError(
+                    "topk_idx/topk_weights: must be None with a cached handle (the handle holds "
+                    "the routing)"
+                )
+            if t != handle.num_tokens:
+                raise ValueError(f"x: {t} tokens, the handle was made for {handle.num_tokens}")
+            idx_t = w_t = None
+            cached = handle._ptr
+        else:
+            if topk_idx is None:
+                raise ValueError("topk_idx: required unless a cached handle is given")
+            if topk_weights is None:
+                raise ValueError("topk_weights: required when topk_idx is given")
+            ia = arr("topk_idx", topk_idx, FEP_DTYPE_I64, (t, k))
+            wa = arr("topk_weights", topk_weights, FEP_DTYPE_F32, (t, k))
+            idx_t = tensor(ia.ptr, FEP_DTYPE_I64, ia.shape)
+            w_t = tensor(wa.ptr, FEP_DTYPE_F32, wa.shape)
+            cached = None
+        if num_tokens_per_rank is not None:
+            arr("num_tokens_per_rank", num_tokens_per_rank, FEP_DTYPE_I32, (self.num_ranks,))
+        if num_tokens_per_rdma_rank is not None:
+            arr("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, FEP_DTYPE_I32, (self._num_nodes,))
+        if is_token_in_rank is not None:
+            arr("is_token_in_rank", is_token_in_rank, FEP_DTYPE_BOOL, (t, self.num_ranks))
+        if num_tokens_per_expert is not None:
+            arr("num_tokens_per_expert", num_tokens_per_expert, FEP_DTYPE_I32, (self.num_experts,))
+        if type(expert_alignment) is not int or expert_alignment < 1:
+            raise ValueError(f"expert_alignment: {expert_alignment!r} must be an int >= 1")
+        if type(num_worst_tokens) is not int or num_worst_tokens < 0:
+            raise ValueError(f"num_worst_tokens: {num_worst_tokens!r} must be an int >= 0")
+
+        # ---- step 1: communicate; learn the row count
+        st = lib.fep_dispatch(
+            p,
+            addressof(x_t),
+            addr(scales_t),
+            addr(idx_t),
+            addr(w_t),
+            cached,
+            expert_alignment,
+            num_worst_tokens,
+            None,
+            self._out_handle_addr,
+            self._out_rows_addr,
+        )
+        if st:
+            raise _lib.error("fep_dispatch", st)
+        hp = self._out_handle.value
+        rows = self._out_rows.value
+        new_handle = DispatchHandle(hp, id(self), t, rows)  # owns hp from here on
+
+        # ---- step 2: outputs into arrays of the caller's library
+        recv_x = xa.empty((rows, h))
+        rx_t = tensor(data_ptr(recv_x), xa.code, (rows, h))
+        if sa is not None:
+            recv_s = sa.empty((rows, h // FP8_GROUP))
+            rs_t = tensor(data_ptr(recv_s), FEP_DTYPE_F32, (rows, h // FP8_GROUP))
+        else:
+            recv_s = rs_t = None
+        if handle is None:
+            recv_idx = ia.empty((rows, k))
+            recv_w = wa.empty((rows, k))
+            ri_t = tensor(data_ptr(recv_idx), FEP_DTYPE_I64, (rows, k))
+            rw_t = tensor(data_ptr(recv_w), FEP_DTYPE_F32, (rows, k))
+            per_expert = self._per_expert_scratch()
+            pe_t = tensor(per_expert.ctypes.data, FEP_DTYPE_I32, (self.num_local_experts,))
+        else:
+            recv_idx = recv_w = ri_t = rw_t = pe_t = None
+            per_expert = None
+        st = lib.fep_handle_copy_out(hp, addressof(rx_t), addr(rs_t), addr(ri_t), addr(rw_t), addr(pe_t))
+        if st:
+            raise _lib.error("fep_handle_copy_out", st)
+        out_x = recv_x if sa is None else (recv_x, recv_s)
+        if handle is not None:
+            return out_x, None, None, None, None, EventOverlap(None)
+        counts = [] if num_worst_tokens > 0 else per_expert.tolist()
+        return out_x, recv_idx, recv_w, counts, new_handle, EventOverlap(None)
+
+    def _per_expert_scratch(self):
+        s = getattr(self, "_pe_scratch", None)
+        if s is None:
+            import numpy as np
+
+            s = self._pe_scratch = np.zeros(self.num_local_experts, dtype=np.int32)
+        return s
+
+    def combine(
+        self,
+        x: Any,
+        handle: DispatchHandle,
+        topk_weights: Optional[Any] = None,
+        bias: Any = None,
+        config: Optional[Config] = None,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> Tuple[Any, Optional[Any], EventOverlap]:
+        """Normal-mode combine: returns each token's rows to its source rank and sums them.
+
+        Arguments:
+            x: ``[rows, H]`` bf16, rows as the dispatch's ``recv_x`` (with ``num_worst_tokens``
+                all of them; padding rows are ignored).
+            handle: the dispatch's handle.
+            topk_weights: optional ``[rows, K]`` float32, summed back like ``x``.
+            bias: must be None (fabric-ep's combine has no bias add).
+            config, previous_event, async_finish, allocate_on_comm_stream: as in ``dispatch``.
+
+        Returns:
+            combined_x: ``[T, H]`` bf16 (same type as ``x``): per token, the fp32 sum over the
+                ranks it went to (0 for tokens that went nowhere).
+            combined_topk_weights: ``[T, K]`` float32, or None without ``topk_weights``.
+            event: ``EventOverlap(None)``.
+        """
+        p = self._live()
+        if bias is not None:
+            raise ValueError("bias: fabric-ep's combine has no bias add; add it before or after")
+        if previous_event is not None:
+            _no_event(previous_event)
+        if async_finish or allocate_on_comm_stream:
+            _host_only(async_finish, allocate_on_comm_stream)
+        if config is not None:
+            self._check_config(config)
+        if not isinstance(handle, DispatchHandle):
+            raise TypeError(f"handle: expected a fabric_ep DispatchHandle, got {type(handle).__name__}")
+        if handle._buffer_id != id(self) or not handle._ptr:
+            raise ValueError("handle: made by another Buffer (or already freed)")
+        h = self.hidden
+        rows = handle.num_recv_tokens
+        xa = arr("x", x, FEP_DTYPE_BF16, (rows, h))
+        x_t = tensor(xa.ptr, FEP_DTYPE_BF16, xa.shape)
+        t = handle.num_tokens
+        if topk_weights is not None:
+            wa = arr("topk_weights", topk_weights, FEP_DTYPE_F32, (rows, self.num_topk))
+            w_t = tensor(wa.ptr, FEP_DTYPE_F32, wa.shape)
+            cw = wa.empty((t, self.num_topk))
+            cw_t = tensor(data_ptr(cw), FEP_DTYPE_F32, (t, self.num_topk))
+        else:
+            w_t = cw_t = cw = None
+        out = xa.empty((t, h))
+        out_t = tensor(data_ptr(out), FEP_DTYPE_BF16, (t, h))
+        st = lib.fep_combine(p, handle._ptr, addressof(x_t), addr(w_t), addressof(out_t), addr(cw_t), None)
+        if st:
+            raise _lib.error("fep_combine", st)
+        return out, cw, EventOverlap(None)
+
+    # ---------------------------------------------------------------- low-latency mode
+
+    def _ll_missing(self, call: str) -> NotImplementedError:
+        return NotImplementedError(
+            f"{call}: the C ABI of this libfabric_ep has no low-latency calls "
+            "(fep_low_latency_dispatch / fep_low_latency_combine / fep_clean_low_latency_buffer); "
+            "rebuild the library from a commit that has them"
+        )
+
+    def low_latency_dispatch(
+        self,
+        x: Any,
+        topk_idx: Any,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        cumulative_local_expert_recv_stats: Optional[Any] = None,
+        dispatch_wait_recv_cost_stats: Optional[Any] = None,
+        use_fp8: bool = True,
+        round_scale: bool = False,
+        use_ue8m0: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+    ) -> Any:
+        """Low-latency dispatch (DeepEP semantics). Not in this library's C ABI yet."""
+        raise self._ll_missing("low_latency_dispatch")
+
+    def low_latency_combine(
+        self,
+        x: Any,
+        topk_idx: Any,
+        topk_weights: Any,
+        handle: Any,
+        use_logfmt: bool = False,
+        zero_copy: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        out: Optional[Any] = None,
+        combine_wait_recv_cost_stats: Optional[Any] = None,
+    ) -> Any:
+        """Low-latency combine (DeepEP semantics). Not in this library's C ABI yet."""
+        raise self._ll_missing("low_latency_combine")
+
+    def clean_low_latency_buffer(
+        self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int
+    ) -> None:
+        """Zeroes the low-latency buffer (DeepEP semantics). Not in this library's C ABI yet."""
+        raise self._ll_missing("clean_low_latency_buffer")
+
+
+addressof = ctypes.addressof
