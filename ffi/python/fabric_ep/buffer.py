@@ -31,6 +31,9 @@ from .utils import EventOverlap
 
 FP8_GROUP = 128  # channels per fp8 scale
 
+# Whether this libfabric_ep exports the low-latency calls (they arrive after the normal mode).
+HAVE_LOW_LATENCY = _lib._has("fep_low_latency_dispatch")
+
 _DISPATCH_DTYPES = {"bf16": FEP_DTYPE_BF16, "fp8": FEP_DTYPE_FP8_E4M3}
 
 
