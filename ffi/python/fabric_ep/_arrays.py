@@ -23,6 +23,8 @@ Every check raises with a message that starts with the argument's name.
 from __future__ import annotations
 
 import ctypes
+import functools
+import struct
 import sys
 from typing import Any, Dict, Optional, Sequence, Tuple
 
@@ -139,15 +141,60 @@ class Arr:
         return np.zeros(shape, dtype=self.obj.dtype if code is None else _NP_DEFAULT[code])
 
 
+_from_buffer = ctypes.c_char.from_buffer
+_addressof = ctypes.addressof
+
+
+def np_ptr(a: np.ndarray) -> int:
+    """Data address of a C-contiguous numpy array.
+
+    NOTES: ``a.ctypes.data`` builds a ``_ctypes`` helper object and costs microseconds per call;
+    borrowing the buffer through ``c_char.from_buffer`` costs a fraction of that. It needs a
+    writable, non-empty buffer with a plain format, so read-only, empty or exotic-dtype arrays
+    take the slow path."""
+    try:
+        return _addressof(_from_buffer(a))
+    except (TypeError, ValueError, BufferError, NotImplementedError):
+        return a.ctypes.data
+
+
 def data_ptr(a: Any) -> int:
     """Address of a freshly allocated (contiguous, CPU) array from :meth:`Arr.empty`."""
-    if isinstance(a, np.ndarray):
-        return a.ctypes.data
+    if type(a) is np.ndarray:
+        try:
+            return _addressof(_from_buffer(a))
+        except ValueError:  # empty: no buffer to borrow
+            return a.ctypes.data
     return a.data_ptr()
 
 
 def _dtype_error(name: str, got: Any, want: int) -> TypeError:
     return TypeError(f"{name}: dtype {got}, expected {DTYPE_NAMES[want]}")
+
+
+def _shape_error(name: str, got: Sequence[int], want: Sequence[Optional[int]]) -> ValueError:
+    w = "[" + ", ".join("*" if d is None else str(d) for d in want) + "]"
+    return ValueError(f"{name}: shape {list(got)}, expected {w}")
+
+
+def _torch_in(name: str, a: Any, code: Optional[int]) -> Tuple[int, int, Tuple[int, ...]]:
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(a, torch.Tensor):
+        raise TypeError(f"{name}: expected a numpy.ndarray or a torch.Tensor, got {type(a).__name__}")
+    if a.device.type != "cpu":
+        raise ValueError(
+            f"{name}: tensor is on {a.device}; this fabric_ep build's C ABI has only the host "
+            "backend (CPU threads over host memory): pass CPU tensors or numpy arrays. CUDA "
+            "tensors need the GPU backend in the C ABI (not there yet)."
+        )
+    c = _torch_tables(torch)[0].get(a.dtype)
+    if c is None or (code is not None and c != code):
+        if code is None:
+            raise TypeError(f"{name}: dtype {a.dtype} is not one fabric_ep accepts")
+        raise _dtype_error(name, a.dtype, code)
+    if not a.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous (use .contiguous())")
+    return a.data_ptr(), c, tuple(a.shape)
 
 
 def arr(
@@ -168,38 +215,85 @@ def arr(
         shp = a.shape
         if not a.flags.c_contiguous:
             raise ValueError(f"{name}: must be C-contiguous (use numpy.ascontiguousarray)")
-        ptr = a.ctypes.data
-        is_torch = False
-    else:
-        torch = sys.modules.get("torch")
-        if torch is None or not isinstance(a, torch.Tensor):
-            raise TypeError(
-                f"{name}: expected a numpy.ndarray or a torch.Tensor, got {type(a).__name__}"
-            )
-        if a.device.type != "cpu":
-            raise ValueError(
-                f"{name}: tensor is on {a.device}; this fabric_ep build's C ABI has only the host "
-                "backend (CPU threads over host memory): pass CPU tensors or numpy arrays. CUDA "
-                "tensors need the GPU backend in the C ABI (not there yet)."
-            )
-        c = _torch_tables(torch)[0].get(a.dtype)
+        if len(shp) != len(shape):
+            raise _shape_error(name, shp, shape)
+        for g, w in zip(shp, shape):
+            if w is not None and w != g:
+                raise _shape_error(name, shp, shape)
+        return Arr(a, np_ptr(a), c, shp, False)
+    ptr, c, shp = _torch_in(name, a, code)
+    if len(shp) != len(shape):
+        raise _shape_error(name, shp, shape)
+    for g, w in zip(shp, shape):
+        if w is not None and w != g:
+            raise _shape_error(name, shp, shape)
+    return Arr(a, ptr, c, shp, True)
+
+
+def in2(
+    name: str, a: Any, code: Optional[int], d0: Optional[int], d1: int
+) -> Tuple[int, int, int, bool]:
+    """:func:`arr` for the hot path: a 2-D input ``[d0 (None: any), d1]``. Returns ``(data
+    address, fep dtype code, rows, is_torch)`` without building an :class:`Arr`."""
+    if type(a) is np.ndarray:
+        c = _NP_CODES.get(a.dtype)
         if c is None or (code is not None and c != code):
             if code is None:
                 raise TypeError(f"{name}: dtype {a.dtype} is not one fabric_ep accepts")
             raise _dtype_error(name, a.dtype, code)
-        shp = tuple(a.shape)
-        if not a.is_contiguous():
-            raise ValueError(f"{name}: must be contiguous (use .contiguous())")
-        ptr = a.data_ptr()
-        is_torch = True
-    if len(shp) != len(shape) or any(w is not None and w != g for g, w in zip(shp, shape)):
-        want = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
-        raise ValueError(f"{name}: shape {list(shp)}, expected {want}")
-    return Arr(a, ptr, c, shp, is_torch)
+        shp = a.shape
+        if len(shp) != 2 or shp[1] != d1 or (d0 is not None and shp[0] != d0):
+            raise _shape_error(name, shp, (d0, d1))
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{name}: must be C-contiguous (use numpy.ascontiguousarray)")
+        try:
+            return _addressof(_from_buffer(a)), c, shp[0], False
+        except (TypeError, ValueError, BufferError, NotImplementedError):
+            return a.ctypes.data, c, shp[0], False
+    r = arr(name, a, code, (d0, d1))
+    return r.ptr, r.code, r.shape[0], r.is_torch
+
+
+def empty_like_kind(like: Any, shape: Tuple[int, ...], code: Optional[int] = None) -> Any:
+    """A new array of ``like``'s library: ``like``'s dtype when ``code`` is None."""
+    if type(like) is np.ndarray:
+        return np.empty(shape, like.dtype if code is None else _NP_DEFAULT[code])
+    torch = sys.modules["torch"]
+    return torch.empty(shape, dtype=like.dtype if code is None else _torch_tables(torch)[1][code])
+
+
+_TENSOR = struct.Struct("<qii4q")
+assert _TENSOR.size == ctypes.sizeof(fep_tensor) == 48
+_TENSOR4 = struct.Struct("<" + "qii4q" * 4)
+
+
+class TensorSlots:
+    """A fixed block of ``fep_tensor`` descriptors reused call after call (one owner thread).
+
+    Filling one is a single ``struct.pack_into``; ``addr[i]`` is slot i's address for the C
+    call. Cheaper than building ``fep_tensor`` objects, which is most of a call's Python cost."""
+
+    __slots__ = ("_buf", "addr", "_pack", "pack4")
+
+    def __init__(self, n: int):
+        self._buf = ctypes.create_string_buffer(_TENSOR.size * n)
+        base = ctypes.addressof(self._buf)
+        self.addr = [base + _TENSOR.size * i for i in range(n)]
+        self._pack = _TENSOR.pack_into
+        # pack4(offset_bytes, 4 x (ptr, code, ndim, d0, d1, d2, d3)): four slots in one call.
+        self.pack4 = functools.partial(_TENSOR4.pack_into, self._buf)
+
+    def set2(self, i: int, ptr: int, code: int, d0: int, d1: int) -> int:
+        self._pack(self._buf, 48 * i, ptr, code, 2, d0, d1, 0, 0)
+        return self.addr[i]
+
+    def set1(self, i: int, ptr: int, code: int, d0: int) -> int:
+        self._pack(self._buf, 48 * i, ptr, code, 1, d0, 0, 0, 0)
+        return self.addr[i]
 
 
 def tensor(ptr: int, code: int, shape: Sequence[int]) -> fep_tensor:
-    """A ``fep_tensor`` describing ``shape`` (at most 4 dims) at ``ptr``."""
+    """A ``fep_tensor`` describing ``shape`` (at most 4 dims) at ``ptr`` (for one-off calls)."""
     t = fep_tensor()
     t.data = ptr
     t.dtype = code

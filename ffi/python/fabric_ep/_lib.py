@@ -105,16 +105,23 @@ class FabricEPTimeoutError(FabricEPError, TimeoutError):
 
 
 def _candidates() -> List[pathlib.Path]:
+    """Where to look, in order: next to the package (a wheel that bundles the library), then
+    the cargo target directories (``$CARGO_TARGET_DIR``, and the repository's ``target/`` when
+    the package runs from its source tree ``<repo>/ffi/python/fabric_ep``), newest build first."""
     names = ["libfabric_ep.so", "libfabric_ep.dylib"]
     here = pathlib.Path(__file__).resolve().parent
-    dirs: List[pathlib.Path] = [here]  # a wheel that bundles the library
+    bundled = [here / n for n in names]
+    roots: List[pathlib.Path] = []
     target = os.environ.get("CARGO_TARGET_DIR")
-    repo = here.parents[2] if len(here.parents) > 2 else None  # <repo>/ffi/python/fabric_ep
-    for root in ([pathlib.Path(target)] if target else []) + (
-        [repo / "target"] if repo is not None else []
-    ):
-        dirs += [root / "release", root / "debug"]
-    return [d / n for d in dirs for n in names]
+    if target:
+        roots.append(pathlib.Path(target))
+    if here.parent.name == "python" and here.parent.parent.name == "ffi":
+        roots.append(here.parent.parent.parent / "target")
+    built = [r / prof / n for r in roots for prof in ("release", "debug") for n in names]
+    # NOTES: a stale release build must not shadow a fresh debug one (make test builds debug):
+    # among the cargo outputs the most recently built wins.
+    built.sort(key=lambda p: p.stat().st_mtime if p.exists() else -1.0, reverse=True)
+    return bundled + built
 
 
 def _load() -> ctypes.CDLL:
@@ -133,8 +140,9 @@ def _load() -> ctypes.CDLL:
         return ctypes.CDLL(found)
     raise ImportError(
         "fabric_ep: cannot find libfabric_ep.so. Build it (`cargo build --lib` or "
-        "`cargo build --release --lib` in the fabric-ep repository) or point FABRIC_EP_LIBRARY at "
-        "it. Tried: " + ", ".join(tried) + " and the system library path."
+        "`cargo build --release --lib` in the fabric-ep repository) and set CARGO_TARGET_DIR, "
+        "or point FABRIC_EP_LIBRARY at it. Tried: " + ", ".join(tried) + " and the system "
+        "library path."
     )
 
 

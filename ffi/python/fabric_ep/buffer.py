@@ -14,8 +14,10 @@ import ctypes
 import os
 from typing import Any, List, Optional, Tuple, Union
 
+import numpy as np
+
 from . import _lib
-from ._arrays import Arr, addr, arr, data_ptr, tensor
+from ._arrays import TensorSlots, arr, data_ptr, empty_like_kind, in2
 from ._lib import (
     FEP_BACKEND_HOST,
     FEP_DTYPE_BF16,
@@ -303,6 +305,9 @@ class Buffer:
         self._out_rows = ctypes.c_int64()
         self._out_handle_addr = ctypes.addressof(self._out_handle)
         self._out_rows_addr = ctypes.addressof(self._out_rows)
+        self._slots = TensorSlots(9)
+        self._per_expert = np.zeros(self.num_local_experts, dtype=np.int32)
+        self._slots.set1(8, self._per_expert.ctypes.data, FEP_DTYPE_I32, self.num_local_experts)
 
     # ---------------------------------------------------------------- lifetime
 
@@ -495,7 +500,9 @@ class Buffer:
             In cached mode (``handle`` given) only ``recv_x`` and ``event`` are returned, the
             others are None (as in DeepEP).
         """
-        p = self._live()
+        p = self._ptr
+        if not p:
+            raise RuntimeError("Buffer: already destroyed")
         if previous_event is not None:
             _no_event(previous_event)
         if async_finish or allocate_on_comm_stream:
@@ -506,34 +513,33 @@ class Buffer:
         k = self.num_topk
 
         # ---- x
-        if isinstance(x, tuple):
+        if type(x) is tuple:
             if len(x) != 2:
                 raise ValueError(f"x: a tuple must be (x, x_scales), got {len(x)} elements")
-            xa = arr("x", x[0], FEP_DTYPE_FP8_E4M3, (None, h))
-            t = xa.shape[0]
-            sa = arr("x_scales", x[1], FEP_DTYPE_F32, (t, h // FP8_GROUP))
-            scales_t = tensor(sa.ptr, FEP_DTYPE_F32, sa.shape)
+            xo, so = x
+            xp, xc, t, _ = in2("x", xo, FEP_DTYPE_FP8_E4M3, None, h)
+            sp = in2("x_scales", so, FEP_DTYPE_F32, t, h // FP8_GROUP)[0]
         else:
-            xa = arr("x", x, None, (None, h))
-            if xa.code != FEP_DTYPE_BF16:
+            xo, so = x, None
+            xp, xc, t, _ = in2("x", xo, None, None, h)
+            if xc != FEP_DTYPE_BF16:
                 raise TypeError(
-                    f"x: dtype {xa.obj.dtype}: pass bf16 tokens, or fp8 as a tuple (x, x_scales)"
+                    f"x: dtype {xo.dtype}: pass bf16 tokens, or fp8 as a tuple (x, x_scales)"
                 )
-            t = xa.shape[0]
-            sa = None
-            scales_t = None
-        if xa.code != self._dispatch_code:
+            sp = 0
+        if xc != self._dispatch_code:
             raise TypeError(
-                f"x: {'fp8' if sa is not None else 'bf16'} tokens on a Buffer built with "
+                f"x: {'fp8' if so is not None else 'bf16'} tokens on a Buffer built with "
                 f"dispatch_dtype={self.dispatch_dtype!r} (fabric-ep sizes its buffer for one "
                 "token format: build it with the other dispatch_dtype)"
             )
-        x_t = tensor(xa.ptr, xa.code, xa.shape)
 
         # ---- routing
         if handle is not None:
-            if not isinstance(handle, DispatchHandle):
-                raise TypeError(f"handle: expected a fabric_ep DispatchHandle, got {type(handle).__name__}")
+            if type(handle) is not DispatchHandle:
+                raise TypeError(
+                    f"handle: expected a fabric_ep DispatchHandle, got {type(handle).__name__}"
+                )
             if handle._buffer_id != id(self) or not handle._ptr:
                 raise ValueError("handle: made by another Buffer (or already freed)")
             if topk_idx is not None or topk_weights is not None:
@@ -543,44 +549,41 @@ class Buffer:
                 )
             if t != handle.num_tokens:
                 raise ValueError(f"x: {t} tokens, the handle was made for {handle.num_tokens}")
-            idx_t = w_t = None
+            ip = wp = 0
             cached = handle._ptr
         else:
             if topk_idx is None:
                 raise ValueError("topk_idx: required unless a cached handle is given")
             if topk_weights is None:
                 raise ValueError("topk_weights: required when topk_idx is given")
-            ia = arr("topk_idx", topk_idx, FEP_DTYPE_I64, (t, k))
-            wa = arr("topk_weights", topk_weights, FEP_DTYPE_F32, (t, k))
-            idx_t = tensor(ia.ptr, FEP_DTYPE_I64, ia.shape)
-            w_t = tensor(wa.ptr, FEP_DTYPE_F32, wa.shape)
+            ip = in2("topk_idx", topk_idx, FEP_DTYPE_I64, t, k)[0]
+            wp = in2("topk_weights", topk_weights, FEP_DTYPE_F32, t, k)[0]
             cached = None
         if num_tokens_per_rank is not None:
             arr("num_tokens_per_rank", num_tokens_per_rank, FEP_DTYPE_I32, (self.num_ranks,))
         if num_tokens_per_rdma_rank is not None:
-            arr("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, FEP_DTYPE_I32, (self._num_nodes,))
+            arr("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, FEP_DTYPE_I32,
+                (self._num_nodes,))
         if is_token_in_rank is not None:
             arr("is_token_in_rank", is_token_in_rank, FEP_DTYPE_BOOL, (t, self.num_ranks))
         if num_tokens_per_expert is not None:
-            arr("num_tokens_per_expert", num_tokens_per_expert, FEP_DTYPE_I32, (self.num_experts,))
+            arr("num_tokens_per_expert", num_tokens_per_expert, FEP_DTYPE_I32,
+                (self.num_experts,))
         if type(expert_alignment) is not int or expert_alignment < 1:
             raise ValueError(f"expert_alignment: {expert_alignment!r} must be an int >= 1")
         if type(num_worst_tokens) is not int or num_worst_tokens < 0:
             raise ValueError(f"num_worst_tokens: {num_worst_tokens!r} must be an int >= 0")
 
-        # ---- step 1: communicate; learn the row count
+        # ---- step 1: communicate; learn the row count. Slots 0..3: x, x_scales, idx, weights.
+        ts = self._slots
+        a = ts.addr
+        g = h // FP8_GROUP
+        ts.pack4(0, xp, xc, 2, t, h, 0, 0, sp, FEP_DTYPE_F32, 2, t, g, 0, 0,
+                 ip, FEP_DTYPE_I64, 2, t, k, 0, 0, wp, FEP_DTYPE_F32, 2, t, k, 0, 0)
         st = lib.fep_dispatch(
-            p,
-            addressof(x_t),
-            addr(scales_t),
-            addr(idx_t),
-            addr(w_t),
-            cached,
-            expert_alignment,
-            num_worst_tokens,
-            None,
-            self._out_handle_addr,
-            self._out_rows_addr,
+            p, a[0], a[1] if so is not None else None, None if cached else a[2],
+            None if cached else a[3], cached,
+            expert_alignment, num_worst_tokens, None, self._out_handle_addr, self._out_rows_addr,
         )
         if st:
             raise _lib.error("fep_dispatch", st)
@@ -588,40 +591,35 @@ class Buffer:
         rows = self._out_rows.value
         new_handle = DispatchHandle(hp, id(self), t, rows)  # owns hp from here on
 
-        # ---- step 2: outputs into arrays of the caller's library
-        recv_x = xa.empty((rows, h))
-        rx_t = tensor(data_ptr(recv_x), xa.code, (rows, h))
-        if sa is not None:
-            recv_s = sa.empty((rows, h // FP8_GROUP))
-            rs_t = tensor(data_ptr(recv_s), FEP_DTYPE_F32, (rows, h // FP8_GROUP))
+        # ---- step 2: outputs into arrays of the caller's library. Slots 4..7.
+        recv_x = empty_like_kind(xo, (rows, h))
+        if so is not None:
+            recv_s = empty_like_kind(so, (rows, g))
+            rsp = data_ptr(recv_s)
         else:
-            recv_s = rs_t = None
+            recv_s = None
+            rsp = 0
         if handle is None:
-            recv_idx = ia.empty((rows, k))
-            recv_w = wa.empty((rows, k))
-            ri_t = tensor(data_ptr(recv_idx), FEP_DTYPE_I64, (rows, k))
-            rw_t = tensor(data_ptr(recv_w), FEP_DTYPE_F32, (rows, k))
-            per_expert = self._per_expert_scratch()
-            pe_t = tensor(per_expert.ctypes.data, FEP_DTYPE_I32, (self.num_local_experts,))
+            recv_idx = empty_like_kind(topk_idx, (rows, k))
+            recv_w = empty_like_kind(topk_weights, (rows, k))
+            rip = data_ptr(recv_idx)
+            rwp = data_ptr(recv_w)
         else:
-            recv_idx = recv_w = ri_t = rw_t = pe_t = None
-            per_expert = None
-        st = lib.fep_handle_copy_out(hp, addressof(rx_t), addr(rs_t), addr(ri_t), addr(rw_t), addr(pe_t))
+            recv_idx = recv_w = None
+            rip = rwp = 0
+        ts.pack4(192, data_ptr(recv_x), xc, 2, rows, h, 0, 0, rsp, FEP_DTYPE_F32, 2, rows, g, 0, 0,
+                 rip, FEP_DTYPE_I64, 2, rows, k, 0, 0, rwp, FEP_DTYPE_F32, 2, rows, k, 0, 0)
+        st = lib.fep_handle_copy_out(
+            hp, a[4], a[5] if so is not None else None, None if cached else a[6],
+            None if cached else a[7], None if cached else a[8],
+        )
         if st:
             raise _lib.error("fep_handle_copy_out", st)
-        out_x = recv_x if sa is None else (recv_x, recv_s)
+        out_x = recv_x if so is None else (recv_x, recv_s)
         if handle is not None:
             return out_x, None, None, None, None, EventOverlap(None)
-        counts = [] if num_worst_tokens > 0 else per_expert.tolist()
+        counts = [] if num_worst_tokens > 0 else self._per_expert.tolist()
         return out_x, recv_idx, recv_w, counts, new_handle, EventOverlap(None)
-
-    def _per_expert_scratch(self):
-        s = getattr(self, "_pe_scratch", None)
-        if s is None:
-            import numpy as np
-
-            s = self._pe_scratch = np.zeros(self.num_local_experts, dtype=np.int32)
-        return s
 
     def combine(
         self,
@@ -650,7 +648,9 @@ class Buffer:
             combined_topk_weights: ``[T, K]`` float32, or None without ``topk_weights``.
             event: ``EventOverlap(None)``.
         """
-        p = self._live()
+        p = self._ptr
+        if not p:
+            raise RuntimeError("Buffer: already destroyed")
         if bias is not None:
             raise ValueError("bias: fabric-ep's combine has no bias add; add it before or after")
         if previous_event is not None:
@@ -659,25 +659,31 @@ class Buffer:
             _host_only(async_finish, allocate_on_comm_stream)
         if config is not None:
             self._check_config(config)
-        if not isinstance(handle, DispatchHandle):
-            raise TypeError(f"handle: expected a fabric_ep DispatchHandle, got {type(handle).__name__}")
+        if type(handle) is not DispatchHandle:
+            raise TypeError(
+                f"handle: expected a fabric_ep DispatchHandle, got {type(handle).__name__}"
+            )
         if handle._buffer_id != id(self) or not handle._ptr:
             raise ValueError("handle: made by another Buffer (or already freed)")
         h = self.hidden
+        k = self.num_topk
         rows = handle.num_recv_tokens
-        xa = arr("x", x, FEP_DTYPE_BF16, (rows, h))
-        x_t = tensor(xa.ptr, FEP_DTYPE_BF16, xa.shape)
         t = handle.num_tokens
+        xp = in2("x", x, FEP_DTYPE_BF16, rows, h)[0]
+        out = empty_like_kind(x, (t, h))
         if topk_weights is not None:
-            wa = arr("topk_weights", topk_weights, FEP_DTYPE_F32, (rows, self.num_topk))
-            w_t = tensor(wa.ptr, FEP_DTYPE_F32, wa.shape)
-            cw = wa.empty((t, self.num_topk))
-            cw_t = tensor(data_ptr(cw), FEP_DTYPE_F32, (t, self.num_topk))
+            wp = in2("topk_weights", topk_weights, FEP_DTYPE_F32, rows, k)[0]
+            cw = empty_like_kind(topk_weights, (t, k))
+            cwp = data_ptr(cw)
         else:
-            w_t = cw_t = cw = None
-        out = xa.empty((t, h))
-        out_t = tensor(data_ptr(out), FEP_DTYPE_BF16, (t, h))
-        st = lib.fep_combine(p, handle._ptr, addressof(x_t), addr(w_t), addressof(out_t), addr(cw_t), None)
+            wp = cwp = 0
+            cw = None
+        ts = self._slots
+        a = ts.addr
+        ts.pack4(0, xp, FEP_DTYPE_BF16, 2, rows, h, 0, 0, wp, FEP_DTYPE_F32, 2, rows, k, 0, 0,
+                 data_ptr(out), FEP_DTYPE_BF16, 2, t, h, 0, 0, cwp, FEP_DTYPE_F32, 2, t, k, 0, 0)
+        st = lib.fep_combine(p, handle._ptr, a[0], None if cw is None else a[1], a[2],
+                             None if cw is None else a[3], None)
         if st:
             raise _lib.error("fep_combine", st)
         return out, cw, EventOverlap(None)
@@ -730,5 +736,3 @@ class Buffer:
         """Zeroes the low-latency buffer (DeepEP semantics). Not in this library's C ABI yet."""
         raise self._ll_missing("clean_low_latency_buffer")
 
-
-addressof = ctypes.addressof
