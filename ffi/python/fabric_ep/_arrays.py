@@ -244,14 +244,30 @@ def in2(
         shp = a.shape
         if len(shp) != 2 or shp[1] != d1 or (d0 is not None and shp[0] != d0):
             raise _shape_error(name, shp, (d0, d1))
-        if not a.flags.c_contiguous:
-            raise ValueError(f"{name}: must be C-contiguous (use numpy.ascontiguousarray)")
         try:
+            # Refuses non-contiguous arrays itself (checked below, on the slow path).
             return _addressof(_from_buffer(a)), c, shp[0], False
         except (TypeError, ValueError, BufferError, NotImplementedError):
+            if not a.flags.c_contiguous:
+                raise ValueError(
+                    f"{name}: must be C-contiguous (use numpy.ascontiguousarray)"
+                ) from None
             return a.ctypes.data, c, shp[0], False
     r = arr(name, a, code, (d0, d1))
     return r.ptr, r.code, r.shape[0], r.is_torch
+
+
+def alloc(like: Any, shape: Tuple[int, ...]) -> Tuple[Any, int]:
+    """A new array of ``like``'s library and dtype, and its data address (hot path)."""
+    if type(like) is np.ndarray:
+        a = np.empty(shape, like.dtype)
+        try:
+            return a, _addressof(_from_buffer(a))
+        except ValueError:  # empty: no buffer to borrow
+            return a, a.ctypes.data
+    torch = sys.modules["torch"]
+    a = torch.empty(shape, dtype=like.dtype)
+    return a, a.data_ptr()
 
 
 def empty_like_kind(like: Any, shape: Tuple[int, ...], code: Optional[int] = None) -> Any:

@@ -17,7 +17,7 @@ from typing import Any, List, Optional, Tuple, Union
 import numpy as np
 
 from . import _lib
-from ._arrays import TensorSlots, arr, data_ptr, empty_like_kind, in2
+from ._arrays import TensorSlots, alloc, arr, data_ptr, in2
 from ._lib import (
     FEP_BACKEND_HOST,
     FEP_DTYPE_BF16,
@@ -592,22 +592,19 @@ class Buffer:
         new_handle = DispatchHandle(hp, id(self), t, rows)  # owns hp from here on
 
         # ---- step 2: outputs into arrays of the caller's library. Slots 4..7.
-        recv_x = empty_like_kind(xo, (rows, h))
+        recv_x, rxp = alloc(xo, (rows, h))
         if so is not None:
-            recv_s = empty_like_kind(so, (rows, g))
-            rsp = data_ptr(recv_s)
+            recv_s, rsp = alloc(so, (rows, g))
         else:
             recv_s = None
             rsp = 0
         if handle is None:
-            recv_idx = empty_like_kind(topk_idx, (rows, k))
-            recv_w = empty_like_kind(topk_weights, (rows, k))
-            rip = data_ptr(recv_idx)
-            rwp = data_ptr(recv_w)
+            recv_idx, rip = alloc(topk_idx, (rows, k))
+            recv_w, rwp = alloc(topk_weights, (rows, k))
         else:
             recv_idx = recv_w = None
             rip = rwp = 0
-        ts.pack4(192, data_ptr(recv_x), xc, 2, rows, h, 0, 0, rsp, FEP_DTYPE_F32, 2, rows, g, 0, 0,
+        ts.pack4(192, rxp, xc, 2, rows, h, 0, 0, rsp, FEP_DTYPE_F32, 2, rows, g, 0, 0,
                  rip, FEP_DTYPE_I64, 2, rows, k, 0, 0, rwp, FEP_DTYPE_F32, 2, rows, k, 0, 0)
         st = lib.fep_handle_copy_out(
             hp, a[4], a[5] if so is not None else None, None if cached else a[6],
@@ -670,18 +667,17 @@ class Buffer:
         rows = handle.num_recv_tokens
         t = handle.num_tokens
         xp = in2("x", x, FEP_DTYPE_BF16, rows, h)[0]
-        out = empty_like_kind(x, (t, h))
+        out, outp = alloc(x, (t, h))
         if topk_weights is not None:
             wp = in2("topk_weights", topk_weights, FEP_DTYPE_F32, rows, k)[0]
-            cw = empty_like_kind(topk_weights, (t, k))
-            cwp = data_ptr(cw)
+            cw, cwp = alloc(topk_weights, (t, k))
         else:
             wp = cwp = 0
             cw = None
         ts = self._slots
         a = ts.addr
         ts.pack4(0, xp, FEP_DTYPE_BF16, 2, rows, h, 0, 0, wp, FEP_DTYPE_F32, 2, rows, k, 0, 0,
-                 data_ptr(out), FEP_DTYPE_BF16, 2, t, h, 0, 0, cwp, FEP_DTYPE_F32, 2, t, k, 0, 0)
+                 outp, FEP_DTYPE_BF16, 2, t, h, 0, 0, cwp, FEP_DTYPE_F32, 2, t, k, 0, 0)
         st = lib.fep_combine(p, handle._ptr, a[0], None if cw is None else a[1], a[2],
                              None if cw is None else a[3], None)
         if st:
