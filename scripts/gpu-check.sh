@@ -94,7 +94,7 @@ EOF
   [ "$size" -le 50 ] || { echo "gpu-check: bundle is ${size} MiB (> 50)" >&2; exit 1; }
 }
 
-has_section() { case ",${FEP_GPU_SECTIONS:-tests,memcheck,memcheck-proxy,layout,proxy}," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+has_section() { case ",${FEP_GPU_SECTIONS:-tests,memcheck,memcheck-proxy,layout,proxy,normal}," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 
 # GPU proxy latency (examples/gpu_proxy_bench.rs): first as the machine is (two processes on one
 # GPU time-slice it: few rounds), then under MPS if its control daemon is there (the daemon is
@@ -250,6 +250,14 @@ run() {
   fi
   if has_section proxy; then
     run_proxy_section "$b" "$out" || fail=1
+  fi
+  if has_section normal && [ -x "$b/examples/gpu_normal_bench" ]; then
+    set +e
+    timeout 240 "$b/examples/gpu_normal_bench" --chunks 16,32 2>&1 | tee -a "$bench_log"
+    rc=${PIPESTATUS[0]}
+    set -e
+    [ "$rc" -eq 0 ] || fail=1
+    grep -E "^copy ceiling|NORMAL_RESULT|NORMAL_MOVED" "$bench_log" | tee -a "$sum" >/dev/null
   fi
   [ -f "$b/ptxas.log" ] && cp "$b/ptxas.log" "$out/ptxas.log"
   echo

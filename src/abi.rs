@@ -30,6 +30,12 @@ const _: () = assert!(size_of::<fep_ll_dispatch_params>() == 200);
 const _: () = assert!(size_of::<fep_ll_combine_params>() == 160);
 const _: () = assert!(offset_of!(fep_ll_dispatch_params, epoch) == 120);
 const _: () = assert!(offset_of!(fep_ll_combine_params, record_bytes) == 120);
+const _: () = assert!(size_of::<fep_normal_comm>() == 176);
+const _: () = assert!(size_of::<fep_normal_handle>() == 48);
+const _: () = assert!(size_of::<fep_normal_notify_params>() == 256);
+const _: () = assert!(size_of::<fep_normal_dispatch_params>() == 336);
+const _: () = assert!(size_of::<fep_normal_combine_params>() == 272);
+const _: () = assert!(offset_of!(fep_normal_comm, dev_error) == 128);
 
 /// Size of the ring header plus `capacity` commands: what a ring's mapped allocation holds.
 pub const fn ring_bytes(capacity: usize) -> usize {
@@ -58,6 +64,11 @@ mod tests {
             ("fep_ll_peer", size_of::<fep_ll_peer>()),
             ("fep_ll_dispatch_params", size_of::<fep_ll_dispatch_params>()),
             ("fep_ll_combine_params", size_of::<fep_ll_combine_params>()),
+            ("fep_normal_comm", size_of::<fep_normal_comm>()),
+            ("fep_normal_handle", size_of::<fep_normal_handle>()),
+            ("fep_normal_notify_params", size_of::<fep_normal_notify_params>()),
+            ("fep_normal_dispatch_params", size_of::<fep_normal_dispatch_params>()),
+            ("fep_normal_combine_params", size_of::<fep_normal_combine_params>()),
         ];
         let mut seen = 0;
         for line in HEADER.lines() {

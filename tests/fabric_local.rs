@@ -98,3 +98,72 @@ fn bad_arguments_are_typed_errors() {
     let e = unsafe { a.register(std::ptr::null_mut(), 0, MemKind::Host) }.err().unwrap();
     assert!(e.to_string().contains("len"), "{e}");
 }
+
+#[test]
+fn several_endpoints_per_domain_and_several_domains() {
+    use fabric_ep::fabric::{find, AddressVector, CompletionQueue, Domain, Endpoint, Fabric};
+    // Two endpoints on ONE domain (one CQ/AV each), plus a second domain opened from the same
+    // entry (one domain per NIC is the same call with another fi_info entry).
+    let info = find(&InfoQuery::provider("shm")).unwrap().remove(0);
+    let fabric = Fabric::open(&info).unwrap();
+    let dom = Domain::open(&fabric, &info).unwrap();
+    let dom2 = Domain::open(&fabric, &info).unwrap();
+    let open = |d: &std::sync::Arc<Domain>| {
+        let cq = CompletionQueue::open(d, 0).unwrap();
+        let av = AddressVector::open(d, 4).unwrap();
+        Endpoint::open(d, &cq, &av).unwrap()
+    };
+    let (e1, e2, e3) = (open(&dom), open(&dom), open(&dom2));
+    let names = [e1.name().unwrap(), e2.name().unwrap(), e3.name().unwrap()];
+    assert!(names[0] != names[1] && names[1] != names[2], "distinct endpoint addresses");
+    let addrs: Vec<_> = names.iter().map(|n| e1.av().insert(n).unwrap()).collect();
+    for ep in [&e2, &e3] {
+        for n in &names {
+            ep.av().insert(n).unwrap();
+        }
+    }
+    let mut src = vec![7u8; 4096];
+    let mut dst2 = vec![0u8; 4096];
+    let mut dst3 = vec![0u8; 4096];
+    let smr = unsafe { register_on(&dom, &e1, &mut src) };
+    let r2 = unsafe { register_on(&dom, &e2, &mut dst2) };
+    let r3 = unsafe { register_on(&dom2, &e3, &mut dst3) };
+    let dl = Deadline::after(Duration::from_secs(10));
+    std::thread::scope(|s| {
+        for (ep, want) in [(&e2, 5u64), (&e3, 6u64)] {
+            s.spawn(move || {
+                let mut buf = [Completion { context: 0, flags: 0, len: 0, data: 0 }; 4];
+                loop {
+                    let n = ep.cq().read(&mut buf).unwrap();
+                    if let Some(c) = buf[..n].iter().find(|c| c.has_data()) {
+                        assert_eq!(c.data, want);
+                        return;
+                    }
+                    assert!(!dl.expired(), "no arrival with immediate {want}");
+                }
+            });
+        }
+        unsafe {
+            e1.write(&smr, 0, 4096, addrs[1], &r2.remote(), 0, Some(5), 1, dl).unwrap();
+            e1.write(&smr, 0, 4096, addrs[2], &r3.remote(), 0, Some(6), 2, dl).unwrap();
+        }
+        let mut buf = [Completion { context: 0, flags: 0, len: 0, data: 0 }; 4];
+        let mut done = 0;
+        while done < 2 {
+            done += e1.cq().read(&mut buf).unwrap();
+            assert!(!dl.expired());
+        }
+    });
+    assert!(dst2.iter().chain(&dst3).all(|&b| b == 7));
+    drop((smr, r2, r3));
+}
+
+/// Registers a vector with a domain, binding to `ep` where the provider asks for it.
+unsafe fn register_on(
+    d: &std::sync::Arc<fabric_ep::fabric::Domain>,
+    ep: &std::sync::Arc<fabric_ep::fabric::Endpoint>,
+    v: &mut [u8],
+) -> fabric_ep::fabric::MemoryRegion {
+    fabric_ep::fabric::MemoryRegion::register(d, Some(ep), v.as_mut_ptr(), v.len(), MemKind::Host)
+        .unwrap()
+}

@@ -40,6 +40,7 @@ static int run_rank(int rank, int ranks) {
     cfg.num_experts = EXPERTS;
     cfg.hidden = HIDDEN;
     cfg.num_topk = TOPK;
+    cfg.max_tokens_per_rank = 32;
     cfg.timeout_s = 30.0;
     cfg.provider = "shm";
 
@@ -98,6 +99,41 @@ static int run_rank(int rank, int ranks) {
             }
         }
     }
+    /* Low-latency round trip with the receive hook: dispatch sends, the hook receives; each
+     * expert returns its rows unchanged, so combine must give x * (sum of the valid weights). */
+    {
+        int local = EXPERTS / ranks, slots = ranks * 32;
+        fep_ll_op *d = NULL, *c = NULL;
+        CHECK(fep_low_latency_dispatch(buf, &tx, &ti, false, false, true, NULL, &d));
+        CHECK(fep_ll_op_complete(buf, d)); /* the hook */
+        uint16_t *ll_x = calloc((size_t)local * slots * HIDDEN, 2);
+        int32_t *cnt = calloc((size_t)local, 4);
+        fep_tensor tlx = {ll_x, FEP_DTYPE_BF16, 3, {local, slots, HIDDEN}};
+        fep_tensor tcnt = {cnt, FEP_DTYPE_I32, 1, {local}};
+        CHECK(fep_ll_dispatch_copy_out(d, &tlx, NULL, &tcnt, NULL, NULL, NULL));
+        CHECK(fep_low_latency_combine(buf, d, &tlx, &ti, &tw, false, NULL, &c));
+        static uint16_t ll_out[TOKENS * HIDDEN];
+        fep_tensor tlo = {ll_out, FEP_DTYPE_BF16, 2, {TOKENS, HIDDEN}};
+        CHECK(fep_ll_combine_copy_out(c, &tlo));
+        for (int t = 0; t < TOKENS && !bad; t++) {
+            float wsum = 0.0f;
+            for (int k = 0; k < TOPK; k++)
+                if (idx[t * TOPK + k] >= 0) wsum += w[t * TOPK + k];
+            for (int hh = 0; hh < HIDDEN; hh++) {
+                float want = bf2f(x[t * HIDDEN + hh]) * wsum;
+                if (bf2f(ll_out[t * HIDDEN + hh]) != want) {
+                    fprintf(stderr, "rank %d LL token %d ch %d: got %g want %g\n", rank, t, hh,
+                            bf2f(ll_out[t * HIDDEN + hh]), want);
+                    bad = 1;
+                    break;
+                }
+            }
+        }
+        fep_ll_op_destroy(d);
+        fep_ll_op_destroy(c);
+        free(ll_x);
+        free(cnt);
+    }
     /* A bad argument is an error naming it, not a crash. */
     fep_tensor wrong = tx;
     wrong.dtype = FEP_DTYPE_F32;
@@ -113,7 +149,7 @@ static int run_rank(int rank, int ranks) {
     free(recv_x);
     free(recv_idx);
     if (!bad)
-        printf("rank %d: %lld rows received, combine == x * destinations for %d tokens (normal buffer %llu bytes)\n",
+        printf("rank %d: %lld rows received, combine == x * destinations for %d tokens, low-latency combine == x * weights (normal buffer %llu bytes)\n",
                rank, (long long)rows, TOKENS, (unsigned long long)hints.normal_bytes);
     return bad;
 }

@@ -84,6 +84,11 @@ typedef struct fep_buffer fep_buffer;
 typedef struct fep_handle fep_handle;
 
 /**
+ * A low-latency dispatch or combine in flight or done (opaque).
+ */
+typedef struct fep_ll_op fep_ll_op;
+
+/**
  * Buffer configuration. Begins with its size and version (fill them with `fep_config_init`
  * or `FEP_CONFIG_INIT`); zero fields take their defaults, -1 rank fields come from the
  * environment (torchrun variables) or the all-gather callback's caller.
@@ -354,6 +359,94 @@ enum fep_status fep_combine(struct fep_buffer *buf,
  * `buf` must be valid; `rank`/`num_ranks` may be NULL.
  */
 enum fep_status fep_buffer_rank(struct fep_buffer *buf, int32_t *rank, int32_t *num_ranks);
+
+/**
+ * Low-latency dispatch (DeepEP V1 semantics): `x` `[T <= max_tokens_per_rank, H]` bf16,
+ * `topk_idx` `[T, K]` i64 (-1 = none). One write per (destination rank, local expert) carrying
+ * all its rows, the count in the immediate data. With `return_recv_hook` the call returns after
+ * the sends and `fep_ll_op_complete` does the receive. `stream`: NULL on the host backend.
+ *
+ * # Safety
+ * Every non-NULL pointer must be valid for the call.
+ */
+enum fep_status fep_low_latency_dispatch(struct fep_buffer *buf,
+                                         const struct fep_tensor *x,
+                                         const struct fep_tensor *topk_idx,
+                                         bool use_fp8,
+                                         bool round_scale,
+                                         bool return_recv_hook,
+                                         void *stream,
+                                         struct fep_ll_op **out_op);
+
+/**
+ * Completes the receive of a hooked dispatch or combine (a no-op when already complete).
+ *
+ * # Safety
+ * `buf` and `op` must be valid.
+ */
+enum fep_status fep_ll_op_complete(struct fep_buffer *buf, struct fep_ll_op *op);
+
+/**
+ * Copies a completed dispatch's outputs (`L` local experts, `S = num_ranks *
+ * max_tokens_per_rank`): `recv_x` `[L, S, H]` (bf16, or fp8 with `recv_x_scales` `[L, S, H/128]`
+ * f32), `recv_count` `[L]` i32, `src_rank` / `src_idx` `[L, S]` i32 (-1 past the counts),
+ * `layout_range` `[L, R]` i64 as DeepEP packs it (`begin << 32 | count`). Optional outputs may
+ * be NULL. Once per op.
+ *
+ * # Safety
+ * Every non-NULL pointer must be valid for the call.
+ */
+enum fep_status fep_ll_dispatch_copy_out(struct fep_ll_op *op,
+                                         struct fep_tensor *recv_x,
+                                         struct fep_tensor *recv_x_scales,
+                                         struct fep_tensor *recv_count,
+                                         struct fep_tensor *src_rank,
+                                         struct fep_tensor *src_idx,
+                                         struct fep_tensor *layout_range);
+
+/**
+ * Low-latency combine: `x` `[L, S, H]` bf16 expert outputs in the dispatch's row order, the
+ * dispatch's `topk_idx` `[T, K]` i64 and `topk_weights` `[T, K]` f32, `dispatch_op` the completed
+ * dispatch. The weighted sum (fp32) is computed on arrival; copy it out with
+ * `fep_ll_combine_copy_out`. With `return_recv_hook`, complete the op first.
+ *
+ * # Safety
+ * Every non-NULL pointer must be valid for the call.
+ */
+enum fep_status fep_low_latency_combine(struct fep_buffer *buf,
+                                        const struct fep_ll_op *dispatch_op,
+                                        const struct fep_tensor *x,
+                                        const struct fep_tensor *topk_idx,
+                                        const struct fep_tensor *topk_weights,
+                                        bool return_recv_hook,
+                                        void *stream,
+                                        struct fep_ll_op **out_op);
+
+/**
+ * Copies a completed combine's output `combined_x` `[T, H]` bf16. Once per op.
+ *
+ * # Safety
+ * `op` and `combined_x` must be valid.
+ */
+enum fep_status fep_ll_combine_copy_out(struct fep_ll_op *op, struct fep_tensor *combined_x);
+
+/**
+ * Frees an op. NULL is a no-op. A pending hook that is never completed keeps its buffer set
+ * reserved until `fep_clean_low_latency_buffer`.
+ *
+ * # Safety
+ * `op` must come from a `fep_low_latency_*` call and not be used afterwards.
+ */
+void fep_ll_op_destroy(struct fep_ll_op *op);
+
+/**
+ * Makes the low-latency buffers usable again after a failed step (collective: every rank calls
+ * it); earlier ops and handles become invalid.
+ *
+ * # Safety
+ * `buf` must be valid.
+ */
+enum fep_status fep_clean_low_latency_buffer(struct fep_buffer *buf);
 
 /**
  * A static, human-readable name for a status (any integer is accepted).

@@ -253,6 +253,110 @@ typedef struct fep_ll_combine_params {
     int32_t _pad;
 } fep_ll_combine_params;    /* 160 bytes */
 
+/* ---- normal mode, intranode (kernels/normal_*.cu; Rust: src/ep/normal_gpu.rs) ----------------
+ * Every rank owns one comm buffer (device memory, zeroed once). Peers write into it through
+ * peer pointers (same process: plain device pointers; other processes: IPC mappings). Offsets
+ * are the same on every rank (computed once in Rust from plan.rs's NormalLayout):
+ *   recv    [src R][slot spp] slot_bytes   chunks of records written by `src`
+ *   flag    u64 [src R][slot spp]          written by `src`: cumulative chunk index + 1 (release)
+ *   credit  u64 [dst R][slot spp]          written by `dst`: cumulative chunk index + 1 consumed
+ *   notify  [src R] notify_bytes           u64 epoch | u32 num_tokens | u32 pad | u32 [L] counts
+ *   ack     u64 [dst R]                    written by `dst`: last notify epoch it has read
+ *   state   local only: u64 sent_base[R] | u64 recv_base[R] | u32 tickets[4] |
+ *           u32 notify_tokens[R] | u32 notify_experts[R][L] | u32 consumed[R][spp]
+ * NOTES: the queue of pair (s -> r) is a FIFO of chunks numbered cumulatively over the buffer's
+ * life (dispatch and combine chunks of that pair continue one numbering); chunk c lives in slot
+ * c % spp. Writer: wait credit[r][slot] >= c - spp + 1, write records, barrier, st.release.sys
+ * flag = c + 1. Reader: ld.acquire flag >= c + 1, read records, barrier, st.release.sys
+ * credit = c + 1. Payload is always written before the flag that publishes it and read after the
+ * flag was observed; a slot is never rewritten before its credit came back. */
+#define FEP_NORMAL_MAX_RANKS 8
+#define FEP_NORMAL_THREADS 512         /* threads per block of dispatch / combine */
+#define FEP_NORMAL_NOTIFY_THREADS 1024 /* threads per block of notify (one block per rank) */
+#define FEP_NORMAL_PHASE_NOTIFY 1u
+#define FEP_NORMAL_PHASE_DISPATCH_SEND 2u
+#define FEP_NORMAL_PHASE_DISPATCH_RECV 3u
+#define FEP_NORMAL_PHASE_COMBINE_SEND 4u
+#define FEP_NORMAL_PHASE_COMBINE_RECV 5u
+
+typedef struct fep_normal_comm {
+    uint64_t peer_base[FEP_NORMAL_MAX_RANKS]; /* comm buffer of each rank, as this rank sees it */
+    uint64_t recv_offset;
+    uint64_t flag_offset;
+    uint64_t credit_offset;
+    uint64_t notify_offset;
+    uint64_t ack_offset;
+    uint64_t state_offset;
+    uint64_t slot_bytes;          /* chunk_tokens * max(dispatch record, combine record) */
+    uint64_t notify_bytes;        /* one notify record, 16-byte multiple */
+    fep_dev_error_ref dev_error;
+    uint64_t budget_cycles;       /* per bounded wait */
+    uint32_t rank;
+    uint32_t num_ranks;           /* <= FEP_NORMAL_MAX_RANKS */
+    uint32_t slots_per_peer;
+    uint32_t chunk_tokens;
+    uint32_t num_local_experts;
+    uint32_t _pad;
+} fep_normal_comm; /* 176 bytes */
+
+/* What dispatch leaves for combine (and what a cached dispatch reuses), all device memory. */
+typedef struct fep_normal_handle {
+    uint64_t send_token_ids;     /* int32 [R][num_tokens]: tokens sent to each rank, in order */
+    uint64_t send_pos;           /* int32 [num_tokens][R]: index in that list, or -1 */
+    uint64_t send_counts;        /* int32 [R] */
+    uint64_t rank_prefix;        /* int32 [R + 1]: rows received from src s start at [s] */
+    uint64_t recv_expert_counts; /* int32 [L]: per local expert, rounded up to the alignment */
+    int32_t num_tokens;          /* this rank's input tokens */
+    int32_t _pad;
+} fep_normal_handle; /* 48 bytes */
+
+typedef struct fep_normal_notify_params {
+    fep_normal_comm comm;
+    fep_normal_handle handle;
+    uint64_t is_token_in_rank;      /* uint8 [num_tokens][R] (layout output) */
+    uint64_t num_tokens_per_expert; /* int32 [E] (layout output) */
+    uint64_t epoch;                 /* 1, 2, ... per fresh dispatch (same on every rank) */
+    int32_t expert_alignment;       /* >= 1 */
+    int32_t out_capacity;           /* rows the receive outputs hold: more is an error */
+} fep_normal_notify_params; /* 256 bytes */
+
+typedef struct fep_normal_dispatch_params {
+    fep_normal_comm comm;
+    fep_normal_handle handle;
+    uint64_t x;                 /* bf16 [T][H] or e4m3 [T][H] */
+    uint64_t x_scales;          /* f32 [T][H/128] (fp8) or 0 */
+    uint64_t topk_idx;          /* int64 [T][K] global ids, -1 = none */
+    uint64_t topk_weights;      /* f32 [T][K] */
+    uint64_t recv_x;            /* [out_rows][payload] */
+    uint64_t recv_x_scales;     /* f32 [out_rows][H/128] (fp8) or 0 */
+    uint64_t recv_topk_idx;     /* int64 [out_rows][K] local ids */
+    uint64_t recv_topk_weights; /* f32 [out_rows][K] */
+    uint64_t recv_src_idx;      /* int32 [out_rows] */
+    int32_t out_rows;           /* rows of the outputs; rows past the received are padding */
+    int32_t num_topk;
+    uint32_t record_bytes;      /* plan.rs RecordLayout::normal_dispatch */
+    uint32_t payload_bytes;
+    uint32_t num_scales;        /* 0 for bf16 */
+    uint32_t scales_offset;
+    uint32_t topk_idx_offset;
+    uint32_t topk_weights_offset;
+    uint32_t src_idx_offset;
+    uint32_t _pad;
+} fep_normal_dispatch_params; /* 336 bytes */
+
+typedef struct fep_normal_combine_params {
+    fep_normal_comm comm;
+    fep_normal_handle handle;
+    uint64_t x;                 /* bf16 [rows][H]: this rank's processed received rows */
+    uint64_t topk_weights;      /* f32 [rows][K] or 0 */
+    uint64_t combined_x;        /* bf16 [T][H] */
+    uint64_t combined_weights;  /* f32 [T][K] or 0 */
+    int32_t hidden;
+    int32_t num_topk;
+    uint32_t record_bytes;      /* plan.rs RecordLayout::normal_combine */
+    uint32_t topk_weights_offset;
+} fep_normal_combine_params; /* 272 bytes */
+
 #ifdef __cplusplus
 static_assert(sizeof(fep_cmd) == 32, "fep_cmd layout");
 static_assert(sizeof(fep_ring_hdr) == 128, "fep_ring_hdr layout");
@@ -275,6 +379,12 @@ static_assert(sizeof(fep_ll_dispatch_params) == 200, "fep_ll_dispatch_params lay
 static_assert(sizeof(fep_ll_combine_params) == 160, "fep_ll_combine_params layout");
 static_assert(offsetof(fep_ll_dispatch_params, epoch) == 120, "fep_ll_dispatch_params fields");
 static_assert(offsetof(fep_ll_combine_params, record_bytes) == 120, "fep_ll_combine_params fields");
+static_assert(sizeof(fep_normal_comm) == 176, "fep_normal_comm layout");
+static_assert(sizeof(fep_normal_handle) == 48, "fep_normal_handle layout");
+static_assert(sizeof(fep_normal_notify_params) == 256, "fep_normal_notify_params layout");
+static_assert(sizeof(fep_normal_dispatch_params) == 336, "fep_normal_dispatch_params layout");
+static_assert(sizeof(fep_normal_combine_params) == 272, "fep_normal_combine_params layout");
+static_assert(offsetof(fep_normal_comm, dev_error) == 128, "fep_normal_comm fields");
 #endif
 
 #endif /* FEP_ABI_H */

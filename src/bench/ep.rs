@@ -248,3 +248,279 @@ pub fn run_normal(buf: &mut Buffer, p: &NormalBenchParams) -> Result<NormalBench
     }
     Ok(rep)
 }
+
+// ---------------------------------------------------------------------------------------------
+// Low-latency mode
+// ---------------------------------------------------------------------------------------------
+
+use crate::ep::buffer::{LlCombineArgs, LlDispatchArgs, LlDispatchOutput, OwnedTokens};
+use crate::ep::reference::{LlDispatchOut, LlParams};
+
+/// What [`run_low_latency`] runs.
+#[derive(Clone, Debug)]
+pub struct LlBenchParams {
+    /// Tokens on each rank (`<= max_tokens_per_rank`), indexed by rank modulo its length.
+    pub tokens: Vec<usize>,
+    pub seed: u64,
+    /// Percent of top-k entries replaced by -1.
+    pub drop_pct: u64,
+    pub use_fp8: bool,
+    pub round_scale: bool,
+    /// Timed iterations per mode (without hook, then with).
+    pub iters: usize,
+    pub warmup: usize,
+}
+
+/// One rank's low-latency inputs.
+#[derive(Clone, Debug)]
+pub struct LlRankInputs {
+    /// `[T, H]` bf16.
+    pub x: Vec<u16>,
+    /// `[T, K]`.
+    pub topk_idx: Vec<i64>,
+    pub topk_weights: Vec<f32>,
+}
+
+/// Rank `rank`'s LL inputs, from `(seed, rank)` alone.
+pub fn ll_rank_inputs(cfg: &EpConfig, p: &LlBenchParams, rank: usize) -> Result<LlRankInputs> {
+    let mut rng = SplitMix64(p.seed ^ (rank as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    let t = p.tokens.get(rank % p.tokens.len().max(1)).copied().unwrap_or(0);
+    let h = cfg.hidden;
+    let x = (0..t * h).map(|_| f32_to_bf16((rng.unit_f32() - 0.5) * 4.0)).collect();
+    let shape =
+        LayoutShape::new(t, cfg.num_topk, cfg.num_experts, cfg.num_ranks, cfg.ranks_per_node)?;
+    let topk_idx = random_topk_idx(&mut rng, shape, p.drop_pct, false);
+    let topk_weights = (0..t * cfg.num_topk).map(|_| rng.unit_f32()).collect();
+    Ok(LlRankInputs { x, topk_idx, topk_weights })
+}
+
+/// The reference's LL parameters for `cfg`.
+pub fn ll_params(cfg: &EpConfig, use_fp8: bool, round_scale: bool) -> LlParams {
+    LlParams {
+        num_experts: cfg.num_experts,
+        hidden: cfg.hidden,
+        num_topk: cfg.num_topk,
+        max_tokens_per_rank: cfg.max_tokens_per_rank,
+        use_fp8,
+        round_scale,
+    }
+}
+
+/// The bf16 expert outputs a rank feeds to LL combine: its received rows (dequantized when
+/// fp8), rows past the counts zero. `[L, S, H]`.
+pub fn ll_combine_input(
+    recv_x: &OwnedTokens,
+    recv_count: &[u32],
+    hidden: usize,
+) -> Result<Vec<u16>> {
+    let l = recv_count.len().max(1);
+    let (len, g) = match recv_x {
+        OwnedTokens::Bf16(x) => (x.len(), 0),
+        OwnedTokens::Fp8 { x, .. } => (x.len(), hidden / 128),
+    };
+    let s_rows = len / hidden / l;
+    let mut out = vec![0u16; len];
+    let mut row = vec![0f32; hidden];
+    for (e, &c) in recv_count.iter().enumerate() {
+        for i in 0..c as usize {
+            let o = e * s_rows + i;
+            let dst = &mut out[o * hidden..(o + 1) * hidden];
+            match recv_x {
+                OwnedTokens::Bf16(x) => dst.copy_from_slice(&x[o * hidden..(o + 1) * hidden]),
+                OwnedTokens::Fp8 { x, scales } => {
+                    dequantize_row(
+                        &x[o * hidden..(o + 1) * hidden],
+                        &scales[o * g..(o + 1) * g],
+                        &mut row,
+                    )?;
+                    for (d, &v) in dst.iter_mut().zip(&row) {
+                        *d = f32_to_bf16(v);
+                    }
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Reference LL dispatch and combine of every rank (combine of [`ll_combine_input`]).
+pub fn ll_reference(
+    cfg: &EpConfig,
+    inputs: &[LlRankInputs],
+    use_fp8: bool,
+    round_scale: bool,
+) -> Result<(Vec<LlDispatchOut>, Vec<Vec<u16>>)> {
+    let p = ll_params(cfg, use_fp8, round_scale);
+    let rin: Vec<refm::LlRankInput> =
+        inputs.iter().map(|i| refm::LlRankInput { x: &i.x, topk_idx: &i.topk_idx }).collect();
+    let d = refm::ll_dispatch(&p, &rin)?;
+    let ys: Vec<Vec<u16>> = d
+        .iter()
+        .map(|o| ll_combine_input(&o.recv_x, &o.recv_count, cfg.hidden))
+        .collect::<Result<_>>()?;
+    let cin: Vec<refm::LlCombineInput> = inputs
+        .iter()
+        .zip(&ys)
+        .map(|(i, y)| refm::LlCombineInput {
+            x: y,
+            topk_idx: &i.topk_idx,
+            topk_weights: &i.topk_weights,
+        })
+        .collect();
+    let c = refm::ll_combine(&p, &d, &cin)?;
+    Ok((d, c))
+}
+
+/// Compares an LL dispatch result with the reference: counts, ranges, and per valid row the
+/// payload (bf16 bits or fp8 bytes + scales) and source info; with `full`, the padding rows
+/// too (zero / -1). The error names the rank, expert and row.
+pub fn check_ll_dispatch(
+    rank: usize,
+    got: &LlDispatchOutput,
+    want: &LlDispatchOut,
+    hidden: usize,
+    full: bool,
+) -> Result<()> {
+    let bad = |what: String| {
+        Err(Error::Other(format!(
+            "rank {rank}: low-latency dispatch {what} differs from the reference"
+        )))
+    };
+    if got.recv_count != want.recv_count {
+        return bad(format!("recv_count ({:?} vs {:?})", got.recv_count, want.recv_count));
+    }
+    if got.layout_range != want.layout_range {
+        return bad("layout_range".into());
+    }
+    if full {
+        if got.recv_x != want.recv_x {
+            return bad("recv_x".into());
+        }
+        if got.recv_src_rank != want.recv_src_rank || got.recv_src_idx != want.recv_src_idx {
+            return bad("source info".into());
+        }
+        return Ok(());
+    }
+    let l = got.recv_count.len().max(1);
+    let s_rows = got.recv_src_rank.len() / l;
+    let g = hidden / 128;
+    for (e, &c) in got.recv_count.iter().enumerate() {
+        for i in 0..c as usize {
+            let o = e * s_rows + i;
+            let same = match (&got.recv_x, &want.recv_x) {
+                (OwnedTokens::Bf16(a), OwnedTokens::Bf16(b)) => {
+                    a[o * hidden..(o + 1) * hidden] == b[o * hidden..(o + 1) * hidden]
+                }
+                (OwnedTokens::Fp8 { x: a, scales: sa }, OwnedTokens::Fp8 { x: b, scales: sb }) => {
+                    a[o * hidden..(o + 1) * hidden] == b[o * hidden..(o + 1) * hidden]
+                        && sa[o * g..(o + 1) * g] == sb[o * g..(o + 1) * g]
+                }
+                _ => false,
+            };
+            if !same {
+                return bad(format!("recv_x (local expert {e}, row {i})"));
+            }
+            if got.recv_src_rank[o] != want.recv_src_rank[o]
+                || got.recv_src_idx[o] != want.recv_src_idx[o]
+            {
+                return bad(format!("source info (local expert {e}, row {i})"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Timings of [`run_low_latency`] on this rank, seconds per timed iteration.
+#[derive(Clone, Debug, Default)]
+pub struct LlBenchReport {
+    pub dispatch_s: Vec<f64>,
+    pub combine_s: Vec<f64>,
+    /// With `return_recv_hook`: send + hook completion, back to back.
+    pub dispatch_hook_s: Vec<f64>,
+    pub combine_hook_s: Vec<f64>,
+    /// Bytes of the tokens this rank sends in dispatch (payload + fp8 scales, once per
+    /// selected expert), DeepEP's LL definition.
+    pub dispatch_bytes: u64,
+    /// Bytes of the bf16 rows this rank receives in combine (once per selected expert).
+    pub combine_bytes: u64,
+}
+
+impl LlBenchReport {
+    /// `(GB/s at the median, median us, p99 us)`.
+    pub fn figures(bytes: u64, v: &[f64]) -> (f64, f64, f64) {
+        let (m, p) = median_p99_us(v);
+        (bytes as f64 / (m * 1e-6) / 1e9, m, p)
+    }
+}
+
+/// Runs `warmup + iters` LL dispatch + combine without the hook, then as many with it, on
+/// `buf` with this rank's deterministic inputs; checks every result against the reference
+/// computed from every rank's inputs (valid rows of dispatch, all of combine); times the
+/// checked iterations. Collective.
+pub fn run_low_latency(buf: &mut Buffer, p: &LlBenchParams) -> Result<LlBenchReport> {
+    let cfg = buf.config().clone();
+    let rank = cfg.rank;
+    let inputs: Vec<LlRankInputs> =
+        (0..cfg.num_ranks).map(|r| ll_rank_inputs(&cfg, p, r)).collect::<Result<_>>()?;
+    let (want_d, want_c) = ll_reference(&cfg, &inputs, p.use_fp8, p.round_scale)?;
+    let me = &inputs[rank];
+    let rows = me.topk_idx.iter().filter(|&&g| g >= 0).count() as u64;
+    let token_bytes = if p.use_fp8 {
+        DispatchDtype::Fp8E4m3.token_bytes(cfg.hidden as u64)
+    } else {
+        DispatchDtype::Bf16.token_bytes(cfg.hidden as u64)
+    };
+    let mut rep = LlBenchReport {
+        dispatch_bytes: rows * token_bytes,
+        combine_bytes: rows * 2 * cfg.hidden as u64,
+        ..LlBenchReport::default()
+    };
+    let mut y: Option<Vec<u16>> = None;
+    for hook in [false, true] {
+        for it in 0..p.warmup + p.iters {
+            let t0 = Instant::now();
+            let d = buf
+                .low_latency_dispatch(&LlDispatchArgs {
+                    x: &me.x,
+                    topk_idx: &me.topk_idx,
+                    use_fp8: p.use_fp8,
+                    round_scale: p.round_scale,
+                    return_recv_hook: hook,
+                })?
+                .complete(buf)?;
+            let td = t0.elapsed().as_secs_f64();
+            check_ll_dispatch(rank, &d, &want_d[rank], cfg.hidden, false)?;
+            // The expert outputs are the same every iteration (checked above): convert once.
+            let x = match &y {
+                Some(x) => x,
+                None => y.insert(ll_combine_input(&d.recv_x, &d.recv_count, cfg.hidden)?),
+            };
+            let t1 = Instant::now();
+            let c = buf
+                .low_latency_combine(&LlCombineArgs {
+                    x,
+                    topk_idx: &me.topk_idx,
+                    topk_weights: &me.topk_weights,
+                    handle: &d.handle,
+                    return_recv_hook: hook,
+                })?
+                .complete(buf)?;
+            let tc = t1.elapsed().as_secs_f64();
+            if c.combined_x != want_c[rank] {
+                return Err(Error::Other(format!(
+                    "rank {rank}: low-latency combine differs from the reference (iteration {it}, hook {hook})"
+                )));
+            }
+            if it >= p.warmup {
+                let (ds, cs) = if hook {
+                    (&mut rep.dispatch_hook_s, &mut rep.combine_hook_s)
+                } else {
+                    (&mut rep.dispatch_s, &mut rep.combine_s)
+                };
+                ds.push(td);
+                cs.push(tc);
+            }
+        }
+    }
+    Ok(rep)
+}

@@ -2,5 +2,6 @@
 
 pub mod fabric;
 pub mod plan;
+pub mod report;
 pub mod stats;
 pub mod ep;

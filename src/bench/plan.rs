@@ -60,7 +60,7 @@ pub fn plan_table(
         "bytes/peer"
     );
     for &r in ranks {
-        let s = cluster_sizing(&ClusterParams {
+        let sizing = cluster_sizing(&ClusterParams {
             num_ranks: r,
             num_experts,
             hidden,
@@ -71,7 +71,14 @@ pub fn plan_table(
             chunk_tokens,
             slots_per_peer,
             max_region_bytes,
-        })?;
+        });
+        let s = match sizing {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = writeln!(out, "{r:>6} | not a valid setting: {e}");
+                continue;
+            }
+        };
         let _ = writeln!(
             out,
             "{:>6} | {:>10} {:>7} {:>9} {:>12} | {:>10} {:>7} {:>7} {:>12}",
@@ -104,7 +111,10 @@ mod tests {
         let t = plan_table(&[8, 64, 1024, 4096], 4096, 7168, 8, true, 4096, 128, 16, 2, 1 << 30)
             .unwrap();
         assert_eq!(t.lines().count(), 2 + 4 + 1, "{t}");
-        assert!(t.contains("  4096 |"), "{t}");
+        assert!(t.contains("  4096 |") && !t.contains("not a valid"), "{t}");
+        // 256 experts cannot spread over 1024 ranks: that row says so, the others still print.
+        let t = plan_table(&[8, 1024], 256, 7168, 8, true, 4096, 128, 64, 4, 1 << 30).unwrap();
+        assert!(t.contains("  1024 | not a valid setting") && t.contains("     8 | "), "{t}");
         assert_eq!(bytes(1536.0), "1.5 KiB");
     }
 }

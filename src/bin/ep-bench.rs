@@ -35,21 +35,21 @@ struct Common {
     #[arg(long, default_value_t = 60, global = true)]
     timeout: u64,
     /// EP mode (normal / low-latency dispatch+combine).
-    #[arg(long, value_enum, default_value_t = Mode::Both)]
+    #[arg(long, value_enum, default_value_t = Mode::Both, global = true)]
     mode: Mode,
     /// gpu | host (default: gpu when one is present, else host).
-    #[arg(long, value_enum)]
+    #[arg(long, value_enum, global = true)]
     backend: Option<Backend>,
-    #[arg(long)]
+    #[arg(long, global = true)]
     tokens: Option<usize>,
-    #[arg(long, default_value_t = 7168)]
+    #[arg(long, default_value_t = 7168, global = true)]
     hidden: usize,
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, global = true)]
     topk: usize,
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, global = true)]
     experts: usize,
     /// FP8 dispatch (e4m3, one fp32 scale per 128 channels).
-    #[arg(long)]
+    #[arg(long, global = true)]
     fp8: bool,
     #[arg(long, default_value_t = 20, global = true)]
     iters: usize,
@@ -71,6 +71,25 @@ enum Cmd {
         /// Skip fi_pingpong.
         #[arg(long)]
         no_pingpong: bool,
+    },
+    /// Buffer bytes, memory regions, messages per step and bytes per peer for a setting at each
+    /// rank count (no communication): size a cluster before renting it.
+    Plan {
+        /// Rank counts to tabulate.
+        #[arg(long = "at", value_delimiter = ',', default_values_t = [8u64, 16, 32, 64, 128, 256])]
+        at: Vec<u64>,
+        /// Normal-mode chunk tokens (one RMA write).
+        #[arg(long, default_value_t = 64)]
+        chunk_tokens: u64,
+        /// Normal-mode chunk slots per peer queue.
+        #[arg(long, default_value_t = 4)]
+        slots_per_peer: u64,
+        /// Low-latency tokens per rank.
+        #[arg(long, default_value_t = 128)]
+        ll_tokens: u64,
+        /// Largest memory region the provider takes, bytes.
+        #[arg(long, default_value_t = 1 << 30)]
+        max_region: u64,
     },
     /// All-to-all of RMA writes with immediate data between all ranks, every byte checked.
     Selftest {
@@ -116,7 +135,27 @@ fn in_job() -> bool {
 fn main() -> ExitCode {
     adopt_mpi_env();
     let cli = Cli::parse();
-    let res = if in_job() { run_rank(&cli) } else { launch(&cli) };
+    let res = match &cli.cmd {
+        Some(Cmd::Plan { at, chunk_tokens, slots_per_peer, ll_tokens, max_region }) => {
+            let c = &cli.common;
+            fabric_ep::bench::plan::plan_table(
+                at,
+                c.experts as u64,
+                c.hidden as u64,
+                c.topk as u64,
+                c.fp8,
+                c.tokens.unwrap_or(4096) as u64,
+                *ll_tokens,
+                *chunk_tokens,
+                *slots_per_peer,
+                *max_region,
+            )
+            .map(|t| print!("{t}"))
+            .map_err(|e| e.into())
+        }
+        _ if in_job() => run_rank(&cli),
+        _ => launch(&cli),
+    };
     match res {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -199,20 +238,22 @@ fn run_rank(cli: &Cli) -> AnyResult<()> {
                 );
             }
         }
+        Some(Cmd::Plan { .. }) => return Err("`plan` runs without ranks: do not launch it as a job".into()),
         None => {
-            if c.mode == Mode::LowLatency {
-                return Err("--mode low-latency is not built yet in this version; \
-                            --mode normal, `ep-bench fabric` and `ep-bench selftest` are"
-                    .into());
+            let boot: std::sync::Arc<dyn Bootstrap> = std::sync::Arc::new(boot);
+            if c.mode != Mode::LowLatency {
+                run_normal_rank(c, boot.clone())?;
             }
-            run_normal_rank(c, boot)?;
+            if c.mode != Mode::Normal {
+                run_ll_rank(c, boot)?;
+            }
         }
     }
     Ok(())
 }
 
 /// `--mode normal` (and the normal half of `--mode both`) on this rank.
-fn run_normal_rank(c: &Common, boot: TcpStore) -> AnyResult<()> {
+fn run_normal_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult<()> {
     use fabric_ep::bench::ep::{run_normal, NormalBenchParams};
     use fabric_ep::ep::buffer::{Buffer, BufferOptions};
     use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
@@ -229,7 +270,6 @@ fn run_normal_rank(c: &Common, boot: TcpStore) -> AnyResult<()> {
         s.dispatch_dtype = DispatchDtype::Fp8E4m3;
     }
     let cfg = EpConfig::new(s)?;
-    let boot: std::sync::Arc<dyn Bootstrap> = std::sync::Arc::new(boot);
     let mut buf = Buffer::new(cfg.clone(), boot.clone(), BufferOptions::host(&c.provider))?;
     let p = NormalBenchParams {
         num_tokens: c.tokens.unwrap_or(512),
@@ -270,9 +310,74 @@ fn run_normal_rank(c: &Common, boot: TcpStore) -> AnyResult<()> {
             "GB/s = bytes of the tokens rank 0 sends (dispatch) / receives (combine) per second \
              (DeepEP's definition), at the median time"
         );
-        if c.mode == Mode::Both {
-            println!("low-latency mode: not built yet in this version (skipped)");
+    }
+    Ok(())
+}
+
+/// `--mode low-latency` (and the low-latency half of `--mode both`) on this rank: every rank
+/// with `--tokens` (= max tokens per rank, default 128) tokens, each result checked against the
+/// reference; rows of the same table as normal mode.
+fn run_ll_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult<()> {
+    use fabric_ep::bench::ep::{run_low_latency, LlBenchParams, LlBenchReport};
+    use fabric_ep::ep::buffer::{Buffer, BufferOptions};
+    use fabric_ep::ep::config::{EpConfig, EpSettings};
+    if c.backend == Some(Backend::Gpu) {
+        return Err("--backend gpu: the GPU low-latency kernels are not available yet; \
+                    use --backend host"
+            .into());
+    }
+    let (rank, world) = (boot.rank(), boot.world_size());
+    let m = c.tokens.unwrap_or(128);
+    let mut s = EpSettings::new(rank, world, c.experts, c.hidden, c.topk);
+    s.ranks_per_node = c.ranks_per_node.unwrap_or(world).min(world);
+    s.timeout = Duration::from_secs(c.timeout);
+    s.max_tokens_per_rank = m;
+    let cfg = EpConfig::new(s)?;
+    let mut buf = Buffer::new(cfg.clone(), boot, BufferOptions::host(&c.provider))?;
+    let p = LlBenchParams {
+        tokens: vec![m],
+        seed: 0x11ed,
+        drop_pct: 5,
+        use_fp8: c.fp8,
+        round_scale: false,
+        iters: c.iters.max(1),
+        warmup: 2,
+    };
+    let rep = run_low_latency(&mut buf, &p)?;
+    buf.destroy()?;
+    if rank == 0 {
+        println!(
+            "ep-bench low-latency (host backend): {world} ranks, {} per node, provider {}, \
+             {m} tokens per rank (= max), hidden {}, top-{} of {} experts, {} dispatch / bf16 \
+             combine, {} iters (+{} warm-up) without and with the recv hook, every result \
+             checked against the reference",
+            cfg.ranks_per_node,
+            c.provider,
+            cfg.hidden,
+            cfg.num_topk,
+            cfg.num_experts,
+            if c.fp8 { "fp8" } else { "bf16" },
+            p.iters,
+            p.warmup
+        );
+        let rows = [
+            ("ll dispatch:", rep.dispatch_bytes, &rep.dispatch_s, "sent"),
+            ("ll dispatch+hook:", rep.dispatch_bytes, &rep.dispatch_hook_s, "sent"),
+            ("ll combine:", rep.combine_bytes, &rep.combine_s, "received"),
+            ("ll combine+hook:", rep.combine_bytes, &rep.combine_hook_s, "received"),
+        ];
+        for (name, bytes, v, dir) in rows {
+            let (g, med, p99) = LlBenchReport::figures(bytes, v);
+            println!(
+                "{name:<17} {g:>8.3} GB/s  median {med:>10.1} us  p99 {p99:>10.1} us  \
+                 ({bytes} bytes {dir})"
+            );
         }
+        println!(
+            "ll GB/s = bytes of the rows rank 0 sends (dispatch, once per selected expert, \
+             payload + fp8 scales) / receives (combine, bf16) per second at the median; \
+             +hook = send, then hook completion, back to back"
+        );
     }
     Ok(())
 }

@@ -236,3 +236,60 @@ pub unsafe fn ll_combine_recv(
     ll_cfg_check(cfg, "fep_ll_combine_recv")?;
     launch(stream, Kernel::LlCombineRecv, cfg, &p)
 }
+
+/// `fep_normal_notify` (kernels/normal_notify.cu): one block of `FEP_NORMAL_NOTIFY_THREADS` per
+/// rank. `ep::normal_gpu` fills the params and checks the buffer sizes.
+///
+/// # Safety
+/// Every address in `p` (comm buffers of all peers, handle, layout outputs) is live and sized as
+/// `fep_abi.h` documents until the launch completes; the peers' kernels run concurrently.
+pub unsafe fn normal_notify(stream: &Stream, p: abi::fep_normal_notify_params) -> CudaResult<()> {
+    let cfg = LaunchConfig {
+        grid: p.comm.num_ranks,
+        block: abi::FEP_NORMAL_NOTIFY_THREADS,
+        shared_bytes: 0,
+    };
+    launch(stream, Kernel::NormalNotify, cfg, &p)
+}
+
+/// `fep_normal_dispatch` (kernels/normal_dispatch.cu): `grid` blocks (the SM budget, at least
+/// 2 x num_ranks) of `FEP_NORMAL_THREADS`.
+///
+/// # Safety
+/// As [`normal_notify`]; plus the inputs and outputs in `p`.
+pub unsafe fn normal_dispatch(
+    stream: &Stream,
+    grid: u32,
+    p: abi::fep_normal_dispatch_params,
+) -> CudaResult<()> {
+    check_normal_grid(grid, p.comm.num_ranks)?;
+    let cfg = LaunchConfig { grid, block: abi::FEP_NORMAL_THREADS, shared_bytes: 0 };
+    launch(stream, Kernel::NormalDispatch, cfg, &p)
+}
+
+/// `fep_normal_combine` (kernels/normal_combine.cu): as [`normal_dispatch`].
+///
+/// # Safety
+/// As [`normal_dispatch`].
+pub unsafe fn normal_combine(
+    stream: &Stream,
+    grid: u32,
+    p: abi::fep_normal_combine_params,
+) -> CudaResult<()> {
+    check_normal_grid(grid, p.comm.num_ranks)?;
+    let cfg = LaunchConfig { grid, block: abi::FEP_NORMAL_THREADS, shared_bytes: 0 };
+    launch(stream, Kernel::NormalCombine, cfg, &p)
+}
+
+fn check_normal_grid(grid: u32, num_ranks: u32) -> CudaResult<()> {
+    if num_ranks == 0 || num_ranks > abi::FEP_NORMAL_MAX_RANKS || grid < 2 * num_ranks {
+        return Err(CudaError::InvalidArgument {
+            arg: "grid",
+            msg: format!(
+                "{grid} blocks for {num_ranks} ranks: needs 2 x num_ranks blocks, ranks <= {}",
+                abi::FEP_NORMAL_MAX_RANKS
+            ),
+        });
+    }
+    Ok(())
+}

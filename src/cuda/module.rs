@@ -28,10 +28,13 @@ pub enum Kernel {
     LlDispatchRecv,
     LlCombineSend,
     LlCombineRecv,
+    NormalNotify,
+    NormalDispatch,
+    NormalCombine,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 10] = [
+    pub const ALL: [Kernel; 13] = [
         Kernel::DispatchLayout,
         Kernel::DispatchLayoutCluster,
         Kernel::WaitTest,
@@ -42,6 +45,9 @@ impl Kernel {
         Kernel::LlDispatchRecv,
         Kernel::LlCombineSend,
         Kernel::LlCombineRecv,
+        Kernel::NormalNotify,
+        Kernel::NormalDispatch,
+        Kernel::NormalCombine,
     ];
 
     /// The `extern "C"` symbol in kernels/*.cu.
@@ -57,6 +63,9 @@ impl Kernel {
             Kernel::LlDispatchRecv => "fep_ll_dispatch_recv",
             Kernel::LlCombineSend => "fep_ll_combine_send",
             Kernel::LlCombineRecv => "fep_ll_combine_recv",
+            Kernel::NormalNotify => "fep_normal_notify",
+            Kernel::NormalDispatch => "fep_normal_dispatch",
+            Kernel::NormalCombine => "fep_normal_combine",
         }
     }
 }

@@ -30,11 +30,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::config::{DispatchDtype, EpConfig};
-use super::handle::DispatchHandle;
+use super::handle::{DispatchHandle, LlHandle};
+use super::host::ll::{LlComm, LlFabricHold, LlGeometry, LlLane, LlPhase};
 use super::host::{Geometry, HostComm, StepCounts};
 use super::layout::{dispatch_layout, Layout};
-use super::plan::{self, NotifyRecord, Phase, RecordFields, RecvPlan, SendPlan, FP8_GROUP};
-use super::quant::{bf16_to_f32, f32_to_bf16};
+use super::plan::{
+    self, LlArea, LlLayout, LlRecvLayout, LlSendPlan, NotifyRecord, Phase, RecordFields,
+    RecordLayout, RecvPlan, SendPlan, FP8_GROUP,
+};
+use super::quant::{bf16_to_f32, f32_to_bf16, quantize_row_bf16};
 use crate::bootstrap::Bootstrap;
 use crate::fabric::{FiAddr, InfoQuery, MemKind, MemoryRegion, RemoteRegion, Stack};
 use crate::proxy::{
@@ -78,6 +82,9 @@ pub struct BufferOptions {
     pub timeout: Option<Duration>,
     /// Command ring entries (the writes one rank may have queued to its proxy).
     pub ring_capacity: u32,
+    /// Low-latency mode over [`TransportKind::Loopback`]: the in-process group of the LL lane
+    /// (build it with [`Buffer::ll_loopback_group`]); unused over libfabric.
+    pub ll_loopback: Option<LoopbackGroup>,
 }
 
 impl BufferOptions {
@@ -89,12 +96,19 @@ impl BufferOptions {
             transport: TransportKind::Fabric,
             timeout: None,
             ring_capacity: 1024,
+            ll_loopback: None,
         }
     }
 
     /// Host backend over an in-process loopback group.
     pub fn loopback(group: LoopbackGroup) -> Self {
         BufferOptions { transport: TransportKind::Loopback(group), ..Self::host("loopback") }
+    }
+
+    /// Adds the low-latency lane's loopback group (see [`Buffer::ll_loopback_group`]).
+    pub fn with_ll_loopback(mut self, group: LoopbackGroup) -> Self {
+        self.ll_loopback = Some(group);
+        self
     }
 }
 
@@ -206,6 +220,10 @@ pub struct Buffer {
     fabric: Option<FabricHold>,
     _mem: (Arc<SharedRegion>, Arc<SharedRegion>),
     poisoned: Option<String>,
+    /// The low-latency lane, connected by the first LL call (its own ring, proxy, transport
+    /// and registered buffer; normal-mode users never pay for it).
+    ll: Option<LlLane>,
+    opts: BufferOptions,
 }
 
 impl std::fmt::Debug for Buffer {
@@ -285,6 +303,7 @@ impl Buffer {
         };
         let hash = cfg.hash();
         let id = NEXT_BUFFER_ID.fetch_add(1, Ordering::Relaxed);
+        let opts_kept = opts.clone();
         let (geo, send, recv, proxy, fabric) = match &opts.transport {
             TransportKind::Loopback(group) => {
                 let geo = geometry(&cfg, LOOPBACK_STRIDE)?;
@@ -369,7 +388,17 @@ impl Buffer {
         boot.barrier()?;
         let producer = rings.producer(0)?;
         let comm = HostComm::new(rank, geo, timeout, producer, proxy, send.clone(), recv.clone());
-        Ok(Buffer { cfg, id, boot, comm: Some(comm), fabric, _mem: (send, recv), poisoned: None })
+        Ok(Buffer {
+            cfg,
+            id,
+            boot,
+            comm: Some(comm),
+            fabric,
+            _mem: (send, recv),
+            poisoned: None,
+            ll: None,
+            opts: opts_kept,
+        })
     }
 
     /// The config this buffer was built from.
@@ -398,6 +427,7 @@ impl Buffer {
     }
 
     fn teardown(&mut self) {
+        self.ll.take();
         self.comm.take();
         self.fabric.take();
     }
@@ -879,4 +909,772 @@ fn check_layout(l: &Layout, t: usize, r: usize, e: usize) -> Result<()> {
         }
     }
     Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Low-latency mode
+// ---------------------------------------------------------------------------------------------
+
+/// Arguments of a low-latency dispatch (DeepEP V1 `low_latency_dispatch`). Shapes: `T` = tokens
+/// on this rank (`<= max_tokens_per_rank`, may differ per rank), `H` = hidden, `K` = top-k.
+#[derive(Clone, Copy, Debug)]
+pub struct LlDispatchArgs<'a> {
+    /// `x [T, H]` bf16 bits.
+    pub x: &'a [u16],
+    /// `[T, K]` global expert ids, -1 = none, an expert at most once per token.
+    pub topk_idx: &'a [i64],
+    /// Cast to e4m3 with one f32 scale per 128 channels (needs `H % 128 == 0`).
+    pub use_fp8: bool,
+    /// Power-of-two fp8 scales (DeepEP's `round_scale`).
+    pub round_scale: bool,
+    /// Return once the sends are issued; [`LlDispatchHook::complete`] does the receive.
+    pub return_recv_hook: bool,
+}
+
+/// Result of a low-latency dispatch. `S = num_ranks * max_tokens_per_rank`, `L` local experts.
+/// For local expert `e`, rows from source rank 0 come first, then rank 1, ..., each source's
+/// rows in its token order; rows past `recv_count[e]` are zero (-1 in the source info).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlDispatchOutput {
+    /// `[L, S, H]` bf16, or e4m3 `[L, S, H]` plus `scales [L, S, H / 128]`.
+    pub recv_x: OwnedTokens,
+    /// `[L]` rows received per local expert.
+    pub recv_count: Vec<u32>,
+    /// `[L, S]` source rank of each row.
+    pub recv_src_rank: Vec<i32>,
+    /// `[L, S]` token index on the source of each row.
+    pub recv_src_idx: Vec<i32>,
+    /// `[L, R]` `(begin, count)` of each source's rows within `recv_x[e]`.
+    pub layout_range: Vec<(u32, u32)>,
+    pub handle: LlHandle,
+}
+
+/// A low-latency dispatch whose receive is still to be done (`return_recv_hook`).
+#[must_use = "complete the hook: the buffer set stays reserved until then"]
+#[derive(Debug)]
+pub struct LlDispatchHook {
+    buffer_id: u64,
+    generation: u64,
+    call: u64,
+    set: u64,
+    use_fp8: bool,
+    handle: LlHandle,
+}
+
+impl LlDispatchHook {
+    /// Completes the receive (bounded wait for every rank's messages) and returns the result,
+    /// equal to what the same dispatch without a hook returns.
+    pub fn complete(self, buf: &mut Buffer) -> Result<LlDispatchOutput> {
+        buf.ll_take_pending(self.buffer_id, self.generation, self.set, self.call)?;
+        buf.ll_dispatch_recv(self.set, self.use_fp8, self.handle)
+    }
+}
+
+/// What [`Buffer::low_latency_dispatch`] returns: the result, or a hook that completes it.
+#[derive(Debug)]
+pub enum LlDispatchOutcome {
+    Received(LlDispatchOutput),
+    Hook(LlDispatchHook),
+}
+
+impl LlDispatchOutcome {
+    /// The result, completing the hook first if there is one.
+    pub fn complete(self, buf: &mut Buffer) -> Result<LlDispatchOutput> {
+        match self {
+            LlDispatchOutcome::Received(o) => Ok(o),
+            LlDispatchOutcome::Hook(h) => h.complete(buf),
+        }
+    }
+}
+
+/// Arguments of a low-latency combine (DeepEP V1 `low_latency_combine`).
+#[derive(Clone, Copy, Debug)]
+pub struct LlCombineArgs<'a> {
+    /// `[L, S, H]` bf16 expert outputs, rows as the dispatch delivered them (rows past the
+    /// counts are ignored).
+    pub x: &'a [u16],
+    /// `[T, K]` the ids passed to the dispatch; an entry may be -1 where the dispatch had an
+    /// expert (that expert's answer is then left out of the sum).
+    pub topk_idx: &'a [i64],
+    /// `[T, K]` weights.
+    pub topk_weights: &'a [f32],
+    pub handle: &'a LlHandle,
+    /// Return once the sends are issued; [`LlCombineHook::complete`] does the receive.
+    pub return_recv_hook: bool,
+}
+
+/// Result of a low-latency combine.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlCombineOutput {
+    /// `[T, H]` bf16: per token, `acc = fma(y_k, w_k, acc)` over its non-masked experts in `k`
+    /// order, fp32, rounded once (bit-identical to `reference::ll_combine`).
+    pub combined_x: Vec<u16>,
+}
+
+/// A low-latency combine whose receive is still to be done (`return_recv_hook`).
+#[must_use = "complete the hook: the buffer set stays reserved until then"]
+#[derive(Debug)]
+pub struct LlCombineHook {
+    buffer_id: u64,
+    generation: u64,
+    call: u64,
+    set: u64,
+    num_tokens: usize,
+    topk_idx: Vec<i64>,
+    topk_weights: Vec<f32>,
+    pos: Vec<i32>,
+    count_per_expert: Vec<u32>,
+}
+
+impl LlCombineHook {
+    /// Completes the receive and the weighted sum.
+    pub fn complete(self, buf: &mut Buffer) -> Result<LlCombineOutput> {
+        buf.ll_take_pending(self.buffer_id, self.generation, self.set, self.call)?;
+        buf.ll_combine_recv(&self)
+    }
+}
+
+/// What [`Buffer::low_latency_combine`] returns: the result, or a hook that completes it.
+#[derive(Debug)]
+pub enum LlCombineOutcome {
+    Received(LlCombineOutput),
+    Hook(LlCombineHook),
+}
+
+impl LlCombineOutcome {
+    /// The result, completing the hook first if there is one.
+    pub fn complete(self, buf: &mut Buffer) -> Result<LlCombineOutput> {
+        match self {
+            LlCombineOutcome::Received(o) => Ok(o),
+            LlCombineOutcome::Hook(h) => h.complete(buf),
+        }
+    }
+}
+
+fn ll_layout_bf16(cfg: &EpConfig) -> Result<LlLayout> {
+    // NOTES: the LL buffer is sized for bf16 dispatch records whatever the config's dtype: they
+    // are the largest record, so an fp8 dispatch (chosen per call, `use_fp8`) fits the same units.
+    LlLayout::from_parts(
+        cfg.num_ranks as u64,
+        cfg.num_experts as u64,
+        cfg.hidden as u64,
+        DispatchDtype::Bf16,
+        cfg.max_tokens_per_rank as u64,
+    )
+}
+
+impl Buffer {
+    /// A loopback group for the low-latency lane of `num_ranks` in-process ranks (pass it with
+    /// [`BufferOptions::with_ll_loopback`]).
+    pub fn ll_loopback_group(cfg: &EpConfig, opts: LoopbackOptions) -> Result<LoopbackGroup> {
+        let bytes = LlGeometry::new(ll_layout_bf16(cfg)?, LOOPBACK_STRIDE)?.bytes as usize;
+        Ok(LoopbackGroup::host(cfg.num_ranks as u32, bytes, bytes, opts)?)
+    }
+
+    /// DeepEP's `get_low_latency_rdma_size_hint`: bytes of the LL buffer one rank registers
+    /// (both sets; fixed by max_tokens_per_rank, hidden, ranks and experts).
+    pub fn low_latency_buffer_bytes(cfg: &EpConfig) -> Result<u64> {
+        Ok(ll_layout_bf16(cfg)?.total_bytes())
+    }
+
+    /// Connects the LL lane (collective; the first LL call of every rank does it).
+    fn ll_connect(&mut self) -> Result<LlLane> {
+        let cfg = &self.cfg;
+        let (rank, r) = (cfg.rank, cfg.num_ranks);
+        let layout = ll_layout_bf16(cfg)?;
+        let timeout = self.opts.timeout.unwrap_or(cfg.timeout);
+        let rings = RingMemory::new_host(RingLayout::new(1, self.opts.ring_capacity)?)?;
+        let counters = CounterMemory::new_host(CounterLayout {
+            num_slots: LlComm::num_slots(&layout)?,
+            num_rings: 1,
+        })?;
+        let pcfg = ProxyConfig {
+            rank: rank as u32,
+            value_bits: plan::IMM_VALUE_BITS,
+            ..ProxyConfig::default()
+        };
+        let (geo, send, recv, proxy, fabric) = match &self.opts.transport {
+            TransportKind::Loopback(_) => {
+                let group = self.opts.ll_loopback.clone().ok_or_else(|| {
+                    Error::arg(
+                        "transport",
+                        "low-latency mode over loopback needs BufferOptions::with_ll_loopback(\
+                         Buffer::ll_loopback_group(..))",
+                    )
+                })?;
+                let geo = LlGeometry::new(layout, LOOPBACK_STRIDE)?;
+                if group.num_ranks() as usize != r {
+                    return Err(Error::arg(
+                        "ll_loopback",
+                        format!("group of {} ranks, config has {r}", group.num_ranks()),
+                    ));
+                }
+                let send = group.send_region(rank as u32)?.clone();
+                let recv = group.recv_region(rank as u32)?.clone();
+                if (send.len() as u64) < geo.bytes || (recv.len() as u64) < geo.bytes {
+                    return Err(Error::arg(
+                        "ll_loopback",
+                        format!(
+                            "regions of {} bytes, the LL buffer needs {} \
+                             (build it with Buffer::ll_loopback_group)",
+                            send.len().min(recv.len()),
+                            geo.bytes
+                        ),
+                    ));
+                }
+                self.boot.barrier()?;
+                let transport = group.transport(rank as u32)?;
+                let proxy = Proxy::start(pcfg, rings.clone(), counters, vec![transport])?;
+                (geo, send, recv, proxy, None)
+            }
+            TransportKind::Fabric => {
+                let stack = Stack::open(&InfoQuery::provider(&self.opts.provider), r)?;
+                let stride = stack.info.max_region_bytes().max(4096) as u64;
+                let geo = LlGeometry::new(layout, stride)?;
+                // One region holds send and receive areas; the NIC reads and writes disjoint
+                // units of it (LlLayout's areas).
+                let mem = Arc::new(SharedRegion::alloc_host(geo.bytes as usize)?);
+                // SAFETY: the region is kept alive by `LlLane::_mem`, which drops after the
+                // proxy (whose transport posts writes naming it) and after the registration.
+                let mr =
+                    Arc::new(unsafe { stack.register(mem.as_ptr(), mem.len(), MemKind::Host)? });
+                let name = stack.ep.name()?;
+                let mut blob = (name.len() as u32).to_le_bytes().to_vec();
+                blob.extend_from_slice(&name);
+                blob.extend_from_slice(&mr.remote().to_bytes());
+                let all = self.boot.all_gather(&blob)?;
+                let mut names = Vec::with_capacity(r);
+                let mut regions: Vec<RemoteRegion> = Vec::with_capacity(r);
+                for (peer, b) in all.iter().enumerate() {
+                    let bad = || blob_err(rank, peer, b.len());
+                    let n = u32::from_le_bytes(
+                        b.get(0..4).ok_or_else(bad)?.try_into().map_err(|_| bad())?,
+                    ) as usize;
+                    names.push(b.get(4..4 + n).ok_or_else(bad)?.to_vec());
+                    let region = RemoteRegion::from_bytes(b.get(4 + n..).ok_or_else(bad)?)
+                        .map_err(|_| bad())?;
+                    if region.len < geo.bytes {
+                        return Err(bad());
+                    }
+                    regions.push(region);
+                }
+                let addrs: Vec<FiAddr> = stack.connect(&names)?;
+                let peers = addrs
+                    .into_iter()
+                    .zip(regions)
+                    .map(|(addr, recv)| Some(FabricPeer { addr, recv }))
+                    .collect();
+                let transport =
+                    FabricTransport::new(rank as u32, stack.ep.clone(), mr.clone(), peers)?;
+                let proxy = Proxy::start(pcfg, rings.clone(), counters, vec![transport])?;
+                (geo, mem.clone(), mem, proxy, Some(LlFabricHold { _mr: mr, _stack: stack }))
+            }
+        };
+        // Every rank's LL proxy runs and every LL region is registered before anyone writes.
+        self.boot.barrier()?;
+        let producer = rings.producer(0)?;
+        let comm = LlComm::new(rank, geo, timeout, producer, proxy, send.clone(), recv.clone());
+        Ok(LlLane { comm, _fabric: fabric, _mem: (send, recv) })
+    }
+
+    /// The LL engine, connecting it on first use; refused after a failed LL call until
+    /// [`Buffer::clean_low_latency_buffer`].
+    fn ll_comm(&mut self) -> Result<&mut LlComm> {
+        if self.comm.is_none() {
+            return Err(Error::Other("buffer destroyed".into()));
+        }
+        if self.ll.is_none() {
+            let lane = self.ll_connect()?;
+            self.ll = Some(lane);
+        }
+        let rank = self.cfg.rank;
+        let comm = &mut self.ll.as_mut().ok_or_else(|| Error::Other("no LL lane".into()))?.comm;
+        if let Some(why) = &comm.broken {
+            return Err(Error::Other(format!(
+                "rank {rank}: low-latency buffer unusable after an earlier failure ({why}); \
+                 call clean_low_latency_buffer on every rank"
+            )));
+        }
+        Ok(comm)
+    }
+
+    fn ll_fail(&mut self, e: Error) -> Error {
+        if let Some(lane) = self.ll.as_mut() {
+            lane.comm.broken = Some(e.to_string());
+        }
+        e
+    }
+
+    /// Checks a hook belongs here and is the outstanding receive of its set; clears it.
+    fn ll_take_pending(&mut self, id: u64, generation: u64, set: u64, call: u64) -> Result<()> {
+        if id != self.id {
+            return Err(Error::arg("hook", "made by another Buffer"));
+        }
+        let comm = self.ll_comm()?;
+        if generation != comm.generation {
+            return Err(Error::arg("hook", "made before clean_low_latency_buffer; it is void"));
+        }
+        if comm.pending[set as usize] != Some(call) {
+            return Err(Error::arg("hook", "already completed"));
+        }
+        comm.pending[set as usize] = None;
+        Ok(())
+    }
+
+    /// Reserves the buffer set of the next LL call; returns `(call, set)`.
+    fn ll_begin(&mut self) -> Result<(u64, u64)> {
+        let comm = self.ll_comm()?;
+        let call = comm.calls;
+        let set = call % plan::LL_NUM_SETS;
+        if let Some(prev) = comm.pending[set as usize] {
+            return Err(Error::arg(
+                "hook",
+                format!(
+                    "the hook of low-latency call {prev} (buffer set {set}) is not completed; \
+                     complete it before the call after next"
+                ),
+            ));
+        }
+        Ok((call, set))
+    }
+
+    /// Low-latency dispatch (DeepEP V1): one RMA write per (destination rank, destination
+    /// local expert) carrying all its rows, the row count in the immediate (an empty write
+    /// when it is 0). Collective: every rank calls it (with its own token count, the same
+    /// `use_fp8`). Arguments are checked before anything is sent ([`Error::InvalidArgument`]
+    /// naming the argument). Without `return_recv_hook` the receive completes before it
+    /// returns (bounded; a peer that never sends is named in [`Error::Timeout`]).
+    ///
+    /// Calls alternate between two buffer sets (dispatch and combine alike), so the outputs of
+    /// two calls may be alive at once. Contract (DeepEP's): a hook must be completed before
+    /// this rank's call after next, and every rank must complete call N's receive before any
+    /// rank starts call N + 2; violations are reported (`hook` argument, or
+    /// [`Error::Protocol`] naming the peer that overran the set) where they can be seen.
+    pub fn low_latency_dispatch(&mut self, args: &LlDispatchArgs<'_>) -> Result<LlDispatchOutcome> {
+        let cfg = self.cfg.clone();
+        let (h, k, m) = (cfg.hidden, cfg.num_topk, cfg.max_tokens_per_rank);
+        if args.x.len() % h != 0 {
+            return Err(Error::arg(
+                "x",
+                format!(
+                    "length {} is not a multiple of hidden {h} ([tokens, hidden])",
+                    args.x.len()
+                ),
+            ));
+        }
+        let t = args.x.len() / h;
+        if t > m {
+            return Err(Error::arg("x", format!("{t} tokens, more than max_tokens_per_rank {m}")));
+        }
+        if args.use_fp8 && h % FP8_GROUP as usize != 0 {
+            return Err(Error::arg(
+                "hidden",
+                format!("{h} is not a multiple of 128, as fp8 needs"),
+            ));
+        }
+        let layout = ll_layout_bf16(&cfg)?;
+        let plan = LlSendPlan::new(args.topk_idx, t as u64, k as u64, &layout)?;
+        let (call, set) = self.ll_begin()?;
+        let me = cfg.rank;
+        let res = (|| -> Result<()> {
+            let comm = self.ll_comm()?;
+            comm.wait_set_free(LlPhase::Dispatch, set)?;
+            let rec = RecordLayout::ll_dispatch(h as u64, dtype_of(args.use_fp8))?;
+            let rb = rec.bytes as usize;
+            let groups = h / FP8_GROUP as usize;
+            let (mut q, mut sc) = (vec![0u8; h], vec![0f32; groups]);
+            let geo = comm.geo;
+            for tok in 0..t {
+                let row = &args.x[tok * h..(tok + 1) * h];
+                let (payload, scales): (&[u8], &[f32]) = if args.use_fp8 {
+                    quantize_row_bf16(row, args.round_scale, &mut q, &mut sc)?;
+                    (&q, &sc)
+                } else {
+                    (bytemuck::cast_slice(row), &[])
+                };
+                for j in 0..k {
+                    let g = args.topk_idx[tok * k + j];
+                    if g < 0 {
+                        continue;
+                    }
+                    let p = plan.pos[tok * k + j] as usize;
+                    let off = geo.offset(set, LlArea::Send, g as u64)? + (p * rb) as u64;
+                    // SAFETY: staging of set `set` is this thread's; its previous writes (call
+                    // - 2) completed in that call's receive, which ll_begin saw finished.
+                    let out = unsafe { comm.staging(off, rb)? };
+                    let f = RecordFields {
+                        payload,
+                        scales,
+                        topk_idx: &[],
+                        topk_weights: &[],
+                        src_idx: tok as i32,
+                    };
+                    rec.write(out, &f)?;
+                }
+            }
+            let (e_count, l, r) = (cfg.num_experts, cfg.num_local_experts(), cfg.num_ranks);
+            // Destinations rotated from this rank, so ranks do not all start on rank 0.
+            for i in 0..e_count {
+                let g = (me * l + i) % e_count;
+                let (dst, e) = (g / l, g % l);
+                let count = plan.count_per_expert[g] as u64;
+                let imm = layout.imm.dispatch(set, e as u64, me as u64, count)?;
+                comm.push(
+                    LlPhase::Dispatch,
+                    set,
+                    g as u64,
+                    dst,
+                    geo.offset(set, LlArea::Send, g as u64)?,
+                    geo.offset(set, LlArea::Recv, (e * r + me) as u64)?,
+                    count * rec.bytes,
+                    imm,
+                )?;
+            }
+            comm.publish();
+            comm.calls += 1;
+            comm.pending[set as usize] = Some(call);
+            Ok(())
+        })();
+        if let Err(e) = res {
+            return Err(self.ll_fail(e));
+        }
+        let generation = self.ll.as_ref().map_or(0, |lane| lane.comm.generation);
+        let handle = LlHandle {
+            buffer_id: self.id,
+            generation,
+            num_tokens: t,
+            topk_idx: args.topk_idx.to_vec(),
+            pos: plan.pos,
+            count_per_expert: plan.count_per_expert,
+            recv: LlRecvLayout {
+                count: Vec::new(),
+                begin: Vec::new(),
+                count_per_expert: Vec::new(),
+            },
+        };
+        let hook = LlDispatchHook {
+            buffer_id: self.id,
+            generation,
+            call,
+            set,
+            use_fp8: args.use_fp8,
+            handle,
+        };
+        if args.return_recv_hook {
+            Ok(LlDispatchOutcome::Hook(hook))
+        } else {
+            Ok(LlDispatchOutcome::Received(hook.complete(self)?))
+        }
+    }
+
+    fn ll_dispatch_recv(
+        &mut self,
+        set: u64,
+        use_fp8: bool,
+        mut handle: LlHandle,
+    ) -> Result<LlDispatchOutput> {
+        let res = self.ll_dispatch_recv_inner(set, use_fp8, &mut handle);
+        match res {
+            Ok((recv_x, src_rank, src_idx)) => {
+                let r = self.cfg.num_ranks;
+                let l = self.cfg.num_local_experts();
+                let mut layout_range = Vec::with_capacity(l * r);
+                for e in 0..l {
+                    for s in 0..r {
+                        layout_range.push(handle.recv.range(e, s, r).unwrap_or((0, 0)));
+                    }
+                }
+                Ok(LlDispatchOutput {
+                    recv_x,
+                    recv_count: handle.recv.count_per_expert.clone(),
+                    recv_src_rank: src_rank,
+                    recv_src_idx: src_idx,
+                    layout_range,
+                    handle,
+                })
+            }
+            Err(e) => Err(self.ll_fail(e)),
+        }
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn ll_dispatch_recv_inner(
+        &mut self,
+        set: u64,
+        use_fp8: bool,
+        handle: &mut LlHandle,
+    ) -> Result<(OwnedTokens, Vec<i32>, Vec<i32>)> {
+        let cfg = self.cfg.clone();
+        let (h, m, r, l) =
+            (cfg.hidden, cfg.max_tokens_per_rank, cfg.num_ranks, cfg.num_local_experts());
+        let s_rows = r * m;
+        let groups = h / FP8_GROUP as usize;
+        let layout = ll_layout_bf16(&cfg)?;
+        let rec = RecordLayout::ll_dispatch(h as u64, dtype_of(use_fp8))?;
+        let rb = rec.bytes as usize;
+        let comm = self.ll_comm()?;
+        let counts = comm.wait_counts(LlPhase::Dispatch, set)?;
+        let recv = LlRecvLayout::new(cfg.rank, &counts, &layout)?;
+        let (mut xb, mut xq, mut xs) = if use_fp8 {
+            (Vec::new(), vec![0u8; l * s_rows * h], vec![0f32; l * s_rows * groups])
+        } else {
+            (vec![0u16; l * s_rows * h], Vec::new(), Vec::new())
+        };
+        let mut src_rank = vec![-1i32; l * s_rows];
+        let mut src_idx = vec![-1i32; l * s_rows];
+        for e in 0..l {
+            for src in 0..r {
+                let (begin, count) = recv.range(e, src, r).unwrap_or((0, 0));
+                if count == 0 {
+                    continue;
+                }
+                let off = comm.geo.offset(set, LlArea::Recv, (e * r + src) as u64)?;
+                // SAFETY: the block arrived (its counter was read with Acquire in wait_counts)
+                // and src writes it again only in its call two later (the set contract).
+                let block = unsafe { comm.received(off, count as usize * rb)? };
+                for (i, bytes) in block.chunks_exact(rb).enumerate() {
+                    let v = rec.read(bytes)?;
+                    let s_i = v.src_idx().unwrap_or(-1);
+                    if s_i < 0 || s_i as usize >= m {
+                        return Err(Error::Protocol {
+                            rank: cfg.rank,
+                            peer: src,
+                            phase: LlPhase::Dispatch.name(),
+                            msg: format!("row {i} of local expert {e}: source index {s_i}"),
+                        });
+                    }
+                    let o = e * s_rows + begin as usize + i;
+                    if use_fp8 {
+                        xq[o * h..(o + 1) * h].copy_from_slice(v.payload());
+                        for gi in 0..groups {
+                            xs[o * groups + gi] = v.scale(gi as u64).unwrap_or(0.0);
+                        }
+                    } else {
+                        let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut xb[o * h..(o + 1) * h]);
+                        dst.copy_from_slice(v.payload());
+                    }
+                    src_rank[o] = src as i32;
+                    src_idx[o] = s_i;
+                }
+            }
+        }
+        comm.finish_recv(LlPhase::Dispatch, set)?;
+        handle.recv = recv;
+        let recv_x =
+            if use_fp8 { OwnedTokens::Fp8 { x: xq, scales: xs } } else { OwnedTokens::Bf16(xb) };
+        Ok((recv_x, src_rank, src_idx))
+    }
+
+    /// Low-latency combine (DeepEP V1): every expert rank returns its rows to the ranks they
+    /// came from, one write per (source rank, local expert); each rank sums per token
+    /// `w_k * y_k` over its top-k in `k` order (fp32, fma), rounded to bf16 once. Collective.
+    /// Same hook and buffer-set contract as [`Buffer::low_latency_dispatch`].
+    pub fn low_latency_combine(&mut self, args: &LlCombineArgs<'_>) -> Result<LlCombineOutcome> {
+        let cfg = self.cfg.clone();
+        let (h, k, m, r, l) = (
+            cfg.hidden,
+            cfg.num_topk,
+            cfg.max_tokens_per_rank,
+            cfg.num_ranks,
+            cfg.num_local_experts(),
+        );
+        let hd = args.handle;
+        if hd.buffer_id != self.id {
+            return Err(Error::arg("handle", "made by another Buffer"));
+        }
+        let generation = self.ll.as_ref().map_or(0, |lane| lane.comm.generation);
+        if hd.generation != generation {
+            return Err(Error::arg("handle", "made before clean_low_latency_buffer; it is void"));
+        }
+        if hd.recv.count.len() != l * r {
+            return Err(Error::arg("handle", "its dispatch was not completed (complete the hook)"));
+        }
+        let s_rows = r * m;
+        if args.x.len() != l * s_rows * h {
+            return Err(Error::arg(
+                "x",
+                format!("length {}, expected [{l}, {s_rows}, {h}] bf16", args.x.len()),
+            ));
+        }
+        let t = hd.num_tokens;
+        if args.topk_idx.len() != t * k {
+            return Err(Error::arg(
+                "topk_idx",
+                format!("length {}, expected {t} * {k}", args.topk_idx.len()),
+            ));
+        }
+        for (i, (&a, &b)) in args.topk_idx.iter().zip(&hd.topk_idx).enumerate() {
+            if a != b && a != -1 {
+                return Err(Error::arg(
+                    "topk_idx",
+                    format!("token {}, k {}: expert {a}, the dispatch had {b}", i / k, i % k),
+                ));
+            }
+        }
+        if args.topk_weights.len() != t * k {
+            return Err(Error::arg(
+                "topk_weights",
+                format!("length {}, expected {t} * {k}", args.topk_weights.len()),
+            ));
+        }
+        let layout = ll_layout_bf16(&cfg)?;
+        let (call, set) = self.ll_begin()?;
+        let me = cfg.rank;
+        let res = (|| -> Result<()> {
+            let comm = self.ll_comm()?;
+            comm.wait_set_free(LlPhase::Combine, set)?;
+            let rec = layout.combine_record;
+            let rb = rec.bytes as usize;
+            let geo = comm.geo;
+            for e in 0..l {
+                for j in 0..r {
+                    let dst = (me + j) % r;
+                    let (begin, count) = hd.recv.range(e, dst, r).unwrap_or((0, 0));
+                    let unit = (e * r + dst) as u64;
+                    let local = geo.offset(set, LlArea::Send, unit)?;
+                    if count > 0 {
+                        // SAFETY: as in dispatch: this thread's staging, free since call - 2.
+                        let out = unsafe { comm.staging(local, count as usize * rb)? };
+                        for (i, o) in out.chunks_exact_mut(rb).enumerate() {
+                            let row = e * s_rows + begin as usize + i;
+                            let f = RecordFields {
+                                payload: bytemuck::cast_slice(&args.x[row * h..(row + 1) * h]),
+                                scales: &[],
+                                topk_idx: &[],
+                                topk_weights: &[],
+                                src_idx: 0,
+                            };
+                            rec.write(o, &f)?;
+                        }
+                    }
+                    let imm = layout.imm.combine(set, me as u64, e as u64, count as u64)?;
+                    comm.push(
+                        LlPhase::Combine,
+                        set,
+                        unit,
+                        dst,
+                        local,
+                        geo.offset(set, LlArea::Recv, (me * l + e) as u64)?,
+                        count as u64 * rec.bytes,
+                        imm,
+                    )?;
+                }
+            }
+            comm.publish();
+            comm.calls += 1;
+            comm.pending[set as usize] = Some(call);
+            Ok(())
+        })();
+        if let Err(e) = res {
+            return Err(self.ll_fail(e));
+        }
+        let hook = LlCombineHook {
+            buffer_id: self.id,
+            generation,
+            call,
+            set,
+            num_tokens: t,
+            topk_idx: args.topk_idx.to_vec(),
+            topk_weights: args.topk_weights.to_vec(),
+            pos: hd.pos.clone(),
+            count_per_expert: hd.count_per_expert.clone(),
+        };
+        if args.return_recv_hook {
+            Ok(LlCombineOutcome::Hook(hook))
+        } else {
+            Ok(LlCombineOutcome::Received(hook.complete(self)?))
+        }
+    }
+
+    fn ll_combine_recv(&mut self, hook: &LlCombineHook) -> Result<LlCombineOutput> {
+        let res = self.ll_combine_recv_inner(hook);
+        res.map_err(|e| self.ll_fail(e))
+    }
+
+    fn ll_combine_recv_inner(&mut self, hk: &LlCombineHook) -> Result<LlCombineOutput> {
+        let cfg = self.cfg.clone();
+        let (h, k, r, l) = (cfg.hidden, cfg.num_topk, cfg.num_ranks, cfg.num_local_experts());
+        let layout = ll_layout_bf16(&cfg)?;
+        let rb = layout.combine_record.bytes as usize;
+        let comm = self.ll_comm()?;
+        let set = hk.set;
+        let counts = comm.wait_counts(LlPhase::Combine, set)?;
+        // counts[e * R + src] = rows answered by global expert src * L + e.
+        for e in 0..l {
+            for src in 0..r {
+                let got = counts[e * r + src];
+                let want = hk.count_per_expert[src * l + e];
+                if got != want {
+                    return Err(Error::Protocol {
+                        rank: cfg.rank,
+                        peer: src,
+                        phase: LlPhase::Combine.name(),
+                        msg: format!("{got} rows back from local expert {e}, {want} were sent"),
+                    });
+                }
+            }
+        }
+        let t = hk.num_tokens;
+        let mut out = vec![0u16; t * h];
+        let mut acc = vec![0f32; h];
+        for tok in 0..t {
+            acc.fill(0.0);
+            for j in 0..k {
+                let g = hk.topk_idx[tok * k + j];
+                if g < 0 {
+                    continue;
+                }
+                let p = hk.pos[tok * k + j];
+                if p < 0 {
+                    continue;
+                }
+                let w = hk.topk_weights[tok * k + j];
+                let off = comm.geo.offset(set, LlArea::Recv, g as u64)? + (p as usize * rb) as u64;
+                // SAFETY: arrived (wait_counts) and not rewritten before call + 2.
+                let bytes = unsafe { comm.received(off, 2 * h)? };
+                for (a, y) in acc.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *a = bf16_to_f32(u16::from_le_bytes([y[0], y[1]])).mul_add(w, *a);
+                }
+            }
+            for (o, &a) in out[tok * h..(tok + 1) * h].iter_mut().zip(&acc) {
+                *o = f32_to_bf16(a);
+            }
+        }
+        comm.finish_recv(LlPhase::Combine, set)?;
+        Ok(LlCombineOutput { combined_x: out })
+    }
+
+    /// DeepEP's `clean_low_latency_buffer`: makes the LL buffer usable again after a failed
+    /// step (a stalled peer, a timeout). Collective: every rank calls it. Bounded (the
+    /// buffer's timeout and the bootstrap's).
+    ///
+    /// What it resets: the buffer-set parity (the next call uses set 0 on every rank), the
+    /// outstanding hooks and handles (void afterwards: completing or combining them is an
+    /// [`Error::InvalidArgument`]), and the failure flag. The cumulative arrival counters are
+    /// not zeroed but re-based: every rank all-gathers how many LL writes it ever pushed to
+    /// each slot and every receiver waits until exactly that many arrived, so a slow peer's
+    /// late writes are counted before clean returns and can never pass for a later call's
+    /// (host/ll.rs NOTES). Buffer contents are not zeroed (every call overwrites what it
+    /// reads). Limit: a peer whose transport died cannot be fenced; rebuild the Buffer then.
+    pub fn clean_low_latency_buffer(&mut self) -> Result<()> {
+        if self.ll.is_none() {
+            // Nothing sent yet on this rank; connecting is itself collective, so peers that
+            // already connected are matched here.
+            let lane = self.ll_connect()?;
+            self.ll = Some(lane);
+        }
+        let boot = self.boot.clone();
+        match self.ll.as_mut() {
+            Some(lane) => lane.comm.fence(boot.as_ref()),
+            None => Err(Error::Other("no LL lane".into())),
+        }
+    }
+}
+
+fn dtype_of(use_fp8: bool) -> DispatchDtype {
+    if use_fp8 {
+        DispatchDtype::Fp8E4m3
+    } else {
+        DispatchDtype::Bf16
+    }
 }

@@ -66,3 +66,46 @@ impl DispatchHandle {
         self.rank_prefix[src + 1] - self.rank_prefix[src]
     }
 }
+
+/// What one low-latency dispatch learned, kept for its combine (DeepEP's LL `handle`).
+///
+/// Send side (this rank's tokens): the row of each `(token, k)` within its expert's block.
+/// Receive side: `[L, R]` `(begin, count)` of each source's rows within `recv_x[e]`.
+/// A handle belongs to the [`super::buffer::Buffer`] that made it and to the buffer's state
+/// since its last `clean_low_latency_buffer`; otherwise it is refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LlHandle {
+    pub(crate) buffer_id: u64,
+    pub(crate) generation: u64,
+    pub(crate) num_tokens: usize,
+    /// `[T, K]` the dispatch's global expert ids.
+    pub(crate) topk_idx: Vec<i64>,
+    /// `[T, K]` row within expert `topk_idx[t][k]`'s block, -1 where masked.
+    pub(crate) pos: Vec<i32>,
+    /// `[E]` rows this rank sent to each global expert.
+    pub(crate) count_per_expert: Vec<u32>,
+    /// Receive side.
+    pub(crate) recv: super::plan::LlRecvLayout,
+}
+
+impl LlHandle {
+    /// Tokens this rank dispatched (rows of its combine output).
+    pub fn num_tokens(&self) -> usize {
+        self.num_tokens
+    }
+
+    /// `[L]` rows received per local expert.
+    pub fn recv_count(&self) -> &[u32] {
+        &self.recv.count_per_expert
+    }
+
+    /// `(begin, count)` of source `src`'s rows within `recv_x[local_expert]`.
+    pub fn layout_range(
+        &self,
+        local_expert: usize,
+        src: usize,
+        num_ranks: usize,
+    ) -> Option<(u32, u32)> {
+        self.recv.range(local_expert, src, num_ranks)
+    }
+}

@@ -4,6 +4,7 @@
 pub mod config;
 pub mod layout;
 pub mod ll_gpu;
+pub mod normal_gpu;
 pub mod plan;
 pub mod quant;
 pub mod reference;

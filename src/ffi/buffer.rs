@@ -420,7 +420,7 @@ unsafe fn check_tensor(
         .ok_or_else(|| Error::arg(name, "size overflows"))
 }
 
-unsafe fn view<'a, T>(
+pub(crate) unsafe fn view<'a, T>(
     name: &'static str,
     t: *const fep_tensor,
     dtype: i32,
@@ -431,7 +431,7 @@ unsafe fn view<'a, T>(
     Ok((super::slice_in(name, t.data as *const T, n)?, t.shape))
 }
 
-unsafe fn view_mut<'a, T>(
+pub(crate) unsafe fn view_mut<'a, T>(
     name: &'static str,
     t: *mut fep_tensor,
     dtype: i32,
@@ -448,14 +448,14 @@ unsafe fn view_mut<'a, T>(
     Ok(std::slice::from_raw_parts_mut(t.data as *mut T, n))
 }
 
-fn buffer<'a>(buf: *mut fep_buffer) -> Result<&'a mut Buffer, Error> {
+pub(crate) fn buffer<'a>(buf: *mut fep_buffer) -> Result<&'a mut Buffer, Error> {
     // SAFETY: the caller passes a pointer from fep_buffer_create (checked for NULL).
     unsafe { buf.as_mut() }
         .and_then(|b| b.inner.as_mut())
         .ok_or_else(|| Error::arg("buf", "NULL or destroyed buffer"))
 }
 
-fn no_stream(stream: *mut c_void, buf: &Buffer) -> Result<(), Error> {
+pub(crate) fn no_stream(stream: *mut c_void, buf: &Buffer) -> Result<(), Error> {
     let _ = buf;
     if !stream.is_null() {
         return Err(Error::arg("stream", "the host backend runs on the calling thread: pass NULL"));

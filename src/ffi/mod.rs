@@ -9,9 +9,11 @@
 #![allow(non_camel_case_types)]
 
 mod buffer;
+mod ll;
 mod status;
 
 pub use buffer::*;
+pub use ll::*;
 
 pub use status::*;
 

@@ -6,6 +6,8 @@
 //! (by the arrival counters the proxy publishes), and returns credits. It never relies on the
 //! order in which two writes land.
 
+pub(crate) mod ll;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

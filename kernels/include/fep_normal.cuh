@@ -1,0 +1,141 @@
+// fep_normal.cuh: shared pieces of the normal-mode kernels (kernels/normal_*.cu): the comm
+// buffer's addressing, the per-pair chunk queue (flags and credits), and warp copy helpers.
+//
+// NOTES: queue protocol (fep_abi.h has the buffer map). For pair (s -> r), chunk c (cumulative
+// over the buffer's life, dispatch and combine chunks of the pair continue one numbering) sits in
+// slot c % spp of r's recv region [s]. The writer waits credit >= c - spp + 1 (the reader has
+// finished chunk c - spp of that slot), stores the records, passes a block (or warp) barrier, then
+// one thread publishes flag = c + 1 with st.release.sys. The reader acquires flag >= c + 1, reads,
+// passes a barrier, then one thread publishes credit = c + 1 with st.release.sys. Payload stores
+// are therefore ordered before the flag (release after the barrier), payload reads after it
+// (acquire before the barrier), and slot reuse after the reader's credit. Reads of the queue use
+// ld.global.cg (L2) so no stale L1 line of an earlier chunk in the slot is ever seen.
+//
+// NOTES: per-rank progress counters (state.sent_base / recv_base) advance only in each kernel's
+// last block to finish (ticket), after every block has read them; kernels of one rank are
+// ordered by its stream. After any device error the buffer's protocol state is undefined: the
+// host must zero every rank's comm buffer (collectively) before the next step.
+#pragma once
+
+#include <stdint.h>
+
+#include "fep_abi.h"
+#include "fep_device.cuh"
+
+namespace fep {
+namespace normal {
+
+constexpr int kMaxRanks = FEP_NORMAL_MAX_RANKS;
+constexpr int kWarpSize = 32;
+
+// Local state area of the comm buffer (byte offsets from state_offset); Rust mirrors this in
+// src/ep/normal_gpu.rs (state_bytes).
+constexpr uint64_t kStateSentBase = 0;        // u64 [kMaxRanks]
+constexpr uint64_t kStateRecvBase = 64;       // u64 [kMaxRanks]
+constexpr uint64_t kStateTickets = 128;       // u32 [4]: 0 notify, 1 dispatch, 2 combine
+constexpr uint64_t kStateNotifyTokens = 144;  // u32 [kMaxRanks]
+constexpr uint64_t kStateConsumed = 176;      // u32 [kMaxRanks][spp]
+// then u32 notify_experts [kMaxRanks][L] at kStateConsumed + 4 * kMaxRanks * spp
+
+struct Comm {
+    const fep_normal_comm& c;
+
+    __device__ __forceinline__ uint8_t* base(int rank) const {
+        return reinterpret_cast<uint8_t*>(c.peer_base[rank]);
+    }
+    __device__ __forceinline__ uint8_t* mine() const { return base(c.rank); }
+    __device__ __forceinline__ uint8_t* state() const { return mine() + c.state_offset; }
+    __device__ __forceinline__ uint64_t* sent_base() const {
+        return reinterpret_cast<uint64_t*>(state() + kStateSentBase);
+    }
+    __device__ __forceinline__ uint64_t* recv_base() const {
+        return reinterpret_cast<uint64_t*>(state() + kStateRecvBase);
+    }
+    __device__ __forceinline__ uint32_t* ticket(int i) const {
+        return reinterpret_cast<uint32_t*>(state() + kStateTickets) + i;
+    }
+    __device__ __forceinline__ uint32_t* notify_tokens() const {
+        return reinterpret_cast<uint32_t*>(state() + kStateNotifyTokens);
+    }
+    __device__ __forceinline__ uint32_t* consumed(int peer, uint32_t slot) const {
+        return reinterpret_cast<uint32_t*>(state() + kStateConsumed) +
+               static_cast<uint64_t>(peer) * c.slots_per_peer + slot;
+    }
+    __device__ __forceinline__ uint32_t* notify_experts(int src) const {
+        return reinterpret_cast<uint32_t*>(state() + kStateConsumed) +
+               static_cast<uint64_t>(kMaxRanks) * c.slots_per_peer +
+               static_cast<uint64_t>(src) * c.num_local_experts;
+    }
+    // Slot `slot` of the queue from `src`, in `owner`'s recv region.
+    __device__ __forceinline__ uint8_t* slot_ptr(int owner, int src, uint32_t slot) const {
+        return base(owner) + c.recv_offset +
+               (static_cast<uint64_t>(src) * c.slots_per_peer + slot) * c.slot_bytes;
+    }
+    // Flag of (src -> owner) slot, in owner's buffer.
+    __device__ __forceinline__ uint64_t* flag_ptr(int owner, int src, uint32_t slot) const {
+        return reinterpret_cast<uint64_t*>(base(owner) + c.flag_offset) +
+               static_cast<uint64_t>(src) * c.slots_per_peer + slot;
+    }
+    // Credit of (owner -> dst) slot, in owner's buffer (written by dst).
+    __device__ __forceinline__ uint64_t* credit_ptr(int owner, int dst, uint32_t slot) const {
+        return reinterpret_cast<uint64_t*>(base(owner) + c.credit_offset) +
+               static_cast<uint64_t>(dst) * c.slots_per_peer + slot;
+    }
+    __device__ __forceinline__ uint8_t* notify_ptr(int owner, int src) const {
+        return base(owner) + c.notify_offset + static_cast<uint64_t>(src) * c.notify_bytes;
+    }
+    __device__ __forceinline__ uint64_t* ack_ptr(int owner, int dst) const {
+        return reinterpret_cast<uint64_t*>(base(owner) + c.ack_offset) + dst;
+    }
+    __device__ __forceinline__ WaitCtx wait_ctx(uint32_t phase, uint32_t peer) const {
+        return WaitCtx{c.dev_error, c.budget_cycles, c.rank, phase, peer};
+    }
+};
+
+__device__ __forceinline__ uint4 ld_cg(const uint4* p) { return __ldcg(p); }
+__device__ __forceinline__ uint4 ld_nc(const uint4* p) { return __ldg(p); }
+
+// A warp copies n 16-byte vectors, kUnroll loads in flight per lane. `kFromQueue`: the source is
+// a queue slot (L2 loads), else read-only input (non-coherent path).
+template <bool kFromQueue>
+__device__ __forceinline__ void warp_copy16(uint4* __restrict__ dst, const uint4* __restrict__ src,
+                                            int n, int lane) {
+    constexpr int kUnroll = 8;
+    int i = lane;
+    for (; i + (kUnroll - 1) * kWarpSize < n; i += kUnroll * kWarpSize) {
+        uint4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+            v[u] = kFromQueue ? ld_cg(src + i + u * kWarpSize) : ld_nc(src + i + u * kWarpSize);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) dst[i + u * kWarpSize] = v[u];
+    }
+    for (; i < n; i += kWarpSize) dst[i] = kFromQueue ? ld_cg(src + i) : ld_nc(src + i);
+}
+
+// A warp copies n 4-byte words.
+template <bool kFromQueue>
+__device__ __forceinline__ void warp_copy4(uint32_t* dst, const uint32_t* src, int n, int lane) {
+    for (int i = lane; i < n; i += kWarpSize) dst[i] = kFromQueue ? __ldcg(src + i) : __ldg(src + i);
+}
+
+__device__ __forceinline__ uint32_t div_ceil(uint32_t a, uint32_t b) { return (a + b - 1) / b; }
+
+// The last block of a grid to arrive (ticket pattern) returns true; the ticket is reset there.
+// Every block must call it exactly once, after its last use of the state it may update.
+__device__ __forceinline__ bool last_block(uint32_t* ticket) {
+    __shared__ bool is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const uint32_t t = atomicAdd(ticket, 1u);
+        is_last = t == gridDim.x - 1;
+        if (is_last) atomicExch(ticket, 0u);
+    }
+    __syncthreads();
+    if (is_last) __threadfence();
+    return is_last;
+}
+
+}  // namespace normal
+}  // namespace fep

@@ -1,0 +1,192 @@
+// Normal-mode combine (intranode, peer stores) with a dispatch handle. Same queues as dispatch,
+// the other direction; grid: the rank's SM budget, FEP_NORMAL_THREADS threads, first half send,
+// second half receive.
+//   sender   (towards d): the rows this rank received from d (rank_prefix[d] ..), in order,
+//            chunked by C, as combine records (bf16 row, top-k weights) into d's recv slots;
+//   receiver: one warp per token of this rank (tokens gw, gw + W, ... ascending): for every rank
+//            r the token went to, ascending, wait for the chunk holding it (send_pos[t][r] gives
+//            the row), sum the rows in fp32 in that order, round to bf16 once. The last warp to
+//            finish a row of a chunk (per-slot counter) returns its credit.
+// NOTES: no deadlock although a chunk's rows are consumed by many warps: the lowest unfinished
+// token's rows sit in each rank's lowest unconsumed chunk, which its sender may always send
+// (credits for every earlier chunk are back), and every warp walks its tokens in ascending order.
+#include "fep_abi.h"
+#include "fep_device.cuh"
+#include "fep_normal.cuh"
+
+namespace {
+
+__device__ __forceinline__ void combine_add_bf16x8(float (&acc)[8], const uint4& v) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        acc[2 * i] += __uint_as_float(w[i] << 16);
+        acc[2 * i + 1] += __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+
+__device__ __forceinline__ uint32_t combine_bf16_bits(float f) {
+    // Round to nearest even (NaN kept quiet), as src/ep/quant.rs f32_to_bf16.
+    const uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+__device__ __forceinline__ uint4 combine_pack(const float (&acc)[8]) {
+    uint4 o;
+    o.x = combine_bf16_bits(acc[0]) | (combine_bf16_bits(acc[1]) << 16);
+    o.y = combine_bf16_bits(acc[2]) | (combine_bf16_bits(acc[3]) << 16);
+    o.z = combine_bf16_bits(acc[4]) | (combine_bf16_bits(acc[5]) << 16);
+    o.w = combine_bf16_bits(acc[6]) | (combine_bf16_bits(acc[7]) << 16);
+    return o;
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
+    fep_normal_combine(const fep_normal_combine_params p) {
+    using namespace fep::normal;
+    const Comm comm{p.comm};
+    const int me = static_cast<int>(p.comm.rank);
+    const int R = static_cast<int>(p.comm.num_ranks);
+    const uint32_t C = p.comm.chunk_tokens;
+    const uint32_t spp = p.comm.slots_per_peer;
+    const int T = p.handle.num_tokens;
+    const int K = p.num_topk;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    constexpr int kWarps = FEP_NORMAL_THREADS / 32;
+    const int num_send = gridDim.x / 2;
+    const int num_recv = gridDim.x - num_send;
+    const int32_t* prefix = reinterpret_cast<const int32_t*>(p.handle.rank_prefix);
+    const int32_t* send_counts = reinterpret_cast<const int32_t*>(p.handle.send_counts);
+    const uint32_t row16 = static_cast<uint32_t>(p.hidden) / 8;  // 16-byte vectors per row
+    __shared__ bool ok;
+
+    if (static_cast<int>(blockIdx.x) < num_send) {
+        // ---- sender: rows received from d go back to d ----
+        const int j = blockIdx.x;
+        const int d = j % R;
+        const int nsub = (num_send - d + R - 1) / R;
+        const int32_t row0 = prefix[d];
+        const uint32_t n = static_cast<uint32_t>(prefix[d + 1] - row0);
+        const uint32_t chunks = div_ceil(n, C);
+        const uint64_t base = comm.sent_base()[d];
+        const uint4* x = reinterpret_cast<const uint4*>(p.x);
+        const float* w = reinterpret_cast<const float*>(p.topk_weights);
+        for (uint32_t k = j / R; k < chunks; k += nsub) {
+            const uint64_t cum = base + k;
+            const uint32_t slot = static_cast<uint32_t>(cum % spp);
+            if (threadIdx.x == 0) {
+                ok = cum < spp || fep::wait_geq(comm.credit_ptr(me, d, slot), cum - spp + 1,
+                                                comm.wait_ctx(FEP_NORMAL_PHASE_COMBINE_SEND, d));
+            }
+            __syncthreads();
+            if (!ok) break;
+            const uint32_t rows = min(C, n - k * C);
+            uint8_t* dst = comm.slot_ptr(d, me, slot);
+            for (uint32_t i = warp; i < rows; i += kWarps) {
+                const int64_t row = static_cast<int64_t>(row0) + k * C + i;
+                uint8_t* rec = dst + static_cast<uint64_t>(i) * p.record_bytes;
+                warp_copy16<false>(reinterpret_cast<uint4*>(rec), x + row * row16, row16, lane);
+                if (lane < K) {
+                    reinterpret_cast<float*>(rec + p.topk_weights_offset)[lane] =
+                        w != nullptr ? w[row * K + lane] : 0.0f;
+                }
+            }
+            __syncthreads();
+            if (threadIdx.x == 0) fep::st_release_sys(comm.flag_ptr(d, me, slot), cum + 1);
+        }
+    } else {
+        // ---- receiver: one warp per token ----
+        const int j = blockIdx.x - num_send;
+        const int64_t num_warps = static_cast<int64_t>(num_recv) * kWarps;
+        const int32_t* send_pos = reinterpret_cast<const int32_t*>(p.handle.send_pos);
+        uint4* out = reinterpret_cast<uint4*>(p.combined_x);
+        float* out_w = reinterpret_cast<float*>(p.combined_weights);
+        bool alive = true;
+        for (int64_t t = static_cast<int64_t>(j) * kWarps + warp; t < T && alive; t += num_warps) {
+            // rec[r]: the token's row in r's chunk, or null; indexed only by unrolled constants.
+            const uint8_t* rec[kMaxRanks];
+#pragma unroll
+            for (int r = 0; r < kMaxRanks; ++r) {
+                rec[r] = nullptr;
+                if (r >= R) continue;
+                const int32_t pos = send_pos[t * R + r];
+                if (pos < 0) continue;
+                const uint64_t cum = comm.recv_base()[r] + static_cast<uint32_t>(pos) / C;
+                const uint32_t slot = static_cast<uint32_t>(cum % spp);
+                bool got = true;
+                if (lane == 0) {
+                    got = fep::wait_geq(comm.flag_ptr(me, r, slot), cum + 1,
+                                        comm.wait_ctx(FEP_NORMAL_PHASE_COMBINE_RECV, r));
+                }
+                got = __shfl_sync(0xffffffffu, got, 0);
+                if (!got) alive = false;
+                rec[r] = comm.slot_ptr(me, r, slot) +
+                         static_cast<uint64_t>(static_cast<uint32_t>(pos) % C) * p.record_bytes;
+            }
+            if (!alive) break;
+            for (uint32_t i = lane; i < row16; i += 64) {
+                float a0[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                float a1[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                const bool two = i + 32 < row16;
+                uint4 v0[kMaxRanks], v1[kMaxRanks];
+#pragma unroll
+                for (int q = 0; q < kMaxRanks; ++q) {
+                    if (rec[q] != nullptr) {
+                        v0[q] = __ldcg(reinterpret_cast<const uint4*>(rec[q]) + i);
+                        if (two) v1[q] = __ldcg(reinterpret_cast<const uint4*>(rec[q]) + i + 32);
+                    }
+                }
+#pragma unroll
+                for (int q = 0; q < kMaxRanks; ++q) {
+                    if (rec[q] != nullptr) {
+                        combine_add_bf16x8(a0, v0[q]);
+                        if (two) combine_add_bf16x8(a1, v1[q]);
+                    }
+                }
+                out[t * row16 + i] = combine_pack(a0);
+                if (two) out[t * row16 + i + 32] = combine_pack(a1);
+            }
+            if (out_w != nullptr && lane < K) {
+                float a = 0.0f;
+#pragma unroll
+                for (int q = 0; q < kMaxRanks; ++q) {
+                    if (rec[q] != nullptr)
+                        a += __ldcg(reinterpret_cast<const float*>(rec[q] + p.topk_weights_offset) +
+                                    lane);
+                }
+                out_w[t * K + lane] = a;
+            }
+            __syncwarp();
+            if (lane == 0) {
+                // NOTES: every lane's reads of this token's rows are done (__syncwarp); the
+                // warp that brings a chunk's counter to its row count resets it and returns the
+                // credit (the slot's next chunk cannot arrive before that credit).
+                __threadfence();
+                for (int r = 0; r < R; ++r) {
+                    const int32_t pos = send_pos[t * R + r];
+                    if (pos < 0) continue;
+                    const uint32_t k = static_cast<uint32_t>(pos) / C;
+                    const uint64_t cum = comm.recv_base()[r] + k;
+                    const uint32_t slot = static_cast<uint32_t>(cum % spp);
+                    const uint32_t rows = min(C, static_cast<uint32_t>(send_counts[r]) - k * C);
+                    uint32_t* cnt_ptr = comm.consumed(r, slot);
+                    if (atomicAdd(cnt_ptr, 1u) + 1u == rows) {
+                        atomicExch(cnt_ptr, 0u);
+                        __threadfence();
+                        fep::st_release_sys(comm.credit_ptr(r, me, slot), cum + 1);
+                    }
+                }
+            }
+            __syncwarp();
+        }
+    }
+
+    if (!last_block(comm.ticket(2))) return;
+    if (threadIdx.x < static_cast<unsigned>(R)) {
+        const int r = threadIdx.x;
+        comm.sent_base()[r] += div_ceil(static_cast<uint32_t>(prefix[r + 1] - prefix[r]), C);
+        comm.recv_base()[r] += div_ceil(static_cast<uint32_t>(send_counts[r]), C);
+    }
+}

@@ -1,0 +1,165 @@
+// Normal-mode dispatch (intranode, peer stores), after notify (or with a cached handle).
+// Grid: the rank's SM budget, FEP_NORMAL_THREADS threads. The first half of the blocks send, the
+// second half receive; block j of a half serves peer j % R (chunks j / R, j / R + n, ...), so each
+// peer's queue has its own senders and receivers and no block ever waits on two peers.
+//   sender   (towards d): per chunk, wait for the slot's credit, pack C records (payload, fp8
+//            scales, local top-k ids and weights, source index: plan.rs's normal-dispatch record)
+//            with one warp per row and 16-byte stores into d's recv slot, barrier, publish the flag;
+//   receiver (from s):    per chunk, acquire the flag, unpack the records into recv_x rows
+//            rank_prefix[s] + chunk * C + row (grouped by source rank, token order within one),
+//            barrier, return the credit.
+// Rows past the received ones (num_worst_tokens mode) are padding: zero x and scales, top-k -1
+// and weight 0, source index -1.
+#include "fep_abi.h"
+#include "fep_device.cuh"
+#include "fep_normal.cuh"
+
+extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
+    fep_normal_dispatch(const fep_normal_dispatch_params p) {
+    using namespace fep::normal;
+    const Comm comm{p.comm};
+    const int me = static_cast<int>(p.comm.rank);
+    const int R = static_cast<int>(p.comm.num_ranks);
+    const uint32_t C = p.comm.chunk_tokens;
+    const uint32_t spp = p.comm.slots_per_peer;
+    const int T = p.handle.num_tokens;
+    const int K = p.num_topk;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    constexpr int kWarps = FEP_NORMAL_THREADS / 32;
+    const int num_send = gridDim.x / 2;
+    const int num_recv = gridDim.x - num_send;
+    const int32_t* prefix = reinterpret_cast<const int32_t*>(p.handle.rank_prefix);
+    const int32_t* send_counts = reinterpret_cast<const int32_t*>(p.handle.send_counts);
+    __shared__ bool ok;
+
+    if (static_cast<int>(blockIdx.x) < num_send) {
+        // ---- sender ----
+        const int j = blockIdx.x;
+        const int d = j % R;
+        const int nsub = (num_send - d + R - 1) / R;
+        const uint32_t n = static_cast<uint32_t>(send_counts[d]);
+        const uint32_t chunks = div_ceil(n, C);
+        const uint64_t base = comm.sent_base()[d];
+        const int32_t* ids = reinterpret_cast<const int32_t*>(p.handle.send_token_ids) +
+                             static_cast<int64_t>(d) * T;
+        const uint8_t* x = reinterpret_cast<const uint8_t*>(p.x);
+        const float* xs = reinterpret_cast<const float*>(p.x_scales);
+        const int64_t* topk = reinterpret_cast<const int64_t*>(p.topk_idx);
+        const float* topw = reinterpret_cast<const float*>(p.topk_weights);
+        const int64_t lo = static_cast<int64_t>(d) * p.comm.num_local_experts;
+        const int64_t hi = lo + p.comm.num_local_experts;
+        for (uint32_t k = j / R; k < chunks; k += nsub) {
+            const uint64_t cum = base + k;
+            const uint32_t slot = static_cast<uint32_t>(cum % spp);
+            if (threadIdx.x == 0) {
+                ok = cum < spp || fep::wait_geq(comm.credit_ptr(me, d, slot), cum - spp + 1,
+                                                comm.wait_ctx(FEP_NORMAL_PHASE_DISPATCH_SEND, d));
+            }
+            __syncthreads();
+            if (!ok) break;
+            const uint32_t rows = min(C, n - k * C);
+            uint8_t* dst = comm.slot_ptr(d, me, slot);
+            for (uint32_t i = warp; i < rows; i += kWarps) {
+                const int t = ids[k * C + i];
+                uint8_t* rec = dst + static_cast<uint64_t>(i) * p.record_bytes;
+                warp_copy16<false>(reinterpret_cast<uint4*>(rec),
+                                   reinterpret_cast<const uint4*>(x + static_cast<int64_t>(t) *
+                                                                          p.payload_bytes),
+                                   p.payload_bytes / 16, lane);
+                if (p.num_scales != 0) {
+                    warp_copy4<false>(reinterpret_cast<uint32_t*>(rec + p.scales_offset),
+                                      reinterpret_cast<const uint32_t*>(
+                                          xs + static_cast<int64_t>(t) * p.num_scales),
+                                      p.num_scales, lane);
+                }
+                if (lane < K) {
+                    const int64_t g = topk[static_cast<int64_t>(t) * K + lane];
+                    const bool here = g >= lo && g < hi;
+                    reinterpret_cast<int32_t*>(rec + p.topk_idx_offset)[lane] =
+                        here ? static_cast<int32_t>(g - lo) : -1;
+                    reinterpret_cast<float*>(rec + p.topk_weights_offset)[lane] =
+                        here ? topw[static_cast<int64_t>(t) * K + lane] : 0.0f;
+                }
+                if (lane == 0) reinterpret_cast<int32_t*>(rec + p.src_idx_offset)[0] = t;
+            }
+            __syncthreads();
+            if (threadIdx.x == 0) fep::st_release_sys(comm.flag_ptr(d, me, slot), cum + 1);
+        }
+    } else {
+        // ---- receiver ----
+        const int j = blockIdx.x - num_send;
+        const int s = j % R;
+        const int nsub = (num_recv - s + R - 1) / R;
+        const int32_t row0 = prefix[s];
+        const uint32_t n = static_cast<uint32_t>(prefix[s + 1] - row0);
+        const uint32_t chunks = div_ceil(n, C);
+        const uint64_t base = comm.recv_base()[s];
+        uint8_t* rx = reinterpret_cast<uint8_t*>(p.recv_x);
+        float* rxs = reinterpret_cast<float*>(p.recv_x_scales);
+        int64_t* rtopk = reinterpret_cast<int64_t*>(p.recv_topk_idx);
+        float* rtopw = reinterpret_cast<float*>(p.recv_topk_weights);
+        int32_t* rsrc = reinterpret_cast<int32_t*>(p.recv_src_idx);
+        for (uint32_t k = j / R; k < chunks; k += nsub) {
+            const uint64_t cum = base + k;
+            const uint32_t slot = static_cast<uint32_t>(cum % spp);
+            if (threadIdx.x == 0) {
+                ok = fep::wait_geq(comm.flag_ptr(me, s, slot), cum + 1,
+                                   comm.wait_ctx(FEP_NORMAL_PHASE_DISPATCH_RECV, s));
+            }
+            __syncthreads();
+            if (!ok) break;
+            const uint32_t rows = min(C, n - k * C);
+            const uint8_t* src = comm.slot_ptr(me, s, slot);
+            for (uint32_t i = warp; i < rows; i += kWarps) {
+                const int64_t out = static_cast<int64_t>(row0) + k * C + i;
+                if (out >= p.out_rows) {
+                    if (lane == 0) {
+                        fep::report_error(p.comm.dev_error, FEP_DEV_BAD_COUNT, me,
+                                          FEP_NORMAL_PHASE_DISPATCH_RECV, s,
+                                          static_cast<uint64_t>(p.out_rows),
+                                          static_cast<uint64_t>(out));
+                    }
+                    continue;
+                }
+                const uint8_t* rec = src + static_cast<uint64_t>(i) * p.record_bytes;
+                warp_copy16<true>(reinterpret_cast<uint4*>(rx + out * p.payload_bytes),
+                                  reinterpret_cast<const uint4*>(rec), p.payload_bytes / 16, lane);
+                if (p.num_scales != 0) {
+                    warp_copy4<true>(reinterpret_cast<uint32_t*>(rxs + out * p.num_scales),
+                                     reinterpret_cast<const uint32_t*>(rec + p.scales_offset),
+                                     p.num_scales, lane);
+                }
+                if (lane < K) {
+                    rtopk[out * K + lane] =
+                        __ldcg(reinterpret_cast<const int32_t*>(rec + p.topk_idx_offset) + lane);
+                    rtopw[out * K + lane] =
+                        __ldcg(reinterpret_cast<const float*>(rec + p.topk_weights_offset) + lane);
+                }
+                if (lane == 0)
+                    rsrc[out] = __ldcg(reinterpret_cast<const int32_t*>(rec + p.src_idx_offset));
+            }
+            __syncthreads();
+            if (threadIdx.x == 0) fep::st_release_sys(comm.credit_ptr(s, me, slot), cum + 1);
+        }
+        // Padding rows (num_worst_tokens): every receiver warp takes rows in turn.
+        const int64_t first_pad = prefix[R];
+        const int64_t gw = static_cast<int64_t>(j) * kWarps + warp;
+        for (int64_t out = first_pad + gw; out < p.out_rows; out += num_recv * kWarps) {
+            uint4* row = reinterpret_cast<uint4*>(rx + out * p.payload_bytes);
+            for (uint32_t i = lane; i < p.payload_bytes / 16; i += 32) row[i] = make_uint4(0, 0, 0, 0);
+            for (uint32_t i = lane; i < p.num_scales; i += 32) rxs[out * p.num_scales + i] = 0.0f;
+            if (lane < K) {
+                rtopk[out * K + lane] = -1;
+                rtopw[out * K + lane] = 0.0f;
+            }
+            if (lane == 0) rsrc[out] = -1;
+        }
+    }
+
+    if (!last_block(comm.ticket(1))) return;
+    if (threadIdx.x < static_cast<unsigned>(R)) {
+        const int r = threadIdx.x;
+        comm.sent_base()[r] += div_ceil(static_cast<uint32_t>(send_counts[r]), C);
+        comm.recv_base()[r] += div_ceil(static_cast<uint32_t>(prefix[r + 1] - prefix[r]), C);
+    }
+}

@@ -1,0 +1,289 @@
+//! Low-latency mode in the C ABI. A call returns an operation object (`fep_ll_op`): complete
+//! at once, or — with `return_recv_hook` — holding the receive half, which
+//! `fep_ll_op_complete` runs (DeepEP's hook). Outputs are copied into caller tensors with
+//! `fep_ll_dispatch_copy_out` / `fep_ll_combine_copy_out`; `fep_ll_op_destroy` frees the op.
+
+use std::os::raw::c_void;
+
+use super::buffer::{fep_buffer, fep_tensor, view, view_mut, FEP_DTYPE_BF16, FEP_DTYPE_F32};
+use super::buffer::{FEP_DTYPE_FP8_E4M3, FEP_DTYPE_I32, FEP_DTYPE_I64};
+use super::guard;
+use crate::ep::buffer::{
+    Buffer, LlCombineArgs, LlCombineHook, LlCombineOutput, LlDispatchArgs, LlDispatchHook,
+    LlDispatchOutput, OwnedTokens,
+};
+use crate::ep::handle::LlHandle;
+use crate::error::Error;
+
+enum State {
+    DispatchPending(LlDispatchHook),
+    DispatchDone(Box<LlDispatchOutput>),
+    CombinePending(LlCombineHook),
+    CombineDone(LlCombineOutput),
+    /// Outputs were copied out; the dispatch handle stays for the combine.
+    Drained,
+    /// A completion failed; the op is spent.
+    Failed,
+}
+
+/// A low-latency dispatch or combine in flight or done (opaque).
+pub struct fep_ll_op {
+    state: State,
+    /// The dispatch's routing, needed by the matching combine (dispatch ops only).
+    handle: Option<LlHandle>,
+}
+
+/// Low-latency dispatch (DeepEP V1 semantics): `x` `[T <= max_tokens_per_rank, H]` bf16,
+/// `topk_idx` `[T, K]` i64 (-1 = none). One write per (destination rank, local expert) carrying
+/// all its rows, the count in the immediate data. With `return_recv_hook` the call returns after
+/// the sends and `fep_ll_op_complete` does the receive. `stream`: NULL on the host backend.
+///
+/// # Safety
+/// Every non-NULL pointer must be valid for the call.
+#[no_mangle]
+pub unsafe extern "C" fn fep_low_latency_dispatch(
+    buf: *mut fep_buffer,
+    x: *const fep_tensor,
+    topk_idx: *const fep_tensor,
+    use_fp8: bool,
+    round_scale: bool,
+    return_recv_hook: bool,
+    stream: *mut c_void,
+    out_op: *mut *mut fep_ll_op,
+) -> super::fep_status {
+    guard(|| {
+        let out_op = out_op.as_mut().ok_or_else(|| Error::arg("out_op", "NULL pointer"))?;
+        *out_op = std::ptr::null_mut();
+        let b = super::buffer::buffer(buf)?;
+        super::buffer::no_stream(stream, b)?;
+        let (h, k) = (b.config().hidden as i64, b.config().num_topk as i64);
+        let (xs, shape) = view::<u16>("x", x, FEP_DTYPE_BF16, &[None, Some(h)])?;
+        let (idx, _) =
+            view::<i64>("topk_idx", topk_idx, FEP_DTYPE_I64, &[Some(shape[0]), Some(k)])?;
+        let outcome = b.low_latency_dispatch(&LlDispatchArgs {
+            x: xs,
+            topk_idx: idx,
+            use_fp8,
+            round_scale,
+            return_recv_hook,
+        })?;
+        let op = match outcome {
+            crate::ep::buffer::LlDispatchOutcome::Received(o) => fep_ll_op {
+                handle: Some(o.handle.clone()),
+                state: State::DispatchDone(Box::new(o)),
+            },
+            crate::ep::buffer::LlDispatchOutcome::Hook(hk) => {
+                fep_ll_op { handle: None, state: State::DispatchPending(hk) }
+            }
+        };
+        *out_op = Box::into_raw(Box::new(op));
+        Ok(())
+    })
+}
+
+/// Completes the receive of a hooked dispatch or combine (a no-op when already complete).
+///
+/// # Safety
+/// `buf` and `op` must be valid.
+#[no_mangle]
+pub unsafe extern "C" fn fep_ll_op_complete(
+    buf: *mut fep_buffer,
+    op: *mut fep_ll_op,
+) -> super::fep_status {
+    guard(|| {
+        let b: &mut Buffer = super::buffer::buffer(buf)?;
+        let op = op.as_mut().ok_or_else(|| Error::arg("op", "NULL pointer"))?;
+        match std::mem::replace(&mut op.state, State::Failed) {
+            State::DispatchPending(hk) => {
+                let o = hk.complete(b)?;
+                op.handle = Some(o.handle.clone());
+                op.state = State::DispatchDone(Box::new(o));
+            }
+            State::CombinePending(hk) => op.state = State::CombineDone(hk.complete(b)?),
+            State::Failed => {
+                return Err(Error::arg("op", "a previous completion of this op failed"))
+            }
+            s => op.state = s,
+        }
+        Ok(())
+    })
+}
+
+/// Copies a completed dispatch's outputs (`L` local experts, `S = num_ranks *
+/// max_tokens_per_rank`): `recv_x` `[L, S, H]` (bf16, or fp8 with `recv_x_scales` `[L, S, H/128]`
+/// f32), `recv_count` `[L]` i32, `src_rank` / `src_idx` `[L, S]` i32 (-1 past the counts),
+/// `layout_range` `[L, R]` i64 as DeepEP packs it (`begin << 32 | count`). Optional outputs may
+/// be NULL. Once per op.
+///
+/// # Safety
+/// Every non-NULL pointer must be valid for the call.
+#[no_mangle]
+pub unsafe extern "C" fn fep_ll_dispatch_copy_out(
+    op: *mut fep_ll_op,
+    recv_x: *mut fep_tensor,
+    recv_x_scales: *mut fep_tensor,
+    recv_count: *mut fep_tensor,
+    src_rank: *mut fep_tensor,
+    src_idx: *mut fep_tensor,
+    layout_range: *mut fep_tensor,
+) -> super::fep_status {
+    guard(|| {
+        let op = op.as_mut().ok_or_else(|| Error::arg("op", "NULL pointer"))?;
+        let o = match &op.state {
+            State::DispatchDone(o) => o,
+            State::DispatchPending(_) => {
+                return Err(Error::arg("op", "pending: call fep_ll_op_complete first"))
+            }
+            _ => return Err(Error::arg("op", "not a completed dispatch, or already copied out")),
+        };
+        let l = o.recv_count.len() as i64;
+        let s = if l == 0 { 0 } else { o.recv_src_idx.len() as i64 / l };
+        let r = if l == 0 { 0 } else { o.layout_range.len() as i64 / l };
+        match &o.recv_x {
+            OwnedTokens::Bf16(v) => {
+                let h = if l * s == 0 { 0 } else { v.len() as i64 / (l * s) };
+                view_mut::<u16>("recv_x", recv_x, FEP_DTYPE_BF16, &[Some(l), Some(s), Some(h)])?
+                    .copy_from_slice(v);
+            }
+            OwnedTokens::Fp8 { x, scales } => {
+                let h = if l * s == 0 { 0 } else { x.len() as i64 / (l * s) };
+                view_mut::<u8>("recv_x", recv_x, FEP_DTYPE_FP8_E4M3, &[Some(l), Some(s), Some(h)])?
+                    .copy_from_slice(x);
+                if !recv_x_scales.is_null() {
+                    view_mut::<f32>(
+                        "recv_x_scales",
+                        recv_x_scales,
+                        FEP_DTYPE_F32,
+                        &[Some(l), Some(s), Some(h / 128)],
+                    )?
+                    .copy_from_slice(scales);
+                }
+            }
+        }
+        if !recv_count.is_null() {
+            let d = view_mut::<i32>("recv_count", recv_count, FEP_DTYPE_I32, &[Some(l)])?;
+            for (d, c) in d.iter_mut().zip(&o.recv_count) {
+                *d = *c as i32;
+            }
+        }
+        if !src_rank.is_null() {
+            view_mut::<i32>("src_rank", src_rank, FEP_DTYPE_I32, &[Some(l), Some(s)])?
+                .copy_from_slice(&o.recv_src_rank);
+        }
+        if !src_idx.is_null() {
+            view_mut::<i32>("src_idx", src_idx, FEP_DTYPE_I32, &[Some(l), Some(s)])?
+                .copy_from_slice(&o.recv_src_idx);
+        }
+        if !layout_range.is_null() {
+            let d =
+                view_mut::<i64>("layout_range", layout_range, FEP_DTYPE_I64, &[Some(l), Some(r)])?;
+            for (d, &(b, c)) in d.iter_mut().zip(&o.layout_range) {
+                *d = ((b as i64) << 32) | c as i64;
+            }
+        }
+        op.state = State::Drained;
+        Ok(())
+    })
+}
+
+/// Low-latency combine: `x` `[L, S, H]` bf16 expert outputs in the dispatch's row order, the
+/// dispatch's `topk_idx` `[T, K]` i64 and `topk_weights` `[T, K]` f32, `dispatch_op` the completed
+/// dispatch. The weighted sum (fp32) is computed on arrival; copy it out with
+/// `fep_ll_combine_copy_out`. With `return_recv_hook`, complete the op first.
+///
+/// # Safety
+/// Every non-NULL pointer must be valid for the call.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn fep_low_latency_combine(
+    buf: *mut fep_buffer,
+    dispatch_op: *const fep_ll_op,
+    x: *const fep_tensor,
+    topk_idx: *const fep_tensor,
+    topk_weights: *const fep_tensor,
+    return_recv_hook: bool,
+    stream: *mut c_void,
+    out_op: *mut *mut fep_ll_op,
+) -> super::fep_status {
+    guard(|| {
+        let out_op = out_op.as_mut().ok_or_else(|| Error::arg("out_op", "NULL pointer"))?;
+        *out_op = std::ptr::null_mut();
+        let b = super::buffer::buffer(buf)?;
+        super::buffer::no_stream(stream, b)?;
+        let d = dispatch_op.as_ref().ok_or_else(|| Error::arg("dispatch_op", "NULL pointer"))?;
+        let handle = d.handle.as_ref().ok_or_else(|| {
+            Error::arg(
+                "dispatch_op",
+                "not a completed low-latency dispatch (complete its hook first)",
+            )
+        })?;
+        let c = b.config();
+        let (h, k) = (c.hidden as i64, c.num_topk as i64);
+        let (l, s) = (c.num_local_experts() as i64, (c.num_ranks * c.max_tokens_per_rank) as i64);
+        let t = handle.num_tokens() as i64;
+        let (xs, _) = view::<u16>("x", x, FEP_DTYPE_BF16, &[Some(l), Some(s), Some(h)])?;
+        let (idx, _) = view::<i64>("topk_idx", topk_idx, FEP_DTYPE_I64, &[Some(t), Some(k)])?;
+        let (w, _) = view::<f32>("topk_weights", topk_weights, FEP_DTYPE_F32, &[Some(t), Some(k)])?;
+        let outcome = b.low_latency_combine(&LlCombineArgs {
+            x: xs,
+            topk_idx: idx,
+            topk_weights: w,
+            handle,
+            return_recv_hook,
+        })?;
+        let state = match outcome {
+            crate::ep::buffer::LlCombineOutcome::Received(o) => State::CombineDone(o),
+            crate::ep::buffer::LlCombineOutcome::Hook(hk) => State::CombinePending(hk),
+        };
+        *out_op = Box::into_raw(Box::new(fep_ll_op { state, handle: None }));
+        Ok(())
+    })
+}
+
+/// Copies a completed combine's output `combined_x` `[T, H]` bf16. Once per op.
+///
+/// # Safety
+/// `op` and `combined_x` must be valid.
+#[no_mangle]
+pub unsafe extern "C" fn fep_ll_combine_copy_out(
+    op: *mut fep_ll_op,
+    combined_x: *mut fep_tensor,
+) -> super::fep_status {
+    guard(|| {
+        let op = op.as_mut().ok_or_else(|| Error::arg("op", "NULL pointer"))?;
+        let State::CombineDone(o) = &op.state else {
+            return Err(Error::arg(
+                "op",
+                "not a completed combine (complete its hook first), or already copied out",
+            ));
+        };
+        let t = combined_x.as_ref().map_or(0, |t| t.shape[0]);
+        let h = if t == 0 { 0 } else { o.combined_x.len() as i64 / t };
+        view_mut::<u16>("combined_x", combined_x, FEP_DTYPE_BF16, &[Some(t), Some(h)])?
+            .copy_from_slice(&o.combined_x);
+        op.state = State::Drained;
+        Ok(())
+    })
+}
+
+/// Frees an op. NULL is a no-op. A pending hook that is never completed keeps its buffer set
+/// reserved until `fep_clean_low_latency_buffer`.
+///
+/// # Safety
+/// `op` must come from a `fep_low_latency_*` call and not be used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn fep_ll_op_destroy(op: *mut fep_ll_op) {
+    if !op.is_null() {
+        drop(Box::from_raw(op));
+    }
+}
+
+/// Makes the low-latency buffers usable again after a failed step (collective: every rank calls
+/// it); earlier ops and handles become invalid.
+///
+/// # Safety
+/// `buf` must be valid.
+#[no_mangle]
+pub unsafe extern "C" fn fep_clean_low_latency_buffer(buf: *mut fep_buffer) -> super::fep_status {
+    guard(|| super::buffer::buffer(buf)?.clean_low_latency_buffer())
+}

@@ -1,0 +1,52 @@
+//! Low-latency mode on the host backend with ranks as OS processes (ep-bench launches itself;
+//! every rank checks every dispatch and combine, with and without the recv hook, against the
+//! reference built from all ranks' inputs), node splits forcing the libfabric path.
+
+use std::process::Command;
+use std::time::Instant;
+
+fn ep_bench() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_ep-bench"));
+    // Never join an outer job by accident.
+    for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
+    {
+        c.env_remove(v);
+    }
+    c
+}
+
+fn low_latency(provider: &str, ranks: usize, per_node: usize, fp8: bool) {
+    let t = Instant::now();
+    let mut c = ep_bench();
+    c.args(["--mode", "low-latency", "--backend", "host", "--provider", provider])
+        .args(["--ranks", &ranks.to_string(), "--ranks-per-node", &per_node.to_string()])
+        .args(["--tokens", "32", "--hidden", "256", "--topk", "4", "--experts", "16"])
+        .args(["--iters", "2", "--timeout", "30"]);
+    if fp8 {
+        c.arg("--fp8");
+    }
+    let out = c.output().expect("run ep-bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{provider} x{ranks}: {stdout}\n{stderr}");
+    assert!(stdout.contains("every result checked against the reference"), "{stdout}");
+    for row in ["ll dispatch:", "ll dispatch+hook:", "ll combine:", "ll combine+hook:"] {
+        assert!(stdout.contains(row), "{stdout}");
+    }
+    eprintln!("{provider} {ranks} ranks ({per_node} per node), fp8 {fp8}: ok in {:?}", t.elapsed());
+}
+
+#[test]
+fn processes_shm_2() {
+    low_latency("shm", 2, 2, true);
+}
+
+#[test]
+fn processes_tcp_rxm_4_as_2_nodes() {
+    low_latency("tcp;ofi_rxm", 4, 2, false);
+}
+
+#[test]
+fn processes_udp_rxd_2_as_2_nodes_unordered() {
+    low_latency("udp;ofi_rxd", 2, 1, true);
+}
