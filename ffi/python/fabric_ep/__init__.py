@@ -12,7 +12,7 @@ or the repository's ``target/{release,debug}``, then the system library path.
 """
 
 from ._lib import FabricEPArgumentError, FabricEPError, FabricEPTimeoutError
-from .buffer import Buffer, DispatchHandle
+from .buffer import Buffer, DispatchHandle, LowLatencyHandle
 from .config import Config
 from .utils import EventOverlap
 
@@ -20,6 +20,7 @@ __all__ = [
     "Buffer",
     "Config",
     "DispatchHandle",
+    "LowLatencyHandle",
     "EventOverlap",
     "FabricEPError",
     "FabricEPArgumentError",

@@ -195,6 +195,20 @@ def _declare(lib: ctypes.CDLL) -> None:
     )
     f("fep_handle_copy_out", _st, _vp, _vp, _vp, _vp, _vp, _vp)
     f("fep_combine", _st, _vp, _vp, _vp, _vp, _vp, _vp, _vp)
+    # Low-latency mode (present in libraries built after it reached the C ABI).
+    _b = ctypes.c_bool
+    optional = [
+        ("fep_low_latency_dispatch", _st, _vp, _vp, _vp, _b, _b, _b, _vp, _vp),
+        ("fep_ll_op_complete", _st, _vp, _vp),
+        ("fep_ll_dispatch_copy_out", _st, _vp, _vp, _vp, _vp, _vp, _vp, _vp),
+        ("fep_low_latency_combine", _st, _vp, _vp, _vp, _vp, _vp, _b, _vp, _vp),
+        ("fep_ll_combine_copy_out", _st, _vp, _vp),
+        ("fep_ll_op_destroy", None, _vp),
+        ("fep_clean_low_latency_buffer", _st, _vp),
+    ]
+    for name, restype, *argtypes in optional:
+        if hasattr(lib, name):
+            f(name, restype, *argtypes)
 
 
 lib = _load()

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Any, List, Optional, Tuple, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import numpy as np
 
 from . import _lib
-from ._arrays import TensorSlots, alloc, arr, data_ptr, in2
+from ._arrays import TensorSlots, alloc, arr, data_ptr, empty_like_kind, in2, tensor
 from ._lib import (
     FEP_BACKEND_HOST,
     FEP_DTYPE_BF16,
@@ -167,7 +167,8 @@ class Buffer:
             ``num_experts`` a multiple of the number of ranks.
         dispatch_dtype: ``"bf16"`` (default) or ``"fp8"``: the normal-mode token format the
             buffer carries (fabric-ep sizes the buffer for one format; DeepEP decides per call).
-        num_max_dispatch_tokens_per_rank: low-latency capacity (0: the library's default, 128).
+        num_max_dispatch_tokens_per_rank: low-latency capacity (0: the library's default, 128);
+            ``low_latency_dispatch``/``clean_low_latency_buffer`` must pass the same value.
         config: a :class:`Config` for normal mode (default ``Buffer.get_dispatch_config(R)``).
         backend: ``"host"`` (the only backend in the C ABI today).
         provider: libfabric provider (``"shm"``, ``"tcp;ofi_rxm"``, ``"efa"``); None:
@@ -297,6 +298,9 @@ class Buffer:
         self.num_ranks = n.value
         self.ranks_per_node = ranks_per_node if ranks_per_node else _default_ranks_per_node(n.value)
         self.num_local_experts = num_experts // n.value
+        # NOTES: 0 asks the library for its default capacity, DEFAULT_MAX_TOKENS_PER_RANK = 128
+        # (src/ep/config.rs); the LL calls check callers' values against this.
+        self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank or 128
         self._num_nodes = n.value // self.ranks_per_node
 
         # Scratch out-parameters reused by every call (a Buffer is used by one thread at a time,
@@ -686,12 +690,38 @@ class Buffer:
 
     # ---------------------------------------------------------------- low-latency mode
 
-    def _ll_missing(self, call: str) -> NotImplementedError:
-        return NotImplementedError(
-            f"{call}: the C ABI of this libfabric_ep has no low-latency calls "
-            "(fep_low_latency_dispatch / fep_low_latency_combine / fep_clean_low_latency_buffer); "
-            "rebuild the library from a commit that has them"
-        )
+    def _ll_check(self, call: str) -> int:
+        p = self._ptr
+        if not p:
+            raise RuntimeError("Buffer: already destroyed")
+        if not HAVE_LOW_LATENCY:
+            raise NotImplementedError(
+                f"{call}: the C ABI of this libfabric_ep has no low-latency calls "
+                "(fep_low_latency_dispatch / fep_low_latency_combine / fep_ll_op_complete / "
+                "fep_clean_low_latency_buffer); rebuild the library from a commit that has them"
+            )
+        if not self.low_latency_mode:
+            raise ValueError(
+                f"{call}: this Buffer was built with low_latency_mode=False (as DeepEP, the "
+                "low-latency calls need Buffer(..., low_latency_mode=True))"
+            )
+        return p
+
+    def _ll_shape_args(self, num_max_dispatch_tokens_per_rank: int, hidden: Optional[int],
+                       num_experts: int) -> None:
+        if num_max_dispatch_tokens_per_rank != self.num_max_dispatch_tokens_per_rank:
+            raise ValueError(
+                f"num_max_dispatch_tokens_per_rank: {num_max_dispatch_tokens_per_rank}, but this "
+                f"Buffer was built for {self.num_max_dispatch_tokens_per_rank} (fabric-ep sizes the "
+                "low-latency buffer at construction: Buffer(..., "
+                "num_max_dispatch_tokens_per_rank=N))"
+            )
+        if hidden is not None and hidden != self.hidden:
+            raise ValueError(f"hidden: {hidden}, but this Buffer was built for {self.hidden}")
+        if num_experts != self.num_experts:
+            raise ValueError(
+                f"num_experts: {num_experts}, but this Buffer was built for {self.num_experts}"
+            )
 
     def low_latency_dispatch(
         self,
@@ -706,29 +736,301 @@ class Buffer:
         use_ue8m0: bool = False,
         async_finish: bool = False,
         return_recv_hook: bool = False,
-    ) -> Any:
-        """Low-latency dispatch (DeepEP semantics). Not in this library's C ABI yet."""
-        raise self._ll_missing("low_latency_dispatch")
+    ) -> Tuple[Any, Any, "LowLatencyHandle", EventOverlap, Optional[Callable[[], None]]]:
+        """Low-latency dispatch (DeepEP V1 semantics). ``L`` local experts,
+        ``S = num_ranks * num_max_dispatch_tokens_per_rank``.
+
+        Arguments:
+            x: ``[T, H]`` bf16, ``T <= num_max_dispatch_tokens_per_rank``.
+            topk_idx: ``[T, K]`` int64, -1 = none (an expert at most once per token).
+            num_max_dispatch_tokens_per_rank, num_experts: must equal the Buffer's.
+            cumulative_local_expert_recv_stats: optional ``[L]`` int32; the received count of
+                each local expert is added to it (DeepEP's EPLB statistics).
+            dispatch_wait_recv_cost_stats: must be None (no per-rank wait timing here).
+            use_fp8: cast to fp8 e4m3 with one float32 scale per 128 channels.
+            round_scale: power-of-two scales. use_ue8m0: must be False (no UE8M0 packing).
+            async_finish: must be False on the host backend.
+            return_recv_hook: return after the sends; calling ``hook()`` does the receive and
+                fills ``recv_x``/``recv_count``/the handle (valid only after it).
+
+        Returns:
+            recv_x: ``[L, S, H]`` bf16 (same dtype as ``x``), or with ``use_fp8`` a tuple of
+                ``[L, S, H]`` fp8 e4m3 (numpy uint8 / ml_dtypes float8_e4m3fn; torch
+                float8_e4m3fn) and ``[L, S, H / 128]`` float32 scales. For local expert ``e``,
+                rows from source rank 0 first, then rank 1, ...; rows past ``recv_count[e]``
+                are zero.
+            recv_count: ``[L]`` int32 rows received per local expert.
+            handle: a :class:`LowLatencyHandle` for ``low_latency_combine``.
+            event: ``EventOverlap(None)``.
+            hook: None, or with ``return_recv_hook`` a callable completing the receive.
+        """
+        p = self._ll_check("low_latency_dispatch")
+        self._ll_shape_args(num_max_dispatch_tokens_per_rank, None, num_experts)
+        if dispatch_wait_recv_cost_stats is not None:
+            raise ValueError(
+                "dispatch_wait_recv_cost_stats: fabric-ep does not time per-rank receive waits; "
+                "pass None"
+            )
+        if use_ue8m0:
+            raise ValueError("use_ue8m0=True: fabric-ep's fp8 scales are float32; pass False")
+        if async_finish:
+            _host_only(async_finish, False)
+        h, k = self.hidden, self.num_topk
+        xp, _, t, is_torch = in2("x", x, FEP_DTYPE_BF16, None, h)
+        if t > self.num_max_dispatch_tokens_per_rank:
+            raise ValueError(
+                f"x: {t} tokens, more than num_max_dispatch_tokens_per_rank "
+                f"{self.num_max_dispatch_tokens_per_rank}"
+            )
+        ip = in2("topk_idx", topk_idx, FEP_DTYPE_I64, t, k)[0]
+        stats = None
+        if cumulative_local_expert_recv_stats is not None:
+            stats = arr("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
+                        FEP_DTYPE_I32, (self.num_local_experts,)).obj
+        l, sz = self.num_local_experts, self.num_ranks * self.num_max_dispatch_tokens_per_rank
+        t_in = tensor(xp, FEP_DTYPE_BF16, (t, h))
+        t_idx = tensor(ip, FEP_DTYPE_I64, (t, k))
+        op = ctypes.c_void_p()
+        st = lib.fep_low_latency_dispatch(p, _addr(t_in), _addr(t_idx), bool(use_fp8),
+                                          bool(round_scale), bool(return_recv_hook), None,
+                                          ctypes.byref(op))
+        if st:
+            raise _lib.error("fep_low_latency_dispatch", st)
+        handle = LowLatencyHandle(op.value or 0, id(self), t, self.num_max_dispatch_tokens_per_rank,
+                                  h, self.num_experts)
+        like = x
+        if use_fp8:
+            recv_x = fp8_empty(like, (l, sz, h))
+            recv_s = empty_like_kind(like, (l, sz, h // FP8_GROUP), FEP_DTYPE_F32)
+        else:
+            recv_x = empty_like_kind(like, (l, sz, h))
+            recv_s = None
+        recv_count = empty_like_kind(like, (l,), FEP_DTYPE_I32)
+        handle.src_rank = empty_like_kind(like, (l, sz), FEP_DTYPE_I32)
+        handle.src_idx = empty_like_kind(like, (l, sz), FEP_DTYPE_I32)
+        handle.layout_range = empty_like_kind(like, (l, self.num_ranks), FEP_DTYPE_I64)
+        t_x = _ll_tensor(recv_x, FEP_DTYPE_FP8_E4M3 if use_fp8 else FEP_DTYPE_BF16)
+        t_s = _ll_tensor(recv_s, FEP_DTYPE_F32) if recv_s is not None else None
+        t_c = _ll_tensor(recv_count, FEP_DTYPE_I32)
+        t_r = _ll_tensor(handle.src_rank, FEP_DTYPE_I32)
+        t_i = _ll_tensor(handle.src_idx, FEP_DTYPE_I32)
+        t_l = _ll_tensor(handle.layout_range, FEP_DTYPE_I64)
+        buf_ref = self
+
+        def receive() -> None:
+            bp = buf_ref._ptr
+            if not bp:
+                raise RuntimeError("low_latency_dispatch hook: the Buffer was destroyed")
+            if handle._received:
+                raise RuntimeError("low_latency_dispatch hook: already called")
+            s2 = lib.fep_ll_op_complete(bp, handle._ptr)
+            if s2:
+                raise _lib.error("fep_ll_op_complete", s2)
+            s2 = lib.fep_ll_dispatch_copy_out(
+                handle._ptr, _addr(t_x), _addr(t_s) if t_s is not None else None, _addr(t_c),
+                _addr(t_r), _addr(t_i), _addr(t_l),
+            )
+            if s2:
+                raise _lib.error("fep_ll_dispatch_copy_out", s2)
+            handle._received = True
+            if stats is not None:
+                _accumulate(stats, recv_count)
+
+        out_x = (recv_x, recv_s) if use_fp8 else recv_x
+        if return_recv_hook:
+            return out_x, recv_count, handle, EventOverlap(None), receive
+        receive()
+        return out_x, recv_count, handle, EventOverlap(None), None
 
     def low_latency_combine(
         self,
         x: Any,
         topk_idx: Any,
         topk_weights: Any,
-        handle: Any,
+        handle: "LowLatencyHandle",
         use_logfmt: bool = False,
         zero_copy: bool = False,
         async_finish: bool = False,
         return_recv_hook: bool = False,
         out: Optional[Any] = None,
         combine_wait_recv_cost_stats: Optional[Any] = None,
-    ) -> Any:
-        """Low-latency combine (DeepEP semantics). Not in this library's C ABI yet."""
-        raise self._ll_missing("low_latency_combine")
+    ) -> Tuple[Any, EventOverlap, Optional[Callable[[], None]]]:
+        """Low-latency combine (DeepEP V1 semantics).
+
+        Arguments:
+            x: ``[L, S, H]`` bf16 expert outputs, rows as ``low_latency_dispatch`` delivered
+                them (rows past the counts are ignored).
+            topk_idx: ``[T, K]`` int64, the ids given to the dispatch (an entry may be -1 to
+                leave that expert out of the sum). topk_weights: ``[T, K]`` float32.
+            handle: the dispatch's :class:`LowLatencyHandle` (its hook, if any, called).
+            use_logfmt, zero_copy: must be False. async_finish: must be False on the host
+                backend. combine_wait_recv_cost_stats: must be None.
+            return_recv_hook: return after the sends; ``hook()`` receives and fills the output.
+            out: optional ``[T, H]`` bf16 array to write the result into.
+
+        Returns:
+            combined_x: ``[T, H]`` bf16 (``out`` when given): per token, the fp32 sum of
+                ``weight * expert output`` over its experts, rounded once.
+            event: ``EventOverlap(None)``.
+            hook: None, or with ``return_recv_hook`` a callable completing the receive.
+        """
+        p = self._ll_check("low_latency_combine")
+        if use_logfmt:
+            raise ValueError("use_logfmt=True: fabric-ep's combine sends bf16; pass False")
+        if zero_copy:
+            raise ValueError(
+                "zero_copy=True: fabric-ep does not expose its low-latency buffer "
+                "(get_next_low_latency_combine_buffer); pass False"
+            )
+        if combine_wait_recv_cost_stats is not None:
+            raise ValueError(
+                "combine_wait_recv_cost_stats: fabric-ep does not time per-rank receive waits; "
+                "pass None"
+            )
+        if async_finish:
+            _host_only(async_finish, False)
+        if type(handle) is not LowLatencyHandle:
+            raise TypeError(
+                f"handle: expected a fabric_ep LowLatencyHandle, got {type(handle).__name__}"
+            )
+        if handle._buffer_id != id(self) or not handle._ptr:
+            raise ValueError("handle: made by another Buffer (or already freed)")
+        if not handle._received:
+            raise ValueError("handle: its dispatch's receive hook has not been called yet")
+        h, k, t = self.hidden, self.num_topk, handle.num_tokens
+        l, sz = self.num_local_experts, self.num_ranks * self.num_max_dispatch_tokens_per_rank
+        xa = arr("x", x, FEP_DTYPE_BF16, (l, sz, h))
+        ip = in2("topk_idx", topk_idx, FEP_DTYPE_I64, t, k)[0]
+        wp = in2("topk_weights", topk_weights, FEP_DTYPE_F32, t, k)[0]
+        if out is not None:
+            combined = arr("out", out, FEP_DTYPE_BF16, (t, h)).obj
+        else:
+            combined = empty_like_kind(x, (t, h))
+        t_x = tensor(xa.ptr, FEP_DTYPE_BF16, (l, sz, h))
+        t_i = tensor(ip, FEP_DTYPE_I64, (t, k))
+        t_w = tensor(wp, FEP_DTYPE_F32, (t, k))
+        op = ctypes.c_void_p()
+        st = lib.fep_low_latency_combine(p, handle._ptr, _addr(t_x), _addr(t_i), _addr(t_w),
+                                         bool(return_recv_hook), None, ctypes.byref(op))
+        if st:
+            raise _lib.error("fep_low_latency_combine", st)
+        cop = _LowLatencyOp(op.value or 0)
+        t_out = _ll_tensor(combined, FEP_DTYPE_BF16)
+        buf_ref = self
+
+        def receive() -> None:
+            bp = buf_ref._ptr
+            if not bp:
+                raise RuntimeError("low_latency_combine hook: the Buffer was destroyed")
+            if cop.done:
+                raise RuntimeError("low_latency_combine hook: already called")
+            s2 = lib.fep_ll_op_complete(bp, cop.ptr)
+            if s2:
+                raise _lib.error("fep_ll_op_complete", s2)
+            s2 = lib.fep_ll_combine_copy_out(cop.ptr, _addr(t_out))
+            if s2:
+                raise _lib.error("fep_ll_combine_copy_out", s2)
+            cop.done = True
+
+        if return_recv_hook:
+            return combined, EventOverlap(None), receive
+        receive()
+        return combined, EventOverlap(None), None
+
+    def get_next_low_latency_combine_buffer(self, handle: Any) -> Any:
+        raise NotImplementedError(
+            "get_next_low_latency_combine_buffer: fabric-ep does not expose its low-latency "
+            "buffer (zero_copy combine is not supported)"
+        )
 
     def clean_low_latency_buffer(
         self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int
     ) -> None:
-        """Zeroes the low-latency buffer (DeepEP semantics). Not in this library's C ABI yet."""
-        raise self._ll_missing("clean_low_latency_buffer")
+        """Makes the low-latency buffer usable again (after a failed or abandoned step).
+        Collective: every rank calls it. Earlier low-latency handles and hooks become invalid.
+        The arguments must match the Buffer's (fabric-ep sized the buffer at construction)."""
+        p = self._ll_check("clean_low_latency_buffer")
+        self._ll_shape_args(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        st = lib.fep_clean_low_latency_buffer(p)
+        if st:
+            raise _lib.error("fep_clean_low_latency_buffer", st)
 
+
+_addr = ctypes.addressof
+
+
+def _accumulate(stats: Any, counts: Any) -> None:
+    """``stats += counts`` in place across numpy/torch (the stats array is the caller's)."""
+    if type(stats) is np.ndarray:
+        stats += np.asarray(counts, dtype=stats.dtype)
+    elif type(counts) is np.ndarray:
+        import torch
+
+        stats.add_(torch.from_numpy(counts))
+    else:
+        stats.add_(counts)
+
+
+def _ll_tensor(a: Any, code: int) -> _lib.fep_tensor:
+    """A ``fep_tensor`` for a freshly allocated output (up to 3-D), kept alive by the hook."""
+    return tensor(data_ptr(a), code, tuple(a.shape))
+
+
+def fp8_empty(like: Any, shape: Tuple[int, ...]) -> Any:
+    """fp8 e4m3 output in ``like``'s library: torch.float8_e4m3fn; numpy
+    ml_dtypes.float8_e4m3fn when ``like`` is ml_dtypes.bfloat16, else uint8 bytes."""
+    if type(like) is np.ndarray:
+        if like.dtype.name == "bfloat16":
+            import ml_dtypes  # the bf16 dtype came from it
+
+            return np.empty(shape, ml_dtypes.float8_e4m3fn)
+        return np.empty(shape, np.uint8)
+    import torch
+
+    return torch.empty(shape, dtype=getattr(torch, "float8_e4m3fn", torch.uint8))
+
+
+def _destroy_ll_op(ptr: int, _lib_ref=lib) -> None:
+    _lib_ref.fep_ll_op_destroy(ptr)
+
+
+class _LowLatencyOp:
+    """Owns a ``fep_ll_op`` (a combine's)."""
+
+    __slots__ = ("ptr", "done")
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+        self.done = False
+
+    def __del__(self, _destroy=_destroy_ll_op) -> None:
+        p, self.ptr = self.ptr, 0
+        if p:
+            _destroy(p)
+
+
+class LowLatencyHandle:
+    """What ``low_latency_dispatch`` returns as ``handle``; pass it to ``low_latency_combine``.
+    Owns the dispatch's native op. Attributes (valid once the receive is done): ``src_rank`` and
+    ``src_idx`` ``[L, S]`` int32 (source rank / token index of each row, -1 past the counts),
+    ``layout_range`` ``[L, R]`` int64 (DeepEP's packing: ``begin << 32 | count``),
+    ``num_max_dispatch_tokens_per_rank``, ``hidden``, ``num_experts``."""
+
+    __slots__ = ("_ptr", "_buffer_id", "_received", "num_tokens", "num_max_dispatch_tokens_per_rank",
+                 "hidden", "num_experts", "src_rank", "src_idx", "layout_range")
+
+    def __init__(self, ptr: int, buffer_id: int, num_tokens: int, max_tokens: int, hidden: int,
+                 num_experts: int):
+        self._ptr = ptr
+        self._buffer_id = buffer_id
+        self._received = False
+        self.num_tokens = num_tokens
+        self.num_max_dispatch_tokens_per_rank = max_tokens
+        self.hidden = hidden
+        self.num_experts = num_experts
+        self.src_rank = self.src_idx = self.layout_range = None
+
+    def __del__(self, _destroy=_destroy_ll_op) -> None:
+        p, self._ptr = self._ptr, 0
+        if p:
+            _destroy(p)

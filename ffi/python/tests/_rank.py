@@ -183,6 +183,105 @@ def run_fp8(r, num_ranks):
     del rng
 
 
+def bf16_rne(f):
+    """float32 -> bf16 bits, round to nearest even (the library rounds its fp32 sum once)."""
+    u = np.ascontiguousarray(f, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def e4m3_to_f32(b):
+    b = b.astype(np.int32)
+    sign = np.where(b & 0x80, -1.0, 1.0)
+    e = (b >> 3) & 0xF
+    m = b & 0x7
+    val = np.where(e == 0, m / 8.0 * 2.0 ** -6, (1 + m / 8.0) * 2.0 ** (e - 7))
+    return (sign * val).astype(np.float32)
+
+
+MAX_LL = 48
+
+
+def run_ll(r, num_ranks):
+    from fabric_ep import LowLatencyHandle
+
+    all_in = [inputs(s, num_ranks, salt=2) for s in range(num_ranks)]
+    x, idx, w = all_in[r]
+    e_all = L * num_ranks
+    buf = Buffer(None, 0, 0, True, num_experts=e_all, hidden=H, num_topk=K, timeout_s=30.0,
+                 num_max_dispatch_tokens_per_rank=MAX_LL, explicitly_destroy=True)
+    S = num_ranks * MAX_LL
+    # Reference: for local expert e, rows from source 0, 1, ... in token order.
+    ref_x = np.zeros((L, S, H), np.uint16)
+    ref_cnt = np.zeros(L, np.int64)
+    ref_src = np.full((L, S), -1, np.int32)
+    ref_rank = np.full((L, S), -1, np.int32)
+    ref_range = np.zeros((L, num_ranks), np.int64)
+    for e in range(L):
+        g = r * L + e
+        n = 0
+        for s in range(num_ranks):
+            xs, ids, _ = all_in[s]
+            toks = np.nonzero((ids == g).any(1))[0]
+            ref_range[e, s] = (n << 32) | len(toks)
+            ref_x[e, n:n + len(toks)] = xs[toks]
+            ref_src[e, n:n + len(toks)] = toks
+            ref_rank[e, n:n + len(toks)] = s
+            n += len(toks)
+        ref_cnt[e] = n
+
+    stats = np.zeros(L, np.int32)
+    for hooked in (False, True):
+        rx, cnt, handle, ev, hook = buf.low_latency_dispatch(
+            x, idx, MAX_LL, e_all, cumulative_local_expert_recv_stats=stats, use_fp8=False,
+            return_recv_hook=hooked)
+        assert isinstance(handle, LowLatencyHandle) and isinstance(ev, EventOverlap)
+        assert (hook is not None) == hooked
+        if hooked:
+            hook()
+        assert rx.shape == (L, S, H) and rx.dtype == np.uint16
+        assert cnt.dtype == np.int32 and cnt.tolist() == ref_cnt.tolist(), (cnt, ref_cnt)
+        assert np.array_equal(rx, ref_x), "LL recv_x differs from the reference"
+        assert np.array_equal(handle.src_idx, ref_src) and np.array_equal(handle.src_rank,
+                                                                          ref_rank)
+        assert np.array_equal(handle.layout_range, ref_range)
+        # Combine: expert e of rank r answers x * (e + 1); per token the weighted fp32 sum.
+        y = np.zeros((L, S, H), np.uint16)
+        for e in range(L):
+            y[e] = f2bf(bf2f(rx[e]) * (e + 1))
+        out = np.empty((x.shape[0], H), np.uint16)
+        cx, ev, chook = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=hooked,
+                                                out=out)
+        assert cx is out and (chook is not None) == hooked
+        if hooked:
+            chook()
+        want = np.zeros((x.shape[0], H), np.float32)
+        for k in range(K):
+            ok = idx[:, k] >= 0
+            mult = np.where(ok, (idx[:, k] % L) + 1, 0).astype(np.float32)
+            want += bf2f(x) * (mult * w[:, k])[:, None]
+        assert np.array_equal(cx, bf16_rne(want)), "LL combine differs from the reference"
+    assert stats.tolist() == (2 * ref_cnt).tolist(), (stats, ref_cnt)
+
+    # FP8 dispatch: e4m3 with one float32 scale per 128 channels.
+    (q, sc), cnt, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_LL, e_all, use_fp8=True)
+    assert q.dtype == np.uint8 and sc.shape == (L, S, H // 128) and sc.dtype == np.float32
+    deq = e4m3_to_f32(q) * np.repeat(sc, 128, axis=2)
+    ref = bf2f(ref_x)
+    amax = np.repeat(np.abs(ref).reshape(L, S, H // 128, 128).max(3), 128, axis=2)
+    assert np.all(np.abs(deq - ref) <= amax / 16 + 1e-6), "fp8 dequantised rows too far off"
+
+    # clean_low_latency_buffer: arguments checked against the buffer, then collective.
+    try:
+        buf.clean_low_latency_buffer(MAX_LL + 1, H, e_all)
+        raise AssertionError("a mismatched clean_low_latency_buffer was accepted")
+    except ValueError as e:
+        assert str(e).startswith("num_max_dispatch_tokens_per_rank:"), e
+    buf.clean_low_latency_buffer(MAX_LL, H, e_all)
+    rx, cnt, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_LL, e_all, use_fp8=False)
+    assert np.array_equal(rx, ref_x)
+    buf.destroy()
+
+
 def main():
     r = int(os.environ["RANK"])
     n = int(os.environ["WORLD_SIZE"])
@@ -191,6 +290,9 @@ def main():
     # A second Buffer in the same processes: its own store port.
     os.environ["FEP_MASTER_PORT"] = os.environ["FEP_TEST_PORT2"]
     run_fp8(r, n)
+    if fabric_ep.buffer.HAVE_LOW_LATENCY:
+        os.environ["FEP_MASTER_PORT"] = os.environ["FEP_TEST_PORT3"]
+        run_ll(r, n)
     print(f"rank {r}/{n}: ok ({fabric_ep.__name__})")
 
 

@@ -47,6 +47,22 @@ def main():
         else:
             raise AssertionError("a CUDA tensor was accepted by the host backend")
     buf.destroy()
+
+    # Low-latency mode with torch tensors: bf16 round trip and fp8 output dtypes.
+    ll = Buffer(dist.group.WORLD, 0, 0, True, num_experts=L * n, hidden=H, num_topk=K,
+                num_max_dispatch_tokens_per_rank=16, timeout_s=30.0, explicitly_destroy=True)
+    rx, cnt, lh, _, hook = ll.low_latency_dispatch(x, idx, 16, L * n, use_fp8=False,
+                                                   return_recv_hook=True)
+    hook()
+    assert rx.dtype == torch.bfloat16 and rx.shape == (L, n * 16, H) and cnt.dtype == torch.int32
+    y, _, _ = ll.low_latency_combine(rx, idx, w, lh)
+    assert torch.equal(y.float(), x.float() * idx.ge(0).sum(1, dtype=torch.float32)[:, None])
+    (q, sc), cnt2, _, _, _ = ll.low_latency_dispatch(x, idx, 16, L * n)
+    assert q.dtype == getattr(torch, "float8_e4m3fn", torch.uint8) and sc.dtype == torch.float32
+    assert torch.equal(cnt, cnt2)
+    deq = q.float() * sc.repeat_interleave(128, dim=2)
+    assert torch.allclose(deq, rx.float(), rtol=0.07, atol=0.0), "fp8 rows too far off"
+    ll.destroy()
     dist.destroy_process_group()
     print(f"rank {r}/{n}: ok (torch {torch.__version__}, cuda={torch.cuda.is_available()})")
 

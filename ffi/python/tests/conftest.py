@@ -48,14 +48,14 @@ def run_ranks(script: pathlib.Path, world: int, local_world: int = 0, timeout: f
     procs = []
     for r in range(world):
         env = rank_env(r, world, port, local_world)
-        env["FEP_TEST_PORT2"] = str(free_port())
-        # All ranks must agree on the second port: rank 0 picks it, the others take the same.
-        if r > 0:
-            env["FEP_TEST_PORT2"] = procs[0][1]
+        # All ranks must agree on the extra ports: rank 0 picks them, the others take the same.
+        if r == 0:
+            extra_ports = (str(free_port()), str(free_port()))
+        env["FEP_TEST_PORT2"], env["FEP_TEST_PORT3"] = extra_ports
         env.update(extra_env or {})
         p = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
-        procs.append((p, env["FEP_TEST_PORT2"]))
+        procs.append((p, None))
     deadline = time.monotonic() + timeout
     results = []
     for p, _ in procs:

@@ -162,7 +162,7 @@ def test_unsupported_options_are_refused(buf, data):
     assert out[0].shape == (T, H)
 
 
-def test_low_latency_methods_exist(buf, data):
+def test_low_latency_argument_checks(buf, env1, data):
     x, idx, w = data
     for name in ("low_latency_dispatch", "low_latency_combine", "clean_low_latency_buffer"):
         assert callable(getattr(buf, name))
@@ -171,6 +171,55 @@ def test_low_latency_methods_exist(buf, data):
                x, idx, 128, E)
         raises(NotImplementedError, "^clean_low_latency_buffer: ", buf.clean_low_latency_buffer,
                128, H, E)
+        return
+    # As in DeepEP, a normal-mode buffer refuses the low-latency calls.
+    raises(ValueError, "^low_latency_dispatch: this Buffer was built with low_latency_mode=False",
+           buf.low_latency_dispatch, x, idx, 128, E)
+    os.environ["FEP_MASTER_PORT"] = str(free_port())
+    ll = Buffer(None, 0, 0, True, num_experts=E, hidden=H, num_topk=K, explicitly_destroy=True,
+                timeout_s=10.0, num_max_dispatch_tokens_per_rank=T)
+    try:
+        raises(ValueError, "^num_max_dispatch_tokens_per_rank: 128, but this Buffer was built "
+               "for 16", ll.low_latency_dispatch, x, idx, 128, E)
+        raises(ValueError, "^num_experts: 4", ll.low_latency_dispatch, x, idx, T, 4)
+        raises(ValueError, "^use_ue8m0=True", ll.low_latency_dispatch, x, idx, T, E,
+               use_ue8m0=True)
+        raises(ValueError, "^dispatch_wait_recv_cost_stats: ", ll.low_latency_dispatch, x, idx, T,
+               E, dispatch_wait_recv_cost_stats=np.zeros(1, np.int64))
+        raises(ValueError, "^async_finish=True", ll.low_latency_dispatch, x, idx, T, E,
+               async_finish=True)
+        raises(TypeError, "^x: dtype float32", ll.low_latency_dispatch, x.astype(np.float32), idx,
+               T, E)
+        big = np.zeros((T + 1, H), np.uint16)
+        raises(ValueError, "^x: 17 tokens, more than num_max_dispatch_tokens_per_rank 16",
+               ll.low_latency_dispatch, big, np.zeros((T + 1, K), np.int64), T, E)
+        raises(ValueError, "^cumulative_local_expert_recv_stats: shape",
+               ll.low_latency_dispatch, x, idx, T, E,
+               cumulative_local_expert_recv_stats=np.zeros(3, np.int32))
+        rx, cnt, handle, _, hook = ll.low_latency_dispatch(x, idx, T, E, use_fp8=False,
+                                                           return_recv_hook=True)
+        raises(ValueError, "^handle: its dispatch's receive hook has not been called",
+               ll.low_latency_combine, rx, idx, w, handle)
+        hook()
+        raises(RuntimeError, "already called", hook)
+        raises(ValueError, "^zero_copy=True", ll.low_latency_combine, rx, idx, w, handle,
+               zero_copy=True)
+        raises(ValueError, "^use_logfmt=True", ll.low_latency_combine, rx, idx, w, handle,
+               use_logfmt=True)
+        raises(ValueError, "^combine_wait_recv_cost_stats: ", ll.low_latency_combine, rx, idx, w,
+               handle, combine_wait_recv_cost_stats=np.zeros(1, np.int64))
+        raises(ValueError, r"^x: shape \[16, 256\]", ll.low_latency_combine, x, idx, w, handle)
+        raises(ValueError, r"^out: shape", ll.low_latency_combine, rx, idx, w, handle,
+               out=np.empty((1, H), np.uint16))
+        raises(TypeError, "^handle: expected a fabric_ep LowLatencyHandle",
+               ll.low_latency_combine, rx, idx, w, object())
+        y, _, none = ll.low_latency_combine(rx, idx, w, handle)
+        assert y.shape == (T, H) and none is None
+        raises(NotImplementedError, "zero_copy", ll.get_next_low_latency_combine_buffer, handle)
+        raises(ValueError, "^hidden: 128", ll.clean_low_latency_buffer, T, 128, E)
+        ll.clean_low_latency_buffer(T, H, E)
+    finally:
+        ll.destroy()
 
 
 def test_event_overlap_and_helpers(buf):
