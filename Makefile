@@ -15,7 +15,8 @@ setup:
 # on machines without a GPU.
 test: setup
 	$(CARGO) test --workspace --no-fail-fast
-	python3 -m pytest -q tests/py
+	$(CARGO) build --lib
+	FABRIC_EP_LIBRARY=$${CARGO_TARGET_DIR:-$(ROOT)/target}/debug/libfabric_ep.so python3 -m pytest -q tests/py ffi/python/tests
 
 # The main job: ep-bench with its embedded defaults.
 bench: setup

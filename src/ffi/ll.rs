@@ -258,7 +258,12 @@ pub unsafe extern "C" fn fep_ll_combine_copy_out(
             ));
         };
         let t = combined_x.as_ref().map_or(0, |t| t.shape[0]);
-        let h = if t == 0 { 0 } else { o.combined_x.len() as i64 / t };
+        // NOTES: a rank with no tokens has nothing to copy; its `[0, H]` output is still valid.
+        let h = if t == 0 {
+            combined_x.as_ref().map_or(0, |t| t.shape[1])
+        } else {
+            o.combined_x.len() as i64 / t
+        };
         view_mut::<u16>("combined_x", combined_x, FEP_DTYPE_BF16, &[Some(t), Some(h)])?
             .copy_from_slice(&o.combined_x);
         op.state = State::Drained;

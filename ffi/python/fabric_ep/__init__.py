@@ -1,0 +1,29 @@
+"""fabric_ep: DeepEP V1's Python API (``Buffer``, ``Config``, ``EventOverlap``) over fabric-ep's
+C ABI (``libfabric_ep``), so a DeepEP user changes the import::
+
+    from fabric_ep import Buffer, Config, EventOverlap
+
+The one difference: ``Buffer(...)`` needs ``num_experts=``, ``hidden=`` and ``num_topk=`` (fabric-ep
+sizes its buffers from the model shape, not from byte counts). Only the host backend (CPU threads
+over host memory; numpy arrays or torch CPU tensors) is in the C ABI today.
+
+The library is found through ``FABRIC_EP_LIBRARY``, next to this package, ``$CARGO_TARGET_DIR``
+or the repository's ``target/{release,debug}``, then the system library path.
+"""
+
+from ._lib import FabricEPArgumentError, FabricEPError, FabricEPTimeoutError
+from .buffer import Buffer, DispatchHandle, LowLatencyHandle
+from .config import Config
+from .utils import EventOverlap
+
+__all__ = [
+    "Buffer",
+    "Config",
+    "DispatchHandle",
+    "LowLatencyHandle",
+    "EventOverlap",
+    "FabricEPError",
+    "FabricEPArgumentError",
+    "FabricEPTimeoutError",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,1036 @@
+"""``Buffer``: DeepEP V1's ``deep_ep.Buffer`` over fabric-ep's C ABI.
+
+Shapes use DeepEP's names: ``T`` tokens on this rank, ``H`` hidden, ``K`` top-k, ``R`` ranks,
+``E`` experts (global), ``L = E / R`` local experts, ``rows`` received tokens of a dispatch.
+
+The one difference from DeepEP's constructor: fabric-ep sizes its buffers from the model shape,
+not from byte counts, so ``num_experts``, ``hidden`` and ``num_topk`` are required keyword
+arguments (``num_nvl_bytes``/``num_rdma_bytes`` are accepted and kept, but size nothing).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any, Callable, List, Optional, Tuple, Union
+
+import numpy as np
+
+from . import _lib
+from ._arrays import TensorSlots, alloc, arr, data_ptr, empty_like_kind, in2, tensor
+from ._lib import (
+    FEP_BACKEND_HOST,
+    FEP_DTYPE_BF16,
+    FEP_DTYPE_BOOL,
+    FEP_DTYPE_F32,
+    FEP_DTYPE_FP8_E4M3,
+    FEP_DTYPE_I32,
+    FEP_DTYPE_I64,
+    lib,
+)
+from .config import DEFAULT_NUM_SMS, Config
+from .utils import EventOverlap
+
+FP8_GROUP = 128  # channels per fp8 scale
+
+# Whether this libfabric_ep exports the low-latency calls (they arrive after the normal mode).
+HAVE_LOW_LATENCY = _lib._has("fep_low_latency_dispatch")
+
+_DISPATCH_DTYPES = {"bf16": FEP_DTYPE_BF16, "fp8": FEP_DTYPE_FP8_E4M3}
+
+
+def _default_ranks_per_node(num_ranks: int) -> int:
+    # NOTES: the same rule as EpSettings::new (largest divisor of num_ranks not above 8);
+    # resolved here and passed explicitly so Python and the library agree on the node count.
+    for d in range(min(8, num_ranks), 0, -1):
+        if num_ranks % d == 0:
+            return d
+    return 1
+
+
+def _env_int(name: str) -> Optional[int]:
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"{name}={v!r} is not an integer") from None
+
+
+def _no_event(previous_event: Any) -> None:
+    if previous_event is None:
+        return
+    if isinstance(previous_event, EventOverlap) and previous_event.event is None:
+        return  # nothing pending (what this backend's calls return)
+    raise ValueError(
+        "previous_event: the host backend runs each call to completion on the calling thread and "
+        "cannot wait on a stream event; pass None (or an EventOverlap with nothing pending)"
+    )
+
+
+def _host_only(async_finish: bool, allocate_on_comm_stream: bool) -> None:
+    if async_finish:
+        raise ValueError(
+            "async_finish=True: the host backend completes every call before it returns; pass "
+            "async_finish=False"
+        )
+    if allocate_on_comm_stream:
+        raise ValueError(
+            "allocate_on_comm_stream=True: the host backend has no communication stream; pass "
+            "allocate_on_comm_stream=False"
+        )
+
+
+def _destroy_handle(ptr: int, _destroy=lib.fep_handle_destroy) -> None:
+    _destroy(ptr)
+
+
+class DispatchHandle:
+    """What ``dispatch`` returns as ``handle``: pass it to ``combine`` and to a cached
+    ``dispatch``. Owns the native ``fep_handle`` (freed when this object is collected). Opaque;
+    ``num_tokens`` (this rank's ``T``) and ``num_recv_tokens`` (``rows``) are informational."""
+
+    __slots__ = ("_ptr", "_buffer_id", "num_tokens", "num_recv_tokens", "__weakref__")
+
+    def __init__(self, ptr: int, buffer_id: int, num_tokens: int, num_recv_tokens: int):
+        self._ptr = ptr
+        self._buffer_id = buffer_id
+        self.num_tokens = num_tokens
+        self.num_recv_tokens = num_recv_tokens
+
+    def __del__(self, _destroy=_destroy_handle) -> None:
+        p, self._ptr = self._ptr, 0
+        if p:
+            _destroy(p)
+
+    def __repr__(self) -> str:
+        return f"DispatchHandle(num_tokens={self.num_tokens}, rows={self.num_recv_tokens})"
+
+
+class _TorchAllGather:
+    """The ``fep_allgather_fn`` over a ``torch.distributed`` group: equal-length all-gather of the
+    connection info (``torch.distributed.all_gather`` of uint8 tensors; on the current CUDA
+    device for NCCL groups). Exceptions are kept and re-raised by the caller."""
+
+    def __init__(self, group: Any):
+        import torch
+        import torch.distributed as dist
+
+        self.group = group
+        self.size = dist.get_world_size(group)
+        backend = str(dist.get_backend(group)).lower()
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+        )
+        self.error: Optional[BaseException] = None
+        self.fn = _lib.ALLGATHER_FN(self._call)
+
+    def _call(self, send: int, length: int, recv: int, user: int) -> int:
+        try:
+            import torch
+            import torch.distributed as dist
+
+            if length == 0:
+                return 0
+            src = bytes((ctypes.c_uint8 * length).from_address(send))
+            t = torch.frombuffer(bytearray(src), dtype=torch.uint8).to(self.device)
+            parts = [torch.empty(length, dtype=torch.uint8, device=self.device) for _ in range(self.size)]
+            dist.all_gather(parts, t, group=self.group)
+            out = torch.cat(parts).cpu().contiguous()
+            ctypes.memmove(recv, out.data_ptr(), length * self.size)
+            return 0
+        except BaseException as e:  # noqa: BLE001 - reported to the caller after the C call
+            self.error = e
+            return 1
+
+
+class Buffer:
+    """DeepEP V1's ``Buffer`` on fabric-ep (host backend: CPU threads over host memory).
+
+    Arguments (DeepEP's, in DeepEP's order):
+        group: a ``torch.distributed`` ProcessGroup (the connection info is all-gathered over it)
+            or ``None``: bootstrap from the torchrun variables ``RANK``, ``WORLD_SIZE``,
+            ``MASTER_ADDR``, ``MASTER_PORT`` (fabric-ep's store listens on ``MASTER_PORT + 1``
+            unless ``FEP_MASTER_PORT`` is set), ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``.
+        num_nvl_bytes, num_rdma_bytes: accepted and kept as attributes; fabric-ep sizes its own
+            buffers from ``num_experts``/``hidden``/``num_topk`` (see :meth:`size_hints`).
+        low_latency_mode: must be True for the ``low_latency_*`` calls (as in DeepEP).
+        num_qps_per_rank, allow_nvlink_for_low_latency_mode: accepted (validated) and kept; they
+            tune DeepEP's NVSHMEM/IBGDA transport, which fabric-ep does not have (it uses
+            libfabric endpoints; intranode traffic goes through the provider).
+        explicitly_destroy: when True, :meth:`destroy` must be called; otherwise the native
+            buffer is also freed by ``__del__`` (a collective: every rank must drop its Buffer).
+
+    fabric-ep keywords (the one difference from DeepEP's signature):
+        num_experts, hidden, num_topk: required. ``hidden`` a multiple of 8 (of 128 for fp8);
+            ``num_experts`` a multiple of the number of ranks.
+        dispatch_dtype: ``"bf16"`` (default) or ``"fp8"``: the normal-mode token format the
+            buffer carries (fabric-ep sizes the buffer for one format; DeepEP decides per call).
+        num_max_dispatch_tokens_per_rank: low-latency capacity (0: the library's default, 128);
+            ``low_latency_dispatch``/``clean_low_latency_buffer`` must pass the same value.
+        config: a :class:`Config` for normal mode (default ``Buffer.get_dispatch_config(R)``).
+        backend: ``"host"`` (the only backend in the C ABI today).
+        provider: libfabric provider (``"shm"``, ``"tcp;ofi_rxm"``, ``"efa"``); None:
+            ``FI_PROVIDER``, else ``"shm"``.
+        timeout_s: bound on every wait inside the library (0: 60 s).
+        ranks_per_node: None: ``LOCAL_WORLD_SIZE``, else the largest divisor of R up to 8.
+    """
+
+    num_sms: int = DEFAULT_NUM_SMS
+
+    def __init__(
+        self,
+        group: Any,
+        num_nvl_bytes: int = 0,
+        num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
+        num_qps_per_rank: int = 24,
+        allow_nvlink_for_low_latency_mode: bool = True,
+        explicitly_destroy: bool = False,
+        *,
+        num_experts: Optional[int] = None,
+        hidden: Optional[int] = None,
+        num_topk: Optional[int] = None,
+        dispatch_dtype: str = "bf16",
+        num_max_dispatch_tokens_per_rank: int = 0,
+        config: Optional[Config] = None,
+        backend: str = "host",
+        provider: Optional[str] = None,
+        timeout_s: float = 0.0,
+        ranks_per_node: Optional[int] = None,
+    ) -> None:
+        self._ptr = 0  # set last: __del__ must see a consistent object if __init__ raises
+        missing = [
+            n for n, v in (("num_experts", num_experts), ("hidden", hidden), ("num_topk", num_topk))
+            if v is None
+        ]
+        if missing:
+            raise TypeError(
+                "Buffer: fabric-ep sizes its buffers from the model shape, so "
+                + ", ".join(missing)
+                + " must be given as keyword arguments (e.g. Buffer(group, num_experts=256, "
+                "hidden=7168, num_topk=8)); num_nvl_bytes/num_rdma_bytes do not size anything"
+            )
+        for n, v in (("num_experts", num_experts), ("hidden", hidden), ("num_topk", num_topk)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{n}: {v!r} must be a positive int")
+        for n, v in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{n}: {v!r} must be a non-negative int")
+        if isinstance(num_qps_per_rank, bool) or not isinstance(num_qps_per_rank, int) or num_qps_per_rank <= 0:
+            raise ValueError(f"num_qps_per_rank: {num_qps_per_rank!r} must be a positive int")
+        if dispatch_dtype not in _DISPATCH_DTYPES:
+            raise ValueError(f"dispatch_dtype: {dispatch_dtype!r}, expected 'bf16' or 'fp8'")
+        if backend != "host":
+            raise NotImplementedError(
+                f"backend: {backend!r}: the C ABI has only the host backend so far; the GPU "
+                "backend (CUDA tensors, the current stream) is not in it yet"
+            )
+        if num_max_dispatch_tokens_per_rank < 0:
+            raise ValueError(
+                f"num_max_dispatch_tokens_per_rank: {num_max_dispatch_tokens_per_rank} is negative"
+            )
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"config: expected a fabric_ep.Config, got {type(config).__name__}")
+
+        self.group = group
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = bool(low_latency_mode)
+        self.num_qps_per_rank = num_qps_per_rank
+        self.allow_nvlink_for_low_latency_mode = bool(allow_nvlink_for_low_latency_mode)
+        self.explicitly_destroy = bool(explicitly_destroy)
+        self.num_experts = num_experts
+        self.hidden = hidden
+        self.num_topk = num_topk
+        self.dispatch_dtype = dispatch_dtype
+        self._dispatch_code = _DISPATCH_DTYPES[dispatch_dtype]
+
+        cfg = _lib.new_config()
+        self._gather: Optional[_TorchAllGather] = None
+        if group is not None:
+            self._gather = _TorchAllGather(group)
+            cfg.rank = group.rank()
+            cfg.num_ranks = group.size()
+            world = cfg.num_ranks
+        else:
+            world = _env_int("WORLD_SIZE")  # None: the library reports the missing variable
+        if ranks_per_node is None:
+            ranks_per_node = _env_int("LOCAL_WORLD_SIZE")
+            if ranks_per_node is None and world is not None and world > 0:
+                ranks_per_node = _default_ranks_per_node(world)
+        if ranks_per_node is not None:
+            if ranks_per_node <= 0:
+                raise ValueError(f"ranks_per_node: {ranks_per_node} must be positive")
+            cfg.ranks_per_node = ranks_per_node
+        if config is None:
+            config = Buffer.get_dispatch_config(world if world else 1)
+        sms, chunk, slots = config.fabric_chunking()
+        self.config = config
+        cfg.num_experts = num_experts
+        cfg.hidden = hidden
+        cfg.num_topk = num_topk
+        cfg.max_tokens_per_rank = num_max_dispatch_tokens_per_rank
+        cfg.dispatch_dtype = self._dispatch_code
+        cfg.num_sms = sms
+        cfg.chunk_tokens = chunk
+        cfg.slots_per_peer = slots
+        cfg.backend = FEP_BACKEND_HOST
+        cfg.timeout_s = float(timeout_s)
+        self._provider = provider.encode() if provider is not None else None
+        cfg.provider = self._provider
+        self._cfg = cfg
+
+        out = ctypes.c_void_p()
+        fn = self._gather.fn if self._gather is not None else _lib.ALLGATHER_FN()
+        st = lib.fep_buffer_create(ctypes.byref(cfg), fn, None, ctypes.byref(out))
+        if st != _lib.FEP_OK:
+            err = _lib.error("fep_buffer_create", st)
+            if self._gather is not None and self._gather.error is not None:
+                raise err from self._gather.error
+            raise err
+        self._ptr = out.value or 0
+        r, n = ctypes.c_int32(), ctypes.c_int32()
+        _lib.check("fep_buffer_rank", lib.fep_buffer_rank(self._ptr, ctypes.byref(r), ctypes.byref(n)))
+        self.rank = r.value
+        self.group_size = n.value
+        self.num_ranks = n.value
+        self.ranks_per_node = ranks_per_node if ranks_per_node else _default_ranks_per_node(n.value)
+        self.num_local_experts = num_experts // n.value
+        # NOTES: 0 asks the library for its default capacity, DEFAULT_MAX_TOKENS_PER_RANK = 128
+        # (src/ep/config.rs); the LL calls check callers' values against this.
+        self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank or 128
+        self._num_nodes = n.value // self.ranks_per_node
+
+        # Scratch out-parameters reused by every call (a Buffer is used by one thread at a time,
+        # as in DeepEP); their addresses are computed once.
+        self._out_handle = ctypes.c_void_p()
+        self._out_rows = ctypes.c_int64()
+        self._out_handle_addr = ctypes.addressof(self._out_handle)
+        self._out_rows_addr = ctypes.addressof(self._out_rows)
+        self._slots = TensorSlots(9)
+        self._per_expert = np.zeros(self.num_local_experts, dtype=np.int32)
+        self._slots.set1(8, self._per_expert.ctypes.data, FEP_DTYPE_I32, self.num_local_experts)
+
+    # ---------------------------------------------------------------- lifetime
+
+    def _live(self) -> int:
+        if not self._ptr:
+            raise RuntimeError("Buffer: already destroyed")
+        return self._ptr
+
+    def destroy(self) -> None:
+        """Frees the native buffer (a bounded barrier with the other ranks, then teardown).
+        Collective: every rank calls it. Later calls on this Buffer raise."""
+        p, self._ptr = self._ptr, 0
+        if not p:
+            raise RuntimeError("Buffer.destroy: already destroyed")
+        st = lib.fep_buffer_destroy(p)
+        if st != _lib.FEP_OK:
+            raise _lib.error("fep_buffer_destroy", st)
+
+    def __del__(self) -> None:
+        if getattr(self, "_ptr", 0) and not getattr(self, "explicitly_destroy", True):
+            p, self._ptr = self._ptr, 0
+            try:
+                lib.fep_buffer_destroy(p)
+            except Exception:  # noqa: BLE001 - interpreter shutdown; nothing to report to
+                pass
+
+    def __enter__(self) -> "Buffer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._ptr:
+            self.destroy()
+
+    # ---------------------------------------------------------------- static helpers
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Sets the SM budget the default configs carry (DeepEP's ``Buffer.set_num_sms``)."""
+        if isinstance(new_num_sms, bool) or not isinstance(new_num_sms, int) or new_num_sms <= 0:
+            raise ValueError(f"new_num_sms: {new_num_sms!r} must be a positive int")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """fabric-ep's normal-mode config for ``num_ranks`` ranks: 64-token chunks, 4 slots per
+        peer, ``Buffer.num_sms`` SMs (the same for every ``num_ranks`` and for combine)."""
+        if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks <= 0:
+            raise ValueError(f"num_ranks: {num_ranks!r} must be a positive int")
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """Same as :meth:`get_dispatch_config`: fabric-ep's dispatch and combine share chunking."""
+        return Buffer.get_dispatch_config(num_ranks)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(
+        num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
+    ) -> int:
+        """Bytes of fabric-ep's low-latency buffer per rank (both alternating sets), sized for
+        bf16 like DeepEP's hint."""
+        cfg = _lib.new_config()
+        cfg.rank, cfg.num_ranks, cfg.ranks_per_node, cfg.local_rank = 0, num_ranks, 1, 0
+        cfg.num_experts, cfg.hidden, cfg.num_topk = num_experts, hidden, 1
+        cfg.max_tokens_per_rank = num_max_dispatch_tokens_per_rank
+        cfg.provider = b"shm"
+        return int(_lib.size_hints(cfg).ll_bytes)
+
+    def size_hints(self) -> "dict[str, int]":
+        """What this buffer's configuration needs per rank: ``normal_bytes``, ``ll_bytes``,
+        ``normal_regions``, ``ll_regions`` (memory regions at ``FEP_MR_MAX_BYTES`` each)."""
+        h = _lib.size_hints(self._cfg)
+        return {n: int(getattr(h, n)) for n, _ in _lib.fep_size_hints._fields_}
+
+    def get_comm_stream(self) -> None:
+        """DeepEP returns its communication stream; the host backend has none: returns None
+        (``torch.cuda.stream(None)`` is a no-op context)."""
+        self._live()
+        return None
+
+    def get_local_buffer_tensor(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            "get_local_buffer_tensor: fabric-ep does not expose its registered buffers as tensors"
+        )
+
+    # ---------------------------------------------------------------- normal mode
+
+    def get_dispatch_layout(
+        self,
+        topk_idx: Any,
+        num_experts: int,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> Tuple[Any, Optional[Any], Any, Any, EventOverlap]:
+        """Counts for a dispatch.
+
+        Arguments:
+            topk_idx: ``[T, K]`` int64 global expert ids, -1 = no expert.
+            num_experts: must equal the buffer's ``num_experts``.
+
+        Returns:
+            num_tokens_per_rank: ``[R]`` int32, tokens this rank sends to each rank.
+            num_tokens_per_rdma_rank: ``[R / ranks_per_node]`` int32 per node, or None when all
+                ranks share one node (as DeepEP returns for intranode settings).
+            num_tokens_per_expert: ``[E]`` int32.
+            is_token_in_rank: ``[T, R]`` bool.
+            event: ``EventOverlap(None)`` (the work is done).
+        """
+        self._live()
+        _no_event(previous_event)
+        _host_only(async_finish, allocate_on_comm_stream)
+        if num_experts != self.num_experts:
+            raise ValueError(
+                f"num_experts: {num_experts}, but this Buffer was built for {self.num_experts}"
+            )
+        idx = arr("topk_idx", topk_idx, FEP_DTYPE_I64, (None, None))
+        t, k = idx.shape
+        r = self.num_ranks
+        per_rank = idx.empty((r,), FEP_DTYPE_I32)
+        per_node = idx.empty((self._num_nodes,), FEP_DTYPE_I32)
+        per_expert = idx.empty((num_experts,), FEP_DTYPE_I32)
+        in_rank = idx.empty((t, r), FEP_DTYPE_BOOL)
+        st = lib.fep_get_dispatch_layout_host(
+            idx.ptr, t, k, num_experts, r, self.ranks_per_node,
+            data_ptr(per_rank), data_ptr(per_node), data_ptr(per_expert), data_ptr(in_rank),
+        )
+        if st:
+            raise _lib.error("fep_get_dispatch_layout_host", st)
+        return (
+            per_rank,
+            per_node if self._num_nodes > 1 else None,
+            per_expert,
+            in_rank,
+            EventOverlap(None),
+        )
+
+    def _check_config(self, config: Optional[Config]) -> None:
+        if config is not None and config != self.config:
+            raise ValueError(
+                f"config: {config!r} differs from this Buffer's {self.config!r}; fabric-ep fixes "
+                "its chunking when the Buffer is built: pass config= to Buffer(...) instead"
+            )
+
+    def dispatch(
+        self,
+        x: Union[Any, Tuple[Any, Any]],
+        handle: Optional[DispatchHandle] = None,
+        num_tokens_per_rank: Optional[Any] = None,
+        num_tokens_per_rdma_rank: Optional[Any] = None,
+        is_token_in_rank: Optional[Any] = None,
+        num_tokens_per_expert: Optional[Any] = None,
+        topk_idx: Optional[Any] = None,
+        topk_weights: Optional[Any] = None,
+        expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
+        config: Optional[Config] = None,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> Tuple[Any, Optional[Any], Optional[Any], Optional[List[int]], Optional[DispatchHandle], EventOverlap]:
+        """Normal-mode dispatch: sends each token to every rank holding one of its experts.
+
+        Arguments:
+            x: ``[T, H]`` bf16, or ``(x, x_scales)`` with ``x`` ``[T, H]`` fp8 e4m3 and
+                ``x_scales`` ``[T, H / 128]`` float32 (needs ``dispatch_dtype="fp8"``).
+            handle: a previous dispatch's handle: reuse its routing (cached mode; then
+                ``topk_idx``/``topk_weights`` must be None).
+            num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                num_tokens_per_expert: :meth:`get_dispatch_layout`'s outputs. Optional here and
+                checked for shape/dtype only: the library derives the same counts from
+                ``topk_idx``.
+            topk_idx: ``[T, K]`` int64, -1 = no expert. topk_weights: ``[T, K]`` float32.
+            expert_alignment: each ``num_recv_tokens_per_expert_list`` entry is rounded up to it.
+            num_worst_tokens: > 0: output rows fixed at this (rows past the received ones are
+                zero, their ``recv_topk_idx`` -1) and, as in DeepEP, an empty
+                ``num_recv_tokens_per_expert_list``; an error if more tokens arrive.
+            config: None or this Buffer's config.
+            previous_event, async_finish, allocate_on_comm_stream: host backend: None / False /
+                False (anything else is refused).
+
+        Returns:
+            recv_x: ``[rows, H]`` (same type as ``x``; a tuple with ``[rows, H / 128]`` scales
+                for fp8), grouped by source rank ascending, token order within a source.
+            recv_topk_idx: ``[rows, K]`` int64 local expert ids (-1 where not on this rank).
+            recv_topk_weights: ``[rows, K]`` float32 (0 where ``recv_topk_idx`` is -1).
+            num_recv_tokens_per_expert_list: Python list of ``L`` ints.
+            handle: a :class:`DispatchHandle` for ``combine``.
+            event: ``EventOverlap(None)``.
+            In cached mode (``handle`` given) only ``recv_x`` and ``event`` are returned, the
+            others are None (as in DeepEP).
+        """
+        p = self._ptr
+        if not p:
+            raise RuntimeError("Buffer: already destroyed")
+        if previous_event is not None:
+            _no_event(previous_event)
+        if async_finish or allocate_on_comm_stream:
+            _host_only(async_finish, allocate_on_comm_stream)
+        if config is not None:
+            self._check_config(config)
+        h = self.hidden
+        k = self.num_topk
+
+        # ---- x
+        if type(x) is tuple:
+            if len(x) != 2:
+                raise ValueError(f"x: a tuple must be (x, x_scales), got {len(x)} elements")
+            xo, so = x
+            xp, xc, t, _ = in2("x", xo, FEP_DTYPE_FP8_E4M3, None, h)
+            sp = in2("x_scales", so, FEP_DTYPE_F32, t, h // FP8_GROUP)[0]
+        else:
+            xo, so = x, None
+            xp, xc, t, _ = in2("x", xo, None, None, h)
+            if xc != FEP_DTYPE_BF16:
+                raise TypeError(
+                    f"x: dtype {xo.dtype}: pass bf16 tokens, or fp8 as a tuple (x, x_scales)"
+                )
+            sp = 0
+        if xc != self._dispatch_code:
+            raise TypeError(
+                f"x: {'fp8' if so is not None else 'bf16'} tokens on a Buffer built with "
+                f"dispatch_dtype={self.dispatch_dtype!r} (fabric-ep sizes its buffer for one "
+                "token format: build it with the other dispatch_dtype)"
+            )
+
+        # ---- routing
+        if handle is not None:
+            if type(handle) is not DispatchHandle:
+                raise TypeError(
+                    f"handle: expected a fabric_ep DispatchHandle, got {type(handle).__name__}"
+                )
+            if handle._buffer_id != id(self) or not handle._ptr:
+                raise ValueError("handle: made by another Buffer (or already freed)")
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError(
+                    "topk_idx/topk_weights: must be None with a cached handle (the handle holds "
+                    "the routing)"
+                )
+            if t != handle.num_tokens:
+                raise ValueError(f"x: {t} tokens, the handle was made for {handle.num_tokens}")
+            ip = wp = 0
+            cached = handle._ptr
+        else:
+            if topk_idx is None:
+                raise ValueError("topk_idx: required unless a cached handle is given")
+            if topk_weights is None:
+                raise ValueError("topk_weights: required when topk_idx is given")
+            ip = in2("topk_idx", topk_idx, FEP_DTYPE_I64, t, k)[0]
+            wp = in2("topk_weights", topk_weights, FEP_DTYPE_F32, t, k)[0]
+            cached = None
+        if num_tokens_per_rank is not None:
+            arr("num_tokens_per_rank", num_tokens_per_rank, FEP_DTYPE_I32, (self.num_ranks,))
+        if num_tokens_per_rdma_rank is not None:
+            arr("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, FEP_DTYPE_I32,
+                (self._num_nodes,))
+        if is_token_in_rank is not None:
+            arr("is_token_in_rank", is_token_in_rank, FEP_DTYPE_BOOL, (t, self.num_ranks))
+        if num_tokens_per_expert is not None:
+            arr("num_tokens_per_expert", num_tokens_per_expert, FEP_DTYPE_I32,
+                (self.num_experts,))
+        if type(expert_alignment) is not int or expert_alignment < 1:
+            raise ValueError(f"expert_alignment: {expert_alignment!r} must be an int >= 1")
+        if type(num_worst_tokens) is not int or num_worst_tokens < 0:
+            raise ValueError(f"num_worst_tokens: {num_worst_tokens!r} must be an int >= 0")
+
+        # ---- step 1: communicate; learn the row count. Slots 0..3: x, x_scales, idx, weights.
+        ts = self._slots
+        a = ts.addr
+        g = h // FP8_GROUP
+        ts.pack4(0, xp, xc, 2, t, h, 0, 0, sp, FEP_DTYPE_F32, 2, t, g, 0, 0,
+                 ip, FEP_DTYPE_I64, 2, t, k, 0, 0, wp, FEP_DTYPE_F32, 2, t, k, 0, 0)
+        st = lib.fep_dispatch(
+            p, a[0], a[1] if so is not None else None, None if cached else a[2],
+            None if cached else a[3], cached,
+            expert_alignment, num_worst_tokens, None, self._out_handle_addr, self._out_rows_addr,
+        )
+        if st:
+            raise _lib.error("fep_dispatch", st)
+        hp = self._out_handle.value
+        rows = self._out_rows.value
+        new_handle = DispatchHandle(hp, id(self), t, rows)  # owns hp from here on
+
+        # ---- step 2: outputs into arrays of the caller's library. Slots 4..7.
+        recv_x, rxp = alloc(xo, (rows, h))
+        if so is not None:
+            recv_s, rsp = alloc(so, (rows, g))
+        else:
+            recv_s = None
+            rsp = 0
+        if handle is None:
+            recv_idx, rip = alloc(topk_idx, (rows, k))
+            recv_w, rwp = alloc(topk_weights, (rows, k))
+        else:
+            recv_idx = recv_w = None
+            rip = rwp = 0
+        ts.pack4(192, rxp, xc, 2, rows, h, 0, 0, rsp, FEP_DTYPE_F32, 2, rows, g, 0, 0,
+                 rip, FEP_DTYPE_I64, 2, rows, k, 0, 0, rwp, FEP_DTYPE_F32, 2, rows, k, 0, 0)
+        st = lib.fep_handle_copy_out(
+            hp, a[4], a[5] if so is not None else None, None if cached else a[6],
+            None if cached else a[7], None if cached else a[8],
+        )
+        if st:
+            raise _lib.error("fep_handle_copy_out", st)
+        out_x = recv_x if so is None else (recv_x, recv_s)
+        if handle is not None:
+            return out_x, None, None, None, None, EventOverlap(None)
+        counts = [] if num_worst_tokens > 0 else self._per_expert.tolist()
+        return out_x, recv_idx, recv_w, counts, new_handle, EventOverlap(None)
+
+    def combine(
+        self,
+        x: Any,
+        handle: DispatchHandle,
+        topk_weights: Optional[Any] = None,
+        bias: Any = None,
+        config: Optional[Config] = None,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> Tuple[Any, Optional[Any], EventOverlap]:
+        """Normal-mode combine: returns each token's rows to its source rank and sums them.
+
+        Arguments:
+            x: ``[rows, H]`` bf16, rows as the dispatch's ``recv_x`` (with ``num_worst_tokens``
+                all of them; padding rows are ignored).
+            handle: the dispatch's handle.
+            topk_weights: optional ``[rows, K]`` float32, summed back like ``x``.
+            bias: must be None (fabric-ep's combine has no bias add).
+            config, previous_event, async_finish, allocate_on_comm_stream: as in ``dispatch``.
+
+        Returns:
+            combined_x: ``[T, H]`` bf16 (same type as ``x``): per token, the fp32 sum over the
+                ranks it went to (0 for tokens that went nowhere).
+            combined_topk_weights: ``[T, K]`` float32, or None without ``topk_weights``.
+            event: ``EventOverlap(None)``.
+        """
+        p = self._ptr
+        if not p:
+            raise RuntimeError("Buffer: already destroyed")
+        if bias is not None:
+            raise ValueError("bias: fabric-ep's combine has no bias add; add it before or after")
+        if previous_event is not None:
+            _no_event(previous_event)
+        if async_finish or allocate_on_comm_stream:
+            _host_only(async_finish, allocate_on_comm_stream)
+        if config is not None:
+            self._check_config(config)
+        if type(handle) is not DispatchHandle:
+            raise TypeError(
+                f"handle: expected a fabric_ep DispatchHandle, got {type(handle).__name__}"
+            )
+        if handle._buffer_id != id(self) or not handle._ptr:
+            raise ValueError("handle: made by another Buffer (or already freed)")
+        h = self.hidden
+        k = self.num_topk
+        rows = handle.num_recv_tokens
+        t = handle.num_tokens
+        xp = in2("x", x, FEP_DTYPE_BF16, rows, h)[0]
+        out, outp = alloc(x, (t, h))
+        if topk_weights is not None:
+            wp = in2("topk_weights", topk_weights, FEP_DTYPE_F32, rows, k)[0]
+            cw, cwp = alloc(topk_weights, (t, k))
+        else:
+            wp = cwp = 0
+            cw = None
+        ts = self._slots
+        a = ts.addr
+        ts.pack4(0, xp, FEP_DTYPE_BF16, 2, rows, h, 0, 0, wp, FEP_DTYPE_F32, 2, rows, k, 0, 0,
+                 outp, FEP_DTYPE_BF16, 2, t, h, 0, 0, cwp, FEP_DTYPE_F32, 2, t, k, 0, 0)
+        st = lib.fep_combine(p, handle._ptr, a[0], None if cw is None else a[1], a[2],
+                             None if cw is None else a[3], None)
+        if st:
+            raise _lib.error("fep_combine", st)
+        return out, cw, EventOverlap(None)
+
+    # ---------------------------------------------------------------- low-latency mode
+
+    def _ll_check(self, call: str) -> int:
+        p = self._ptr
+        if not p:
+            raise RuntimeError("Buffer: already destroyed")
+        if not HAVE_LOW_LATENCY:
+            raise NotImplementedError(
+                f"{call}: the C ABI of this libfabric_ep has no low-latency calls "
+                "(fep_low_latency_dispatch / fep_low_latency_combine / fep_ll_op_complete / "
+                "fep_clean_low_latency_buffer); rebuild the library from a commit that has them"
+            )
+        if not self.low_latency_mode:
+            raise ValueError(
+                f"{call}: this Buffer was built with low_latency_mode=False (as DeepEP, the "
+                "low-latency calls need Buffer(..., low_latency_mode=True))"
+            )
+        return p
+
+    def _ll_shape_args(self, num_max_dispatch_tokens_per_rank: int, hidden: Optional[int],
+                       num_experts: int) -> None:
+        if num_max_dispatch_tokens_per_rank != self.num_max_dispatch_tokens_per_rank:
+            raise ValueError(
+                f"num_max_dispatch_tokens_per_rank: {num_max_dispatch_tokens_per_rank}, but this "
+                f"Buffer was built for {self.num_max_dispatch_tokens_per_rank} (fabric-ep sizes the "
+                "low-latency buffer at construction: Buffer(..., "
+                "num_max_dispatch_tokens_per_rank=N))"
+            )
+        if hidden is not None and hidden != self.hidden:
+            raise ValueError(f"hidden: {hidden}, but this Buffer was built for {self.hidden}")
+        if num_experts != self.num_experts:
+            raise ValueError(
+                f"num_experts: {num_experts}, but this Buffer was built for {self.num_experts}"
+            )
+
+    def low_latency_dispatch(
+        self,
+        x: Any,
+        topk_idx: Any,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        cumulative_local_expert_recv_stats: Optional[Any] = None,
+        dispatch_wait_recv_cost_stats: Optional[Any] = None,
+        use_fp8: bool = True,
+        round_scale: bool = False,
+        use_ue8m0: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+    ) -> Tuple[Any, Any, "LowLatencyHandle", EventOverlap, Optional[Callable[[], None]]]:
+        """Low-latency dispatch (DeepEP V1 semantics). ``L`` local experts,
+        ``S = num_ranks * num_max_dispatch_tokens_per_rank``.
+
+        Arguments:
+            x: ``[T, H]`` bf16, ``T <= num_max_dispatch_tokens_per_rank``.
+            topk_idx: ``[T, K]`` int64, -1 = none (an expert at most once per token).
+            num_max_dispatch_tokens_per_rank, num_experts: must equal the Buffer's.
+            cumulative_local_expert_recv_stats: optional ``[L]`` int32; the received count of
+                each local expert is added to it (DeepEP's EPLB statistics).
+            dispatch_wait_recv_cost_stats: must be None (no per-rank wait timing here).
+            use_fp8: cast to fp8 e4m3 with one float32 scale per 128 channels.
+            round_scale: power-of-two scales. use_ue8m0: must be False (no UE8M0 packing).
+            async_finish: must be False on the host backend.
+            return_recv_hook: return after the sends; calling ``hook()`` does the receive and
+                fills ``recv_x``/``recv_count``/the handle (valid only after it).
+
+        Returns:
+            recv_x: ``[L, S, H]`` bf16 (same dtype as ``x``), or with ``use_fp8`` a tuple of
+                ``[L, S, H]`` fp8 e4m3 (numpy uint8 / ml_dtypes float8_e4m3fn; torch
+                float8_e4m3fn) and ``[L, S, H / 128]`` float32 scales. For local expert ``e``,
+                rows from source rank 0 first, then rank 1, ...; rows past ``recv_count[e]``
+                are zero.
+            recv_count: ``[L]`` int32 rows received per local expert.
+            handle: a :class:`LowLatencyHandle` for ``low_latency_combine``.
+            event: ``EventOverlap(None)``.
+            hook: None, or with ``return_recv_hook`` a callable completing the receive.
+        """
+        p = self._ll_check("low_latency_dispatch")
+        self._ll_shape_args(num_max_dispatch_tokens_per_rank, None, num_experts)
+        if dispatch_wait_recv_cost_stats is not None:
+            raise ValueError(
+                "dispatch_wait_recv_cost_stats: fabric-ep does not time per-rank receive waits; "
+                "pass None"
+            )
+        if use_ue8m0:
+            raise ValueError("use_ue8m0=True: fabric-ep's fp8 scales are float32; pass False")
+        if async_finish:
+            _host_only(async_finish, False)
+        h, k = self.hidden, self.num_topk
+        xp, _, t, is_torch = in2("x", x, FEP_DTYPE_BF16, None, h)
+        if t > self.num_max_dispatch_tokens_per_rank:
+            raise ValueError(
+                f"x: {t} tokens, more than num_max_dispatch_tokens_per_rank "
+                f"{self.num_max_dispatch_tokens_per_rank}"
+            )
+        ip = in2("topk_idx", topk_idx, FEP_DTYPE_I64, t, k)[0]
+        stats = None
+        if cumulative_local_expert_recv_stats is not None:
+            stats = arr("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
+                        FEP_DTYPE_I32, (self.num_local_experts,)).obj
+        l, sz = self.num_local_experts, self.num_ranks * self.num_max_dispatch_tokens_per_rank
+        t_in = tensor(xp, FEP_DTYPE_BF16, (t, h))
+        t_idx = tensor(ip, FEP_DTYPE_I64, (t, k))
+        op = ctypes.c_void_p()
+        st = lib.fep_low_latency_dispatch(p, _addr(t_in), _addr(t_idx), bool(use_fp8),
+                                          bool(round_scale), bool(return_recv_hook), None,
+                                          ctypes.byref(op))
+        if st:
+            raise _lib.error("fep_low_latency_dispatch", st)
+        handle = LowLatencyHandle(op.value or 0, id(self), t, self.num_max_dispatch_tokens_per_rank,
+                                  h, self.num_experts)
+        like = x
+        if use_fp8:
+            recv_x = fp8_empty(like, (l, sz, h))
+            recv_s = empty_like_kind(like, (l, sz, h // FP8_GROUP), FEP_DTYPE_F32)
+        else:
+            recv_x = empty_like_kind(like, (l, sz, h))
+            recv_s = None
+        recv_count = empty_like_kind(like, (l,), FEP_DTYPE_I32)
+        handle.src_rank = empty_like_kind(like, (l, sz), FEP_DTYPE_I32)
+        handle.src_idx = empty_like_kind(like, (l, sz), FEP_DTYPE_I32)
+        handle.layout_range = empty_like_kind(like, (l, self.num_ranks), FEP_DTYPE_I64)
+        t_x = _ll_tensor(recv_x, FEP_DTYPE_FP8_E4M3 if use_fp8 else FEP_DTYPE_BF16)
+        t_s = _ll_tensor(recv_s, FEP_DTYPE_F32) if recv_s is not None else None
+        t_c = _ll_tensor(recv_count, FEP_DTYPE_I32)
+        t_r = _ll_tensor(handle.src_rank, FEP_DTYPE_I32)
+        t_i = _ll_tensor(handle.src_idx, FEP_DTYPE_I32)
+        t_l = _ll_tensor(handle.layout_range, FEP_DTYPE_I64)
+        buf_ref = self
+
+        def receive() -> None:
+            bp = buf_ref._ptr
+            if not bp:
+                raise RuntimeError("low_latency_dispatch hook: the Buffer was destroyed")
+            if handle._received:
+                raise RuntimeError("low_latency_dispatch hook: already called")
+            s2 = lib.fep_ll_op_complete(bp, handle._ptr)
+            if s2:
+                raise _lib.error("fep_ll_op_complete", s2)
+            s2 = lib.fep_ll_dispatch_copy_out(
+                handle._ptr, _addr(t_x), _addr(t_s) if t_s is not None else None, _addr(t_c),
+                _addr(t_r), _addr(t_i), _addr(t_l),
+            )
+            if s2:
+                raise _lib.error("fep_ll_dispatch_copy_out", s2)
+            handle._received = True
+            if stats is not None:
+                _accumulate(stats, recv_count)
+
+        out_x = (recv_x, recv_s) if use_fp8 else recv_x
+        if return_recv_hook:
+            return out_x, recv_count, handle, EventOverlap(None), receive
+        receive()
+        return out_x, recv_count, handle, EventOverlap(None), None
+
+    def low_latency_combine(
+        self,
+        x: Any,
+        topk_idx: Any,
+        topk_weights: Any,
+        handle: "LowLatencyHandle",
+        use_logfmt: bool = False,
+        zero_copy: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        out: Optional[Any] = None,
+        combine_wait_recv_cost_stats: Optional[Any] = None,
+    ) -> Tuple[Any, EventOverlap, Optional[Callable[[], None]]]:
+        """Low-latency combine (DeepEP V1 semantics).
+
+        Arguments:
+            x: ``[L, S, H]`` bf16 expert outputs, rows as ``low_latency_dispatch`` delivered
+                them (rows past the counts are ignored).
+            topk_idx: ``[T, K]`` int64, the ids given to the dispatch (an entry may be -1 to
+                leave that expert out of the sum). topk_weights: ``[T, K]`` float32.
+            handle: the dispatch's :class:`LowLatencyHandle` (its hook, if any, called).
+            use_logfmt, zero_copy: must be False. async_finish: must be False on the host
+                backend. combine_wait_recv_cost_stats: must be None.
+            return_recv_hook: return after the sends; ``hook()`` receives and fills the output.
+            out: optional ``[T, H]`` bf16 array to write the result into.
+
+        Returns:
+            combined_x: ``[T, H]`` bf16 (``out`` when given): per token, the fp32 sum of
+                ``weight * expert output`` over its experts, rounded once.
+            event: ``EventOverlap(None)``.
+            hook: None, or with ``return_recv_hook`` a callable completing the receive.
+        """
+        p = self._ll_check("low_latency_combine")
+        if use_logfmt:
+            raise ValueError("use_logfmt=True: fabric-ep's combine sends bf16; pass False")
+        if zero_copy:
+            raise ValueError(
+                "zero_copy=True: fabric-ep does not expose its low-latency buffer "
+                "(get_next_low_latency_combine_buffer); pass False"
+            )
+        if combine_wait_recv_cost_stats is not None:
+            raise ValueError(
+                "combine_wait_recv_cost_stats: fabric-ep does not time per-rank receive waits; "
+                "pass None"
+            )
+        if async_finish:
+            _host_only(async_finish, False)
+        if type(handle) is not LowLatencyHandle:
+            raise TypeError(
+                f"handle: expected a fabric_ep LowLatencyHandle, got {type(handle).__name__}"
+            )
+        if handle._buffer_id != id(self) or not handle._ptr:
+            raise ValueError("handle: made by another Buffer (or already freed)")
+        if not handle._received:
+            raise ValueError("handle: its dispatch's receive hook has not been called yet")
+        h, k, t = self.hidden, self.num_topk, handle.num_tokens
+        l, sz = self.num_local_experts, self.num_ranks * self.num_max_dispatch_tokens_per_rank
+        xa = arr("x", x, FEP_DTYPE_BF16, (l, sz, h))
+        ip = in2("topk_idx", topk_idx, FEP_DTYPE_I64, t, k)[0]
+        wp = in2("topk_weights", topk_weights, FEP_DTYPE_F32, t, k)[0]
+        if out is not None:
+            combined = arr("out", out, FEP_DTYPE_BF16, (t, h)).obj
+        else:
+            combined = empty_like_kind(x, (t, h))
+        t_x = tensor(xa.ptr, FEP_DTYPE_BF16, (l, sz, h))
+        t_i = tensor(ip, FEP_DTYPE_I64, (t, k))
+        t_w = tensor(wp, FEP_DTYPE_F32, (t, k))
+        op = ctypes.c_void_p()
+        st = lib.fep_low_latency_combine(p, handle._ptr, _addr(t_x), _addr(t_i), _addr(t_w),
+                                         bool(return_recv_hook), None, ctypes.byref(op))
+        if st:
+            raise _lib.error("fep_low_latency_combine", st)
+        cop = _LowLatencyOp(op.value or 0)
+        t_out = _ll_tensor(combined, FEP_DTYPE_BF16)
+        buf_ref = self
+
+        def receive() -> None:
+            bp = buf_ref._ptr
+            if not bp:
+                raise RuntimeError("low_latency_combine hook: the Buffer was destroyed")
+            if cop.done:
+                raise RuntimeError("low_latency_combine hook: already called")
+            s2 = lib.fep_ll_op_complete(bp, cop.ptr)
+            if s2:
+                raise _lib.error("fep_ll_op_complete", s2)
+            s2 = lib.fep_ll_combine_copy_out(cop.ptr, _addr(t_out))
+            if s2:
+                raise _lib.error("fep_ll_combine_copy_out", s2)
+            cop.done = True
+
+        if return_recv_hook:
+            return combined, EventOverlap(None), receive
+        receive()
+        return combined, EventOverlap(None), None
+
+    def get_next_low_latency_combine_buffer(self, handle: Any) -> Any:
+        raise NotImplementedError(
+            "get_next_low_latency_combine_buffer: fabric-ep does not expose its low-latency "
+            "buffer (zero_copy combine is not supported)"
+        )
+
+    def clean_low_latency_buffer(
+        self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int
+    ) -> None:
+        """Makes the low-latency buffer usable again (after a failed or abandoned step).
+        Collective: every rank calls it. Earlier low-latency handles and hooks become invalid.
+        The arguments must match the Buffer's (fabric-ep sized the buffer at construction)."""
+        p = self._ll_check("clean_low_latency_buffer")
+        self._ll_shape_args(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        st = lib.fep_clean_low_latency_buffer(p)
+        if st:
+            raise _lib.error("fep_clean_low_latency_buffer", st)
+
+
+_addr = ctypes.addressof
+
+
+def _accumulate(stats: Any, counts: Any) -> None:
+    """``stats += counts`` in place across numpy/torch (the stats array is the caller's)."""
+    if type(stats) is np.ndarray:
+        stats += np.asarray(counts, dtype=stats.dtype)
+    elif type(counts) is np.ndarray:
+        import torch
+
+        stats.add_(torch.from_numpy(counts))
+    else:
+        stats.add_(counts)
+
+
+def _ll_tensor(a: Any, code: int) -> _lib.fep_tensor:
+    """A ``fep_tensor`` for a freshly allocated output (up to 3-D), kept alive by the hook."""
+    return tensor(data_ptr(a), code, tuple(a.shape))
+
+
+def fp8_empty(like: Any, shape: Tuple[int, ...]) -> Any:
+    """fp8 e4m3 output in ``like``'s library: torch.float8_e4m3fn; numpy
+    ml_dtypes.float8_e4m3fn when ``like`` is ml_dtypes.bfloat16, else uint8 bytes."""
+    if type(like) is np.ndarray:
+        if like.dtype.name == "bfloat16":
+            import ml_dtypes  # the bf16 dtype came from it
+
+            return np.empty(shape, ml_dtypes.float8_e4m3fn)
+        return np.empty(shape, np.uint8)
+    import torch
+
+    return torch.empty(shape, dtype=getattr(torch, "float8_e4m3fn", torch.uint8))
+
+
+def _destroy_ll_op(ptr: int, _lib_ref=lib) -> None:
+    _lib_ref.fep_ll_op_destroy(ptr)
+
+
+class _LowLatencyOp:
+    """Owns a ``fep_ll_op`` (a combine's)."""
+
+    __slots__ = ("ptr", "done")
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+        self.done = False
+
+    def __del__(self, _destroy=_destroy_ll_op) -> None:
+        p, self.ptr = self.ptr, 0
+        if p:
+            _destroy(p)
+
+
+class LowLatencyHandle:
+    """What ``low_latency_dispatch`` returns as ``handle``; pass it to ``low_latency_combine``.
+    Owns the dispatch's native op. Attributes (valid once the receive is done): ``src_rank`` and
+    ``src_idx`` ``[L, S]`` int32 (source rank / token index of each row, -1 past the counts),
+    ``layout_range`` ``[L, R]`` int64 (DeepEP's packing: ``begin << 32 | count``),
+    ``num_max_dispatch_tokens_per_rank``, ``hidden``, ``num_experts``."""
+
+    __slots__ = ("_ptr", "_buffer_id", "_received", "num_tokens", "num_max_dispatch_tokens_per_rank",
+                 "hidden", "num_experts", "src_rank", "src_idx", "layout_range")
+
+    def __init__(self, ptr: int, buffer_id: int, num_tokens: int, max_tokens: int, hidden: int,
+                 num_experts: int):
+        self._ptr = ptr
+        self._buffer_id = buffer_id
+        self._received = False
+        self.num_tokens = num_tokens
+        self.num_max_dispatch_tokens_per_rank = max_tokens
+        self.hidden = hidden
+        self.num_experts = num_experts
+        self.src_rank = self.src_idx = self.layout_range = None
+
+    def __del__(self, _destroy=_destroy_ll_op) -> None:
+        p, self._ptr = self._ptr, 0
+        if p:
+            _destroy(p)

@@ -1,0 +1,141 @@
+"""Python call overhead of fabric_ep's dispatch/combine over the C ABI (1 rank, host backend,
+a tiny call: T=4 tokens, H=128, K=1, 2 experts).
+
+Two figures per call, each the best of several loops of N calls, timed with
+``time.thread_time`` (CPU time of the calling thread, so a loaded machine's scheduling delays
+do not count; the library's own proxy threads are not this thread):
+
+* ``python_side_us``: ``Buffer.dispatch``/``Buffer.combine`` with the C entry points replaced by
+  no-op Python stubs: all the Python work of a call (argument checks, descriptor packing, output
+  allocation, handle/event objects), plus the stubs' own call cost (a slight over-estimate).
+* ``end_to_end_us`` vs ``raw_ctypes_us``: the real calls through ``Buffer`` and the same C calls
+  (fep_dispatch + fep_handle_copy_out + fep_handle_destroy; fep_combine) made through ctypes
+  with descriptors and outputs prepared once; ``difference_us`` is their difference.
+
+Run: ``python3 ffi/python/tests/bench_overhead.py`` (prints JSON). Sets the torchrun variables
+for one rank itself.
+"""
+
+import ctypes
+import json
+import os
+import socket
+import sys
+import time
+
+import numpy as np
+
+T, H, K, E = 4, 128, 1, 2
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def best_us(fn, n=5000, reps=7, clock=time.thread_time):
+    best = float("inf")
+    for _ in range(reps):
+        t0 = clock()
+        for _ in range(n):
+            fn()
+        best = min(best, (clock() - t0) / n)
+    return best * 1e6
+
+
+def measure(n=5000, reps=7):
+    saved = dict(os.environ)
+    try:
+        return _measure(n, reps)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _measure(n, reps):
+    port = str(_free_port())
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=port, FEP_MASTER_PORT=port,
+                      FEP_JOB_ID=f"overhead-{os.getpid()}")
+    import fabric_ep
+    from fabric_ep import _lib
+    from fabric_ep import buffer as B
+    from fabric_ep._arrays import tensor
+
+    buf = fabric_ep.Buffer(None, num_experts=E, hidden=H, num_topk=K, explicitly_destroy=True)
+    x = np.ones((T, H), np.uint16)
+    idx = np.zeros((T, K), np.int64)
+    w = np.ones((T, K), np.float32)
+    rx, ri, rw, counts, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w)
+
+    def py_dispatch():
+        buf.dispatch(x, topk_idx=idx, topk_weights=w)
+
+    def py_combine():
+        buf.combine(rx, handle)
+
+    # Raw ctypes: the same C calls, descriptors and outputs prepared once.
+    lib = _lib.lib
+    A = ctypes.addressof
+    keep = []
+
+    def t(a, code):
+        d = tensor(a.ctypes.data, code, a.shape)
+        keep.append((a, d))
+        return A(d)
+
+    xt, it, wt = t(x, 0), t(idx, 3), t(w, 2)
+    oxt = t(np.empty((T, H), np.uint16), 0)
+    oit = t(np.empty((T, K), np.int64), 3)
+    owt = t(np.empty((T, K), np.float32), 2)
+    pet = t(np.empty(E, np.int32), 4)
+    rxt = t(rx, 0)
+    cxt = t(np.empty((T, H), np.uint16), 0)
+    hp, rows = ctypes.c_void_p(), ctypes.c_int64()
+    dargs = (buf._ptr, xt, None, it, wt, None, 1, 0, None, A(hp), A(rows))
+
+    def raw_dispatch():
+        assert lib.fep_dispatch(*dargs) == 0
+        assert lib.fep_handle_copy_out(hp.value, oxt, None, oit, owt, pet) == 0
+        lib.fep_handle_destroy(hp.value)
+
+    def raw_combine():
+        assert lib.fep_combine(buf._ptr, handle._ptr, rxt, None, cxt, None, None) == 0
+
+    out = {"setting": dict(ranks=1, tokens=T, hidden=H, topk=K, experts=E, calls=n, reps=reps,
+                           clock="thread_time")}
+    out["end_to_end_us"] = {"dispatch": best_us(py_dispatch, n, reps),
+                            "combine": best_us(py_combine, n, reps)}
+    out["raw_ctypes_us"] = {"dispatch": best_us(raw_dispatch, n, reps),
+                            "combine": best_us(raw_combine, n, reps)}
+    out["difference_us"] = {k: out["end_to_end_us"][k] - out["raw_ctypes_us"][k]
+                            for k in ("dispatch", "combine")}
+
+    class Stub:  # no-op C entry points: what remains is the Python work
+        def fep_dispatch(self, *a):
+            return 0
+
+        def fep_handle_copy_out(self, *a):
+            return 0
+
+        def fep_combine(self, *a):
+            return 0
+
+    real = B.lib
+    buf._out_rows.value = T
+    buf._out_handle.value = 0  # the stubbed dispatch "returns" a NULL handle (freed as a no-op)
+    B.lib = Stub()
+    try:
+        out["python_side_us"] = {"dispatch": best_us(py_dispatch, n, reps),
+                                 "combine": best_us(py_combine, n, reps)}
+    finally:
+        B.lib = real
+    del handle
+    buf.destroy()
+    return out
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    print(json.dumps(measure(), indent=1))
