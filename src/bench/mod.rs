@@ -1,8 +1,8 @@
 //! Benchmark and self-test runners shared by `ep-bench` and the integration tests.
 
+pub mod ep;
+pub mod ep_gpu;
 pub mod fabric;
 pub mod plan;
 pub mod report;
 pub mod stats;
-pub mod ep;
-pub mod ep_gpu;

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use fabric_ep::bench::fabric::{self as fb, FabricRow, PingpongRow};
+use fabric_ep::bench::report::{self, EpRow};
 use fabric_ep::bootstrap::{Bootstrap, LocalJob, TcpStore};
 
 #[derive(Parser, Debug)]
@@ -51,6 +52,21 @@ struct Common {
     /// FP8 dispatch (e4m3, one fp32 scale per 128 channels).
     #[arg(long, global = true)]
     fp8: bool,
+    /// Print the results as JSON (after the table).
+    #[arg(long, global = true)]
+    json: bool,
+    /// Print the results as CSV (after the table).
+    #[arg(long, global = true)]
+    csv: bool,
+    /// Run once per token count (comma list) and collect every row; with --plot, draw them.
+    #[arg(long, value_delimiter = ',')]
+    sweep_tokens: Vec<usize>,
+    /// Run once per rank count (comma list) and collect every row; with --plot, draw them.
+    #[arg(long, value_delimiter = ',')]
+    sweep_ranks: Vec<usize>,
+    /// Write an SVG plot of median latency over the sweep to this file.
+    #[arg(long)]
+    plot: Option<std::path::PathBuf>,
     /// GPU backend: bf16 dispatch instead of its default, fp8 (DeepEP's standard setting).
     #[arg(long, conflicts_with = "fp8")]
     bf16: bool,
@@ -174,24 +190,46 @@ type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
 /// Launcher: start the ranks as local processes running this same command line.
 fn launch(cli: &Cli) -> AnyResult<()> {
     let c = &cli.common;
+    if cli.cmd.is_none() && (!c.sweep_tokens.is_empty() || !c.sweep_ranks.is_empty()) {
+        return sweep(cli);
+    }
     let ranks = match cli.cmd {
         Some(Cmd::Fabric { .. }) => 2,
         _ => c.ranks,
     };
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let out = run_job(c, &args, ranks, "running")?;
+    match &cli.cmd {
+        Some(Cmd::Fabric { sizes, lat_bytes, window, no_pingpong }) => {
+            let rows: Vec<FabricRow> = out.lines().filter_map(parse_row).collect();
+            print_fabric_table(c, &rows, *lat_bytes, sizes, *window, *no_pingpong)?;
+        }
+        None => {
+            let rows = print_ep_output(&out);
+            print_rows(c, &rows);
+        }
+        _ => print!("{out}"),
+    }
+    Ok(())
+}
+
+/// Starts `ranks` local processes of this binary with `args`, waits (with a spinner on a
+/// terminal), and returns rank 0's standard output; any failed rank is an error naming it.
+fn run_job(c: &Common, args: &[String], ranks: usize, what: &str) -> AnyResult<String> {
     if ranks == 0 {
         return Err("--ranks must be at least 1".into());
     }
     let exe = std::env::current_exe()?;
-    let args: Vec<String> = std::env::args().skip(1).collect();
     let local = c.ranks_per_node.unwrap_or(ranks).min(ranks);
-    let mut job = LocalJob::spawn(&exe, &args, ranks, local, &[])?;
-    let outcomes = job.wait(Duration::from_secs(c.timeout + 120))?;
+    let bar = indicatif::ProgressBar::new_spinner();
+    bar.set_message(format!("{what}: {ranks} ranks ({local} per node) over {}", c.provider));
+    bar.enable_steady_tick(Duration::from_millis(120));
+    let mut job = LocalJob::spawn(&exe, args, ranks, local, &[])?;
+    let outcomes = job.wait(Duration::from_secs(c.timeout + 120));
+    bar.finish_and_clear();
+    let outcomes = outcomes?;
     let mut failed = Vec::new();
-    let mut rank0_out = String::new();
     for (r, o) in outcomes.iter().enumerate() {
-        if r == 0 {
-            rank0_out = o.stdout.clone();
-        }
         if !o.success() {
             failed.push(r);
             eprintln!("rank {r} failed: {o}");
@@ -200,12 +238,76 @@ fn launch(cli: &Cli) -> AnyResult<()> {
     if !failed.is_empty() {
         return Err(format!("ranks {failed:?} failed").into());
     }
-    match &cli.cmd {
-        Some(Cmd::Fabric { sizes, lat_bytes, window, no_pingpong }) => {
-            let rows: Vec<FabricRow> = rank0_out.lines().filter_map(parse_row).collect();
-            print_fabric_table(c, &rows, *lat_bytes, sizes, *window, *no_pingpong)?;
+    Ok(outcomes.into_iter().next().map(|o| o.stdout).unwrap_or_default())
+}
+
+/// Prints rank 0's description lines and returns its result rows.
+fn print_ep_output(out: &str) -> Vec<EpRow> {
+    let mut rows = Vec::new();
+    for line in out.lines() {
+        match EpRow::parse(line) {
+            Some(r) => rows.push(r),
+            None => println!("{line}"),
         }
-        _ => print!("{rank0_out}"),
+    }
+    rows
+}
+
+/// The one table, then JSON/CSV when asked.
+fn print_rows(c: &Common, rows: &[EpRow]) {
+    print!("{}", report::table(rows));
+    if c.json {
+        print!("{}", report::json(rows));
+    }
+    if c.csv {
+        print!("{}", report::csv(rows));
+    }
+}
+
+/// `--args` without `flag` (and its value), so a sweep can set it per point.
+fn without_flag(args: &[String], flag: &str) -> Vec<String> {
+    let mut out = Vec::with_capacity(args.len());
+    let mut skip = false;
+    for a in args {
+        if skip {
+            skip = false;
+        } else if a == flag {
+            skip = true;
+        } else if !a.starts_with(&format!("{flag}=")) {
+            out.push(a.clone());
+        }
+    }
+    out
+}
+
+/// `--sweep-tokens` / `--sweep-ranks`: one job per point, every row collected, one table, and
+/// an SVG plot with `--plot`.
+fn sweep(cli: &Cli) -> AnyResult<()> {
+    let c = &cli.common;
+    let base: Vec<String> = std::env::args().skip(1).collect();
+    let (x, points): (&str, Vec<usize>) = if c.sweep_ranks.is_empty() {
+        ("tokens", c.sweep_tokens.clone())
+    } else {
+        ("ranks", c.sweep_ranks.clone())
+    };
+    let mut rows = Vec::new();
+    for (i, &p) in points.iter().enumerate() {
+        let mut args = without_flag(&without_flag(&base, "--tokens"), "--ranks");
+        let ranks = if x == "ranks" { p } else { c.ranks };
+        args.extend(["--ranks".to_string(), ranks.to_string()]);
+        if x == "tokens" {
+            args.extend(["--tokens".to_string(), p.to_string()]);
+        } else if let Some(t) = c.tokens {
+            args.extend(["--tokens".to_string(), t.to_string()]);
+        }
+        let out =
+            run_job(c, &args, ranks, &format!("sweep point {}/{} ({x} {p})", i + 1, points.len()))?;
+        rows.extend(out.lines().filter_map(EpRow::parse));
+    }
+    print_rows(c, &rows);
+    if let Some(path) = &c.plot {
+        std::fs::write(path, report::svg_plot(&rows, x))?;
+        println!("plot of median us over {x}: {}", path.display());
     }
     Ok(())
 }
@@ -245,7 +347,9 @@ fn run_rank(cli: &Cli) -> AnyResult<()> {
                 );
             }
         }
-        Some(Cmd::Plan { .. }) => return Err("`plan` runs without ranks: do not launch it as a job".into()),
+        Some(Cmd::Plan { .. }) => {
+            return Err("`plan` runs without ranks: do not launch it as a job".into())
+        }
         None => {
             let boot: std::sync::Arc<dyn Bootstrap> = std::sync::Arc::new(boot);
             if c.mode != Mode::LowLatency {
@@ -306,14 +410,20 @@ fn run_normal_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult
             p.iters,
             p.warmup
         );
-        println!(
-            "dispatch: {dg:>8.3} GB/s  median {dm:>10.1} us  p99 {dp:>10.1} us  ({} bytes sent)",
-            rep.dispatch_bytes
-        );
-        println!(
-            "combine:  {cg:>8.3} GB/s  median {cm:>10.1} us  p99 {cp:>10.1} us  ({} bytes received)",
-            rep.combine_bytes
-        );
+        let row = |op: &str, gbps, median_us, p99_us, bytes| EpRow {
+            mode: "normal".into(),
+            op: op.into(),
+            backend: "host".into(),
+            ranks: world,
+            tokens: p.num_tokens,
+            hidden: cfg.hidden,
+            gbps,
+            median_us,
+            p99_us,
+            bytes,
+        };
+        println!("{}", row("dispatch", dg, dm, dp, rep.dispatch_bytes).to_line());
+        println!("{}", row("combine", cg, cm, cp, rep.combine_bytes).to_line());
         println!(
             "GB/s = bytes of the tokens rank 0 sends (dispatch) / receives (combine) per second \
              (DeepEP's definition), at the median time"
@@ -369,17 +479,26 @@ fn run_ll_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult<()>
             p.warmup
         );
         let rows = [
-            ("ll dispatch:", rep.dispatch_bytes, &rep.dispatch_s, "sent"),
-            ("ll dispatch+hook:", rep.dispatch_bytes, &rep.dispatch_hook_s, "sent"),
-            ("ll combine:", rep.combine_bytes, &rep.combine_s, "received"),
-            ("ll combine+hook:", rep.combine_bytes, &rep.combine_hook_s, "received"),
+            ("dispatch", rep.dispatch_bytes, &rep.dispatch_s),
+            ("dispatch+hook", rep.dispatch_bytes, &rep.dispatch_hook_s),
+            ("combine", rep.combine_bytes, &rep.combine_s),
+            ("combine+hook", rep.combine_bytes, &rep.combine_hook_s),
         ];
-        for (name, bytes, v, dir) in rows {
-            let (g, med, p99) = LlBenchReport::figures(bytes, v);
-            println!(
-                "{name:<17} {g:>8.3} GB/s  median {med:>10.1} us  p99 {p99:>10.1} us  \
-                 ({bytes} bytes {dir})"
-            );
+        for (op, bytes, v) in rows {
+            let (gbps, median_us, p99_us) = LlBenchReport::figures(bytes, v);
+            let row = EpRow {
+                mode: "low-latency".into(),
+                op: op.into(),
+                backend: "host".into(),
+                ranks: world,
+                tokens: m,
+                hidden: cfg.hidden,
+                gbps,
+                median_us,
+                p99_us,
+                bytes,
+            };
+            println!("{}", row.to_line());
         }
         println!(
             "ll GB/s = bytes of the rows rank 0 sends (dispatch, once per selected expert, \

@@ -1,14 +1,14 @@
 //! EP logic: config and size hints, layout/plan math (pure: no GPU, no NIC), the single-process
 //! reference, quantisation, and (later) Buffer with normal and low-latency dispatch/combine.
 
+pub mod buffer;
 pub mod config;
+pub mod gpu;
+pub mod handle;
+pub mod host;
 pub mod layout;
 pub mod ll_gpu;
 pub mod normal_gpu;
 pub mod plan;
 pub mod quant;
 pub mod reference;
-pub mod buffer;
-pub mod handle;
-pub mod host;
-pub mod gpu;
