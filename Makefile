@@ -27,5 +27,9 @@ lint: setup
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
+# Release test/bench binaries for the GPU machine, gathered in gpu-bundle/ (scripts/gpu-check.sh).
+gpu-bundle: setup
+	bash scripts/gpu-check.sh build
+
 clean-tools:
 	rm -rf tools

@@ -30,8 +30,17 @@ fn low_latency(provider: &str, ranks: usize, per_node: usize, fp8: bool) {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{provider} x{ranks}: {stdout}\n{stderr}");
     assert!(stdout.contains("every result checked against the reference"), "{stdout}");
-    for row in ["ll dispatch:", "ll dispatch+hook:", "ll combine:", "ll combine+hook:"] {
-        assert!(stdout.contains(row), "{stdout}");
+    // One table row per operation: "low-latency  <op>  host  <ranks> ...".
+    for op in ["dispatch", "dispatch+hook", "combine", "combine+hook"] {
+        let found = stdout.lines().any(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.len() > 4
+                && f[0] == "low-latency"
+                && f[1] == op
+                && f[2] == "host"
+                && f[3] == ranks.to_string()
+        });
+        assert!(found, "no `{op}` row: {stdout}");
     }
     eprintln!("{provider} {ranks} ranks ({per_node} per node), fp8 {fp8}: ok in {:?}", t.elapsed());
 }

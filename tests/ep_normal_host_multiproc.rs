@@ -31,7 +31,13 @@ fn normal(provider: &str, ranks: usize, per_node: usize, fp8: bool) {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{provider} x{ranks}: {stdout}\n{stderr}");
     assert!(stdout.contains("every result checked against the reference"), "{stdout}");
-    assert!(stdout.contains("dispatch:") && stdout.contains("combine:"), "{stdout}");
+    for op in ["dispatch", "combine"] {
+        let found = stdout.lines().any(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.len() > 4 && f[0] == "normal" && f[1] == op && f[2] == "host"
+        });
+        assert!(found, "no normal `{op}` row: {stdout}");
+    }
     eprintln!("{provider} {ranks} ranks ({per_node} per node), fp8 {fp8}: ok in {:?}", t.elapsed());
 }
 
