@@ -20,27 +20,8 @@ pub struct Peers {
 
 /// All-gathers endpoint names and one region descriptor per rank, and fills the AV.
 pub fn connect(boot: &dyn Bootstrap, stack: &Stack, region: &MemoryRegion) -> Result<Peers> {
-    let name = stack.ep.name()?;
-    let desc = region.remote().to_bytes();
-    let mut blob = (name.len() as u32).to_le_bytes().to_vec();
-    blob.extend_from_slice(&name);
-    blob.extend_from_slice(&desc);
-    let all = boot.all_gather(&blob)?;
-    let mut names = Vec::with_capacity(all.len());
-    let mut regions = Vec::with_capacity(all.len());
-    for (r, b) in all.iter().enumerate() {
-        let bad = || Error::Protocol {
-            rank: boot.rank(),
-            peer: r,
-            phase: "connect",
-            msg: format!("malformed connection blob of {} bytes", b.len()),
-        };
-        let n =
-            u32::from_le_bytes(b.get(..4).ok_or_else(bad)?.try_into().map_err(|_| bad())?) as usize;
-        names.push(b.get(4..4 + n).ok_or_else(bad)?.to_vec());
-        regions.push(RemoteRegion::from_bytes(b.get(4 + n..).ok_or_else(bad)?).map_err(|_| bad())?);
-    }
-    Ok(Peers { addrs: stack.connect(&names)?, regions })
+    let fp = crate::ep::connect::exchange_fabric(boot, stack, &region.remote(), &[], 0)?;
+    Ok(Peers { addrs: fp.addrs, regions: fp.regions })
 }
 
 /// The byte every all-to-all message carries at position `i`: distinct per (src, dst, i).

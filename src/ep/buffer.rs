@@ -41,10 +41,10 @@ use super::plan::{
 };
 use super::quant::{bf16_to_f32, f32_to_bf16, quantize_row_bf16};
 use crate::bootstrap::Bootstrap;
-use crate::fabric::{FiAddr, InfoQuery, MemKind, MemoryRegion, RemoteRegion, Stack};
+use crate::fabric::{InfoQuery, MemKind, MemoryRegion, Stack};
 use crate::proxy::{
-    CounterLayout, CounterMemory, FabricPeer, FabricTransport, LoopbackGroup, LoopbackOptions,
-    Proxy, ProxyConfig, RingLayout, RingMemory, SharedRegion,
+    CounterLayout, CounterMemory, FabricTransport, LoopbackGroup, LoopbackOptions, Proxy,
+    ProxyConfig, RingLayout, RingMemory, SharedRegion,
 };
 use crate::{Error, Result};
 
@@ -373,36 +373,18 @@ impl Buffer {
                     Arc::new(unsafe { stack.register(send.as_ptr(), send.len(), MemKind::Host)? });
                 let recv_mr =
                     Arc::new(unsafe { stack.register(recv.as_ptr(), recv.len(), MemKind::Host)? });
-                let name = stack.ep.name()?;
-                let desc = recv_mr.remote().to_bytes();
-                let mut blob = hash.to_le_bytes().to_vec();
-                blob.extend_from_slice(&(name.len() as u32).to_le_bytes());
-                blob.extend_from_slice(&name);
-                blob.extend_from_slice(&desc);
-                let all = boot.all_gather(&blob)?;
-                let mut names = Vec::with_capacity(r);
-                let mut regions: Vec<RemoteRegion> = Vec::with_capacity(r);
-                for (peer, b) in all.iter().enumerate() {
-                    let bad = || blob_err(rank, peer, b.len());
-                    let h = read_u64(b, 0).ok_or_else(bad)?;
+                let fp = super::connect::exchange_fabric(
+                    &*boot,
+                    &stack,
+                    &recv_mr.remote(),
+                    &hash.to_le_bytes(),
+                    geo.bytes,
+                )?;
+                for (peer, h) in fp.headers.iter().enumerate() {
+                    let h = read_u64(h, 0).ok_or_else(|| blob_err(rank, peer, h.len()))?;
                     cfg.check_peer_hash(peer, h)?;
-                    let n = u32::from_le_bytes(
-                        b.get(8..12).ok_or_else(bad)?.try_into().map_err(|_| bad())?,
-                    ) as usize;
-                    names.push(b.get(12..12 + n).ok_or_else(bad)?.to_vec());
-                    let region = RemoteRegion::from_bytes(b.get(12 + n..).ok_or_else(bad)?)
-                        .map_err(|_| bad())?;
-                    if region.len < geo.bytes {
-                        return Err(bad());
-                    }
-                    regions.push(region);
                 }
-                let addrs: Vec<FiAddr> = stack.connect(&names)?;
-                let peers = addrs
-                    .into_iter()
-                    .zip(regions)
-                    .map(|(addr, recv)| Some(FabricPeer { addr, recv }))
-                    .collect();
+                let peers = fp.into_proxy_peers();
                 let transport =
                     FabricTransport::new(rank as u32, stack.ep.clone(), send_mr.clone(), peers)?;
                 let proxy = Proxy::start(pcfg, rings.clone(), counters, vec![transport])?;
@@ -1181,32 +1163,14 @@ impl Buffer {
                 // proxy (whose transport posts writes naming it) and after the registration.
                 let mr =
                     Arc::new(unsafe { stack.register(mem.as_ptr(), mem.len(), MemKind::Host)? });
-                let name = stack.ep.name()?;
-                let mut blob = (name.len() as u32).to_le_bytes().to_vec();
-                blob.extend_from_slice(&name);
-                blob.extend_from_slice(&mr.remote().to_bytes());
-                let all = self.boot.all_gather(&blob)?;
-                let mut names = Vec::with_capacity(r);
-                let mut regions: Vec<RemoteRegion> = Vec::with_capacity(r);
-                for (peer, b) in all.iter().enumerate() {
-                    let bad = || blob_err(rank, peer, b.len());
-                    let n = u32::from_le_bytes(
-                        b.get(0..4).ok_or_else(bad)?.try_into().map_err(|_| bad())?,
-                    ) as usize;
-                    names.push(b.get(4..4 + n).ok_or_else(bad)?.to_vec());
-                    let region = RemoteRegion::from_bytes(b.get(4 + n..).ok_or_else(bad)?)
-                        .map_err(|_| bad())?;
-                    if region.len < geo.bytes {
-                        return Err(bad());
-                    }
-                    regions.push(region);
-                }
-                let addrs: Vec<FiAddr> = stack.connect(&names)?;
-                let peers = addrs
-                    .into_iter()
-                    .zip(regions)
-                    .map(|(addr, recv)| Some(FabricPeer { addr, recv }))
-                    .collect();
+                let peers = super::connect::exchange_fabric(
+                    &*self.boot,
+                    &stack,
+                    &mr.remote(),
+                    &[],
+                    geo.bytes,
+                )?
+                .into_proxy_peers();
                 let transport =
                     FabricTransport::new(rank as u32, stack.ep.clone(), mr.clone(), peers)?;
                 let proxy = Proxy::start(pcfg, rings.clone(), counters, vec![transport])?;

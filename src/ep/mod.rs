@@ -3,6 +3,7 @@
 
 pub mod buffer;
 pub mod config;
+pub mod connect;
 pub mod gpu;
 pub mod handle;
 pub mod host;
