@@ -272,7 +272,11 @@ pub fn run_normal_gpu(dev: &Device, p: &GpuBenchParams) -> Result<GpuReport> {
         };
         let gpu = buf.gpu()?;
         let mut handle = gpu.new_handle(t)?;
-        let mut outs: Option<GpuDispatchBuffers> = None;
+        // NOTES: every device allocation before the first barrier: with ranks as threads of
+        // one context, allocating or freeing while a peer's kernel spins on this rank can stall
+        // both until the timeout. At most `t` tokens come from each rank.
+        let outs: Option<GpuDispatchBuffers> =
+            Some(GpuDispatchBuffers::new(gpu, worst.unwrap_or(t * cfg.num_ranks).max(1))?);
         for it in 0..p.warmup + p.iters {
             boot.barrier()?;
             if let Some(o) = &outs {
@@ -295,7 +299,7 @@ pub fn run_normal_gpu(dev: &Device, p: &GpuBenchParams) -> Result<GpuReport> {
                 let info = gpu.notify_gpu(&notify, &mut handle)?;
                 let rows = info.map_or(worst.unwrap_or(0), |i| i.num_recv_tokens);
                 if outs.as_ref().is_none_or(|o| o.rows < rows) {
-                    outs = Some(GpuDispatchBuffers::new(gpu, rows)?);
+                    return Err(Error::Other(format!("rank {rank}: {rows} rows exceed the bound")));
                 }
                 let o = outs.as_ref().ok_or_else(|| Error::Other("no outputs".into()))?;
                 let args = GpuDispatchArgs {

@@ -597,6 +597,12 @@ impl GpuBuffer {
     pub fn new_handle(&mut self, capacity_tokens: usize) -> Result<GpuHandle> {
         let id = self.id;
         let n = self.normal()?;
+        if capacity_tokens > n.layout_cap {
+            // NOTES: allocations happen here, outside any step (see `notify_gpu`): every rank
+            // makes its handles before the collective calls that use them.
+            n.layout = LayoutBuffers::new(&n.layout_gpu, capacity_tokens)?;
+            n.layout_cap = capacity_tokens;
+        }
         Ok(GpuHandle {
             inner: NormalHandle::new(&n.rank, capacity_tokens.max(1))?,
             buffer_id: id,
@@ -641,11 +647,18 @@ impl GpuBuffer {
         let cap = a.num_worst_tokens.unwrap_or(i32::MAX as usize);
         let n = self.normal()?;
         if t > n.layout_cap {
-            // The old layout buffers may still be read by an earlier launch on this stream.
-            a.stream.synchronize_within(self.cfg.timeout * 2 + Duration::from_secs(5))?;
-            let n = self.normal()?;
-            n.layout = LayoutBuffers::new(&n.layout_gpu, t)?;
-            n.layout_cap = t;
+            // NOTES: no allocation or free here. With ranks as threads of one context, a
+            // cuMemAlloc/cuMemFree can wait for the whole device, including a peer's notify
+            // kernel that spins until this rank's notify runs: a deadlock until the timeout.
+            // Capacity is reserved with the handle (`new_handle`), when no step is in flight.
+            return Err(Error::arg(
+                "num_tokens",
+                format!(
+                    "{t} tokens, but {} were reserved: make the handle with new_handle({t}) \
+                     before the step",
+                    n.layout_cap
+                ),
+            ));
         }
         let n = self.normal()?;
         handle.out_rows = None;
