@@ -29,11 +29,20 @@ unsafe impl Sync for Endpoint {}
 
 impl Endpoint {
     /// Opens, binds and enables an endpoint. Several endpoints may share a domain.
+    ///
+    /// NOTES: the `shm` provider of libfabric 1.17 names each endpoint's region
+    /// `/dev/shm/<pid>:<domain>:<endpoint>` and leaves it behind when the process dies without
+    /// closing it (killed, `exit`). A later process that gets the same pid then fails
+    /// `fi_enable` with EBUSY. Names with our pid can only be such leftovers before this
+    /// process opens its first shm endpoint, so they are removed once, then.
     pub fn open(
         domain: &Arc<Domain>,
         cq: &Arc<CompletionQueue>,
         av: &Arc<AddressVector>,
     ) -> Result<Arc<Endpoint>> {
+        if domain.info().provider().starts_with("shm") {
+            remove_stale_shm_names();
+        }
         let mut ptr = ptr::null_mut();
         // SAFETY: domain open, info valid; ptr receives the new fid.
         check("fi_endpoint", unsafe {
@@ -302,6 +311,20 @@ impl Endpoint {
     fn imm_bits(&self) -> u32 {
         64 - self.imm_limit.leading_zeros()
     }
+}
+
+/// Removes `/dev/shm/<pid>:*` left by a dead process that had this pid (see `Endpoint::open`).
+fn remove_stale_shm_names() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let prefix = format!("{}:", std::process::id());
+        let Ok(dir) = std::fs::read_dir("/dev/shm") else { return };
+        for e in dir.flatten() {
+            if e.file_name().to_str().is_some_and(|n| n.starts_with(&prefix)) {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    });
 }
 
 impl Drop for Endpoint {
