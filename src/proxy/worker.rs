@@ -477,13 +477,13 @@ impl<T: Transport> Worker<T> {
         while !self.shared.stop.load(Ordering::Relaxed) {
             let mut work = self.poll_transport()?;
             let mut backpressured = false;
+            // NOTES: a back-pressured ring (its head command refused with EAGAIN, e.g. to a
+            // peer that stopped answering) keeps its command and is retried next pass; the
+            // other rings still drain, so one stalled peer does not stall the rest.
             for i in 0..self.consumers.len() {
                 let (n, full) = self.drain_ring(i)?;
                 work += n;
-                if full {
-                    backpressured = true;
-                    break;
-                }
+                backpressured |= full;
             }
             if work > 0 || backpressured {
                 idle = 0;
