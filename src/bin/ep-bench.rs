@@ -639,43 +639,44 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
         c.iters.max(1),
         base(0).warmup
     );
-    println!(
-        "{:<20} {:>5} {:>6} {:>6} | {:>9} {:>9} {:>9} | {:>9} {:>9} {:>9}",
-        "mode",
-        "ranks",
-        "tokens",
-        "hidden",
-        "disp GB/s",
-        "med us",
-        "p99 us",
-        "comb GB/s",
-        "med us",
-        "p99 us"
-    );
-    let row = |mode: &str, p: &GpuBenchParams, r: &[NormalBenchReport]| {
+    // Rank 0's figures, as rows of the same table (and JSON/CSV) as the host path.
+    let mut rows: Vec<EpRow> = Vec::new();
+    let mut row = |mode: &str, hook: bool, p: &GpuBenchParams, r: &[NormalBenchReport]| {
         if let Some(r0) = r.first() {
-            let (dg, dm, dp) = r0.dispatch_figures();
-            let (cg, cm, cp) = r0.combine_figures();
-            println!(
-                "{mode:<20} {:>5} {:>6} {:>6} | {dg:>9.2} {dm:>9.1} {dp:>9.1} | {cg:>9.2} {cm:>9.1} \
-                 {cp:>9.1}",
-                p.num_ranks, p.num_tokens, p.hidden
-            );
+            let figs = [
+                ("dispatch", r0.dispatch_figures(), r0.dispatch_bytes),
+                ("combine", r0.combine_figures(), r0.combine_bytes),
+            ];
+            for (op, (gbps, median_us, p99_us), bytes) in figs {
+                rows.push(EpRow {
+                    mode: mode.into(),
+                    op: if hook { format!("{op}+hook") } else { op.into() },
+                    backend: "gpu".into(),
+                    ranks: p.num_ranks,
+                    tokens: p.num_tokens,
+                    hidden: p.hidden,
+                    gbps,
+                    median_us,
+                    p99_us,
+                    bytes,
+                });
+            }
         }
     };
     if matches!(c.mode, Mode::Normal | Mode::Both) {
         let p = base(4096);
         let r = run_normal_gpu(&dev, &p)?;
-        row("normal", &p, &r);
+        row("normal", false, &p, &r);
     }
     if matches!(c.mode, Mode::LowLatency | Mode::Both) {
         let p = base(128);
         let r = run_ll_gpu(&dev, &p)?;
-        row("low-latency", &p, &r);
+        row("low-latency", false, &p, &r);
         let ph = GpuBenchParams { hook: true, ..p };
         let r = run_ll_gpu(&dev, &ph)?;
-        row("low-latency (hook)", &ph, &r);
+        row("low-latency", true, &ph, &r);
     }
+    print_rows(c, &rows);
     println!(
         "rank 0's figures. GB/s = bytes of the tokens rank 0 sends (dispatch: once per destination \
          rank in normal mode, once per selected expert in low-latency mode; fp8 payload + scales) \
