@@ -70,6 +70,10 @@ struct Common {
     /// GPU backend: bf16 dispatch instead of its default, fp8 (DeepEP's standard setting).
     #[arg(long, conflicts_with = "fp8")]
     bf16: bool,
+    /// GPU backend, low-latency: also time the step captured once in a CUDA graph and
+    /// replayed (each replay checked like an eager step).
+    #[arg(long)]
+    cuda_graph: bool,
     #[arg(long, default_value_t = 20, global = true)]
     iters: usize,
 }
@@ -672,9 +676,21 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
         let p = base(128);
         let r = run_ll_gpu(&dev, &p)?;
         row("low-latency", false, &p, &r);
-        let ph = GpuBenchParams { hook: true, ..p };
+        let ph = GpuBenchParams { hook: true, ..p.clone() };
         let r = run_ll_gpu(&dev, &ph)?;
         row("low-latency", true, &ph, &r);
+        if c.cuda_graph {
+            let pg = GpuBenchParams { graph: true, ..p };
+            let r = run_ll_gpu(&dev, &pg)?;
+            row("low-latency", false, &pg, &r);
+            if let Some(last) = rows.last_mut() {
+                last.op = "combine (graph)".into();
+            }
+            let n = rows.len();
+            if n >= 2 {
+                rows[n - 2].op = "dispatch (graph)".into();
+            }
+        }
     }
     print_rows(c, &rows);
     println!(
