@@ -107,12 +107,15 @@ fn low_latency_cuda_graph_replay_matches_reference() {
     // same device buffers, and every replay is checked bit-exactly against the reference, so
     // graph replay equals eager execution on the same inputs.
     let Some(dev) = gpu() else { return };
-    for (ranks, fp8, hook) in [(1, true, false), (2, false, true), (4, true, false), (4, true, true)]
+    for (ranks, fp8, hook) in
+        [(1, true, false), (2, false, true), (4, true, false), (4, true, true)]
     {
         let p = GpuBenchParams { hook, graph: true, iters: 6, ..small(ranks, 64, 2048, fp8) };
         run_ll_gpu(&dev, &p)
             .unwrap_or_else(|e| panic!("LL graph ranks {ranks} fp8 {fp8} hook {hook}: {e}"));
-        eprintln!("ok: low-latency CUDA graph ranks {ranks} fp8 {fp8} hook {hook}: 1 eager + 5 replays");
+        eprintln!(
+            "ok: low-latency CUDA graph ranks {ranks} fp8 {fp8} hook {hook}: 1 eager + 5 replays"
+        );
     }
     let p = GpuBenchParams { graph: true, iters: 4, warmup: 0, ..GpuBenchParams::ll_standard(4) };
     run_ll_gpu(&dev, &p).unwrap_or_else(|e| panic!("LL graph standard: {e}"));

@@ -387,4 +387,6 @@ static_assert(sizeof(fep_normal_combine_params) == 272, "fep_normal_combine_para
 static_assert(offsetof(fep_normal_comm, dev_error) == 128, "fep_normal_comm fields");
 #endif
 
+#include "fep_baseline.h"
+
 #endif /* FEP_ABI_H */

@@ -76,7 +76,7 @@ impl GpuBenchParams {
         GpuBenchParams { num_tokens: 128, ..Self::normal_standard(num_ranks) }
     }
 
-    fn config(&self, rank: usize) -> Result<EpConfig> {
+    pub(crate) fn config(&self, rank: usize) -> Result<EpConfig> {
         let mut s =
             EpSettings::new(rank, self.num_ranks, self.num_experts, self.hidden, self.num_topk);
         s.ranks_per_node = self.num_ranks;
@@ -101,7 +101,7 @@ impl GpuBenchParams {
 /// Per-rank figures of a GPU run, in the host runner's shape (bytes as DeepEP counts them).
 pub type GpuReport = Vec<NormalBenchReport>;
 
-fn upload<T: bytemuck::Pod>(dev: &Device, v: &[T]) -> Result<DeviceBuffer> {
+pub(crate) fn upload<T: bytemuck::Pod>(dev: &Device, v: &[T]) -> Result<DeviceBuffer> {
     if v.is_empty() {
         return Ok(DeviceBuffer::zeroed(dev, 16)?);
     }
@@ -113,7 +113,7 @@ fn mismatch(rank: usize, what: &str, it: usize) -> Error {
 }
 
 /// Runs `f(rank, boot)` on one thread per rank; the first error wins (by rank).
-fn on_threads<T: Send>(
+pub(crate) fn on_threads<T: Send>(
     n: usize,
     timeout: Duration,
     f: impl Fn(usize, Arc<dyn Bootstrap>) -> Result<T> + Sync,

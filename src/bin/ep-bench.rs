@@ -74,6 +74,9 @@ struct Common {
     /// replayed (each replay checked like an eager step).
     #[arg(long)]
     cuda_graph: bool,
+    /// GPU backend, normal mode: skip the NCCL all-to-all (+ permute) comparison.
+    #[arg(long)]
+    no_nccl: bool,
     #[arg(long, default_value_t = 20, global = true)]
     iters: usize,
 }
@@ -645,7 +648,12 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
     );
     // Rank 0's figures, as rows of the same table (and JSON/CSV) as the host path.
     let mut rows: Vec<EpRow> = Vec::new();
-    let mut row = |mode: &str, hook: bool, p: &GpuBenchParams, r: &[NormalBenchReport]| {
+    let row = |rows: &mut Vec<EpRow>,
+               mode: &str,
+               op_suffix: &str,
+               backend: &str,
+               p: &GpuBenchParams,
+               r: &[NormalBenchReport]| {
         if let Some(r0) = r.first() {
             let figs = [
                 ("dispatch", r0.dispatch_figures(), r0.dispatch_bytes),
@@ -654,8 +662,8 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
             for (op, (gbps, median_us, p99_us), bytes) in figs {
                 rows.push(EpRow {
                     mode: mode.into(),
-                    op: if hook { format!("{op}+hook") } else { op.into() },
-                    backend: "gpu".into(),
+                    op: format!("{op}{op_suffix}"),
+                    backend: backend.into(),
                     ranks: p.num_ranks,
                     tokens: p.num_tokens,
                     hidden: p.hidden,
@@ -667,32 +675,66 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
             }
         }
     };
+    // NCCL's all-to-all with the permute around it, on the same inputs: one rank per GPU (NCCL
+    // refuses two ranks on one GPU), so at min(ranks, GPUs) ranks, with our figure at that
+    // world size beside it when it differs from --ranks.
+    let mut nccl_pairs: Vec<(usize, Vec<NormalBenchReport>, Vec<NormalBenchReport>)> = Vec::new();
     if matches!(c.mode, Mode::Normal | Mode::Both) {
         let p = base(4096);
         let r = run_normal_gpu(&dev, &p)?;
-        row("normal", false, &p, &r);
+        row(&mut rows, "normal", "", "gpu", &p, &r);
+        if !c.no_nccl {
+            let gpus = fabric_ep::cuda::device_count()?;
+            let world = p.num_ranks.min(gpus);
+            match fabric_ep::bench::nccl::nccl_library() {
+                Err(why) => println!("NCCL comparison skipped: {why}"),
+                Ok(lib) => {
+                    let devices = (0..world)
+                        .map(fabric_ep::cuda::Device::new)
+                        .collect::<Result<Vec<_>, _>>()?;
+                    let pn = GpuBenchParams { num_ranks: world, ..p.clone() };
+                    let ours = if world == p.num_ranks { r } else { run_normal_gpu(&dev, &pn)? };
+                    let base_r = fabric_ep::bench::nccl::run_nccl_baseline(&devices, &pn)?;
+                    println!(
+                        "NCCL comparison: {lib}, {world} rank(s) on {world} GPU(s) \
+                         ({} ranks requested, {gpus} GPU(s) here)",
+                        p.num_ranks
+                    );
+                    if world != p.num_ranks {
+                        row(&mut rows, "normal", "", "gpu", &pn, &ours);
+                    }
+                    nccl_pairs.push((world, ours, base_r.clone()));
+                    row(&mut rows, "normal", "", "nccl+permute", &pn, &base_r);
+                }
+            }
+        }
     }
     if matches!(c.mode, Mode::LowLatency | Mode::Both) {
         let p = base(128);
         let r = run_ll_gpu(&dev, &p)?;
-        row("low-latency", false, &p, &r);
+        row(&mut rows, "low-latency", "", "gpu", &p, &r);
         let ph = GpuBenchParams { hook: true, ..p.clone() };
         let r = run_ll_gpu(&dev, &ph)?;
-        row("low-latency", true, &ph, &r);
+        row(&mut rows, "low-latency", "+hook", "gpu", &ph, &r);
         if c.cuda_graph {
             let pg = GpuBenchParams { graph: true, ..p };
             let r = run_ll_gpu(&dev, &pg)?;
-            row("low-latency", false, &pg, &r);
-            if let Some(last) = rows.last_mut() {
-                last.op = "combine (graph)".into();
-            }
-            let n = rows.len();
-            if n >= 2 {
-                rows[n - 2].op = "dispatch (graph)".into();
-            }
+            row(&mut rows, "low-latency", " (graph)", "gpu", &pg, &r);
         }
     }
     print_rows(c, &rows);
+    for (world, ours, theirs) in &nccl_pairs {
+        if let (Some(o), Some(t)) = (ours.first(), theirs.first()) {
+            let (od, oc) = (o.dispatch_figures().1, o.combine_figures().1);
+            let (td, tc) = (t.dispatch_figures().1, t.combine_figures().1);
+            println!(
+                "vs NCCL all-to-all + permute at {world} rank(s): dispatch {:.2}x, combine {:.2}x \
+                 faster (median {od:.1} vs {td:.1} us, {oc:.1} vs {tc:.1} us)",
+                td / od,
+                tc / oc
+            );
+        }
+    }
     println!(
         "rank 0's figures. GB/s = bytes of the tokens rank 0 sends (dispatch: once per destination \
          rank in normal mode, once per selected expert in low-latency mode; fp8 payload + scales) \
