@@ -634,12 +634,13 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
     let sms = dev.sm_count() as usize;
     println!(
         "ep-bench (GPU backend): {} ranks as THREADS of one process on one GPU ({}, {} SMs, \
-         SM budget {} per rank), {} dispatch / bf16 combine, top-{} of {} experts, {} iters \
+         SM budget per rank: normal {}, low-latency {}), {} dispatch / bf16 combine, top-{} of {} experts, {} iters \
          (+{} warm-up); every result checked against the reference",
         c.ranks,
         dev.name(),
         sms,
         (sms / c.ranks).min(fabric_ep::ep::gpu::DEFAULT_MAX_SMS) & !1,
+        (sms / c.ranks) & !1,
         if c.bf16 { "bf16" } else { "fp8" },
         c.topk,
         c.experts,

@@ -64,8 +64,8 @@ use crate::{Error, Result};
 pub struct GpuOptions {
     /// The GPU every rank of this process uses.
     pub device: Device,
-    /// Blocks per kernel of this rank (its SM budget); `None`: SMs / num_ranks, at most
-    /// [`DEFAULT_MAX_SMS`], rounded down to even. Every rank shares the GPU, so `num_sms * num_ranks` must not exceed its SMs.
+    /// Blocks per kernel of this rank (its SM budget); `None`: SMs / num_ranks rounded down to
+    /// even, at most [`DEFAULT_MAX_SMS`] when normal mode is enabled. Every rank shares the GPU, so `num_sms * num_ranks` must not exceed its SMs.
     pub num_sms: Option<usize>,
     /// Normal mode: records per queue chunk (same on every rank).
     pub chunk_tokens: usize,
@@ -364,7 +364,10 @@ impl GpuBuffer {
         dev.bind()?;
         let (rank, r) = (cfg.rank, cfg.num_ranks);
         let sms = dev.sm_count() as usize;
-        let num_sms = opts.num_sms.unwrap_or((sms / r.max(1)).min(DEFAULT_MAX_SMS) & !1);
+        // The cap is normal mode's (its kernels were tuned at 32 blocks); low latency alone
+        // takes its whole share of the GPU (more blocks, more rows in flight).
+        let cap = if opts.normal { DEFAULT_MAX_SMS } else { sms };
+        let num_sms = opts.num_sms.unwrap_or((sms / r.max(1)).min(cap) & !1);
         if num_sms == 0
             || num_sms * r > sms
             || (opts.normal && (num_sms < 2 * r || num_sms % 2 != 0))
