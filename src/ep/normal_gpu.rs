@@ -81,7 +81,7 @@ impl NormalGpuSettings {
             num_topk,
             dtype,
             chunk_tokens: 16,
-            slots_per_peer: 8,
+            slots_per_peer: 16,
             num_sms: 32,
             timeout: Duration::from_secs(10),
         }
