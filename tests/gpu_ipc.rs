@@ -10,7 +10,9 @@
 //! job takes). Processes sharing one GPU need MPS (their kernels spin on each other and must run
 //! at once): scripts/gpu-check.sh's "ipc" section starts the control daemon around this binary.
 //! Without a visible MPS daemon (and `FEP_TEST_IPC_WITHOUT_MPS` unset) the tests say SKIP, as
-//! they do without a GPU. Ignored without `--include-ignored` (CI has no GPU).
+//! they do without a GPU (without MPS the processes time-slice the GPU: a step takes milliseconds,
+//! and a wait longer than the timeout fails naming a peer). Ignored without `--include-ignored`
+//! (CI has no GPU).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -232,8 +234,11 @@ fn run_job(n: usize, role: &str) -> Vec<RankOutcome> {
 /// are echoed (scripts/gpu-check.sh runs with --nocapture).
 fn assert_ok(what: &str, out: &[RankOutcome], ok: impl IntoIterator<Item = usize>) {
     let all = out.iter().map(|o| o.to_string()).collect::<String>();
-    for line in all.lines().filter(|l| l.starts_with("ok:") || l.contains("timeout path")) {
-        eprintln!("{line}");
+    // A rank's first line follows libtest's "test child_rank ... " (--nocapture).
+    for line in all.lines() {
+        if let Some(i) = line.find("ok: ").or_else(|| line.find("timeout path")) {
+            eprintln!("{}", &line[i..]);
+        }
     }
     for r in ok {
         let o = &out[r];

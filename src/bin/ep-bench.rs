@@ -72,7 +72,7 @@ struct Common {
     bf16: bool,
     /// GPU backend: run the ranks as local processes (CUDA IPC between them) instead of threads
     /// of one process. Processes sharing one GPU need the MPS control daemon
-    /// (`nvidia-cuda-mps-control -d`), or their kernels time-slice and time out.
+    /// (`nvidia-cuda-mps-control -d`), or their kernels time-slice (slow steps, timeouts).
     #[arg(long, global = true)]
     procs: bool,
     #[arg(long, default_value_t = 20, global = true)]
@@ -654,7 +654,7 @@ const GPU_LEGEND: &str = "rank 0's figures. GB/s = bytes of the tokens rank 0 se
 
 const MPS_HINT: &str = "ranks as processes sharing one GPU need the MPS control daemon \
     (`nvidia-cuda-mps-control -d`, before the ranks start): without it their kernels time-slice \
-    the GPU and the bounded waits time out naming a peer";
+    the GPU, every wait on a peer lasts until a context switch, and long ones time out naming it";
 
 /// `--backend gpu`: every rank a thread of this process on one GPU, each with its own
 /// `Buffer` (GPU backend), every result checked against the reference, CUDA-event timings.

@@ -18,7 +18,8 @@
 //! NOTES (co-residency across processes): receive kernels spin on other ranks' sends, so every
 //! rank's kernel must be resident at once. Processes sharing one GPU only run kernels at the
 //! same time under MPS (`nvidia-cuda-mps-control -d`); without it the GPU time-slices between
-//! their contexts and the bounded device waits run out ([`Error::Timeout`] naming a peer, not a
+//! their contexts, each wait on another process lasts until a context switch (milliseconds per
+//! step), and a wait longer than the timeout fails ([`Error::Timeout`] naming a peer, not a
 //! hang). [`Peers::ranks_on_this_gpu`] counts the ranks that share this GPU for the SM budget.
 
 use std::sync::OnceLock;
