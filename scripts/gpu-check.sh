@@ -12,7 +12,11 @@
 #                                  FEP_GPU_SECTIONS (default "tests,memcheck,memcheck-proxy,layout,
 #                                  proxy") picks what runs, FEP_GPU_TESTS (default all) which test
 #                                  binaries; "proxy" is the GPU proxy latency bench (with and
-#                                  without MPS) and the loopback proxy throughput bench.
+#                                  without MPS) and the loopback proxy throughput bench; "ipc"
+#                                  (not in the default list) runs ep-bench's GPU backend with 4
+#                                  ranks as threads, then starts the MPS control daemon, runs it
+#                                  with 4 ranks as processes (CUDA IPC) and tests/gpu_ipc.rs, and
+#                                  stops the daemon. The "tests" section leaves gpu_ipc to it.
 #
 # The bundle carries this machine's libfabric (lib/, with its dependencies) and fi_pingpong (bin/):
 # the GPU machine may have none, and fi_pingpong must use the same libfabric as the tests.
@@ -158,6 +162,69 @@ run_proxy_section() {
   return $fail
 }
 
+# ep-bench's GPU backend at DeepEP's settings with 4 ranks as threads of one process (no MPS, as
+# it runs by default) and as 4 processes through CUDA IPC under MPS, then tests/gpu_ipc.rs (GPU
+# ranks as processes sharing the GPU) under MPS. Processes sharing a GPU need the control daemon
+# so that their kernels run at once: started here and stopped again at the end, as in
+# run_proxy_section. (Threads of one process run before the daemon: an MPS client gets few
+# hardware work queues, and 4 ranks' spinning kernels on 4 streams then wait behind each other
+# until the timeout, unless CUDA_DEVICE_MAX_CONNECTIONS=32.)
+run_ipc_section() {
+  local b=$1 out=$2 log=$2/ipc.log rc fail=0 line
+  local iters=${FEP_EPBENCH_ITERS:-20}
+  : >"$log"
+  set +e
+  if [ -x "$b/bin/ep-bench" ]; then
+    echo "===== ep-bench --backend gpu --ranks 4 (threads, no MPS)" >>"$log"
+    timeout 300 "$b/bin/ep-bench" --backend gpu --ranks 4 --iters "$iters" --timeout 30 >>"$log" 2>&1
+    rc=$?
+    [ "$rc" -eq 0 ] || fail=1
+    printf '%-18s rc=%-3s %s\n' "ep-bench-threads" "$rc" "4 ranks as threads, no MPS" >>"$out/summary.txt"
+  fi
+  if ! command -v nvidia-cuda-mps-control >/dev/null; then
+    echo "no nvidia-cuda-mps-control: ranks as processes not run" | tee -a "$log" >>"$out/summary.txt"
+    set -e
+    return 1
+  fi
+  local mps=/tmp/fep-mps-ipc
+  mkdir -p "$mps/pipe" "$mps/log"
+  export CUDA_MPS_PIPE_DIRECTORY=$mps/pipe CUDA_MPS_LOG_DIRECTORY=$mps/log
+  nvidia-cuda-mps-control -d
+  rc=$?
+  if [ "$rc" -ne 0 ]; then
+    echo "MPS control daemon did not start (rc $rc)" | tee -a "$log" >>"$out/summary.txt"
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    set -e
+    return 1
+  fi
+  # ep-bench first: gpu_ipc ends with a killed rank (the one case that might upset the server).
+  if [ -x "$b/bin/ep-bench" ]; then
+    echo "===== ep-bench --backend gpu --ranks 4 --procs (processes, MPS)" >>"$log"
+    timeout 300 "$b/bin/ep-bench" --backend gpu --ranks 4 --procs --iters "$iters" --timeout 30 \
+      >>"$log" 2>&1
+    rc=$?
+    [ "$rc" -eq 0 ] || fail=1
+    printf '%-18s rc=%-3s %s\n' "ep-bench-procs" "$rc" "4 ranks as processes, MPS" >>"$out/summary.txt"
+    grep -E "^ep-bench \(GPU|^mode |^normal |^low-latency|error" "$log" >>"$out/summary.txt"
+  fi
+  if [ -x "$b/tests/gpu_ipc" ]; then
+    echo "===== gpu_ipc (under MPS)" >>"$log"
+    timeout 400 "$b/tests/gpu_ipc" --include-ignored --test-threads=1 --nocapture >>"$log" 2>&1
+    rc=$?
+    [ "$rc" -eq 0 ] || fail=1
+    line=$(grep -E "^test result:" "$log" | tail -1)
+    printf '%-18s rc=%-3s %s\n' "gpu_ipc (MPS)" "$rc" "${line:-no result line}" >>"$out/summary.txt"
+    grep -E "^test .*(FAILED|ok)$|SKIP|reaches its|timeout path|every case checked|dead peer named" \
+      "$log" >>"$out/summary.txt"
+  fi
+  echo quit | nvidia-cuda-mps-control
+  sleep 1
+  tail -n 20 "$mps"/log/*.log >>"$log" 2>/dev/null
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  set -e
+  return $fail
+}
+
 run() {
   local b out
   b=$(cd "$(dirname "$0")" && pwd)
@@ -188,6 +255,8 @@ run() {
     local name rc line
     name=$(basename "$t")
     case " ${FEP_GPU_TESTS:-$name} " in *" $name "*) ;; *) continue ;; esac
+    # Processes sharing the GPU need MPS: the "ipc" section runs it under the daemon.
+    [ "$name" = gpu_ipc ] && continue
     echo "===== $name" >>"$tests_log"
     set +e
     # --nocapture: the tests' own lines (timeout paths, what each rank checked) reach the log.
@@ -277,6 +346,9 @@ run() {
     [ "$rc" -eq 0 ] || fail=1
     printf '%-18s rc=%-3s %s\n' "ep-bench-gpu" "$rc" "ep-bench --backend gpu --ranks 4" >>"$sum"
     grep -E "^ep-bench \(GPU|^mode |^normal |^low-latency|error" "$bench_log" >>"$sum" || true
+  fi
+  if has_section ipc; then
+    run_ipc_section "$b" "$out" || fail=1
   fi
   [ -f "$b/ptxas.log" ] && cp "$b/ptxas.log" "$out/ptxas.log"
   echo

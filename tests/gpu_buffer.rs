@@ -9,39 +9,14 @@ use std::time::{Duration, Instant};
 
 use fabric_ep::bench::ep_gpu::{run_ll_gpu, run_normal_gpu, GpuBenchParams};
 use fabric_ep::bootstrap::{Bootstrap, InProcGroup};
-use fabric_ep::cuda::{gpu_available, Device, DeviceBuffer, Stream};
+use fabric_ep::cuda::{DeviceBuffer, Stream};
 use fabric_ep::ep::buffer::{Buffer, BufferOptions};
 use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::ep::gpu::{DevSlice, GpuLlDispatchArgs, GpuOptions};
 use fabric_ep::Error;
 
-fn gpu() -> Option<Device> {
-    if !gpu_available() {
-        eprintln!("SKIP: no GPU visible (gpu_available() is false)");
-        return None;
-    }
-    Some(Device::from_env().expect("open the GPU"))
-}
-
-fn small(ranks: usize, tokens: usize, hidden: usize, fp8: bool) -> GpuBenchParams {
-    GpuBenchParams {
-        num_ranks: ranks,
-        num_tokens: tokens,
-        hidden,
-        num_topk: 8,
-        num_experts: 64,
-        fp8,
-        iters: 2,
-        warmup: 0,
-        seed: 0x1234 + ranks as u64 + hidden as u64,
-        drop_pct: 10,
-        timeout: Duration::from_secs(10),
-        num_sms: None,
-        worst: false,
-        hook: false,
-        graph: false,
-    }
-}
+mod gpu_common;
+use gpu_common::{gpu, small};
 
 #[test]
 #[ignore = "needs a GPU: scripts/gpu-check.sh runs it"]
@@ -102,8 +77,8 @@ fn low_latency_matches_reference_hook_and_not() {
 #[test]
 #[ignore = "needs a GPU: scripts/gpu-check.sh runs it"]
 fn low_latency_cuda_graph_replay_matches_reference() {
-    // Each rank captures its own step (dispatch + combine, hook or not) once, after one eager
-    // step, and replays it; two input cases (different routing and data) alternate in the
+    // Each rank captures its own phases (dispatch, combine; hook or not) once, after one eager
+    // step, and replays them; two input cases (different routing and data) alternate in the
     // same device buffers, and every replay is checked bit-exactly against the reference, so
     // graph replay equals eager execution on the same inputs.
     let Some(dev) = gpu() else { return };

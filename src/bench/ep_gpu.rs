@@ -1,7 +1,10 @@
-//! GPU runners shared by `ep-bench --backend gpu` and tests/gpu_buffer.rs: every rank a thread
-//! of this process on one GPU, each with its own `Buffer` (`Backend::Gpu`, in-process
-//! bootstrap), deterministic inputs from a seed, every result checked against the
-//! single-process reference (src/ep/reference.rs), times from CUDA events.
+//! GPU runners shared by `ep-bench --backend gpu` and tests/gpu_buffer.rs / tests/gpu_ipc.rs:
+//! every rank with its own `Buffer` (`Backend::Gpu`), deterministic inputs from a seed, every
+//! result checked against the single-process reference (src/ep/reference.rs), times from CUDA
+//! events. [`run_normal_gpu`] / [`run_ll_gpu`] run every rank as a thread of this process (an
+//! in-process bootstrap); [`run_normal_gpu_rank`] / [`run_ll_gpu_rank`] run one rank of a job
+//! whose ranks are processes (any bootstrap: `TcpStore` under `LocalJob` or torchrun), each
+//! process building the same inputs and reference from the seed.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -45,8 +48,8 @@ pub struct GpuBenchParams {
     pub worst: bool,
     /// Low-latency: hook mode (send, then the hook's receive) instead of one call.
     pub hook: bool,
-    /// Low-latency: capture the step (dispatch + combine) in a CUDA graph after one eager
-    /// iteration and replay it, with two input cases alternating in the same buffers.
+    /// Low-latency: after one eager step, capture each phase (dispatch, combine) once in a CUDA
+    /// graph and replay it, with two input cases alternating in the same buffers.
     pub graph: bool,
 }
 
@@ -226,130 +229,175 @@ fn check_normal_dispatch(
 /// Dispatch time: from before the layout to after the dispatch kernel (the host sync included),
 /// combine time: the combine kernel; both from CUDA events. Returns each rank's report.
 pub fn run_normal_gpu(dev: &Device, p: &GpuBenchParams) -> Result<GpuReport> {
-    let cfg0 = p.config(0)?;
-    let hp = NormalBenchParams {
-        num_tokens: p.num_tokens,
-        seed: p.seed,
-        drop_pct: p.drop_pct,
-        iters: p.iters,
-        warmup: p.warmup,
-        combine_weights: true,
+    let case = NormalCase::new(p)?;
+    on_threads(p.num_ranks, p.timeout, |rank, boot| normal_rank(dev, p, &case, rank, boot))
+}
+
+/// One rank of [`run_normal_gpu`]'s job when the ranks are processes: `boot` is this rank's
+/// bootstrap (its world size must be `p.num_ranks`); `dev` this rank's GPU.
+pub fn run_normal_gpu_rank(
+    dev: &Device,
+    p: &GpuBenchParams,
+    boot: Arc<dyn Bootstrap>,
+) -> Result<NormalBenchReport> {
+    check_world(p, &*boot)?;
+    let case = NormalCase::new(p)?;
+    normal_rank(dev, p, &case, boot.rank(), boot)
+}
+
+fn check_world(p: &GpuBenchParams, boot: &dyn Bootstrap) -> Result<()> {
+    if boot.world_size() != p.num_ranks {
+        return Err(Error::arg(
+            "num_ranks",
+            format!("{} in the parameters, the job has {}", p.num_ranks, boot.world_size()),
+        ));
+    }
+    Ok(())
+}
+
+/// Every rank's normal-mode inputs and expected outputs (the same in every process).
+struct NormalCase {
+    inputs: Vec<RankInputs>,
+    want_d: Vec<NormalDispatchOut>,
+    want_c: Vec<NormalCombineOut>,
+    worst: Option<usize>,
+}
+
+impl NormalCase {
+    fn new(p: &GpuBenchParams) -> Result<Self> {
+        let cfg0 = p.config(0)?;
+        let hp = NormalBenchParams {
+            num_tokens: p.num_tokens,
+            seed: p.seed,
+            drop_pct: p.drop_pct,
+            iters: p.iters,
+            warmup: p.warmup,
+            combine_weights: true,
+        };
+        let inputs: Vec<RankInputs> = (0..p.num_ranks)
+            .map(|r| host_bench::rank_inputs(&cfg0, &hp, r))
+            .collect::<Result<_>>()?;
+        let total: usize = p.num_tokens * p.num_ranks;
+        let worst = p.worst.then_some(total.max(1));
+        let (want_d, want_c) = host_bench::reference(&cfg0, &inputs, 1, worst, true)?;
+        Ok(NormalCase { inputs, want_d, want_c, worst })
+    }
+}
+
+/// One rank's normal-mode run (a thread or a process), every step checked.
+fn normal_rank(
+    dev: &Device,
+    p: &GpuBenchParams,
+    case: &NormalCase,
+    rank: usize,
+    boot: Arc<dyn Bootstrap>,
+) -> Result<NormalBenchReport> {
+    let (inputs, want_d, want_c, worst) = (&case.inputs, &case.want_d, &case.want_c, case.worst);
+    let cfg = p.config(rank)?;
+    let (t, h, k) = (p.num_tokens, cfg.hidden, cfg.num_topk);
+    let mut buf =
+        Buffer::new(cfg.clone(), boot.clone(), BufferOptions::gpu(p.gpu_options(dev, true)))?;
+    let me = &inputs[rank];
+    let want = &want_d[rank];
+    let x = match &me.x_fp8 {
+        Some((q, _)) => upload(dev, q)?,
+        None => upload(dev, &me.x_bf16)?,
     };
-    let inputs: Vec<RankInputs> =
-        (0..p.num_ranks).map(|r| host_bench::rank_inputs(&cfg0, &hp, r)).collect::<Result<_>>()?;
-    let total: usize = p.num_tokens * p.num_ranks;
-    let worst = p.worst.then_some(total.max(1));
-    let (want_d, want_c): (Vec<NormalDispatchOut>, Vec<NormalCombineOut>) =
-        host_bench::reference(&cfg0, &inputs, 1, worst, true)?;
-    on_threads(p.num_ranks, p.timeout, |rank, boot| {
-        let cfg = p.config(rank)?;
-        let (t, h, k) = (p.num_tokens, cfg.hidden, cfg.num_topk);
-        let mut buf =
-            Buffer::new(cfg.clone(), boot.clone(), BufferOptions::gpu(p.gpu_options(dev, true)))?;
-        let me = &inputs[rank];
-        let want = &want_d[rank];
-        let x = match &me.x_fp8 {
-            Some((q, _)) => upload(dev, q)?,
-            None => upload(dev, &me.x_bf16)?,
-        };
-        let xs = match &me.x_fp8 {
-            Some((_, s)) => Some(upload(dev, s)?),
-            None => None,
-        };
-        let ti = upload(dev, &me.topk_idx)?;
-        let tw = upload(dev, &me.topk_weights)?;
-        let cx = upload(dev, &host_bench::combine_input(&want.recv_x, h)?)?;
-        let cw = upload(dev, &want.recv_topk_weights)?;
-        let out_c = DeviceBuffer::new(dev, (t * h * 2).max(16))?;
-        let out_cw = DeviceBuffer::new(dev, (t * k * 4).max(16))?;
-        let stream = Stream::new(dev)?;
-        let ev: Vec<Event> =
-            (0..3).map(|_| Event::new(dev)).collect::<std::result::Result<_, _>>()?;
-        let lay =
-            dispatch_layout(&me.topk_idx, t, k, cfg.num_experts, cfg.num_ranks, cfg.num_ranks)?;
-        let sent: u64 = lay.num_tokens_per_rank.iter().map(|&c| c.max(0) as u64).sum();
-        let mut rep = NormalBenchReport {
-            dispatch_s: Vec::new(),
-            combine_s: Vec::new(),
-            dispatch_bytes: sent * cfg.dispatch_dtype.token_bytes(h as u64),
-            combine_bytes: sent * 2 * h as u64,
-        };
-        let gpu = buf.gpu()?;
-        let mut handle = gpu.new_handle(t)?;
-        // NOTES: every device allocation before the first barrier: with ranks as threads of
-        // one context, allocating or freeing while a peer's kernel spins on this rank can stall
-        // both until the timeout. At most `t` tokens come from each rank.
-        let outs: Option<GpuDispatchBuffers> =
-            Some(GpuDispatchBuffers::new(gpu, worst.unwrap_or(t * cfg.num_ranks).max(1))?);
-        for it in 0..p.warmup + p.iters {
-            boot.barrier()?;
-            if let Some(o) = &outs {
-                for b in [&o.recv_x, &o.recv_topk_idx, &o.recv_topk_weights, &o.recv_src_idx] {
-                    b.memset_async(0xAB, &stream)?;
-                }
-                if let Some(b) = &o.recv_x_scales {
-                    b.memset_async(0xAB, &stream)?;
-                }
+    let xs = match &me.x_fp8 {
+        Some((_, s)) => Some(upload(dev, s)?),
+        None => None,
+    };
+    let ti = upload(dev, &me.topk_idx)?;
+    let tw = upload(dev, &me.topk_weights)?;
+    let cx = upload(dev, &host_bench::combine_input(&want.recv_x, h)?)?;
+    let cw = upload(dev, &want.recv_topk_weights)?;
+    let out_c = DeviceBuffer::new(dev, (t * h * 2).max(16))?;
+    let out_cw = DeviceBuffer::new(dev, (t * k * 4).max(16))?;
+    let stream = Stream::new(dev)?;
+    let ev: Vec<Event> = (0..3).map(|_| Event::new(dev)).collect::<std::result::Result<_, _>>()?;
+    let lay = dispatch_layout(&me.topk_idx, t, k, cfg.num_experts, cfg.num_ranks, cfg.num_ranks)?;
+    let sent: u64 = lay.num_tokens_per_rank.iter().map(|&c| c.max(0) as u64).sum();
+    let mut rep = NormalBenchReport {
+        dispatch_s: Vec::new(),
+        combine_s: Vec::new(),
+        dispatch_bytes: sent * cfg.dispatch_dtype.token_bytes(h as u64),
+        combine_bytes: sent * 2 * h as u64,
+    };
+    let gpu = buf.gpu()?;
+    let mut handle = gpu.new_handle(t)?;
+    // NOTES: every device allocation before the first barrier: with ranks as threads of
+    // one context, allocating or freeing while a peer's kernel spins on this rank can stall
+    // both until the timeout. At most `t` tokens come from each rank.
+    let outs: Option<GpuDispatchBuffers> =
+        Some(GpuDispatchBuffers::new(gpu, worst.unwrap_or(t * cfg.num_ranks).max(1))?);
+    for it in 0..p.warmup + p.iters {
+        boot.barrier()?;
+        if let Some(o) = &outs {
+            for b in [&o.recv_x, &o.recv_topk_idx, &o.recv_topk_weights, &o.recv_src_idx] {
+                b.memset_async(0xAB, &stream)?;
             }
-            out_c.memset_async(0xAB, &stream)?;
-            ev[0].record(&stream)?;
-            let notify = GpuNotifyArgs {
-                num_worst_tokens: worst,
-                ..GpuNotifyArgs::new(DevSlice::of(&ti), t, &stream)
-            };
-            // SAFETY: every buffer lives until the stream synchronises at the end of the
-            // iteration (sync_gpu); all ranks run the same sequence of calls.
-            unsafe {
-                let info = gpu.notify_gpu(&notify, &mut handle)?;
-                let rows = info.map_or(worst.unwrap_or(0), |i| i.num_recv_tokens);
-                if outs.as_ref().is_none_or(|o| o.rows < rows) {
-                    return Err(Error::Other(format!("rank {rank}: {rows} rows exceed the bound")));
-                }
-                let o = outs.as_ref().ok_or_else(|| Error::Other("no outputs".into()))?;
-                let args = GpuDispatchArgs {
-                    x: DevSlice::of(&x),
-                    x_scales: xs.as_ref().map(DevSlice::of),
-                    topk_idx: DevSlice::of(&ti),
-                    topk_weights: DevSlice::of(&tw),
-                    stream: &stream,
-                };
-                gpu.dispatch_gpu(&args, &handle, &o.out())?;
-                ev[1].record(&stream)?;
-                gpu.combine_gpu(
-                    &GpuCombineArgs {
-                        x: DevSlice::of(&cx),
-                        topk_weights: Some(DevSlice::of(&cw)),
-                        combined_x: DevSlice::of(&out_c),
-                        combined_topk_weights: Some(DevSlice::of(&out_cw)),
-                        stream: &stream,
-                    },
-                    &handle,
-                )?;
-                ev[2].record(&stream)?;
-            }
-            gpu.sync_gpu(&stream)?;
-            let o = outs.as_ref().ok_or_else(|| Error::Other("no outputs".into()))?;
-            let prefix: Vec<i32> = handle.device().rank_prefix.to_vec()?;
-            let experts: Vec<i32> = handle.device().recv_expert_counts.to_vec()?;
-            check_normal_dispatch(rank, it, p.fp8, o, &prefix, &experts, want, h, k)?;
-            let got: Vec<u16> = out_c.to_vec()?;
-            if got[..t * h] != want_c[rank].combined_x[..] {
-                return Err(mismatch(rank, "combined_x", it));
-            }
-            let gw: Vec<f32> = out_cw.to_vec()?;
-            if Some(&gw[..t * k]) != want_c[rank].combined_topk_weights.as_deref() {
-                return Err(mismatch(rank, "combined_topk_weights", it));
-            }
-            if it >= p.warmup {
-                rep.dispatch_s.push(elapsed_s(&ev[0], &ev[1])?);
-                rep.combine_s.push(elapsed_s(&ev[1], &ev[2])?);
+            if let Some(b) = &o.recv_x_scales {
+                b.memset_async(0xAB, &stream)?;
             }
         }
-        boot.barrier()?;
-        drop(outs);
-        buf.destroy()?;
-        Ok(rep)
-    })
+        out_c.memset_async(0xAB, &stream)?;
+        ev[0].record(&stream)?;
+        let notify = GpuNotifyArgs {
+            num_worst_tokens: worst,
+            ..GpuNotifyArgs::new(DevSlice::of(&ti), t, &stream)
+        };
+        // SAFETY: every buffer lives until the stream synchronises at the end of the
+        // iteration (sync_gpu); all ranks run the same sequence of calls.
+        unsafe {
+            let info = gpu.notify_gpu(&notify, &mut handle)?;
+            let rows = info.map_or(worst.unwrap_or(0), |i| i.num_recv_tokens);
+            if outs.as_ref().is_none_or(|o| o.rows < rows) {
+                return Err(Error::Other(format!("rank {rank}: {rows} rows exceed the bound")));
+            }
+            let o = outs.as_ref().ok_or_else(|| Error::Other("no outputs".into()))?;
+            let args = GpuDispatchArgs {
+                x: DevSlice::of(&x),
+                x_scales: xs.as_ref().map(DevSlice::of),
+                topk_idx: DevSlice::of(&ti),
+                topk_weights: DevSlice::of(&tw),
+                stream: &stream,
+            };
+            gpu.dispatch_gpu(&args, &handle, &o.out())?;
+            ev[1].record(&stream)?;
+            gpu.combine_gpu(
+                &GpuCombineArgs {
+                    x: DevSlice::of(&cx),
+                    topk_weights: Some(DevSlice::of(&cw)),
+                    combined_x: DevSlice::of(&out_c),
+                    combined_topk_weights: Some(DevSlice::of(&out_cw)),
+                    stream: &stream,
+                },
+                &handle,
+            )?;
+            ev[2].record(&stream)?;
+        }
+        gpu.sync_gpu(&stream)?;
+        let o = outs.as_ref().ok_or_else(|| Error::Other("no outputs".into()))?;
+        let prefix: Vec<i32> = handle.device().rank_prefix.to_vec()?;
+        let experts: Vec<i32> = handle.device().recv_expert_counts.to_vec()?;
+        check_normal_dispatch(rank, it, p.fp8, o, &prefix, &experts, want, h, k)?;
+        let got: Vec<u16> = out_c.to_vec()?;
+        if got[..t * h] != want_c[rank].combined_x[..] {
+            return Err(mismatch(rank, "combined_x", it));
+        }
+        let gw: Vec<f32> = out_cw.to_vec()?;
+        if Some(&gw[..t * k]) != want_c[rank].combined_topk_weights.as_deref() {
+            return Err(mismatch(rank, "combined_topk_weights", it));
+        }
+        if it >= p.warmup {
+            rep.dispatch_s.push(elapsed_s(&ev[0], &ev[1])?);
+            rep.combine_s.push(elapsed_s(&ev[1], &ev[2])?);
+        }
+    }
+    boot.barrier()?;
+    drop(outs);
+    buf.destroy()?;
+    Ok(rep)
 }
 
 /// One rank's low-latency inputs.
@@ -371,53 +419,6 @@ fn ll_inputs(p: &GpuBenchParams, seed: u64) -> Result<Vec<LlInput>> {
             Ok(LlInput { x, topk_idx, topk_weights })
         })
         .collect()
-}
-
-/// One low-latency case: every rank's inputs, expert outputs and the reference results.
-struct LlCase {
-    inputs: Vec<LlInput>,
-    /// Expert outputs `[L, R * M, hidden]` per rank (random on the received rows).
-    ys: Vec<Vec<u16>>,
-    want_d: Vec<refm::LlDispatchOut>,
-    want_c: Vec<Vec<u16>>,
-}
-
-fn ll_case(p: &GpuBenchParams, seed: u64) -> Result<LlCase> {
-    let inputs = ll_inputs(p, seed)?;
-    let lp = ll_params(p);
-    let rin: Vec<refm::LlRankInput> =
-        inputs.iter().map(|i| refm::LlRankInput { x: &i.x, topk_idx: &i.topk_idx }).collect();
-    let want_d = refm::ll_dispatch(&lp, &rin)?;
-    let (nr, h, m) = (p.num_ranks, p.hidden, p.num_tokens);
-    let l = p.num_experts / nr;
-    let s = nr * m;
-    // Expert outputs: random bf16 on the rows each rank received (the rest is never read).
-    let ys: Vec<Vec<u16>> = want_d
-        .iter()
-        .enumerate()
-        .map(|(r, w)| {
-            let mut rng = SplitMix64(seed.wrapping_add(77 + r as u64));
-            let mut y = vec![0u16; l * s * h];
-            for e in 0..l {
-                let n = w.recv_count[e] as usize;
-                for v in &mut y[e * s * h..(e * s + n) * h] {
-                    *v = f32_to_bf16((rng.unit_f32() - 0.5) * 4.0 + 1e-3);
-                }
-            }
-            y
-        })
-        .collect();
-    let cin: Vec<refm::LlCombineInput> = inputs
-        .iter()
-        .zip(&ys)
-        .map(|(i, y)| refm::LlCombineInput {
-            x: y,
-            topk_idx: &i.topk_idx,
-            topk_weights: &i.topk_weights,
-        })
-        .collect();
-    let want_c = refm::ll_combine(&lp, &want_d, &cin)?;
-    Ok(LlCase { inputs, ys, want_d, want_c })
 }
 
 fn ll_params(p: &GpuBenchParams) -> refm::LlParams {
@@ -485,127 +486,197 @@ fn check_ll_dispatch(
 /// hook's receive), every one checked against the reference. Times from CUDA events around
 /// dispatch (send + receive) and combine (send + receive).
 pub fn run_ll_gpu(dev: &Device, p: &GpuBenchParams) -> Result<GpuReport> {
-    // With a CUDA graph the step is captured once and replayed with the inputs of two cases
-    // alternating in the same device buffers: a replay must follow whatever routing it is given.
-    let cases: Vec<LlCase> = if p.graph {
-        vec![ll_case(p, p.seed)?, ll_case(p, p.seed ^ 0x6a09_e667_f3bc_c908)?]
-    } else {
-        vec![ll_case(p, p.seed)?]
+    let cases = LlCase::for_params(p)?;
+    on_threads(p.num_ranks, p.timeout, |rank, boot| ll_rank(dev, p, &cases, rank, boot))
+}
+
+/// One rank of [`run_ll_gpu`]'s job when the ranks are processes (as [`run_normal_gpu_rank`]).
+pub fn run_ll_gpu_rank(
+    dev: &Device,
+    p: &GpuBenchParams,
+    boot: Arc<dyn Bootstrap>,
+) -> Result<NormalBenchReport> {
+    check_world(p, &*boot)?;
+    let cases = LlCase::for_params(p)?;
+    ll_rank(dev, p, &cases, boot.rank(), boot)
+}
+
+/// Every rank's low-latency inputs, expert outputs and expected results.
+struct LlCase {
+    inputs: Vec<LlInput>,
+    ys: Vec<Vec<u16>>,
+    want_d: Vec<refm::LlDispatchOut>,
+    want_c: Vec<Vec<u16>>,
+}
+
+impl LlCase {
+    /// One case, or two (different routing and data) with `p.graph`: a replayed graph must
+    /// follow whatever routing its buffers hold.
+    fn for_params(p: &GpuBenchParams) -> Result<Vec<Self>> {
+        let mut v = vec![LlCase::new(p, p.seed)?];
+        if p.graph {
+            v.push(LlCase::new(p, p.seed ^ 0x6a09_e667_f3bc_c908)?);
+        }
+        Ok(v)
+    }
+
+    fn new(p: &GpuBenchParams, seed: u64) -> Result<Self> {
+        let inputs = ll_inputs(p, seed)?;
+        let lp = ll_params(p);
+        let rin: Vec<refm::LlRankInput> =
+            inputs.iter().map(|i| refm::LlRankInput { x: &i.x, topk_idx: &i.topk_idx }).collect();
+        let want_d = refm::ll_dispatch(&lp, &rin)?;
+        let (nr, h, m) = (p.num_ranks, p.hidden, p.num_tokens);
+        let l = p.num_experts / nr;
+        let s = nr * m;
+        // Expert outputs: random bf16 on the rows each rank received (the rest is never read).
+        let ys: Vec<Vec<u16>> = want_d
+            .iter()
+            .enumerate()
+            .map(|(r, w)| {
+                let mut rng = SplitMix64(seed.wrapping_add(77 + r as u64));
+                let mut y = vec![0u16; l * s * h];
+                for e in 0..l {
+                    let n = w.recv_count[e] as usize;
+                    for v in &mut y[e * s * h..(e * s + n) * h] {
+                        *v = f32_to_bf16((rng.unit_f32() - 0.5) * 4.0 + 1e-3);
+                    }
+                }
+                y
+            })
+            .collect();
+        let cin: Vec<refm::LlCombineInput> = inputs
+            .iter()
+            .zip(&ys)
+            .map(|(i, y)| refm::LlCombineInput {
+                x: y,
+                topk_idx: &i.topk_idx,
+                topk_weights: &i.topk_weights,
+            })
+            .collect();
+        let want_c = refm::ll_combine(&lp, &want_d, &cin)?;
+        drop(cin);
+        Ok(LlCase { inputs, ys, want_d, want_c })
+    }
+}
+
+/// One rank's low-latency run (a thread or a process), every step checked. With `p.graph`,
+/// step 0 runs eagerly and every later step replays the captured phases, the cases alternating.
+fn ll_rank(
+    dev: &Device,
+    p: &GpuBenchParams,
+    cases: &[LlCase],
+    rank: usize,
+    boot: Arc<dyn Bootstrap>,
+) -> Result<NormalBenchReport> {
+    let (h, m) = (p.hidden, p.num_tokens);
+    let cfg = p.config(rank)?;
+    let me = &cases[0].inputs[rank];
+    let t = m;
+    let mut buf = Buffer::new(cfg, boot.clone(), BufferOptions::gpu(p.gpu_options(dev, false)))?;
+    let mut x = upload(dev, &me.x)?;
+    let mut ti = upload(dev, &me.topk_idx)?;
+    let mut tw = upload(dev, &me.topk_weights)?;
+    let mut y = upload(dev, &cases[0].ys[rank])?;
+    let out_c = DeviceBuffer::new(dev, (t * h * 2).max(16))?;
+    let stream = Stream::new(dev)?;
+    let ev: Vec<Event> = (0..3).map(|_| Event::new(dev)).collect::<std::result::Result<_, _>>()?;
+    let pairs = me.topk_idx.iter().filter(|&&e| e >= 0).count() as u64;
+    let tok_bytes = if p.fp8 { h + h / 128 * 4 } else { 2 * h } as u64;
+    let mut rep = NormalBenchReport {
+        dispatch_s: Vec::new(),
+        combine_s: Vec::new(),
+        dispatch_bytes: pairs * tok_bytes,
+        combine_bytes: pairs * 2 * h as u64,
     };
-    let (nr, h, m) = (p.num_ranks, p.hidden, p.num_tokens);
-    on_threads(nr, p.timeout, |rank, boot| {
-        let cfg = p.config(rank)?;
-        let me = &cases[0].inputs[rank];
-        let t = m;
-        let mut buf =
-            Buffer::new(cfg, boot.clone(), BufferOptions::gpu(p.gpu_options(dev, false)))?;
-        let mut x = upload(dev, &me.x)?;
-        let mut ti = upload(dev, &me.topk_idx)?;
-        let mut tw = upload(dev, &me.topk_weights)?;
-        let mut y = upload(dev, &cases[0].ys[rank])?;
-        let out_c = DeviceBuffer::new(dev, (t * h * 2).max(16))?;
-        let stream = Stream::new(dev)?;
-        let ev: Vec<Event> =
-            (0..3).map(|_| Event::new(dev)).collect::<std::result::Result<_, _>>()?;
-        let pairs = me.topk_idx.iter().filter(|&&e| e >= 0).count() as u64;
-        let tok_bytes = if p.fp8 { h + h / 128 * 4 } else { 2 * h } as u64;
-        let mut rep = NormalBenchReport {
-            dispatch_s: Vec::new(),
-            combine_s: Vec::new(),
-            dispatch_bytes: pairs * tok_bytes,
-            combine_bytes: pairs * 2 * h as u64,
-        };
-        let gpu = buf.gpu()?;
-        let out = gpu.new_ll_dispatch_out()?;
-        let da = GpuLlDispatchArgs {
-            x: DevSlice::of(&x),
-            topk_idx: DevSlice::of(&ti),
-            num_tokens: t,
-            use_fp8: p.fp8,
-            return_recv_hook: p.hook,
-            stream: &stream,
-        };
-        let ca = GpuLlCombineArgs {
-            x: DevSlice::of(&y),
-            topk_idx: DevSlice::of(&ti),
-            topk_weights: DevSlice::of(&tw),
-            num_tokens: t,
-            handle: &out,
-            out: DevSlice::of(&out_c),
-            return_recv_hook: p.hook,
-            stream: &stream,
-        };
-        // The two phases of a step: dispatch (send, then the hook's receive if hooked) and
-        // combine (likewise).
-        // SAFETY (all uses): every buffer lives until the stream is synchronised below, and all
-        // ranks make the same sequence of calls.
-        let dispatch = |gpu: &mut crate::ep::gpu::GpuBuffer| -> Result<()> {
-            unsafe {
-                if let Some(hook) = gpu.low_latency_dispatch_gpu(&da, &out)? {
-                    gpu.low_latency_dispatch_recv_gpu(hook, &out, &stream)?;
-                }
-            }
-            Ok(())
-        };
-        let combine = |gpu: &mut crate::ep::gpu::GpuBuffer| -> Result<()> {
-            unsafe {
-                if let Some(hook) = gpu.low_latency_combine_gpu(&ca)? {
-                    gpu.low_latency_combine_recv_gpu(hook, &ca)?;
-                }
-            }
-            Ok(())
-        };
-        // Graph mode: iteration 0 runs eagerly (checked), then each phase is captured once into
-        // its own graph (so CUDA events between the launches time each phase).
-        let mut graphs: Option<(Graph, Graph)> = None;
-        for it in 0..p.warmup + p.iters {
-            let case = &cases[it % cases.len()];
-            if cases.len() > 1 {
-                // Host copies on the legacy stream, outside any step (no kernel of this rank in
-                // flight; peers' kernels wait for this rank's sends, not for these copies).
-                let c = &case.inputs[rank];
-                x.copy_from_host(&c.x)?;
-                ti.copy_from_host(&c.topk_idx)?;
-                tw.copy_from_host(&c.topk_weights)?;
-                y.copy_from_host(&case.ys[rank])?;
-            }
-            if p.graph && it == 1 {
-                let cap = Graph::begin_capture(&stream)?;
-                dispatch(gpu)?;
-                let gd = cap.end()?;
-                let cap = Graph::begin_capture(&stream)?;
-                combine(gpu)?;
-                graphs = Some((gd, cap.end()?));
-            }
-            boot.barrier()?;
-            out.recv_x.memset_async(0xAB, &stream)?;
-            out_c.memset_async(0xAB, &stream)?;
-            ev[0].record(&stream)?;
-            match &graphs {
-                Some((gd, _)) => gd.launch(&stream)?,
-                None => dispatch(gpu)?,
-            }
-            ev[1].record(&stream)?;
-            match &graphs {
-                Some((_, gc)) => gc.launch(&stream)?,
-                None => combine(gpu)?,
-            }
-            ev[2].record(&stream)?;
-            gpu.sync_gpu(&stream)?;
-            check_ll_dispatch(rank, it, p, &out.to_host()?, &case.want_d[rank])?;
-            let got: Vec<u16> = out_c.to_vec()?;
-            if got[..t * h] != case.want_c[rank][..] {
-                return Err(mismatch(rank, "low-latency combine", it));
-            }
-            if it >= p.warmup {
-                rep.dispatch_s.push(elapsed_s(&ev[0], &ev[1])?);
-                rep.combine_s.push(elapsed_s(&ev[1], &ev[2])?);
+    let gpu = buf.gpu()?;
+    let out = gpu.new_ll_dispatch_out()?;
+    let da = GpuLlDispatchArgs {
+        x: DevSlice::of(&x),
+        topk_idx: DevSlice::of(&ti),
+        num_tokens: t,
+        use_fp8: p.fp8,
+        return_recv_hook: p.hook,
+        stream: &stream,
+    };
+    let ca = GpuLlCombineArgs {
+        x: DevSlice::of(&y),
+        topk_idx: DevSlice::of(&ti),
+        topk_weights: DevSlice::of(&tw),
+        num_tokens: t,
+        handle: &out,
+        out: DevSlice::of(&out_c),
+        return_recv_hook: p.hook,
+        stream: &stream,
+    };
+    // The two phases of a step (each: send, then the hook's receive when hooked).
+    // SAFETY (all uses): every buffer lives until the stream is synchronised below, and all
+    // ranks make the same sequence of calls.
+    let dispatch = |gpu: &mut crate::ep::gpu::GpuBuffer| -> Result<()> {
+        unsafe {
+            if let Some(hook) = gpu.low_latency_dispatch_gpu(&da, &out)? {
+                gpu.low_latency_dispatch_recv_gpu(hook, &out, &stream)?;
             }
         }
+        Ok(())
+    };
+    let combine = |gpu: &mut crate::ep::gpu::GpuBuffer| -> Result<()> {
+        unsafe {
+            if let Some(hook) = gpu.low_latency_combine_gpu(&ca)? {
+                gpu.low_latency_combine_recv_gpu(hook, &ca)?;
+            }
+        }
+        Ok(())
+    };
+    // Each phase in its own graph, so CUDA events between the launches time each phase.
+    let mut graphs: Option<(Graph, Graph)> = None;
+    for it in 0..p.warmup + p.iters {
+        let case = &cases[it % cases.len()];
+        if cases.len() > 1 {
+            // Host copies on the legacy stream, outside any step (no kernel of this rank in
+            // flight; peers' kernels wait for this rank's sends, not for these copies).
+            let c = &case.inputs[rank];
+            x.copy_from_host(&c.x)?;
+            ti.copy_from_host(&c.topk_idx)?;
+            tw.copy_from_host(&c.topk_weights)?;
+            y.copy_from_host(&case.ys[rank])?;
+        }
+        if p.graph && it == 1 {
+            let cap = Graph::begin_capture(&stream)?;
+            dispatch(gpu)?;
+            let gd = cap.end()?;
+            let cap = Graph::begin_capture(&stream)?;
+            combine(gpu)?;
+            graphs = Some((gd, cap.end()?));
+        }
         boot.barrier()?;
-        drop(graphs);
-        drop(out);
-        buf.destroy()?;
-        Ok(rep)
-    })
+        out.recv_x.memset_async(0xAB, &stream)?;
+        out_c.memset_async(0xAB, &stream)?;
+        ev[0].record(&stream)?;
+        match &graphs {
+            Some((gd, _)) => gd.launch(&stream)?,
+            None => dispatch(gpu)?,
+        }
+        ev[1].record(&stream)?;
+        match &graphs {
+            Some((_, gc)) => gc.launch(&stream)?,
+            None => combine(gpu)?,
+        }
+        ev[2].record(&stream)?;
+        gpu.sync_gpu(&stream)?;
+        check_ll_dispatch(rank, it, p, &out.to_host()?, &case.want_d[rank])?;
+        let got: Vec<u16> = out_c.to_vec()?;
+        if got[..t * h] != case.want_c[rank][..] {
+            return Err(mismatch(rank, "low-latency combine", it));
+        }
+        if it >= p.warmup {
+            rep.dispatch_s.push(elapsed_s(&ev[0], &ev[1])?);
+            rep.combine_s.push(elapsed_s(&ev[1], &ev[2])?);
+        }
+    }
+    boot.barrier()?;
+    drop(graphs);
+    drop(out);
+    buf.destroy()?;
+    Ok(rep)
 }

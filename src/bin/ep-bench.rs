@@ -70,6 +70,11 @@ struct Common {
     /// GPU backend: bf16 dispatch instead of its default, fp8 (DeepEP's standard setting).
     #[arg(long, conflicts_with = "fp8")]
     bf16: bool,
+    /// GPU backend: run the ranks as local processes (CUDA IPC between them) instead of threads
+    /// of one process. Processes sharing one GPU need the MPS control daemon
+    /// (`nvidia-cuda-mps-control -d`), or their kernels time-slice (slow steps, timeouts).
+    #[arg(long, global = true)]
+    procs: bool,
     /// GPU backend, low-latency: also time the step captured once in a CUDA graph and
     /// replayed (each replay checked like an eager step).
     #[arg(long)]
@@ -357,6 +362,7 @@ fn run_rank(cli: &Cli) -> AnyResult<()> {
         Some(Cmd::Plan { .. }) => {
             return Err("`plan` runs without ranks: do not launch it as a job".into())
         }
+        None if c.backend == Some(Backend::Gpu) => run_gpu_rank(c, std::sync::Arc::new(boot))?,
         None => {
             let boot: std::sync::Arc<dyn Bootstrap> = std::sync::Arc::new(boot);
             if c.mode != Mode::LowLatency {
@@ -375,12 +381,6 @@ fn run_normal_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult
     use fabric_ep::bench::ep::{run_normal, NormalBenchParams};
     use fabric_ep::ep::buffer::{Buffer, BufferOptions};
     use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
-    if c.backend == Some(Backend::Gpu) {
-        return Err("--backend gpu runs every rank as a thread of one process on one GPU; \
-                    it cannot join a torchrun/MPI job as one rank in this version \
-                    (use --backend host there)"
-            .into());
-    }
     let (rank, world) = (boot.rank(), boot.world_size());
     let mut s = EpSettings::new(rank, world, c.experts, c.hidden, c.topk);
     s.ranks_per_node = c.ranks_per_node.unwrap_or(world).min(world);
@@ -446,11 +446,6 @@ fn run_ll_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult<()>
     use fabric_ep::bench::ep::{run_low_latency, LlBenchParams, LlBenchReport};
     use fabric_ep::ep::buffer::{Buffer, BufferOptions};
     use fabric_ep::ep::config::{EpConfig, EpSettings};
-    if c.backend == Some(Backend::Gpu) {
-        return Err("--backend gpu: the GPU low-latency kernels are not available yet; \
-                    use --backend host"
-            .into());
-    }
     let (rank, world) = (boot.rank(), boot.world_size());
     let m = c.tokens.unwrap_or(128);
     let mut s = EpSettings::new(rank, world, c.experts, c.hidden, c.topk);
@@ -601,7 +596,7 @@ fn print_fabric_table(
 }
 
 /// The GPU backend is used for EP runs (no subcommand) with `--backend gpu`, and by default
-/// when a GPU is visible; never inside a torchrun/MPI job (see `run_normal_rank`).
+/// when a GPU is visible. Inside a torchrun/MPI job (`run_rank`) only with `--backend gpu`.
 fn gpu_backend(cli: &Cli) -> bool {
     cli.cmd.is_none()
         && match cli.common.backend {
@@ -611,17 +606,9 @@ fn gpu_backend(cli: &Cli) -> bool {
         }
 }
 
-/// `--backend gpu`: every rank a thread of this process on one GPU, each with its own
-/// `Buffer` (GPU backend), every result checked against the reference, CUDA-event timings.
-fn run_gpu(cli: &Cli) -> AnyResult<()> {
-    use fabric_ep::bench::ep::NormalBenchReport;
-    use fabric_ep::bench::ep_gpu::{run_ll_gpu, run_normal_gpu, GpuBenchParams};
-    let c = &cli.common;
-    if c.ranks == 0 {
-        return Err("--ranks must be at least 1".into());
-    }
-    let dev = fabric_ep::cuda::Device::from_env()?;
-    let base = |tokens: usize| GpuBenchParams {
+/// The GPU runs' parameters from the command line (`tokens`: the mode's default count).
+fn gpu_params(c: &Common, ranks: usize, tokens: usize) -> fabric_ep::bench::ep_gpu::GpuBenchParams {
+    fabric_ep::bench::ep_gpu::GpuBenchParams {
         num_tokens: c.tokens.unwrap_or(tokens),
         hidden: c.hidden,
         num_topk: c.topk,
@@ -629,17 +616,97 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
         fp8: !c.bf16,
         iters: c.iters.max(1),
         timeout: Duration::from_secs(c.timeout),
-        ..GpuBenchParams::normal_standard(c.ranks)
-    };
+        ..fabric_ep::bench::ep_gpu::GpuBenchParams::normal_standard(ranks)
+    }
+}
+
+/// One rank's figures of a GPU run as table rows.
+fn gpu_rows(
+    mode: &str,
+    hook: bool,
+    p: &fabric_ep::bench::ep_gpu::GpuBenchParams,
+    r0: &fabric_ep::bench::ep::NormalBenchReport,
+) -> Vec<EpRow> {
+    let suffix = if hook { "+hook" } else { "" };
+    labelled_rows(mode, suffix, "gpu", p, r0)
+}
+
+/// As [`gpu_rows`], with the op's suffix and the backend column given.
+fn labelled_rows(
+    mode: &str,
+    op_suffix: &str,
+    backend: &str,
+    p: &fabric_ep::bench::ep_gpu::GpuBenchParams,
+    r0: &fabric_ep::bench::ep::NormalBenchReport,
+) -> Vec<EpRow> {
+    let figs = [
+        ("dispatch", r0.dispatch_figures(), r0.dispatch_bytes),
+        ("combine", r0.combine_figures(), r0.combine_bytes),
+    ];
+    figs.into_iter()
+        .map(|(op, (gbps, median_us, p99_us), bytes)| EpRow {
+            mode: mode.into(),
+            op: format!("{op}{op_suffix}"),
+            backend: backend.into(),
+            ranks: p.num_ranks,
+            tokens: p.num_tokens,
+            hidden: p.hidden,
+            gbps,
+            median_us,
+            p99_us,
+            bytes,
+        })
+        .collect()
+}
+
+/// The default SM budget of a rank when `on_gpu` ranks share a GPU of `sms` SMs.
+fn sm_budget(sms: usize, on_gpu: usize) -> usize {
+    (sms / on_gpu.max(1)).min(fabric_ep::ep::gpu::DEFAULT_MAX_SMS) & !1
+}
+
+const GPU_LEGEND: &str = "rank 0's figures. GB/s = bytes of the tokens rank 0 sends (dispatch: \
+    once per destination rank in normal mode, once per selected expert in low-latency mode; fp8 \
+    payload + scales) or receives (combine, bf16) per second at the median (DeepEP's \
+    definition). normal dispatch = GPU layout + notify + host count sync + dispatch kernel; \
+    combine = combine kernel; low-latency = send + receive kernels (hook: the receive launched \
+    by the hook right after the send). Times from CUDA events.";
+
+const MPS_HINT: &str = "ranks as processes sharing one GPU need the MPS control daemon \
+    (`nvidia-cuda-mps-control -d`, before the ranks start): without it their kernels time-slice \
+    the GPU, every wait on a peer lasts until a context switch, and long ones time out naming it";
+
+/// `--backend gpu`: every rank a thread of this process on one GPU, each with its own
+/// `Buffer` (GPU backend), every result checked against the reference, CUDA-event timings.
+/// With `--procs` the ranks are local processes instead ([`run_gpu_rank`] in each).
+fn run_gpu(cli: &Cli) -> AnyResult<()> {
+    use fabric_ep::bench::ep::NormalBenchReport;
+    use fabric_ep::bench::ep_gpu::{run_ll_gpu, run_normal_gpu, GpuBenchParams};
+    let c = &cli.common;
+    if c.ranks == 0 {
+        return Err("--ranks must be at least 1".into());
+    }
+    if c.procs {
+        // Fail here, not in every rank, when there is no GPU (no context is made here).
+        fabric_ep::cuda::device_count()?;
+        let args: Vec<String> = std::env::args().skip(1).collect();
+        let out = run_job(c, &args, c.ranks, "GPU ranks as processes")
+            .map_err(|e| format!("{e} (if a rank timed out: {MPS_HINT})"))?;
+        let rows = print_ep_output(&out);
+        print_rows(c, &rows);
+        println!("{GPU_LEGEND}");
+        return Ok(());
+    }
+    let dev = fabric_ep::cuda::Device::from_env()?;
+    let base = |tokens: usize| gpu_params(c, c.ranks, tokens);
     let sms = dev.sm_count() as usize;
     println!(
         "ep-bench (GPU backend): {} ranks as THREADS of one process on one GPU ({}, {} SMs, \
-         SM budget per rank: normal {}, low-latency {}), {} dispatch / bf16 combine, top-{} of {} experts, {} iters \
-         (+{} warm-up); every result checked against the reference",
+         SM budget per rank: normal {}, low-latency {}), {} dispatch / bf16 combine, top-{} of \
+         {} experts, {} iters (+{} warm-up); every result checked against the reference",
         c.ranks,
         dev.name(),
         sms,
-        (sms / c.ranks).min(fabric_ep::ep::gpu::DEFAULT_MAX_SMS) & !1,
+        sm_budget(sms, c.ranks),
         (sms / c.ranks) & !1,
         if c.bf16 { "bf16" } else { "fp8" },
         c.topk,
@@ -649,41 +716,14 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
     );
     // Rank 0's figures, as rows of the same table (and JSON/CSV) as the host path.
     let mut rows: Vec<EpRow> = Vec::new();
-    let row = |rows: &mut Vec<EpRow>,
-               mode: &str,
-               op_suffix: &str,
-               backend: &str,
-               p: &GpuBenchParams,
-               r: &[NormalBenchReport]| {
-        if let Some(r0) = r.first() {
-            let figs = [
-                ("dispatch", r0.dispatch_figures(), r0.dispatch_bytes),
-                ("combine", r0.combine_figures(), r0.combine_bytes),
-            ];
-            for (op, (gbps, median_us, p99_us), bytes) in figs {
-                rows.push(EpRow {
-                    mode: mode.into(),
-                    op: format!("{op}{op_suffix}"),
-                    backend: backend.into(),
-                    ranks: p.num_ranks,
-                    tokens: p.num_tokens,
-                    hidden: p.hidden,
-                    gbps,
-                    median_us,
-                    p99_us,
-                    bytes,
-                });
-            }
-        }
-    };
     // NCCL's all-to-all with the permute around it, on the same inputs: one rank per GPU (NCCL
     // refuses two ranks on one GPU), so at min(ranks, GPUs) ranks, with our figure at that
     // world size beside it when it differs from --ranks.
-    let mut nccl_pairs: Vec<(usize, Vec<NormalBenchReport>, Vec<NormalBenchReport>)> = Vec::new();
+    let mut nccl_pairs: Vec<(usize, NormalBenchReport, NormalBenchReport)> = Vec::new();
     if matches!(c.mode, Mode::Normal | Mode::Both) {
         let p = base(4096);
         let r = run_normal_gpu(&dev, &p)?;
-        row(&mut rows, "normal", "", "gpu", &p, &r);
+        rows.extend(r.first().map(|r0| gpu_rows("normal", false, &p, r0)).unwrap_or_default());
         if !c.no_nccl {
             let gpus = fabric_ep::cuda::device_count()?;
             let world = p.num_ranks.min(gpus);
@@ -695,54 +735,105 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
                         .collect::<Result<Vec<_>, _>>()?;
                     let pn = GpuBenchParams { num_ranks: world, ..p.clone() };
                     let ours = if world == p.num_ranks { r } else { run_normal_gpu(&dev, &pn)? };
-                    let base_r = fabric_ep::bench::nccl::run_nccl_baseline(&devices, &pn)?;
+                    let theirs = fabric_ep::bench::nccl::run_nccl_baseline(&devices, &pn)?;
                     println!(
                         "NCCL comparison: {lib}, {world} rank(s) on {world} GPU(s) \
                          ({} ranks requested, {gpus} GPU(s) here)",
                         p.num_ranks
                     );
-                    if world != p.num_ranks {
-                        row(&mut rows, "normal", "", "gpu", &pn, &ours);
+                    if let (Some(o), Some(t)) = (ours.first(), theirs.first()) {
+                        if world != p.num_ranks {
+                            rows.extend(gpu_rows("normal", false, &pn, o));
+                        }
+                        rows.extend(labelled_rows("normal", "", "nccl+permute", &pn, t));
+                        nccl_pairs.push((world, o.clone(), t.clone()));
                     }
-                    nccl_pairs.push((world, ours, base_r.clone()));
-                    row(&mut rows, "normal", "", "nccl+permute", &pn, &base_r);
                 }
             }
         }
     }
     if matches!(c.mode, Mode::LowLatency | Mode::Both) {
-        let p = base(128);
-        let r = run_ll_gpu(&dev, &p)?;
-        row(&mut rows, "low-latency", "", "gpu", &p, &r);
-        let ph = GpuBenchParams { hook: true, ..p.clone() };
-        let r = run_ll_gpu(&dev, &ph)?;
-        row(&mut rows, "low-latency", "+hook", "gpu", &ph, &r);
+        for hook in [false, true] {
+            let p = GpuBenchParams { hook, ..base(128) };
+            let r = run_ll_gpu(&dev, &p)?;
+            rows.extend(
+                r.first().map(|r0| gpu_rows("low-latency", hook, &p, r0)).unwrap_or_default(),
+            );
+        }
         if c.cuda_graph {
-            let pg = GpuBenchParams { graph: true, ..p };
-            let r = run_ll_gpu(&dev, &pg)?;
-            row(&mut rows, "low-latency", " (graph)", "gpu", &pg, &r);
+            let p = GpuBenchParams { graph: true, ..base(128) };
+            let r = run_ll_gpu(&dev, &p)?;
+            if let Some(r0) = r.first() {
+                rows.extend(labelled_rows("low-latency", " (graph)", "gpu", &p, r0));
+            }
         }
     }
     print_rows(c, &rows);
-    for (world, ours, theirs) in &nccl_pairs {
-        if let (Some(o), Some(t)) = (ours.first(), theirs.first()) {
-            let (od, oc) = (o.dispatch_figures().1, o.combine_figures().1);
-            let (td, tc) = (t.dispatch_figures().1, t.combine_figures().1);
-            println!(
-                "vs NCCL all-to-all + permute at {world} rank(s): dispatch {:.2}x, combine {:.2}x \
-                 faster (median {od:.1} vs {td:.1} us, {oc:.1} vs {tc:.1} us)",
-                td / od,
-                tc / oc
-            );
+    for (world, o, t) in &nccl_pairs {
+        let (od, oc) = (o.dispatch_figures().1, o.combine_figures().1);
+        let (td, tc) = (t.dispatch_figures().1, t.combine_figures().1);
+        println!(
+            "vs NCCL all-to-all + permute at {world} rank(s): dispatch {:.2}x, combine {:.2}x \
+             (their median / ours: {td:.1} / {od:.1} us, {tc:.1} / {oc:.1} us; above 1: ours faster)",
+            td / od,
+            tc / oc
+        );
+    }
+    println!("{GPU_LEGEND}");
+    Ok(())
+}
+
+/// `--backend gpu` as one rank of a job (`--procs` launches them; torchrun/MPI jobs too): this
+/// rank's GPU is `LOCAL_RANK` modulo the visible GPUs, peers in other processes are reached
+/// through CUDA IPC; every result checked; rank 0 prints the rows for the launcher.
+fn run_gpu_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult<()> {
+    use fabric_ep::bench::ep_gpu::{run_ll_gpu_rank, run_normal_gpu_rank, GpuBenchParams};
+    let dev = fabric_ep::cuda::Device::from_env()?;
+    let (rank, world, local) = (boot.rank(), boot.world_size(), boot.local_world_size());
+    let gpus = fabric_ep::cuda::device_count()?;
+    let on_gpu = local.div_ceil(gpus.max(1));
+    let hint = |e: fabric_ep::Error| -> Box<dyn std::error::Error> {
+        match e {
+            e @ fabric_ep::Error::Timeout { .. } if on_gpu > 1 => {
+                format!("{e} ({MPS_HINT})").into()
+            }
+            e => e.into(),
+        }
+    };
+    let base = |tokens: usize| gpu_params(c, world, tokens);
+    let sms = dev.sm_count() as usize;
+    if rank == 0 {
+        println!(
+            "ep-bench (GPU backend): {world} ranks as PROCESSES ({local} on this node, {on_gpu} \
+             per GPU, CUDA IPC between processes; {}, {sms} SMs, SM budget {} per rank), {} \
+             dispatch / bf16 combine, top-{} of {} experts, {} iters (+{} warm-up); every \
+             result checked against the reference",
+            dev.name(),
+            sm_budget(sms, on_gpu),
+            if c.bf16 { "bf16" } else { "fp8" },
+            c.topk,
+            c.experts,
+            c.iters.max(1),
+            base(0).warmup
+        );
+    }
+    let mut rows: Vec<EpRow> = Vec::new();
+    if matches!(c.mode, Mode::Normal | Mode::Both) {
+        let p = base(4096);
+        let r = run_normal_gpu_rank(&dev, &p, boot.clone()).map_err(hint)?;
+        rows.extend(gpu_rows("normal", false, &p, &r));
+    }
+    if matches!(c.mode, Mode::LowLatency | Mode::Both) {
+        for hook in [false, true] {
+            let p = GpuBenchParams { hook, ..base(128) };
+            let r = run_ll_gpu_rank(&dev, &p, boot.clone()).map_err(hint)?;
+            rows.extend(gpu_rows("low-latency", hook, &p, &r));
         }
     }
-    println!(
-        "rank 0's figures. GB/s = bytes of the tokens rank 0 sends (dispatch: once per destination \
-         rank in normal mode, once per selected expert in low-latency mode; fp8 payload + scales) \
-         or receives (combine, bf16) per second at the median (DeepEP's definition). normal \
-         dispatch = GPU layout + notify + host count sync + dispatch kernel; combine = combine \
-         kernel; low-latency = send + receive kernels (hook: the receive launched by the hook \
-         right after the send). Times from CUDA events."
-    );
+    if rank == 0 {
+        for r in rows {
+            println!("{}", r.to_line());
+        }
+    }
     Ok(())
 }

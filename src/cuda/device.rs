@@ -156,6 +156,43 @@ impl Device {
         Ok(ok != 0)
     }
 
+    /// The GPU's UUID (`cuDeviceGetUuid_v2`): the same in every process and context of one
+    /// machine, whatever `CUDA_VISIBLE_DEVICES` numbered it (a MIG instance has its own).
+    pub fn uuid(&self) -> CudaResult<[u8; 16]> {
+        uuid_of(self.inner.dev)
+    }
+
+    /// The ordinal, in this process, of the GPU with `uuid` (`None`: not visible here).
+    pub fn ordinal_of_uuid(uuid: &[u8; 16]) -> CudaResult<Option<usize>> {
+        let count = ensure()?;
+        for i in 0..count {
+            let mut d = 0;
+            // SAFETY: driver initialised; `i` is below the device count; out-pointer valid.
+            unsafe { call!(cuDeviceGet(&mut d, i))? };
+            if uuid_of(d)? == *uuid {
+                return Ok(Some(i as usize));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Whether this device can map the memory of the GPU with `uuid` (`cuDeviceCanAccessPeer`;
+    /// true for the same GPU); `None` when that GPU is not visible in this process.
+    pub fn can_access_uuid(&self, uuid: &[u8; 16]) -> CudaResult<Option<bool>> {
+        if self.uuid()? == *uuid {
+            return Ok(Some(true));
+        }
+        let Some(ord) = Self::ordinal_of_uuid(uuid)? else { return Ok(None) };
+        let mut d = 0;
+        let mut ok = 0;
+        // SAFETY: valid ordinal (found above); out-pointers valid.
+        unsafe {
+            call!(cuDeviceGet(&mut d, ord as i32))?;
+            call!(cuDeviceCanAccessPeer(&mut ok, self.inner.dev, d))?;
+        }
+        Ok(Some(ok != 0))
+    }
+
     /// Lets kernels on this device dereference `peer`'s device pointers (same process). Enabling
     /// twice is not an error.
     pub fn enable_peer_access(&self, peer: &Device) -> CudaResult<()> {
@@ -211,4 +248,11 @@ fn attribute(dev: sys::CUdevice, a: sys::CUdevice_attribute) -> CudaResult<u32> 
     // SAFETY: valid device handle and out-pointer.
     unsafe { call!(cuDeviceGetAttribute(&mut v, a, dev))? };
     Ok(v.max(0) as u32)
+}
+
+fn uuid_of(dev: sys::CUdevice) -> CudaResult<[u8; 16]> {
+    let mut u = sys::CUuuid_st { bytes: [0; 16] };
+    // SAFETY: valid device handle and out-pointer.
+    unsafe { call!(cuDeviceGetUuid_v2(&mut u, dev))? };
+    Ok(u.bytes.map(|c| c as u8))
 }

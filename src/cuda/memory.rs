@@ -171,6 +171,24 @@ impl DeviceBuffer {
     }
 }
 
+/// What a peer process needs to reach device address `ptr` of `dev`'s context (a framework's
+/// tensor or one of our buffers, anywhere inside a `cuMemAlloc` allocation): the allocation's IPC
+/// handle, `ptr`'s offset from the allocation's base, and the allocation's size.
+pub fn ipc_export(dev: &Device, ptr: u64) -> CudaResult<(IpcHandle, u64, usize)> {
+    if ptr == 0 {
+        return Err(bad("ptr", "cannot export a null device pointer".into()));
+    }
+    dev.bind()?;
+    let (mut base, mut size) = (0, 0usize);
+    let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
+    // SAFETY: context bound; out-pointers valid; the driver checks that `ptr` is its memory.
+    unsafe {
+        call!(cuMemGetAddressRange_v2(&mut base, &mut size, ptr))?;
+        call!(cuIpcGetMemHandle(&mut h, base))?;
+    }
+    Ok((IpcHandle(h.reserved.map(|c| c as u8)), ptr - base, size))
+}
+
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
         if self.ptr != 0 && self.dev.bind().is_ok() {

@@ -430,9 +430,14 @@ impl Buffer {
     /// done with its last call, so nobody unregisters memory a peer may still write, then stops
     /// the proxy. The buffer is torn down even when the barrier fails (its error is returned).
     pub fn destroy(mut self) -> Result<()> {
-        let barrier = self.boot.barrier();
+        let mut barrier = self.boot.barrier().map_err(Error::from);
+        if let (Ok(()), Some(g)) = (&barrier, self.gpu.as_mut()) {
+            // GPU backend: peers' IPC mappings are closed (collectively) before any rank frees
+            // the memory behind them.
+            barrier = g.close_peer_mappings(&*self.boot);
+        }
         self.teardown();
-        barrier.map_err(Error::from)
+        barrier
     }
 
     fn teardown(&mut self) {

@@ -1,6 +1,7 @@
 //! The GPU backend of [`Buffer`](super::buffer::Buffer): normal and low-latency dispatch/combine
-//! with CUDA kernels ([`super::normal_gpu`], [`super::ll_gpu`]) for ranks that are threads of
-//! one process on one GPU.
+//! with CUDA kernels ([`super::normal_gpu`], [`super::ll_gpu`]) for the ranks of one machine:
+//! threads of one process, processes sharing one GPU (under MPS), or processes on several GPUs
+//! that can access each other.
 //!
 //! ```no_run
 //! # use std::sync::Arc;
@@ -29,23 +30,43 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Connection: every rank allocates its own comm buffers and sends their device pointers, its
-//! process id and its CUDA context through the bootstrap; pointers are only valid in the same
-//! address space and context, so a rank in another process (or on another GPU) is refused at
-//! connect time with an error naming it (CUDA IPC of the comm buffers, for processes sharing a
-//! GPU, is not built in this version).
+//! Connection (`ipc.rs`): every rank sends its identity (process, machine, context, GPU UUID),
+//! allocates its comm buffers and sends their device pointers through the bootstrap. A peer in
+//! the same process and context is addressed through its pointers as they are; one in the same
+//! process on another GPU through the same pointers with peer access enabled; one in another
+//! process of this machine through CUDA IPC (`cuIpcGetMemHandle` of each allocation a peer
+//! writes or reads: the normal comm buffer, the low-latency buffer and flags;
+//! `cuIpcOpenMemHandle` with lazy peer access on the other side, which owns the mappings). On
+//! another GPU the two must be able to access each other (`cuDeviceCanAccessPeer`); a peer that
+//! cannot be reached (another machine, no peer access) is an error naming it at connect time.
+//! [`GpuBuffer::peer_paths`] says which path each peer got.
 //!
 //! NOTES (co-residency): receive kernels spin on other ranks' sends, so every rank's running
 //! kernel must be resident at once. Each rank launches at most `num_sms` blocks (default:
-//! SMs / ranks, even) and `num_sms * num_ranks <= SMs` is checked at connect time.
+//! SMs / ranks on this GPU, even) and `num_sms * ranks on this GPU <= SMs` is checked at
+//! connect time (ranks on the same GPU are counted from the exchanged UUIDs). Processes sharing
+//! one GPU run their kernels at the same time only under MPS: start the control daemon
+//! (`nvidia-cuda-mps-control -d`) before the ranks. Without it the GPU time-slices between the
+//! processes' contexts: every wait on another process lasts until the GPU switches to it
+//! (milliseconds per step; measured on an H200 with 2 processes: 18 ms per normal dispatch of
+//! 512 tokens, 4.5 ms per low-latency dispatch), and a wait longer than the config's timeout
+//! fails with [`Error::Timeout`] naming a peer (never a hang). Conversely, ranks as threads of
+//! one process under MPS need `CUDA_DEVICE_MAX_CONNECTIONS` raised (32 works): an MPS client
+//! gets few hardware work queues by default, and the ranks' streams then queue their spinning
+//! kernels behind each other until the timeout.
 //!
 //! NOTES (lifetime): a rank's comm buffers are written by its peers' kernels. Tear down with
 //! [`Buffer::destroy`](super::buffer::Buffer::destroy) (collective: it waits for every rank)
-//! after every stream that ran this buffer's kernels has synchronised.
+//! after every stream that ran this buffer's kernels has synchronised; it then closes the IPC
+//! mappings and waits again before any rank frees its buffers. Dropping a `Buffer` without
+//! `destroy` (a failed rank) skips those waits.
 
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
 use std::time::Duration;
+
+mod ipc;
+pub use ipc::PeerPath;
 
 use super::config::{DispatchDtype, EpConfig};
 use super::layout::{DispatchLayoutGpu, LayoutBuffers, LayoutTuning};
@@ -62,10 +83,11 @@ use crate::{Error, Result};
 /// GPU options of a [`Buffer`](super::buffer::Buffer) (`BufferOptions::gpu`).
 #[derive(Clone, Debug)]
 pub struct GpuOptions {
-    /// The GPU every rank of this process uses.
+    /// This rank's GPU.
     pub device: Device,
-    /// Blocks per kernel of this rank (its SM budget); `None`: SMs / num_ranks rounded down to
-    /// even, at most [`DEFAULT_MAX_SMS`] when normal mode is enabled. Every rank shares the GPU, so `num_sms * num_ranks` must not exceed its SMs.
+    /// Blocks per kernel of this rank (its SM budget); `None`: SMs / ranks on this GPU rounded
+    /// down to even, at most [`DEFAULT_MAX_SMS`] when normal mode is enabled. The ranks on one
+    /// GPU share it, so `num_sms *` ranks on this GPU must not exceed its SMs.
     pub num_sms: Option<usize>,
     /// Normal mode: records per queue chunk (same on every rank).
     pub chunk_tokens: usize,
@@ -317,6 +339,11 @@ pub struct GpuBuffer {
     normal: Option<NormalPart>,
     ll: Option<LlPart>,
     poisoned: Option<String>,
+    /// IPC mappings of peers' buffers (peers in other processes).
+    maps: ipc::PeerMaps,
+    /// Some rank pair of the job is in different processes (the same on every rank).
+    ipc_world: bool,
+    paths: Vec<PeerPath>,
 }
 
 impl std::fmt::Debug for GpuBuffer {
@@ -332,7 +359,8 @@ impl std::fmt::Debug for GpuBuffer {
 /// blocks per rank (kernels/NOTES.md); `GpuOptions::num_sms` overrides it.
 pub const DEFAULT_MAX_SMS: usize = 32;
 
-/// Connection blob: hash, pid, context, chunk, slots, flags, normal buffer, LL peer entry.
+/// Connection blob: hash, pid, context, chunk, slots, flags, normal buffer, LL peer entry; then
+/// the IPC export section (ipc.rs) when a peer is in another process.
 const BLOB_BYTES: usize = 8 * 7 + std::mem::size_of::<abi::fep_ll_peer>();
 
 fn read_u64(b: &[u8], i: usize) -> Option<u64> {
@@ -352,9 +380,10 @@ pub fn phase_name(phase: u32) -> &'static str {
 }
 
 impl GpuBuffer {
-    /// Allocates this rank's buffers, exchanges their device pointers through `boot` and checks
-    /// that every rank has the same config, lives in this process and uses this GPU context.
-    /// Collective. `id` is the owning `Buffer`'s id (handles carry it).
+    /// Allocates this rank's buffers, exchanges their device pointers (and IPC handles for peers
+    /// in other processes) through `boot`, checks that every rank has the same config and can be
+    /// reached, and maps peers' buffers. Collective. `id` is the owning `Buffer`'s id (handles
+    /// carry it).
     pub(crate) fn connect(
         cfg: EpConfig,
         boot: &Arc<dyn Bootstrap>,
@@ -364,20 +393,24 @@ impl GpuBuffer {
         let dev = opts.device.clone();
         dev.bind()?;
         let (rank, r) = (cfg.rank, cfg.num_ranks);
+        // How each peer is reached (pointers, peer access, CUDA IPC): see ipc.rs.
+        let peers = ipc::Peers::exchange(&**boot, &dev, rank)?;
+        let on_gpu = peers.ranks_on_this_gpu();
         let sms = dev.sm_count() as usize;
         // The cap is normal mode's (its kernels were tuned at 32 blocks); low latency alone
         // takes its whole share of the GPU (more blocks, more rows in flight).
         let cap = if opts.normal { DEFAULT_MAX_SMS } else { sms };
-        let num_sms = opts.num_sms.unwrap_or((sms / r.max(1)).min(cap) & !1);
+        let num_sms = opts.num_sms.unwrap_or((sms / on_gpu.max(1)).min(cap) & !1);
         if num_sms == 0
-            || num_sms * r > sms
+            || num_sms * on_gpu > sms
             || (opts.normal && (num_sms < 2 * r || num_sms % 2 != 0))
         {
             return Err(Error::arg(
                 "num_sms",
                 format!(
-                    "{num_sms} blocks x {r} ranks on one GPU of {sms} SMs: every rank's kernels \
-                     must be resident at once (normal mode also needs an even budget >= 2 x ranks)"
+                    "{num_sms} blocks x {on_gpu} ranks on one GPU of {sms} SMs ({r} ranks in \
+                     all): every rank's kernels must be resident at once (normal mode also \
+                     needs an even budget >= 2 x ranks)"
                 ),
             ));
         }
@@ -436,7 +469,10 @@ impl GpuBuffer {
         }
         let entry = ll.as_ref().map(|l| l.peer_entry()).unwrap_or_default();
         blob.extend_from_slice(bytemuck::bytes_of(&entry));
+        let exported = [normal.as_ref().map_or(0, |(_, b)| b.device_ptr()), entry.buf, entry.flags];
+        blob.extend_from_slice(&peers.export(&dev, &exported)?);
         let all = boot.all_gather(&blob)?;
+        let mut maps = ipc::PeerMaps::default();
         let mut normal_ptrs = Vec::with_capacity(r);
         let mut table = Vec::with_capacity(r);
         for (peer, b) in all.iter().enumerate() {
@@ -446,24 +482,11 @@ impl GpuBuffer {
                 phase: "connect",
                 msg: format!("malformed GPU connection blob of {} bytes", b.len()),
             };
-            if b.len() != BLOB_BYTES {
+            if b.len() < BLOB_BYTES {
                 return Err(bad());
             }
             let v = |i| read_u64(b, i).ok_or_else(bad);
             cfg.check_peer_hash(peer, v(0)?)?;
-            if v(1)? != pid || v(2)? != ctx {
-                return Err(Error::arg(
-                    "backend",
-                    format!(
-                        "rank {peer} is in process {} (context {:#x}), this rank {rank} in \
-                         process {pid} (context {ctx:#x}): the GPU backend of this version \
-                         runs ranks as threads of one process on one GPU (device pointers are \
-                         exchanged directly; CUDA IPC between processes is not built yet)",
-                        v(1)?,
-                        v(2)?
-                    ),
-                ));
-            }
             let theirs = (v(3)?, v(4)?, v(5)?);
             let ours = (
                 opts.chunk_tokens as u64,
@@ -476,15 +499,20 @@ impl GpuBuffer {
                      rank {rank} has {ours:?}"
                 )));
             }
-            normal_ptrs.push(v(6)?);
-            let e: abi::fep_ll_peer = bytemuck::pod_read_unaligned(b.get(56..).ok_or_else(bad)?);
+            let mut e: abi::fep_ll_peer =
+                bytemuck::pod_read_unaligned(b.get(56..BLOB_BYTES).ok_or_else(bad)?);
+            let theirs = [v(6)?, e.buf, e.flags];
+            let ptrs = peers.resolve(&dev, peer, &theirs, &b[BLOB_BYTES..], &mut maps)?;
+            normal_ptrs.push(ptrs[0]);
+            (e.buf, e.flags) = (ptrs[1], ptrs[2]);
             table.push(e);
         }
         let normal = match normal {
             Some((settings, buf)) => {
-                // SAFETY: same process and context (checked above); every peer's buffer is a
-                // zeroed comm buffer of this map that lives until its Buffer is destroyed
-                // (collectively, after every rank's last kernel).
+                // SAFETY: every pointer addresses, in this context (directly, through peer access
+                // or an IPC mapping held in `maps`), a peer's zeroed comm buffer of this map that
+                // lives until its Buffer is destroyed (collectively, after every rank's last
+                // kernel; IPC mappings are closed before any rank frees its buffers).
                 let rank_n = unsafe {
                     NormalGpuRank::from_peer_pointers(&dev, &settings, rank, buf, &normal_ptrs)?
                 };
@@ -506,7 +534,26 @@ impl GpuBuffer {
             }
             None => None,
         };
-        Ok(GpuBuffer { cfg, id, dev, num_sms, normal, ll, poisoned: None })
+        let ipc_world = peers.world_uses_ipc();
+        let paths = peers.paths().to_vec();
+        Ok(GpuBuffer { cfg, id, dev, num_sms, normal, ll, poisoned: None, maps, ipc_world, paths })
+    }
+
+    /// Teardown step of [`Buffer::destroy`](super::buffer::Buffer::destroy), after its barrier
+    /// (no kernel of any rank runs): unmaps this rank's IPC mappings of peers' buffers, then,
+    /// when any ranks are in different processes, waits for every rank to have done so, so no
+    /// rank frees memory that a peer still maps. Collective.
+    pub(crate) fn close_peer_mappings(&mut self, boot: &dyn Bootstrap) -> Result<()> {
+        self.maps.close();
+        if self.ipc_world {
+            boot.barrier()?;
+        }
+        Ok(())
+    }
+
+    /// How this rank reaches each rank's buffers (pointers, peer access or CUDA IPC).
+    pub fn peer_paths(&self) -> &[PeerPath] {
+        &self.paths
     }
 
     /// This rank's SM budget (blocks per kernel).
