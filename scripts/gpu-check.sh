@@ -186,6 +186,9 @@ run_python_section() {
   : >"$log"
   export PYTHONPATH="$b/python:$t${PYTHONPATH:+:$PYTHONPATH}"
   export FABRIC_EP_LIBRARY="$b/python/fabric_ep/libfabric_ep.so"
+  # Ranks are threads of one process: no lazy kernel loading (it may synchronise the context
+  # while a peer's kernel spins).
+  export CUDA_MODULE_LOADING=EAGER
   echo "== python: $(python3 --version 2>&1); torch/numpy/pytest: $(python3 -c 'import torch, numpy; print(torch.__version__, torch.cuda.is_available(), numpy.__version__)' 2>&1 | tail -1) $(python3 -c 'import pytest; print(pytest.__version__)' 2>&1 | tail -1)" | tee -a "$log"
   set +e
   if python3 -c "import pytest" 2>/dev/null; then

@@ -19,13 +19,18 @@ frees one before ``destroy``; torch's caching allocator serves ``torch.empty`` f
 once warm, so such callers warm it (on each rank's stream) before the first step, as the tests
 do (``warm_allocator``). Every rank must also run on its own stream: the legacy default stream
 is shared by all threads and would serialise the ranks' spinning kernels, so a Buffer of a group
-with more than one thread refuses it with a message.
+with more than one thread refuses it with a message. And CUDA's lazy module loading may
+synchronise the context when a kernel is first used, which waits for a peer's spinning kernel:
+run such processes with ``CUDA_MODULE_LOADING=EAGER`` (set before CUDA initialises; a Buffer of
+a threads group warns once otherwise).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import struct
+import warnings
 from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
@@ -81,9 +86,15 @@ class GpuPath:
         self._order1 = self._order0 + _ORDER.size
         self._pack = _ORDER.pack_into
         self.slots = TensorSlots(12)
-        self._ll_slots = TensorSlots(7)
+        self._ll_slots = TensorSlots(8)  # 7 fep_tensors of fep_gpu_ll_buffers (+1: pack4)
         self._per_expert = np.zeros(buf.num_local_experts, dtype=np.int32)
         self._per_expert_ptr = self._per_expert.ctypes.data
+        if threads and os.environ.get("CUDA_MODULE_LOADING", "").upper() != "EAGER":
+            warnings.warn(
+                "fabric_ep: ranks as threads of one process with lazy CUDA module loading: the "
+                "first use of a kernel may synchronise the context while a peer's kernel spins "
+                "(a deadlock until the timeout); set CUDA_MODULE_LOADING=EAGER before CUDA "
+                "initialises", RuntimeWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ checks
 
@@ -186,21 +197,27 @@ class GpuPath:
 
     def get_dispatch_layout(self, topk_idx: Any, num_experts: int, previous_event: Any,
                             async_finish: bool, allocate_on_comm_stream: bool) -> Tuple[Any, ...]:
-        """DeepEP's layout with torch ops on the communication stream (same order rules)."""
+        """DeepEP's layout with torch ops: on the current stream (after ``previous_event`` when
+        given), or on the communication stream with ``allocate_on_comm_stream``.
+
+        NOTES: the outputs are allocated on the stream the ops run on; the current stream's
+        pool is the one callers warm (see the module notes)."""
         torch = self.torch
         b = self.buf
         self.check_async(previous_event, async_finish, allocate_on_comm_stream)
         if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
-            raise self._bad("topk_idx", topk_idx, f"expected a 2-D [T, K] tensor, got {getattr(topk_idx, 'shape', None)}")
+            raise self._bad("topk_idx", topk_idx,
+                            f"shape {list(getattr(topk_idx, 'shape', []))}, expected [T, K]")
         self.t2("topk_idx", topk_idx, (self.i64,), None, topk_idx.shape[1])
+        ev = self.event_ptr(previous_event) and previous_event.event
         compute = self.compute()
-        ev = previous_event.event if previous_event is not None else None
-        if ev is not None:
-            self.comm.wait_event(ev)
-        else:
-            self.comm.wait_stream(compute)
+        run = self.comm if allocate_on_comm_stream else compute
+        if ev:
+            run.wait_event(ev)
+        elif run is not compute:
+            run.wait_stream(compute)
         r, rpn, lx = b.num_ranks, b.ranks_per_node, b.num_local_experts
-        with torch.cuda.stream(self.comm):
+        with torch.cuda.stream(run):
             t = topk_idx.shape[0]
             valid = topk_idx >= 0
             rank_of = torch.where(valid, topk_idx // lx, torch.full_like(topk_idx, r))
@@ -214,12 +231,14 @@ class GpuPath:
                         if nodes > 1 else None)
         outs = (per_rank, per_node, per_expert, in_rank)
         if not async_finish:
-            compute.wait_stream(self.comm)
-            for o in outs:
-                if o is not None:
-                    o.record_stream(compute)
-        ev_out = self.finish(async_finish, (topk_idx,) + outs)
-        return per_rank, per_node, per_expert, in_rank, ev_out
+            return per_rank, per_node, per_expert, in_rank, EventOverlap(None)
+        tensors = tuple(o for o in (topk_idx,) + outs if o is not None)
+        if run is not compute:
+            for o in tensors:
+                o.record_stream(run)
+        e = torch.cuda.Event()
+        e.record(run)
+        return per_rank, per_node, per_expert, in_rank, EventOverlap(e, tensors)
 
     # ------------------------------------------------------------------ normal mode
 

@@ -38,6 +38,7 @@ def best_us(fn, n, reps, clock):
 
 
 def measure(n=2000, reps=5):
+    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     import torch
 
     import fabric_ep
@@ -139,7 +140,6 @@ def measure(n=2000, reps=5):
     out["current_stream_us"] = best_us(lambda: torch.cuda.current_stream(dev), n, reps,
                                        time.thread_time)
     torch.cuda.synchronize()
-    del handle
     buf.destroy()
     return out
 

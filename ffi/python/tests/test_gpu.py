@@ -7,9 +7,14 @@ tests check against, on the same inputs); DeepEP's stream options; bad arguments
 Skipped (reported as skipped, with the reason) without torch or without a CUDA device: CI has
 neither; scripts/gpu-check.sh runs them on the GPU machine."""
 
+import os
+
 import numpy as np
 import pytest
 
+# Before CUDA initialises: lazy module loading may synchronise the context on a kernel's first
+# use, which waits for a peer rank's spinning kernel (ranks are threads here).
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 torch = pytest.importorskip("torch", reason="torch is not installed on this machine")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device visible to torch", allow_module_level=True)
