@@ -9,7 +9,8 @@ Per call (best of several loops of N calls):
 * ``end_to_end_us`` vs ``raw_ctypes_us``: the real calls through ``Buffer`` and the same C calls
   through ctypes with descriptors and outputs prepared once (wall clock, ``perf_counter``;
   the two-step dispatch includes its host synchronisation on the GPU, so the GPU's time is in
-  both); ``difference_us`` is their difference.
+  both); ``difference_us`` is their difference, ``paired_median_difference_us`` the median of
+  (real - raw) over back-to-back pairs.
 
 Three calls: ``dispatch`` (two-step: notify with a host synchronisation, allocate, dispatch),
 ``dispatch_worst`` (``num_worst_tokens``: no host synchronisation) and ``combine``.
@@ -35,6 +36,22 @@ def best_us(fn, n, reps, clock):
             fn()
         best = min(best, (clock() - t0) / n)
     return best * 1e6
+
+
+def paired_median_us(real, raw, n, clock=time.perf_counter_ns):
+    """Median over ``n`` back-to-back pairs of (real call - raw call), wall clock: a load spike
+    or a preemption lands in a few pairs and leaves the median alone, unlike a difference of two
+    separately timed loops."""
+    d = []
+    for _ in range(n):
+        t0 = clock()
+        real()
+        t1 = clock()
+        raw()
+        t2 = clock()
+        d.append((t1 - t0) - (t2 - t1))
+    d.sort()
+    return d[len(d) // 2] / 1e3
 
 
 def measure(n=2000, reps=5):
@@ -114,6 +131,9 @@ def measure(n=2000, reps=5):
         out["raw_ctypes_us"][c] = best_us(rw_, n, reps, time.perf_counter)
         torch.cuda.synchronize()
     out["difference_us"] = {c: out["end_to_end_us"][c] - out["raw_ctypes_us"][c] for c in calls}
+    out["paired_median_difference_us"] = {c: paired_median_us(py, rw_, n)
+                                          for c, (py, rw_) in calls.items()}
+    torch.cuda.synchronize()
 
     class Stub:  # no-op C entry points: what remains is the Python work
         def fep_gpu_notify(self, *a):
