@@ -43,7 +43,8 @@ use crate::error::Error;
 
 /// Stream order of one GPU call. The kernels run on `stream`; before them, `stream` waits for
 /// `wait_stream`'s work so far and for `wait_event`; after them, `then_stream` waits for
-/// `stream`. NULL members are skipped (a NULL `stream` is the legacy default stream). DeepEP's
+/// `stream`. NULL members are skipped: name the legacy default stream as a wait or then stream
+/// with `CU_STREAM_LEGACY` (`(void *)0x1`); a NULL `stream` runs on it. DeepEP's
 /// pattern: `stream` = the buffer's comm stream, `wait_stream` = the compute stream (or
 /// `wait_event` = `previous_event`), `then_stream` = the compute stream unless `async_finish`.
 #[repr(C)]

@@ -49,6 +49,7 @@ from .utils import EventOverlap
 
 FP8_GROUP = 128
 _ORDER = struct.Struct("<4Q")
+_CU_STREAM_LEGACY = 0x1
 _addr = ctypes.addressof
 
 
@@ -170,6 +171,9 @@ class GpuPath:
     def orders(self, compute: int, ev: int, async_finish: bool) -> None:
         """[0]: wait for compute (or the event), run on comm, then compute waits (unless async);
         [1]: the same without the wait (the second call of a two-step dispatch)."""
+        # NOTES: NULL means "no stream" in a fep_gpu_order; torch's legacy default stream (0) is
+        # named by the driver's CU_STREAM_LEGACY handle.
+        compute = compute or _CU_STREAM_LEGACY
         then = 0 if async_finish else compute
         self._pack(self._orders, 0, self.comm_ptr, 0 if ev else compute, ev, then)
         self._pack(self._orders, _ORDER.size, self.comm_ptr, 0, 0, then)

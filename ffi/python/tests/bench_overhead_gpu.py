@@ -100,7 +100,7 @@ def measure(n=2000, reps=5):
     rxt = t(rx, 0)
     cxt = t(torch.empty((T, H), dtype=torch.bfloat16, device=dev), 0)
     comm = buf.get_comm_stream().cuda_stream
-    compute = torch.cuda.current_stream().cuda_stream
+    compute = torch.cuda.current_stream().cuda_stream or 1  # 1: CU_STREAM_LEGACY
     order = _lib.fep_gpu_order(comm, compute, None, compute)
     order_after = _lib.fep_gpu_order(comm, None, None, compute)
     per_expert = (ctypes.c_int32 * 1)()
