@@ -192,25 +192,25 @@ run_python_section() {
   echo "== python: $(python3 --version 2>&1); torch/numpy/pytest: $(python3 -c 'import torch, numpy; print(torch.__version__, torch.cuda.is_available(), numpy.__version__)' 2>&1 | tail -1) $(python3 -c 'import pytest; print(pytest.__version__)' 2>&1 | tail -1)" | tee -a "$log"
   set +e
   if python3 -c "import pytest" 2>/dev/null; then
-    (cd "$t" && PYTHONUNBUFFERED=1 timeout "${FEP_PY_TIMEOUT:-420}" python3 -m pytest -v -rs -p no:cacheprovider \
-      test_gpu.py test_gpu_abi.py) >>"$log" 2>&1
+    (cd "$t" && PYTHONUNBUFFERED=1 timeout "${FEP_PY_TIMEOUT:-120}" python3 -m pytest -v -rs -p no:cacheprovider \
+      test_gpu.py test_gpu_abi.py test_torch.py) >>"$log" 2>&1
     rc=$?
     printf '%-18s rc=%-3s %s\n' "python-tests" "$rc" "pytest: $(grep -E '^=+ .*(passed|failed|skipped).* =+$' "$log" | tail -1)" >>"$out/summary.txt"
   else
     echo "(no pytest on this machine: tests/plain_runner.py)" >>"$log"
-    (cd "$t" && PYTHONUNBUFFERED=1 timeout "${FEP_PY_TIMEOUT:-420}" python3 plain_runner.py test_gpu.py test_gpu_abi.py) >>"$log" 2>&1
+    (cd "$t" && PYTHONUNBUFFERED=1 timeout "${FEP_PY_TIMEOUT:-120}" python3 plain_runner.py test_gpu.py test_gpu_abi.py) >>"$log" 2>&1
     rc=$?
     printf '%-18s rc=%-3s %s\n' "python-tests" "$rc" "plain runner: $(grep -E '^[0-9]+ passed, [0-9]+ failed' "$log" | tail -1)" >>"$out/summary.txt"
   fi
   [ "$rc" -eq 0 ] || fail=1
   echo "===== bench_overhead_gpu.py" >>"$log"
-  PYTHONUNBUFFERED=1 timeout 150 python3 "$t/bench_overhead_gpu.py" >"$out/overhead_gpu.json" 2>>"$log"
+  PYTHONUNBUFFERED=1 timeout 50 python3 "$t/bench_overhead_gpu.py" >"$out/overhead_gpu.json" 2>>"$log"
   rc=$?
   cat "$out/overhead_gpu.json" >>"$log"
   printf '%-18s rc=%-3s %s\n' "python-overhead" "$rc" "bench_overhead_gpu.py -> overhead_gpu.json" >>"$out/summary.txt"
   [ "$rc" -eq 0 ] || fail=1
   echo "===== bench_overhead.py (host backend)" >>"$log"
-  FI_PROVIDER=shm PYTHONUNBUFFERED=1 timeout 120 python3 "$t/bench_overhead.py" >"$out/overhead_host.json" 2>>"$log"
+  FI_PROVIDER=shm PYTHONUNBUFFERED=1 timeout 40 python3 "$t/bench_overhead.py" >"$out/overhead_host.json" 2>>"$log"
   cat "$out/overhead_host.json" >>"$log"
   set -e
   grep -E "^(PASSED|FAILED|SKIPPED) |(PASSED|FAILED|SKIPPED|ERROR)( |$)|passed|failed" "$log" | grep -v "^ " | tail -40 >>"$out/summary.txt" || true

@@ -27,7 +27,7 @@ def bits(t):
     return t.numpy()
 
 
-def run_ranks(world, fn, timeout=240.0):
+def run_ranks(world, fn, timeout=90.0):
     """Runs ``fn(group, rank, world)`` in ``world`` threads, each on its own CUDA stream with a
     warm caching allocator (no cudaMalloc inside a step: a peer's kernel may be spinning).
     Returns the per-rank results; raises with every failing rank's traceback."""

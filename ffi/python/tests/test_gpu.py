@@ -28,7 +28,7 @@ from _rank import (  # noqa: E402
 )
 
 DEV = 0
-TIMEOUT_S = 20.0
+TIMEOUT_S = 10.0
 
 
 def tdev(a):
