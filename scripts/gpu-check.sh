@@ -192,7 +192,7 @@ run_python_section() {
   echo "== python: $(python3 --version 2>&1); torch/numpy/pytest: $(python3 -c 'import torch, numpy; print(torch.__version__, torch.cuda.is_available(), numpy.__version__)' 2>&1 | tail -1) $(python3 -c 'import pytest; print(pytest.__version__)' 2>&1 | tail -1)" | tee -a "$log"
   set +e
   if python3 -c "import pytest" 2>/dev/null; then
-    (cd "$t" && PYTHONUNBUFFERED=1 timeout "${FEP_PY_TIMEOUT:-120}" python3 -m pytest -v -rs -p no:cacheprovider \
+    (cd "$t" && PYTHONUNBUFFERED=1 timeout "${FEP_PY_TIMEOUT:-120}" python3 -m pytest -v -s -rs -p no:cacheprovider \
       test_gpu.py test_gpu_abi.py test_torch.py) >>"$log" 2>&1
     rc=$?
     printf '%-18s rc=%-3s %s\n' "python-tests" "$rc" "pytest: $(grep -E '^=+ .*(passed|failed|skipped).* =+$' "$log" | tail -1)" >>"$out/summary.txt"
@@ -219,7 +219,8 @@ import json, sys
 m = json.load(open(sys.argv[1]))
 for k in ("python_side_us", "end_to_end_us", "raw_ctypes_us", "difference_us"):
     print("OVERHEAD_GPU", k, " ".join(f"{c}={v:.2f}" for c, v in m[k].items()))
-print("OVERHEAD_GPU torch_empty_us=%.2f current_stream_us=%.2f" % (m["torch_empty_us"], m["current_stream_us"]))
+print("OVERHEAD_GPU", " ".join(f"{k}={m[k]:.2f}" for k in ("torch_empty_us", "new_empty_us", "current_stream_us", "raw_current_stream_us") if k in m))
+print("OVERHEAD_GPU paired_median_difference_us", " ".join(f"{c}={v:.2f}" for c, v in m["paired_median_difference_us"].items()))
 PYEOF
   return $fail
 }

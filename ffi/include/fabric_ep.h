@@ -586,12 +586,17 @@ void fep_gpu_ll_op_destroy(struct fep_gpu_ll_op *op);
 enum fep_status fep_gpu_sync(struct fep_buffer *buf, void *stream);
 
 /**
- * The buffer's CUDA device ordinal and SM budget (blocks per kernel).
+ * The buffer's CUDA device ordinal, SM budget (blocks per kernel) and its own communication
+ * stream (a non-blocking `CUstream`, valid until `fep_buffer_destroy`; a distinct stream per
+ * buffer, unlike streams drawn from a framework's pool, which may be shared).
  *
  * # Safety
  * `buf` must be valid; the outputs may be NULL.
  */
-enum fep_status fep_gpu_info(struct fep_buffer *buf, int32_t *device, int32_t *num_sms);
+enum fep_status fep_gpu_info(struct fep_buffer *buf,
+                             int32_t *device,
+                             int32_t *num_sms,
+                             void **comm_stream);
 
 /**
  * Low-latency dispatch (DeepEP V1 semantics): `x` `[T <= max_tokens_per_rank, H]` bf16,

@@ -90,6 +90,9 @@ pub(crate) struct GpuState {
     pool: Pool,
     ev_in: Event,
     ev_out: Event,
+    /// A communication stream the buffer owns (`fep_gpu_info`), for callers that follow
+    /// DeepEP's comm-stream pattern; destroyed with the buffer.
+    comm: Stream,
 }
 
 impl GpuState {
@@ -98,6 +101,7 @@ impl GpuState {
             ev_in: Event::new_untimed(&dev)?,
             ev_out: Event::new_untimed(&dev)?,
             pool: Arc::new(Mutex::new(Vec::new())),
+            comm: Stream::new(&dev)?,
             dev,
         })
     }
@@ -767,7 +771,9 @@ pub unsafe extern "C" fn fep_gpu_sync(buf: *mut fep_buffer, stream: *mut c_void)
     })
 }
 
-/// The buffer's CUDA device ordinal and SM budget (blocks per kernel).
+/// The buffer's CUDA device ordinal, SM budget (blocks per kernel) and its own communication
+/// stream (a non-blocking `CUstream`, valid until `fep_buffer_destroy`; a distinct stream per
+/// buffer, unlike streams drawn from a framework's pool, which may be shared).
 ///
 /// # Safety
 /// `buf` must be valid; the outputs may be NULL.
@@ -776,9 +782,13 @@ pub unsafe extern "C" fn fep_gpu_info(
     buf: *mut fep_buffer,
     device: *mut i32,
     num_sms: *mut i32,
+    comm_stream: *mut *mut c_void,
 ) -> fep_status {
     guard(|| {
         let (b, st) = parts(buf)?;
+        if let Some(c) = comm_stream.as_mut() {
+            *c = st.comm.as_raw() as *mut c_void;
+        }
         if let Some(d) = device.as_mut() {
             *d = st.dev.ordinal() as i32;
         }

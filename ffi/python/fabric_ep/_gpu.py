@@ -8,7 +8,7 @@ recorded on the communication stream instead (the tensors involved are ``record_
 it). The stream joins are made inside the C call (one ``fep_gpu_order`` per call), not with
 torch calls, to keep the Python cost of a call low.
 
-Outputs are allocated with ``torch.empty`` on the Buffer's device: on the compute stream, or on
+Outputs are allocated with ``Tensor.new_empty`` on the Buffer's device: on the compute stream, or on
 the communication stream with ``allocate_on_comm_stream=True`` (which, as in DeepEP, needs
 ``previous_event`` and ``async_finish=True``).
 
@@ -66,7 +66,7 @@ def warm_allocator(torch: Any, device: int, large_bytes: int = 256 << 20,
 class GpuPath:
     """The GPU half of one Buffer (created by ``Buffer.__init__`` for ``backend="gpu"``)."""
 
-    def __init__(self, buf: Any, torch: Any, device: int, threads: bool):
+    def __init__(self, buf: Any, torch: Any, device: int, threads: bool, comm_ptr: int):
         self.buf = buf
         self.torch = torch
         self.dev = device
@@ -74,8 +74,13 @@ class GpuPath:
         self.Tensor = torch.Tensor
         self.empty = torch.empty
         self.current_stream = torch.cuda.current_stream
-        self.comm = torch.cuda.Stream(device=device)
-        self.comm_ptr = self.comm.cuda_stream
+        # The current stream's raw handle without building a Stream object (a few us cheaper).
+        self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        # NOTES: the library's own stream, not torch.cuda.Stream(): torch hands out streams from
+        # a pool of 32 round-robin, so two ranks' "new" streams can be one stream, which
+        # serialises their spinning kernels.
+        self.comm = torch.cuda.ExternalStream(comm_ptr, device=torch.device("cuda", device))
+        self.comm_ptr = comm_ptr
         fp8 = getattr(torch, "float8_e4m3fn", None)
         self.bf16 = (torch.bfloat16,)
         self.fp8 = (fp8, torch.uint8) if fp8 is not None else (torch.uint8,)
@@ -142,9 +147,11 @@ class GpuPath:
 
     # ------------------------------------------------------------------ streams
 
-    def compute(self) -> Any:
-        s = self.current_stream(self.dev)
-        if self.threads and s.cuda_stream == 0:
+    def compute(self) -> int:
+        """The current stream's raw handle (0: the legacy default stream)."""
+        raw = self._raw_stream
+        s = raw(self.dev) if raw is not None else self.current_stream(self.dev).cuda_stream
+        if self.threads and s == 0:
             raise ValueError(
                 "stream: the current stream is the legacy default stream, shared by every thread; "
                 "with ranks as threads of one process each rank must run on its own stream "
@@ -214,7 +221,8 @@ class GpuPath:
                             f"shape {list(getattr(topk_idx, 'shape', []))}, expected [T, K]")
         self.t2("topk_idx", topk_idx, (self.i64,), None, topk_idx.shape[1])
         ev = self.event_ptr(previous_event) and previous_event.event
-        compute = self.compute()
+        self.compute()  # the legacy-stream check
+        compute = self.current_stream(self.dev)
         run = self.comm if allocate_on_comm_stream else compute
         if ev:
             run.wait_event(ev)
@@ -277,7 +285,7 @@ class GpuPath:
             self.check_async(previous_event, async_finish, allocate_on_comm_stream)
         compute = self.compute()
         ev = self.event_ptr(previous_event) if previous_event is not None else 0
-        self.orders(compute.cuda_stream, ev, async_finish)
+        self.orders(compute, ev, async_finish)
         ts = self.slots
         a = ts.addr
         if handle is not None:
@@ -318,9 +326,9 @@ class GpuPath:
             order = self._order1
         if allocate_on_comm_stream:
             with self.torch.cuda.stream(self.comm):
-                outs = self._dispatch_outputs(rows, xo.dtype, so is not None)
+                outs = self._dispatch_outputs(rows, xo, so is not None)
         else:
-            outs = self._dispatch_outputs(rows, xo.dtype, so is not None)
+            outs = self._dispatch_outputs(rows, xo, so is not None)
         recv_x, recv_s, recv_idx, recv_w, src = outs
         ts.pack4(0, xp, xc, 2, t, h, 0, 0, sp, FEP_DTYPE_F32, 2, t, g, 0, 0,
                  ip, FEP_DTYPE_I64, 2, t, k, 0, 0, wp, FEP_DTYPE_F32, 2, t, k, 0, 0)
@@ -347,14 +355,16 @@ class GpuPath:
             event = EventOverlap(None)
         return out_x, recv_idx, recv_w, counts, new_handle, event
 
-    def _dispatch_outputs(self, rows: int, xdtype: Any, fp8: bool) -> Tuple[Any, ...]:
-        dev, empty, h, k = self.dev, self.empty, self.buf.hidden, self.buf.num_topk
+    def _dispatch_outputs(self, rows: int, like: Any, fp8: bool) -> Tuple[Any, ...]:
+        # NOTES: Tensor.new_empty (device and dtype from ``like``) parses fewer arguments than
+        # torch.empty(..., device=...): it is the cheaper allocation from Python.
+        h, k, new = self.buf.hidden, self.buf.num_topk, like.new_empty
         return (
-            empty((rows, h), dtype=xdtype, device=dev),
-            empty((rows, h // FP8_GROUP), dtype=self.f32, device=dev) if fp8 else None,
-            empty((rows, k), dtype=self.i64, device=dev),
-            empty((rows, k), dtype=self.f32, device=dev),
-            empty((rows,), dtype=self.i32, device=dev),
+            new((rows, h)),
+            new((rows, h // FP8_GROUP), dtype=self.f32) if fp8 else None,
+            new((rows, k), dtype=self.i64),
+            new((rows, k), dtype=self.f32),
+            new((rows,), dtype=self.i32),
         )
 
     def combine(self, x: Any, handle: Any, topk_weights: Any, previous_event: Any,
@@ -368,15 +378,15 @@ class GpuPath:
             self.check_async(previous_event, async_finish, allocate_on_comm_stream)
         compute = self.compute()
         ev = self.event_ptr(previous_event) if previous_event is not None else 0
-        self.orders(compute.cuda_stream, ev, async_finish)
-        dev, empty = self.dev, self.empty
+        self.orders(compute, ev, async_finish)
+        new = x.new_empty
         if allocate_on_comm_stream:
             with self.torch.cuda.stream(self.comm):
-                out = empty((t, h), dtype=x.dtype, device=dev)
-                cw = empty((t, k), dtype=self.f32, device=dev) if topk_weights is not None else None
+                out = new((t, h))
+                cw = new((t, k), dtype=self.f32) if topk_weights is not None else None
         else:
-            out = empty((t, h), dtype=x.dtype, device=dev)
-            cw = empty((t, k), dtype=self.f32, device=dev) if topk_weights is not None else None
+            out = new((t, h))
+            cw = new((t, k), dtype=self.f32) if topk_weights is not None else None
         ts = self.slots
         a = ts.addr
         if topk_weights is not None:
@@ -427,15 +437,15 @@ class GpuPath:
         if stats is not None:
             self.tn("cumulative_local_expert_recv_stats", stats, (self.i32,), (l,))
         compute = self.compute()
-        self.orders(compute.cuda_stream, 0, async_finish)
-        dev, empty = self.dev, self.empty
-        recv_x = empty((l, s, h), dtype=self.fp8_out if use_fp8 else x.dtype, device=dev)
-        recv_s = empty((l, s, h // FP8_GROUP), dtype=self.f32, device=dev) if use_fp8 else None
-        count = empty((l,), dtype=self.i32, device=dev)
-        src_rank = empty((l, s), dtype=self.i32, device=dev)
-        src_idx = empty((l, s), dtype=self.i32, device=dev)
-        pairs = empty((l, r, 2), dtype=self.i32, device=dev)
-        pos = empty((m, k), dtype=self.i32, device=dev)
+        self.orders(compute, 0, async_finish)
+        new = x.new_empty
+        recv_x = new((l, s, h), dtype=self.fp8_out) if use_fp8 else new((l, s, h))
+        recv_s = new((l, s, h // FP8_GROUP), dtype=self.f32) if use_fp8 else None
+        count = new((l,), dtype=self.i32)
+        src_rank = new((l, s), dtype=self.i32)
+        src_idx = new((l, s), dtype=self.i32)
+        pairs = new((l, r, 2), dtype=self.i32)
+        pos = new((m, k), dtype=self.i32)
         ts = self.slots
         ts.set2(0, xp, FEP_DTYPE_BF16, t, h)
         ts.set2(1, ip, FEP_DTYPE_I64, t, k)
@@ -468,8 +478,7 @@ class GpuPath:
                 raise RuntimeError("low_latency_dispatch hook: the Buffer was destroyed")
             if handle._received:
                 raise RuntimeError("low_latency_dispatch hook: already called")
-            c = me.compute()
-            me.orders(c.cuda_stream, 0, False)
+            me.orders(me.compute(), 0, False)
             s2 = lib.fep_gpu_ll_complete(bp, handle._ptr, me._order0)
             if s2:
                 raise _lib.error("fep_gpu_ll_complete", s2)
@@ -506,9 +515,9 @@ class GpuPath:
             op_ = self.t2("out", out, self.bf16, t, h)[0]
             combined = out
         else:
-            combined = self.empty((t, h), dtype=x.dtype, device=self.dev)
+            combined = x.new_empty((t, h))
             op_ = combined.data_ptr()
-        self.orders(compute.cuda_stream, 0, async_finish)
+        self.orders(compute, 0, async_finish)
         ts = self.slots
         a = ts.addr
         ts.pack4(0, xp, FEP_DTYPE_BF16, 3, l, s, h, 0, ip, FEP_DTYPE_I64, 2, t, k, 0, 0,
@@ -529,8 +538,7 @@ class GpuPath:
                 raise RuntimeError("low_latency_combine hook: the Buffer was destroyed")
             if cop.done:
                 raise RuntimeError("low_latency_combine hook: already called")
-            c = me.compute()
-            me.orders(c.cuda_stream, 0, False)
+            me.orders(me.compute(), 0, False)
             s2 = lib.fep_gpu_ll_complete(bp, cop.ptr, me._order0)
             if s2:
                 raise _lib.error("fep_gpu_ll_complete", s2)

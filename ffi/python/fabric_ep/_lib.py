@@ -233,7 +233,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("fep_gpu_ll_combine", _st, _vp, _vp, _vp, _vp, _vp, _vp, _b, _vp, _vp),
         ("fep_gpu_ll_op_destroy", None, _vp),
         ("fep_gpu_sync", _st, _vp, _vp),
-        ("fep_gpu_info", _st, _vp, _vp, _vp),
+        ("fep_gpu_info", _st, _vp, _vp, _vp, _vp),
     ]
     for name, restype, *argtypes in optional:
         if hasattr(lib, name):

@@ -362,13 +362,14 @@ class Buffer:
             from ._gpu import GpuPath
 
             threads = hasattr(group, "all_gather_bytes") and self.num_ranks > 1
-            self._g = GpuPath(self, torch_mod, int(cfg.device), threads)
+            d, sms, comm = ctypes.c_int32(), ctypes.c_int32(), ctypes.c_void_p()
+            _lib.check("fep_gpu_info", lib.fep_gpu_info(self._ptr, ctypes.byref(d), ctypes.byref(sms),
+                                                        ctypes.byref(comm)))
+            self.num_sms = sms.value
+            self._g = GpuPath(self, torch_mod, int(cfg.device), threads, comm.value or 0)
             if gpu_reserve_tokens:
                 _lib.check("fep_gpu_reserve",
                            lib.fep_gpu_reserve(self._ptr, gpu_reserve_tokens, 4))
-            d, sms = ctypes.c_int32(), ctypes.c_int32()
-            _lib.check("fep_gpu_info", lib.fep_gpu_info(self._ptr, ctypes.byref(d), ctypes.byref(sms)))
-            self.num_sms = sms.value
 
     # ---------------------------------------------------------------- lifetime
 

@@ -1,6 +1,8 @@
 """Helpers of the GPU tests: ranks as threads of this process on one GPU (the GPU backend's mode
 in this version), torch <-> numpy conversions of the reference data of _rank.py."""
 
+import ctypes
+import sys
 import threading
 import traceback
 
@@ -27,7 +29,23 @@ def bits(t):
     return t.numpy()
 
 
-def run_ranks(world, fn, timeout=90.0):
+def own_stream(torch):
+    """A new non-blocking stream of the current context (cuStreamCreate), as a torch stream.
+    NOTES: not torch.cuda.Stream(): torch hands those out from a pool of 32, round-robin, so
+    two ranks' streams can be one stream and serialise their spinning kernels."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    h = ctypes.c_void_p()
+    rc = cuda.cuStreamCreate(ctypes.byref(h), 1)  # CU_STREAM_NON_BLOCKING
+    if rc != 0:
+        raise RuntimeError(f"cuStreamCreate: CUresult {rc}")
+    return torch.cuda.ExternalStream(h.value, device=torch.device("cuda", 0)), h.value
+
+
+def drop_stream(raw):
+    ctypes.CDLL("libcuda.so.1").cuStreamDestroy_v2(ctypes.c_void_p(raw))
+
+
+def run_ranks(world, fn, timeout=40.0):
     """Runs ``fn(group, rank, world)`` in ``world`` threads, each on its own CUDA stream with a
     warm caching allocator (no cudaMalloc inside a step: a peer's kernel may be spinning).
     Returns the per-rank results; raises with every failing rank's traceback."""
@@ -38,15 +56,22 @@ def run_ranks(world, fn, timeout=90.0):
     errors = [None] * world
 
     def body(r):
+        raw = 0
         try:
             torch.cuda.set_device(0)
-            s = torch.cuda.Stream()
+            torch.cuda.synchronize()  # the primary context is current on this thread
+            s, raw = own_stream(torch)
             with torch.cuda.stream(s):
                 warm_allocator(torch, 0)
                 results[r] = fn(groups[r], r, world)
                 s.synchronize()
         except BaseException:  # noqa: BLE001 - reported below with the rank
             errors[r] = traceback.format_exc()
+            # Live, for logs of runs that are cut short (pytest -s).
+            print(f"[world {world} rank {r}] FAILED:\n{errors[r]}", file=sys.stderr, flush=True)
+        finally:
+            if raw:
+                drop_stream(raw)
 
     threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world)]
     for t in threads:

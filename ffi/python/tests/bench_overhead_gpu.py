@@ -159,6 +159,10 @@ def measure(n=2000, reps=5):
                                                         device=dev), n, reps, time.thread_time)
     out["current_stream_us"] = best_us(lambda: torch.cuda.current_stream(dev), n, reps,
                                        time.thread_time)
+    out["new_empty_us"] = best_us(lambda: x.new_empty((rows, H)), n, reps, time.thread_time)
+    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw_stream is not None:
+        out["raw_current_stream_us"] = best_us(lambda: raw_stream(dev), n, reps, time.thread_time)
     torch.cuda.synchronize()
     buf.destroy()
     return out

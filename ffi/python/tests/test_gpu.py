@@ -24,11 +24,12 @@ from fabric_ep import Buffer, EventOverlap, LowLatencyHandle  # noqa: E402
 from _gpu_threads import bits, run_ranks, to_bf16  # noqa: E402
 from _rank import (  # noqa: E402
     H, K, L, MAX_LL, bf16_rne, bf2f, dest_ranks, e4m3_to_f32, f2bf, inputs, reference_recv,
-    tokens_of,
 )
 
 DEV = 0
 TIMEOUT_S = 10.0
+# Tokens per rank (every rank sends some); test_zero_token_rank uses a rank with none.
+TOKENS = [24, 9, 17, 40]
 
 
 def tdev(a):
@@ -42,8 +43,8 @@ def make_buffer(group, world, **kw):
     return b
 
 
-def normal_bf16(group, r, world):
-    all_in = [inputs(s, world) for s in range(world)]
+def normal_bf16(group, r, world, tokens=TOKENS):
+    all_in = [inputs(s, world, tokens=tokens) for s in range(world)]
     x, idx, w = all_in[r]
     xt, it, wt = to_bf16(torch, x, DEV), tdev(idx), tdev(w)
     buf = make_buffer(group, world)
@@ -89,7 +90,7 @@ def normal_bf16(group, r, world):
         del h8
 
         # num_worst_tokens: no host synchronisation, fixed rows; the received rows come first.
-        worst = sum(tokens_of(s) for s in range(world))
+        worst = sum(tokens[:world])
         wx, wi, ww, wcounts, wh, _ = buf.dispatch(xt, topk_idx=it, topk_weights=wt,
                                                   num_worst_tokens=worst)
         n = ref_x.shape[0]
@@ -105,11 +106,11 @@ def normal_bf16(group, r, world):
 
 
 def normal_fp8(group, r, world):
-    all_in = [inputs(s, world, salt=1) for s in range(world)]
+    all_in = [inputs(s, world, salt=1, tokens=TOKENS) for s in range(world)]
     fp8 = []
     for s in range(world):
         g = np.random.default_rng(7 * 7 + s)
-        t = tokens_of(s)
+        t = TOKENS[s]
         fp8.append((g.integers(0, 256, size=(t, H)).astype(np.uint8),
                     g.random((t, H // 128), dtype=np.float32)))
     x, idx, w = all_in[r]
@@ -157,8 +158,8 @@ def ll_reference(r, world, all_in):
     return ref_x, ref_cnt, ref_src, ref_rank, ref_range
 
 
-def low_latency(group, r, world):
-    all_in = [inputs(s, world, salt=2) for s in range(world)]
+def low_latency(group, r, world, tokens=TOKENS):
+    all_in = [inputs(s, world, salt=2, tokens=tokens) for s in range(world)]
     x, idx, w = all_in[r]
     xt, it, wt = to_bf16(torch, x, DEV), tdev(idx), tdev(w)
     e_all = L * world
@@ -214,7 +215,7 @@ def low_latency(group, r, world):
 
 
 def low_latency_fp8(group, r, world):
-    all_in = [inputs(s, world, salt=2) for s in range(world)]
+    all_in = [inputs(s, world, salt=2, tokens=TOKENS) for s in range(world)]
     x, idx, w = all_in[r]
     ref_x, ref_cnt, *_ = ll_reference(r, world, all_in)
     buf = make_buffer(group, world, low_latency_mode=True, dispatch_dtype="fp8",
@@ -260,13 +261,14 @@ def test_low_latency_fp8_matches_reference(world):
 def streams_and_events(group, r, world):
     """DeepEP's stream options: previous_event, async_finish (an EventOverlap with a
     torch.cuda.Event), allocate_on_comm_stream; results equal the synchronous call's."""
-    all_in = [inputs(s, world) for s in range(world)]
+    all_in = [inputs(s, world, tokens=TOKENS) for s in range(world)]
     x, idx, w = all_in[r]
     xt, it, wt = to_bf16(torch, x, DEV), tdev(idx), tdev(w)
     buf = make_buffer(group, world)
     try:
         comm = buf.get_comm_stream()
-        assert isinstance(comm, torch.cuda.Stream) and comm != torch.cuda.current_stream()
+        assert isinstance(comm, torch.cuda.Stream) and comm.cuda_stream != 0
+        assert comm.cuda_stream != torch.cuda.current_stream().cuda_stream
         ref_x = reference_recv(r, world, all_in)[0]
         prev = EventOverlap(torch.cuda.Event())
         prev.event.record()
@@ -294,7 +296,7 @@ def test_streams_and_events_world_1():
 
 
 def bad_arguments(group, r, world):
-    all_in = [inputs(s, world) for s in range(world)]
+    all_in = [inputs(s, world, tokens=TOKENS) for s in range(world)]
     x, idx, w = all_in[r]
     xt, it, wt = to_bf16(torch, x, DEV), tdev(idx), tdev(w)
     buf = make_buffer(group, world, low_latency_mode=True, num_max_dispatch_tokens_per_rank=MAX_LL)
@@ -339,7 +341,7 @@ def test_bad_arguments_name_the_argument():
 def legacy_stream_refused(group, r, world):
     buf = make_buffer(group, world)
     try:
-        x, idx, w = inputs(r, world)
+        x, idx, w = inputs(r, world, tokens=TOKENS)
         with torch.cuda.stream(torch.cuda.default_stream()):
             with pytest.raises(ValueError, match="^stream: the current stream is the legacy"):
                 buf.dispatch(to_bf16(torch, x, DEV), topk_idx=tdev(idx), topk_weights=tdev(w))
@@ -362,3 +364,14 @@ def test_auto_backend_picks_gpu_for_a_thread_group():
 
     assert run_ranks(1, fn) == [("gpu", True)]
     assert fabric_ep.ThreadGroup.create(1)[0].all_gather_bytes(b"ab") == [b"ab"]
+
+
+def test_zero_token_rank_normal_and_low_latency():
+    """A rank with no tokens (DeepEP allows it): world 2, rank 1 sends nothing."""
+    tokens = [24, 0]
+
+    def fn(group, r, world):
+        normal_bf16(group, r, world, tokens=tokens)
+        return low_latency(group, r, world, tokens=tokens)
+
+    assert run_ranks(2, fn) == [[False, True, False]] * 2
