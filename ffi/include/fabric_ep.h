@@ -170,7 +170,11 @@ typedef struct fep_config {
    * `FEP_BACKEND_GPU`: CUDA device ordinal; -1: `LOCAL_RANK` (or 0 without it).
    */
   int32_t device;
-  int32_t reserved2;
+  /**
+   * `FEP_BACKEND_GPU`: dispatch handles (4) reserved at creation for up to this many input
+   * tokens, so steps allocate no device memory; 0: 4096; -1: none.
+   */
+  int32_t gpu_reserve_tokens;
 } fep_config;
 
 /**
@@ -441,9 +445,11 @@ enum fep_status fep_combine(struct fep_buffer *buf,
 enum fep_status fep_buffer_rank(struct fep_buffer *buf, int32_t *rank, int32_t *num_ranks);
 
 /**
- * Reserves `num_handles` dispatch handles for up to `max_tokens` input tokens each (device
- * memory), so later steps allocate nothing. Call it on every rank before the first step (and
- * whenever a step will need more tokens); not while any kernel of the group runs.
+ * Reserves `num_handles` more dispatch handles for up to `max_tokens` input tokens each
+ * (device memory), so later steps allocate nothing (`fep_buffer_create` already reserves
+ * `fep_config.gpu_reserve_tokens`). Not collective: call it only while no kernel of the group
+ * runs, e.g. between two of the caller's barriers (with ranks as threads of one process an
+ * allocation waits for a peer's spinning kernel).
  *
  * # Safety
  * `buf` must be valid.

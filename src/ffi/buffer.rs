@@ -90,7 +90,9 @@ pub struct fep_config {
     // gets that field's default; see `FEP_CONFIG_V1_SIZE`).
     /// `FEP_BACKEND_GPU`: CUDA device ordinal; -1: `LOCAL_RANK` (or 0 without it).
     pub device: i32,
-    pub reserved2: i32,
+    /// `FEP_BACKEND_GPU`: dispatch handles (4) reserved at creation for up to this many input
+    /// tokens, so steps allocate no device memory; 0: 4096; -1: none.
+    pub gpu_reserve_tokens: i32,
 }
 
 /// `struct_size` of the first `fep_config` (up to and including `provider`): still accepted;
@@ -183,7 +185,7 @@ pub unsafe extern "C" fn fep_config_init(cfg: *mut fep_config) -> super::fep_sta
             timeout_s: 0.0,
             provider: std::ptr::null(),
             device: -1,
-            reserved2: 0,
+            gpu_reserve_tokens: 0,
         };
         Ok(())
     })
@@ -409,9 +411,24 @@ pub unsafe extern "C" fn fep_buffer_create(
                 (BufferOptions::gpu(o), Some(dev))
             }
         };
-        let buf = Buffer::new(EpConfig::new(r.settings)?, boot, opts)?;
+        let mut buf = Buffer::new(EpConfig::new(r.settings)?, boot.clone(), opts)?;
         let gpu = match dev {
-            Some(d) => Some(super::gpu::GpuState::new(d)?),
+            Some(d) => {
+                let st = super::gpu::GpuState::new(d)?;
+                let tokens = match r.raw.gpu_reserve_tokens {
+                    0 => super::gpu::DEFAULT_RESERVE_TOKENS,
+                    t if t < 0 => 0,
+                    t => t as usize,
+                };
+                if tokens > 0 {
+                    st.reserve(&mut buf, tokens, super::gpu::RESERVED_HANDLES)?;
+                }
+                // NOTES: no rank may start a step (whose kernels spin on its peers) while a
+                // peer still allocates (its allocation would wait for those kernels): every
+                // rank allocates above, then this barrier.
+                boot.barrier()?;
+                Some(st)
+            }
             None => None,
         };
         *out = Box::into_raw(Box::new(fep_buffer { inner: Some(buf), gpu }));

@@ -16,7 +16,8 @@
 //!
 //! NOTES (ranks as threads of one process, the only GPU mode of this version): no device memory
 //! may be allocated or freed while a peer's kernel spins on this rank. Handles therefore come
-//! from a per-buffer pool ([`fep_gpu_reserve`] fills it before the first step) and
+//! from a per-buffer pool (`fep_buffer_create` fills it, then waits for every rank, before any
+//! step; [`fep_gpu_reserve`] adds more) and
 //! `fep_handle_destroy` returns them to it; the pool is freed by `fep_buffer_destroy`.
 //! A pooled handle is reused in stream order: issue every call of one buffer on one stream.
 
@@ -95,7 +96,22 @@ pub(crate) struct GpuState {
     comm: Stream,
 }
 
+/// `fep_config.gpu_reserve_tokens` 0: handles for this many input tokens.
+pub(crate) const DEFAULT_RESERVE_TOKENS: usize = 4096;
+/// Handles reserved by `fep_buffer_create`.
+pub(crate) const RESERVED_HANDLES: usize = 4;
+
 impl GpuState {
+    /// Adds `n` handles for up to `tokens` input tokens to the pool (device allocations).
+    pub(crate) fn reserve(&self, b: &mut Buffer, tokens: usize, n: usize) -> Result<(), Error> {
+        let cap = tokens.max(1);
+        for _ in 0..n {
+            let h = b.gpu()?.new_handle(cap)?;
+            self.pool.lock().unwrap_or_else(PoisonError::into_inner).push((cap, h));
+        }
+        Ok(())
+    }
+
     pub(crate) fn new(dev: Device) -> Result<Self, Error> {
         Ok(GpuState {
             ev_in: Event::new_untimed(&dev)?,
@@ -268,9 +284,11 @@ fn take_handle(st: &GpuState, b: &mut Buffer, tokens: usize) -> Result<PooledHan
     Ok(PooledHandle { cap, h: Some(h), pool: st.pool.clone() })
 }
 
-/// Reserves `num_handles` dispatch handles for up to `max_tokens` input tokens each (device
-/// memory), so later steps allocate nothing. Call it on every rank before the first step (and
-/// whenever a step will need more tokens); not while any kernel of the group runs.
+/// Reserves `num_handles` more dispatch handles for up to `max_tokens` input tokens each
+/// (device memory), so later steps allocate nothing (`fep_buffer_create` already reserves
+/// `fep_config.gpu_reserve_tokens`). Not collective: call it only while no kernel of the group
+/// runs, e.g. between two of the caller's barriers (with ranks as threads of one process an
+/// allocation waits for a peer's spinning kernel).
 ///
 /// # Safety
 /// `buf` must be valid.
@@ -282,13 +300,9 @@ pub unsafe extern "C" fn fep_gpu_reserve(
 ) -> fep_status {
     guard(|| {
         let (b, st) = parts(buf)?;
-        let cap = super::usize_arg("max_tokens", max_tokens)?.max(1);
+        let cap = super::usize_arg("max_tokens", max_tokens)?;
         let n = super::usize_arg("num_handles", num_handles as i64)?;
-        for _ in 0..n {
-            let h = b.gpu()?.new_handle(cap)?;
-            st.pool.lock().unwrap_or_else(PoisonError::into_inner).push((cap, h));
-        }
-        Ok(())
+        st.reserve(b, cap, n)
     })
 }
 

@@ -55,7 +55,7 @@ class fep_config(ctypes.Structure):
         ("provider", ctypes.c_char_p),
         # Appended after the first release (FEP_CONFIG_V1_SIZE = 80 bytes is still accepted).
         ("device", ctypes.c_int32),
-        ("reserved2", ctypes.c_int32),
+        ("gpu_reserve_tokens", ctypes.c_int32),
     ]
 
 

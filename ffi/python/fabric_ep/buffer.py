@@ -183,8 +183,9 @@ class Buffer:
             ranks as threads of one process on one GPU (the current CUDA device); ranks in other
             processes are refused when the buffer connects.
         gpu_reserve_tokens: GPU backend: dispatch handles for up to this many input tokens are
-            reserved at construction (4 of them), so steps allocate no device memory; a larger
-            dispatch reserves more when it runs.
+            reserved at construction (4 of them; 0: none), so steps allocate no device memory; a
+            larger dispatch allocates one when it runs (which, with ranks as threads, can stall
+            until the timeout if a peer's kernel is spinning).
         provider: libfabric provider (``"shm"``, ``"tcp;ofi_rxm"``, ``"efa"``); None:
             ``FI_PROVIDER``, else ``"shm"``.
         timeout_s: bound on every wait inside the library (0: 60 s).
@@ -247,8 +248,8 @@ class Buffer:
                 "backend: 'gpu': this libfabric_ep has no fep_gpu_* calls; rebuild the library"
             )
         if isinstance(gpu_reserve_tokens, bool) or not isinstance(gpu_reserve_tokens, int) \
-                or gpu_reserve_tokens < 0:
-            raise ValueError(f"gpu_reserve_tokens: {gpu_reserve_tokens!r} must be an int >= 0")
+                or not 0 <= gpu_reserve_tokens < 2**31:
+            raise ValueError(f"gpu_reserve_tokens: {gpu_reserve_tokens!r} must be an int in [0, 2**31)")
         self.backend = backend
         if num_max_dispatch_tokens_per_rank < 0:
             raise ValueError(
@@ -318,6 +319,9 @@ class Buffer:
                 raise ValueError("backend: 'gpu' needs a CUDA device (torch.cuda.is_available() is False)")
             cfg.backend = FEP_BACKEND_GPU
             cfg.device = torch_mod.cuda.current_device()
+            # Reserved inside fep_buffer_create, before its closing barrier (no allocation may
+            # happen while a peer's kernel spins).
+            cfg.gpu_reserve_tokens = gpu_reserve_tokens if gpu_reserve_tokens else -1
             # The GPU defaults (SMs / ranks, 16-token chunks, 8 slots) unless the caller chose.
             if not explicit_config:
                 cfg.chunk_tokens = cfg.slots_per_peer = 0
@@ -367,9 +371,6 @@ class Buffer:
                                                         ctypes.byref(comm)))
             self.num_sms = sms.value
             self._g = GpuPath(self, torch_mod, int(cfg.device), threads, comm.value or 0)
-            if gpu_reserve_tokens:
-                _lib.check("fep_gpu_reserve",
-                           lib.fep_gpu_reserve(self._ptr, gpu_reserve_tokens, 4))
 
     # ---------------------------------------------------------------- lifetime
 

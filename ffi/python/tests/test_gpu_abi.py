@@ -42,7 +42,7 @@ def last_error():
 def test_config_init_fills_size_version_and_device():
     cfg = _lib.new_config()
     assert cfg.struct_size == ctypes.sizeof(_lib.fep_config) == 88
-    assert cfg.version == _lib.FEP_ABI_VERSION and cfg.device == -1
+    assert cfg.version == _lib.FEP_ABI_VERSION and cfg.device == -1 and cfg.gpu_reserve_tokens == 0
     assert ctypes.sizeof(_lib.fep_config) > _lib.FEP_CONFIG_V1_SIZE
 
 
