@@ -466,7 +466,7 @@ pub unsafe extern "C" fn fep_buffer_destroy(buf: *mut fep_buffer) -> super::fep_
 #[no_mangle]
 pub unsafe extern "C" fn fep_handle_destroy(handle: *mut fep_handle) {
     if !handle.is_null() {
-        drop(Box::from_raw(handle));
+        super::free_boxed(handle);
     }
 }
 

@@ -766,7 +766,7 @@ pub unsafe extern "C" fn fep_gpu_ll_combine(
 #[no_mangle]
 pub unsafe extern "C" fn fep_gpu_ll_op_destroy(op: *mut fep_gpu_ll_op) {
     if !op.is_null() {
-        drop(Box::from_raw(op));
+        super::free_boxed(op);
     }
 }
 

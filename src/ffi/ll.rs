@@ -279,7 +279,7 @@ pub unsafe extern "C" fn fep_ll_combine_copy_out(
 #[no_mangle]
 pub unsafe extern "C" fn fep_ll_op_destroy(op: *mut fep_ll_op) {
     if !op.is_null() {
-        drop(Box::from_raw(op));
+        super::free_boxed(op);
     }
 }
 
