@@ -4,16 +4,22 @@
 #   scripts/gpu-check.sh build     (here, no GPU) build the GPU test binaries (tests/gpu_*.rs) and
 #                                  examples (examples/gpu_*.rs) in release, and gather them with
 #                                  the scripts they need into the MAIN checkout's ignored
-#                                  gpu-bundle/ (override: FEP_GPU_BUNDLE=dir).
+#                                  gpu-bundle/ (override: FEP_GPU_BUNDLE=dir), with the release
+#                                  libfabric_ep.so inside the Python package (python/fabric_ep/)
+#                                  and the Python tests (python/tests/). FEP_GPU_BUILD=python
+#                                  builds only the library and the package (the "python" section).
 #   bash gpu-bundle/gpu-check.sh run   (GPU machine, repo root) run every GPU test
 #                                  (--include-ignored), the layout benchmark and the PyTorch
 #                                  comparison; logs under $OUT (default /tmp/fep-gpu-out); a short
 #                                  table at the end. Exit status non-zero if anything failed.
 #                                  FEP_GPU_SECTIONS (default "tests,memcheck,memcheck-proxy,layout,
-#                                  proxy") picks what runs, FEP_GPU_TESTS (default all) which test
-#                                  binaries; "proxy" is the GPU proxy latency bench (with and
-#                                  without MPS) and the loopback proxy throughput bench; "ipc"
-#                                  (not in the default list) runs ep-bench's GPU backend with 4
+#                                  proxy,normal,epbench,python") picks what runs, FEP_GPU_TESTS
+#                                  (default all) which test binaries; "proxy" is the GPU proxy
+#                                  latency bench (with and without MPS) and the loopback proxy
+#                                  throughput bench; "python" the Python package's GPU tests
+#                                  (pytest if installed, else tests/plain_runner.py) and the GPU
+#                                  call-overhead bench, logs in $OUT/python.log.
+#                                  "ipc" (not in the default list) runs ep-bench's GPU backend with 4
 #                                  ranks as threads, then starts the MPS control daemon, runs it
 #                                  with 4 ranks as processes (CUDA IPC) and tests/gpu_ipc.rs, and
 #                                  stops the daemon. The "tests" section leaves gpu_ipc to it.
@@ -34,10 +40,13 @@ build() {
   echo "gpu-check: building release GPU tests and examples (bundle: $bundle)"
   local json
   json=$(mktemp)
-  cargo test --release --no-run --message-format=json --test 'gpu_*' >"$json"
-  cargo build --release --message-format=json --example 'gpu_*' >>"$json"
-  cargo bench --no-run --message-format=json --bench proxy >>"$json"
-  cargo build --release --message-format=json --bin ep-bench >>"$json"
+  if [ "${FEP_GPU_BUILD:-all}" != python ]; then
+    cargo test --release --no-run --message-format=json --test 'gpu_*' >"$json"
+    cargo build --release --message-format=json --example 'gpu_*' >>"$json"
+    cargo bench --no-run --message-format=json --bench proxy >>"$json"
+    cargo build --release --message-format=json --bin ep-bench >>"$json"
+  fi
+  cargo build --release --lib
   rm -rf "$bundle"
   mkdir -p "$bundle/tests" "$bundle/examples" "$bundle/benches" "$bundle/lib" "$bundle/bin"
   python3 - "$json" "$bundle" <<'EOF'
@@ -72,6 +81,14 @@ EOF
   rm -f "$json"
   strip "$bundle"/tests/* "$bundle"/examples/* "$bundle"/benches/* "$bundle"/bin/ep-bench 2>/dev/null || true
   cp scripts/gpu-check.sh scripts/bench_layout_torch.py scripts/bench_ll_torch.py "$bundle/"
+  # The Python package with the release library beside it (the package finds it there), and
+  # its tests. The GPU machine has python3 + torch but no Rust.
+  mkdir -p "$bundle/python/tests"
+  cp -r ffi/python/fabric_ep "$bundle/python/"
+  rm -rf "$bundle/python/fabric_ep/__pycache__"
+  cp "${CARGO_TARGET_DIR:-target}/release/libfabric_ep.so" "$bundle/python/fabric_ep/"
+  strip "$bundle/python/fabric_ep/libfabric_ep.so" 2>/dev/null || true
+  cp ffi/python/tests/*.py "$bundle/python/tests/"
   # libfabric and everything it loads (not libc/ld.so), and the fabtests we compare against.
   local fab dep
   fab=$(ldconfig -p | awk '/libfabric\.so\.1 /{print $NF; exit}')
@@ -86,7 +103,9 @@ EOF
   done
   [ -x "$bundle/bin/fi_pingpong" ] || echo "gpu-check: no fi_pingpong here (apt-get install libfabric-bin)" >&2
   ls "$bundle/lib" | sed 's/^/  lib\//'
-  for f in "$bundle"/tests/* "$bundle"/examples/* "$bundle"/benches/* "$bundle"/bin/*; do
+  for f in "$bundle"/tests/* "$bundle"/examples/* "$bundle"/benches/* "$bundle"/bin/* \
+      "$bundle/python/fabric_ep/libfabric_ep.so"; do
+    [ -f "$f" ] || continue
     # libcuda is loaded at run time (cudarc), never linked; libfabric comes from the bundle.
     if LD_LIBRARY_PATH="$bundle/lib" ldd "$f" | grep -q "not found\|libcuda"; then
       echo "gpu-check: $f links a library the bundle lacks:" >&2
@@ -101,7 +120,7 @@ EOF
   [ "$size" -le 50 ] || { echo "gpu-check: bundle is ${size} MiB (> 50)" >&2; exit 1; }
 }
 
-has_section() { case ",${FEP_GPU_SECTIONS:-tests,memcheck,memcheck-proxy,layout,proxy,normal,epbench}," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+has_section() { case ",${FEP_GPU_SECTIONS:-tests,memcheck,memcheck-proxy,layout,proxy,normal,epbench,python}," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 
 # GPU proxy latency (examples/gpu_proxy_bench.rs): first as the machine is (two processes on one
 # GPU time-slice it: few rounds), then under MPS if its control daemon is there (the daemon is
@@ -222,6 +241,54 @@ run_ipc_section() {
   tail -n 20 "$mps"/log/*.log >>"$log" 2>/dev/null
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
   set -e
+  return $fail
+}
+
+# The Python package on the GPU (ffi/python/tests/test_gpu.py: ranks as threads of one process,
+# world 1/2/4, normal + low-latency against the numpy reference; test_gpu_abi.py), with pytest
+# when the machine has it, else the bundled plain runner; then the GPU call-overhead bench and
+# the host one, for comparison. Everything in $out/python.log; the closing lines in the summary.
+run_python_section() {
+  local b=$1 out=$2 log=$2/python.log rc fail=0 t=$1/python/tests
+  : >"$log"
+  export PYTHONPATH="$b/python:$t${PYTHONPATH:+:$PYTHONPATH}"
+  export FABRIC_EP_LIBRARY="$b/python/fabric_ep/libfabric_ep.so"
+  # Ranks are threads of one process: no lazy kernel loading (it may synchronise the context
+  # while a peer's kernel spins).
+  export CUDA_MODULE_LOADING=EAGER
+  echo "== python: $(python3 --version 2>&1); torch/numpy/pytest: $(python3 -c 'import torch, numpy; print(torch.__version__, torch.cuda.is_available(), numpy.__version__)' 2>&1 | tail -1) $(python3 -c 'import pytest; print(pytest.__version__)' 2>&1 | tail -1)" | tee -a "$log"
+  set +e
+  if python3 -c "import pytest" 2>/dev/null; then
+    (cd "$t" && PYTHONUNBUFFERED=1 timeout "${FEP_PY_TIMEOUT:-120}" python3 -m pytest -v -s -rs -p no:cacheprovider \
+      test_gpu.py test_gpu_abi.py test_torch.py) >>"$log" 2>&1
+    rc=$?
+    printf '%-18s rc=%-3s %s\n' "python-tests" "$rc" "pytest: $(grep -E '^=+ .*(passed|failed|skipped).* =+$' "$log" | tail -1)" >>"$out/summary.txt"
+  else
+    echo "(no pytest on this machine: tests/plain_runner.py)" >>"$log"
+    (cd "$t" && PYTHONUNBUFFERED=1 timeout "${FEP_PY_TIMEOUT:-120}" python3 plain_runner.py test_gpu.py test_gpu_abi.py) >>"$log" 2>&1
+    rc=$?
+    printf '%-18s rc=%-3s %s\n' "python-tests" "$rc" "plain runner: $(grep -E '^[0-9]+ passed, [0-9]+ failed' "$log" | tail -1)" >>"$out/summary.txt"
+  fi
+  [ "$rc" -eq 0 ] || fail=1
+  echo "===== bench_overhead_gpu.py" >>"$log"
+  PYTHONUNBUFFERED=1 timeout 50 python3 "$t/bench_overhead_gpu.py" >"$out/overhead_gpu.json" 2>>"$log"
+  rc=$?
+  cat "$out/overhead_gpu.json" >>"$log"
+  printf '%-18s rc=%-3s %s\n' "python-overhead" "$rc" "bench_overhead_gpu.py -> overhead_gpu.json" >>"$out/summary.txt"
+  [ "$rc" -eq 0 ] || fail=1
+  echo "===== bench_overhead.py (host backend)" >>"$log"
+  FI_PROVIDER=shm PYTHONUNBUFFERED=1 timeout 40 python3 "$t/bench_overhead.py" >"$out/overhead_host.json" 2>>"$log"
+  cat "$out/overhead_host.json" >>"$log"
+  set -e
+  grep -E "^(PASSED|FAILED|SKIPPED) |(PASSED|FAILED|SKIPPED|ERROR)( |$)|passed|failed" "$log" | grep -v "^ " | tail -40 >>"$out/summary.txt" || true
+  python3 - "$out/overhead_gpu.json" >>"$out/summary.txt" 2>/dev/null <<'PYEOF' || true
+import json, sys
+m = json.load(open(sys.argv[1]))
+for k in ("python_side_us", "end_to_end_us", "raw_ctypes_us", "difference_us"):
+    print("OVERHEAD_GPU", k, " ".join(f"{c}={v:.2f}" for c, v in m[k].items()))
+print("OVERHEAD_GPU", " ".join(f"{k}={m[k]:.2f}" for k in ("torch_empty_us", "new_empty_us", "current_stream_us", "raw_current_stream_us") if k in m))
+print("OVERHEAD_GPU paired_median_difference_us", " ".join(f"{c}={v:.2f}" for c, v in m["paired_median_difference_us"].items()))
+PYEOF
   return $fail
 }
 
@@ -349,6 +416,9 @@ run() {
   fi
   if has_section ipc; then
     run_ipc_section "$b" "$out" || fail=1
+  fi
+  if has_section python && [ -d "$b/python/fabric_ep" ]; then
+    run_python_section "$b" "$out" || fail=1
   fi
   [ -f "$b/ptxas.log" ] && cp "$b/ptxas.log" "$out/ptxas.log"
   echo

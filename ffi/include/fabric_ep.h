@@ -55,6 +55,12 @@
 #define FEP_BACKEND_GPU 1
 
 /**
+ * `struct_size` of the first `fep_config` (up to and including `provider`): still accepted;
+ * the fields after it take their defaults.
+ */
+#define FEP_CONFIG_V1_SIZE 80
+
+/**
  * Every `fep_*` call returns one of these. Errors live in their own range (7000..7100) so they
  * cannot be confused with errno, CUresult or libfabric codes.
  */
@@ -79,7 +85,13 @@ typedef enum fep_status {
 typedef struct fep_buffer fep_buffer;
 
 /**
- * A dispatch's handle and, until copied out, its outputs (opaque).
+ * A GPU low-latency dispatch or combine (opaque): its receive pending (hook) or launched.
+ */
+typedef struct fep_gpu_ll_op fep_gpu_ll_op;
+
+/**
+ * A normal dispatch's handle (opaque): on the host backend with, until copied out, its
+ * outputs; on the GPU backend the device-side plan, returned to its buffer's pool when freed.
  */
 typedef struct fep_handle fep_handle;
 
@@ -89,8 +101,8 @@ typedef struct fep_handle fep_handle;
 typedef struct fep_ll_op fep_ll_op;
 
 /**
- * Buffer configuration. Begins with its size and version (fill them with `fep_config_init`
- * or `FEP_CONFIG_INIT`); zero fields take their defaults, -1 rank fields come from the
+ * Buffer configuration. Begins with its size and version (fill them with `fep_config_init`);
+ * zero fields take their defaults, -1 rank fields come from the
  * environment (torchrun variables) or the all-gather callback's caller.
  */
 typedef struct fep_config {
@@ -154,6 +166,15 @@ typedef struct fep_config {
    * libfabric provider ("shm", "tcp;ofi_rxm", "efa", ...); NULL: `FI_PROVIDER`, else "shm".
    */
   const char *provider;
+  /**
+   * `FEP_BACKEND_GPU`: CUDA device ordinal; -1: `LOCAL_RANK` (or 0 without it).
+   */
+  int32_t device;
+  /**
+   * `FEP_BACKEND_GPU`: dispatch handles (4) reserved at creation for up to this many input
+   * tokens, so steps allocate no device memory; 0: 4096; -1: none.
+   */
+  int32_t gpu_reserve_tokens;
 } fep_config;
 
 /**
@@ -191,6 +212,69 @@ typedef struct fep_tensor {
   int32_t ndim;
   int64_t shape[4];
 } fep_tensor;
+
+/**
+ * Stream order of one GPU call. The kernels run on `stream`; before them, `stream` waits for
+ * `wait_stream`'s work so far and for `wait_event`; after them, `then_stream` waits for
+ * `stream`. NULL members are skipped: name the legacy default stream as a wait or then stream
+ * with `CU_STREAM_LEGACY` (`(void *)0x1`); a NULL `stream` runs on it. DeepEP's
+ * pattern: `stream` = the buffer's comm stream, `wait_stream` = the compute stream (or
+ * `wait_event` = `previous_event`), `then_stream` = the compute stream unless `async_finish`.
+ */
+typedef struct fep_gpu_order {
+  /**
+   * `CUstream` the kernels run on.
+   */
+  void *stream;
+  /**
+   * `CUstream` whose queued work runs first (NULL: none).
+   */
+  void *wait_stream;
+  /**
+   * `CUevent` to wait for (NULL: none), as recorded when the call is made.
+   */
+  void *wait_event;
+  /**
+   * `CUstream` that waits for this call's kernels (NULL: none).
+   */
+  void *then_stream;
+} fep_gpu_order;
+
+/**
+ * Low-latency dispatch outputs (device memory; `L` local experts, `S = num_ranks *
+ * max_tokens_per_rank`, `T_max = max_tokens_per_rank`). Pass the same tensors' struct to the
+ * hook and keep them alive until the matching combine has finished on its stream.
+ */
+typedef struct fep_gpu_ll_buffers {
+  /**
+   * `[L, S, H]` bf16, or fp8 e4m3 when the buffer's `dispatch_dtype` is fp8.
+   */
+  struct fep_tensor recv_x;
+  /**
+   * `[L, S, H / 128]` f32 (fp8 only; ignored for bf16).
+   */
+  struct fep_tensor recv_x_scales;
+  /**
+   * `[L]` i32 rows received per local expert.
+   */
+  struct fep_tensor recv_count;
+  /**
+   * `[L, S]` i32 source rank of each row.
+   */
+  struct fep_tensor src_rank;
+  /**
+   * `[L, S]` i32 token index on the source rank of each row.
+   */
+  struct fep_tensor src_idx;
+  /**
+   * `[L, R, 2]` i32 `(begin, count)` of each source rank's rows (the combine's routing).
+   */
+  struct fep_tensor layout_range;
+  /**
+   * `[T_max, K]` i32 scratch of the combine's routing (the row of each `(token, k)`).
+   */
+  struct fep_tensor pos;
+} fep_gpu_ll_buffers;
 
 #ifdef __cplusplus
 extern "C" {
@@ -361,6 +445,166 @@ enum fep_status fep_combine(struct fep_buffer *buf,
 enum fep_status fep_buffer_rank(struct fep_buffer *buf, int32_t *rank, int32_t *num_ranks);
 
 /**
+ * Reserves `num_handles` more dispatch handles for up to `max_tokens` input tokens each
+ * (device memory), so later steps allocate nothing (`fep_buffer_create` already reserves
+ * `fep_config.gpu_reserve_tokens`). Not collective: call it only while no kernel of the group
+ * runs, e.g. between two of the caller's barriers (with ranks as threads of one process an
+ * allocation waits for a peer's spinning kernel).
+ *
+ * # Safety
+ * `buf` must be valid.
+ */
+enum fep_status fep_gpu_reserve(struct fep_buffer *buf, int64_t max_tokens, int32_t num_handles);
+
+/**
+ * Normal dispatch, step 1 on the GPU: the layout of `topk_idx` (`[T, K]` int64, device) and
+ * the count exchange with every rank, on `order->stream`. Collective.
+ *
+ * Without `num_worst_tokens` (0) it synchronises the stream once (bounded) and writes the
+ * received rows to `*num_recv_tokens` and, when not NULL, the per-local-expert counts (rounded
+ * up to `expert_alignment`) to `num_recv_tokens_per_expert` (host int32 `[L]`). With
+ * `num_worst_tokens > 0` it returns at once with `*num_recv_tokens = num_worst_tokens` and
+ * leaves the per-expert counts untouched. `*out_handle` receives the handle for
+ * `fep_gpu_dispatch`, `fep_gpu_combine` and cached dispatches (free it with
+ * `fep_handle_destroy`). The "then" stream of `order` is not used here.
+ *
+ * # Safety
+ * Every pointer must be valid; `topk_idx` stays alive until the stream has run the call.
+ */
+enum fep_status fep_gpu_notify(struct fep_buffer *buf,
+                               const struct fep_tensor *topk_idx,
+                               int32_t expert_alignment,
+                               int64_t num_worst_tokens,
+                               const struct fep_gpu_order *order,
+                               struct fep_handle **out_handle,
+                               int64_t *num_recv_tokens,
+                               int32_t *num_recv_tokens_per_expert);
+
+/**
+ * Normal dispatch, step 2 on the GPU (also a cached dispatch: any earlier handle of the same
+ * routing). Inputs: `x` `[T, H]` (bf16, or fp8 e4m3 with `x_scales` `[T, H/128]` f32, as the
+ * buffer's `dispatch_dtype`), `topk_idx` `[T, K]` int64, `topk_weights` `[T, K]` f32, `T` as
+ * given to the notify. Outputs, `rows = *num_recv_tokens` of the notify: `recv_x` `[rows, H]`
+ * (+ `recv_x_scales` `[rows, H/128]` for fp8), `recv_topk_idx` `[rows, K]` int64 (local expert
+ * ids, -1 elsewhere), `recv_topk_weights` `[rows, K]` f32, `recv_src_idx` `[rows]` int32.
+ * Asynchronous on `order->stream`; collective.
+ *
+ * # Safety
+ * Every pointer must be valid; device memory stays alive until the stream has run the call.
+ */
+enum fep_status fep_gpu_dispatch(struct fep_buffer *buf,
+                                 const struct fep_handle *handle,
+                                 const struct fep_tensor *x,
+                                 const struct fep_tensor *x_scales,
+                                 const struct fep_tensor *topk_idx,
+                                 const struct fep_tensor *topk_weights,
+                                 const struct fep_tensor *recv_x,
+                                 const struct fep_tensor *recv_x_scales,
+                                 const struct fep_tensor *recv_topk_idx,
+                                 const struct fep_tensor *recv_topk_weights,
+                                 const struct fep_tensor *recv_src_idx,
+                                 const struct fep_gpu_order *order);
+
+/**
+ * Normal combine on the GPU: `x` `[rows, H]` bf16 (rows as the dispatch's outputs), optional
+ * `topk_weights` `[rows, K]` f32; writes `combined_x` `[T, H]` bf16 (per token, the fp32 sum
+ * over the ranks it went to) and, exactly when `topk_weights` is given,
+ * `combined_topk_weights` `[T, K]` f32. Asynchronous on `order->stream`; collective.
+ *
+ * # Safety
+ * As `fep_gpu_dispatch`.
+ */
+enum fep_status fep_gpu_combine(struct fep_buffer *buf,
+                                const struct fep_handle *handle,
+                                const struct fep_tensor *x,
+                                const struct fep_tensor *topk_weights,
+                                const struct fep_tensor *combined_x,
+                                const struct fep_tensor *combined_topk_weights,
+                                const struct fep_gpu_order *order);
+
+/**
+ * Low-latency dispatch on the GPU (DeepEP V1): `x` `[T <= max_tokens_per_rank, H]` bf16,
+ * `topk_idx` `[T, K]` int64 (-1 = none), outputs in `outputs`. `use_fp8` must match the
+ * buffer's `dispatch_dtype` (its buffers are sized for it); `round_scale` must be false. With
+ * `return_recv_hook` only the send is launched and `fep_gpu_ll_complete` launches the receive.
+ * No host synchronisation; collective. `*out_op` is freed with `fep_gpu_ll_op_destroy`.
+ *
+ * # Safety
+ * Every pointer must be valid; device memory stays alive until the stream has run the
+ * receive (and, for the outputs, the matching combine).
+ */
+enum fep_status fep_gpu_ll_dispatch(struct fep_buffer *buf,
+                                    const struct fep_tensor *x,
+                                    const struct fep_tensor *topk_idx,
+                                    bool use_fp8,
+                                    bool round_scale,
+                                    bool return_recv_hook,
+                                    const struct fep_gpu_ll_buffers *outputs,
+                                    const struct fep_gpu_order *order,
+                                    struct fep_gpu_ll_op **out_op);
+
+/**
+ * Launches the receive of a hooked GPU low-latency dispatch or combine on `order->stream`
+ * (DeepEP's hook); a no-op when there is none pending.
+ *
+ * # Safety
+ * `buf`, `op` and `order` must be valid.
+ */
+enum fep_status fep_gpu_ll_complete(struct fep_buffer *buf,
+                                    struct fep_gpu_ll_op *op,
+                                    const struct fep_gpu_order *order);
+
+/**
+ * Low-latency combine on the GPU: `x` `[L, S, H]` bf16 expert outputs in the dispatch's row
+ * order, the dispatch's `topk_idx` `[T, K]` int64 and `topk_weights` `[T, K]` f32,
+ * `dispatch_op` the dispatch (its hook completed); writes `out` `[T, H]` bf16 (per token the
+ * fp32 weighted sum, rounded once). Hook as in dispatch. Collective.
+ *
+ * # Safety
+ * As `fep_gpu_ll_dispatch`.
+ */
+enum fep_status fep_gpu_ll_combine(struct fep_buffer *buf,
+                                   const struct fep_gpu_ll_op *dispatch_op,
+                                   const struct fep_tensor *x,
+                                   const struct fep_tensor *topk_idx,
+                                   const struct fep_tensor *topk_weights,
+                                   const struct fep_tensor *out,
+                                   bool return_recv_hook,
+                                   const struct fep_gpu_order *order,
+                                   struct fep_gpu_ll_op **out_op);
+
+/**
+ * Frees a GPU low-latency op. NULL is a no-op. A dispatch's outputs stay the caller's.
+ *
+ * # Safety
+ * `op` must come from `fep_gpu_ll_dispatch` / `fep_gpu_ll_combine` and not be used afterwards.
+ */
+void fep_gpu_ll_op_destroy(struct fep_gpu_ll_op *op);
+
+/**
+ * Waits (bounded: twice the config's timeout plus 5 s) until `stream` has run its work, then
+ * reports any error this rank's kernels recorded (a timeout names the phase and peer). A
+ * device error makes the buffer unusable until `fep_clean_low_latency_buffer` on every rank.
+ *
+ * # Safety
+ * `buf` must be valid; `stream` a stream of the buffer's device (NULL: the legacy default).
+ */
+enum fep_status fep_gpu_sync(struct fep_buffer *buf, void *stream);
+
+/**
+ * The buffer's CUDA device ordinal, SM budget (blocks per kernel) and its own communication
+ * stream (a non-blocking `CUstream`, valid until `fep_buffer_destroy`; a distinct stream per
+ * buffer, unlike streams drawn from a framework's pool, which may be shared).
+ *
+ * # Safety
+ * `buf` must be valid; the outputs may be NULL.
+ */
+enum fep_status fep_gpu_info(struct fep_buffer *buf,
+                             int32_t *device,
+                             int32_t *num_sms,
+                             void **comm_stream);
+
+/**
  * Low-latency dispatch (DeepEP V1 semantics): `x` `[T <= max_tokens_per_rank, H]` bf16,
  * `topk_idx` `[T, K]` i64 (-1 = none). One write per (destination rank, local expert) carrying
  * all its rows, the count in the immediate data. With `return_recv_hook` the call returns after
@@ -441,7 +685,9 @@ void fep_ll_op_destroy(struct fep_ll_op *op);
 
 /**
  * Makes the low-latency buffers usable again after a failed step (collective: every rank calls
- * it); earlier ops and handles become invalid.
+ * it); earlier ops and handles become invalid. On the GPU backend it also resets normal mode
+ * after a device error, and no kernel of this buffer's group may be running (synchronise
+ * every rank's streams first).
  *
  * # Safety
  * `buf` must be valid.

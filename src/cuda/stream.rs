@@ -6,10 +6,13 @@ use super::{CudaError, CudaResult};
 use cudarc::driver::sys;
 use std::time::{Duration, Instant};
 
-/// A non-blocking stream (does not synchronise with the legacy default stream).
+/// A non-blocking stream (does not synchronise with the legacy default stream), or a borrowed
+/// foreign one ([`Stream::borrowed`]: a caller's `CUstream`, e.g. torch's current stream).
 pub struct Stream {
     dev: Device,
     raw: CUstream,
+    /// Destroyed on drop (false for a borrowed stream).
+    owned: bool,
 }
 
 // SAFETY: stream handles may be used from any thread.
@@ -25,7 +28,17 @@ impl Stream {
         unsafe {
             call!(cuStreamCreate(&mut raw, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32))?
         };
-        Ok(Stream { dev: dev.clone(), raw })
+        Ok(Stream { dev: dev.clone(), raw, owned: true })
+    }
+
+    /// Wraps a caller's stream without owning it: never destroyed by this object. NULL is the
+    /// legacy default stream.
+    ///
+    /// # Safety
+    /// `raw` must be a stream of `dev`'s primary context (or NULL) that outlives this object and
+    /// every use of it.
+    pub unsafe fn borrowed(dev: &Device, raw: CUstream) -> Stream {
+        Stream { dev: dev.clone(), raw, owned: false }
     }
 
     pub fn device(&self) -> &Device {
@@ -80,6 +93,16 @@ impl Stream {
         // SAFETY: both handles valid.
         unsafe { call!(cuStreamWaitEvent(self.raw, event.raw, 0)) }
     }
+
+    /// Makes later work on this stream wait for a caller's event (e.g. a `torch.cuda.Event`'s
+    /// `cuda_event`), as recorded at the time of this call.
+    ///
+    /// # Safety
+    /// `event` must be a valid event of this stream's context.
+    pub unsafe fn wait_raw_event(&self, event: sys::CUevent) -> CudaResult<()> {
+        self.dev.bind()?;
+        call!(cuStreamWaitEvent(self.raw, event, 0))
+    }
 }
 
 impl Drop for Stream {
@@ -87,7 +110,7 @@ impl Drop for Stream {
         // SAFETY: created by cuStreamCreate; destroy returns at once and the driver frees the
         // stream once its work is done.
         unsafe {
-            if self.dev.bind().is_ok() {
+            if self.owned && self.dev.bind().is_ok() {
                 let _ = sys::cuStreamDestroy_v2(self.raw);
             }
         }

@@ -48,8 +48,8 @@ pub struct fep_tensor {
     pub shape: [i64; 4],
 }
 
-/// Buffer configuration. Begins with its size and version (fill them with `fep_config_init`
-/// or `FEP_CONFIG_INIT`); zero fields take their defaults, -1 rank fields come from the
+/// Buffer configuration. Begins with its size and version (fill them with `fep_config_init`);
+/// zero fields take their defaults, -1 rank fields come from the
 /// environment (torchrun variables) or the all-gather callback's caller.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -86,7 +86,20 @@ pub struct fep_config {
     pub timeout_s: f64,
     /// libfabric provider ("shm", "tcp;ofi_rxm", "efa", ...); NULL: `FI_PROVIDER`, else "shm".
     pub provider: *const c_char,
+    // ---- Appended after the first release (a caller whose `struct_size` ends before a field
+    // gets that field's default; see `FEP_CONFIG_V1_SIZE`).
+    /// `FEP_BACKEND_GPU`: CUDA device ordinal; -1: `LOCAL_RANK` (or 0 without it).
+    pub device: i32,
+    /// `FEP_BACKEND_GPU`: dispatch handles (4) reserved at creation for up to this many input
+    /// tokens, so steps allocate no device memory; 0: 4096; -1: none.
+    pub gpu_reserve_tokens: i32,
 }
+
+/// `struct_size` of the first `fep_config` (up to and including `provider`): still accepted;
+/// the fields after it take their defaults.
+pub const FEP_CONFIG_V1_SIZE: u32 = 80;
+
+const _: () = assert!(std::mem::offset_of!(fep_config, device) == FEP_CONFIG_V1_SIZE as usize);
 
 /// What a configuration needs, per rank.
 #[repr(C)]
@@ -115,13 +128,33 @@ pub type fep_allgather_fn = Option<
 
 /// An EP buffer (opaque).
 pub struct fep_buffer {
-    inner: Option<Buffer>,
+    pub(crate) inner: Option<Buffer>,
+    /// GPU backend state (handle pool, join events); `None` on the host backend.
+    pub(crate) gpu: Option<super::gpu::GpuState>,
 }
 
-/// A dispatch's handle and, until copied out, its outputs (opaque).
+/// A normal dispatch's handle (opaque): on the host backend with, until copied out, its
+/// outputs; on the GPU backend the device-side plan, returned to its buffer's pool when freed.
 pub struct fep_handle {
-    handle: DispatchHandle,
-    out: Option<DispatchOutput>,
+    pub(crate) kind: HandleKind,
+}
+
+// NOTES: every fep_handle is boxed already; the variants' size difference costs nothing.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum HandleKind {
+    Host { handle: DispatchHandle, out: Option<DispatchOutput> },
+    Gpu(super::gpu::PooledHandle),
+}
+
+impl fep_handle {
+    fn host(&self) -> Result<&DispatchHandle, Error> {
+        match &self.kind {
+            HandleKind::Host { handle, .. } => Ok(handle),
+            HandleKind::Gpu(_) => {
+                Err(Error::arg("handle", "a GPU backend handle: use the fep_gpu_* calls"))
+            }
+        }
+    }
 }
 
 /// Fills `cfg` with its size, version and defaults (zero / -1 fields).
@@ -151,6 +184,8 @@ pub unsafe extern "C" fn fep_config_init(cfg: *mut fep_config) -> super::fep_sta
             reserved: 0,
             timeout_s: 0.0,
             provider: std::ptr::null(),
+            device: -1,
+            gpu_reserve_tokens: 0,
         };
         Ok(())
     })
@@ -168,22 +203,45 @@ struct Resolved {
     local_rank: usize,
     backend: Backend,
     provider: String,
+    /// The raw config (fields past the caller's `struct_size` at their defaults).
+    raw: fep_config,
 }
 
-unsafe fn resolve(cfg: *const fep_config) -> Result<Resolved, Error> {
-    let c = cfg.as_ref().ok_or_else(|| Error::arg("cfg", "NULL pointer"))?;
-    if c.version != FEP_ABI_VERSION || (c.struct_size as usize) < std::mem::size_of::<fep_config>()
-    {
+/// Reads a caller's config: the first `struct_size` bytes (at least `FEP_CONFIG_V1_SIZE`, at
+/// most this library's `sizeof(fep_config)`); later fields keep `fep_config_init`'s defaults.
+unsafe fn read_config(cfg: *const fep_config) -> Result<fep_config, Error> {
+    if cfg.is_null() {
+        return Err(Error::arg("cfg", "NULL pointer"));
+    }
+    // SAFETY: every caller's struct has at least the 8-byte size/version header.
+    let (size, version) = (
+        std::ptr::read_unaligned(cfg.cast::<u32>()),
+        std::ptr::read_unaligned(cfg.cast::<u32>().add(1)),
+    );
+    if version != FEP_ABI_VERSION || size < FEP_CONFIG_V1_SIZE {
         return Err(Error::arg(
             "cfg",
             format!(
-                "version {} / struct_size {}: this library is ABI {FEP_ABI_VERSION} with a {}-byte fep_config (use fep_config_init)",
-                c.version,
-                c.struct_size,
+                "version {version} / struct_size {size}: this library is ABI {FEP_ABI_VERSION} \
+                 with a {}-byte fep_config ({FEP_CONFIG_V1_SIZE} bytes and up accepted; use \
+                 fep_config_init)",
                 std::mem::size_of::<fep_config>()
             ),
         ));
     }
+    let mut c = std::mem::MaybeUninit::<fep_config>::uninit();
+    fep_config_init(c.as_mut_ptr());
+    let mut c = c.assume_init();
+    let n = (size as usize).min(std::mem::size_of::<fep_config>());
+    // SAFETY: the caller's struct has `size` bytes; we copy at most our own size.
+    std::ptr::copy_nonoverlapping(cfg.cast::<u8>(), (&mut c as *mut fep_config).cast::<u8>(), n);
+    c.struct_size = std::mem::size_of::<fep_config>() as u32;
+    Ok(c)
+}
+
+unsafe fn resolve(cfg: *const fep_config) -> Result<Resolved, Error> {
+    let raw = read_config(cfg)?;
+    let c = &raw;
     let pos = |name: &'static str, v: i32| -> Result<usize, Error> {
         if v <= 0 {
             Err(Error::arg(name, format!("{v}: must be positive")))
@@ -255,7 +313,7 @@ unsafe fn resolve(cfg: *const fep_config) -> Result<Resolved, Error> {
     } else {
         env_usize("LOCAL_RANK").unwrap_or(rank % s.ranks_per_node.max(1))
     };
-    Ok(Resolved { settings: s, local_rank, backend, provider })
+    Ok(Resolved { settings: s, local_rank, backend, provider, raw })
 }
 
 /// Bytes and memory regions a configuration needs per rank (no communication).
@@ -346,10 +404,34 @@ pub unsafe extern "C" fn fep_buffer_create(
                 ),
             ));
         }
-        let mut opts = BufferOptions::host(&r.provider);
-        opts.backend = r.backend;
-        let buf = Buffer::new(EpConfig::new(r.settings)?, boot, opts)?;
-        *out = Box::into_raw(Box::new(fep_buffer { inner: Some(buf) }));
+        let (opts, dev) = match r.backend {
+            Backend::Host => (BufferOptions::host(&r.provider), None),
+            Backend::Gpu => {
+                let (o, dev) = super::gpu::options(&r.raw, r.local_rank)?;
+                (BufferOptions::gpu(o), Some(dev))
+            }
+        };
+        let mut buf = Buffer::new(EpConfig::new(r.settings)?, boot.clone(), opts)?;
+        let gpu = match dev {
+            Some(d) => {
+                let st = super::gpu::GpuState::new(d)?;
+                let tokens = match r.raw.gpu_reserve_tokens {
+                    0 => super::gpu::DEFAULT_RESERVE_TOKENS,
+                    t if t < 0 => 0,
+                    t => t as usize,
+                };
+                if tokens > 0 {
+                    st.reserve(&mut buf, tokens, super::gpu::RESERVED_HANDLES)?;
+                }
+                // NOTES: no rank may start a step (whose kernels spin on its peers) while a
+                // peer still allocates (its allocation would wait for those kernels): every
+                // rank allocates above, then this barrier.
+                boot.barrier()?;
+                Some(st)
+            }
+            None => None,
+        };
+        *out = Box::into_raw(Box::new(fep_buffer { inner: Some(buf), gpu }));
         Ok(())
     })
 }
@@ -366,10 +448,14 @@ pub unsafe extern "C" fn fep_buffer_destroy(buf: *mut fep_buffer) -> super::fep_
             return Ok(());
         }
         let mut b = Box::from_raw(buf);
-        match b.inner.take() {
+        let res = match b.inner.take() {
             Some(inner) => inner.destroy(),
             None => Ok(()),
-        }
+        };
+        // NOTES: pooled GPU handles are freed here, after the collective teardown (no peer
+        // kernel can be spinning any more); handles the caller still holds free their own.
+        b.gpu.take();
+        res
     })
 }
 
@@ -380,11 +466,11 @@ pub unsafe extern "C" fn fep_buffer_destroy(buf: *mut fep_buffer) -> super::fep_
 #[no_mangle]
 pub unsafe extern "C" fn fep_handle_destroy(handle: *mut fep_handle) {
     if !handle.is_null() {
-        drop(Box::from_raw(handle));
+        super::free_boxed(handle);
     }
 }
 
-fn dtype_name(d: i32) -> &'static str {
+pub(crate) fn dtype_name(d: i32) -> &'static str {
     match d {
         FEP_DTYPE_BF16 => "bf16",
         FEP_DTYPE_FP8_E4M3 => "fp8_e4m3",
@@ -397,7 +483,7 @@ fn dtype_name(d: i32) -> &'static str {
 }
 
 /// Checks a tensor's dtype and shape (`None` = any extent) and returns its element count.
-unsafe fn check_tensor(
+pub(crate) unsafe fn check_tensor(
     name: &'static str,
     t: &fep_tensor,
     dtype: i32,
@@ -455,8 +541,13 @@ pub(crate) fn buffer<'a>(buf: *mut fep_buffer) -> Result<&'a mut Buffer, Error> 
         .ok_or_else(|| Error::arg("buf", "NULL or destroyed buffer"))
 }
 
-pub(crate) fn no_stream(stream: *mut c_void, buf: &Buffer) -> Result<(), Error> {
-    let _ = buf;
+pub(crate) fn no_stream(stream: *mut c_void, buf: &mut Buffer) -> Result<(), Error> {
+    if buf.gpu().is_ok() {
+        return Err(Error::arg(
+            "buf",
+            "a GPU backend buffer: use the fep_gpu_* calls (device pointers and a CUstream)",
+        ));
+    }
     if !stream.is_null() {
         return Err(Error::arg("stream", "the host backend runs on the calling thread: pass NULL"));
     }
@@ -529,7 +620,10 @@ pub unsafe extern "C" fn fep_dispatch(
                     .0,
             )
         };
-        let cached = cached.as_ref().map(|h| &h.handle);
+        let cached = match cached.as_ref() {
+            Some(h) => Some(h.host()?),
+            None => None,
+        };
         let args = DispatchArgs {
             x: xs,
             topk_idx: idx,
@@ -547,8 +641,9 @@ pub unsafe extern "C" fn fep_dispatch(
         if !num_recv_tokens.is_null() {
             *num_recv_tokens = out.handle.num_out_rows() as i64;
         }
-        *out_handle =
-            Box::into_raw(Box::new(fep_handle { handle: out.handle.clone(), out: Some(out) }));
+        *out_handle = Box::into_raw(Box::new(fep_handle {
+            kind: HandleKind::Host { handle: out.handle.clone(), out: Some(out) },
+        }));
         Ok(())
     })
 }
@@ -572,9 +667,15 @@ pub unsafe extern "C" fn fep_handle_copy_out(
 ) -> super::fep_status {
     guard(|| {
         let h = handle.as_mut().ok_or_else(|| Error::arg("handle", "NULL pointer"))?;
-        let out = h.out.take().ok_or_else(|| Error::arg("handle", "outputs already copied out"))?;
+        let HandleKind::Host { out: slot, .. } = &mut h.kind else {
+            return Err(Error::arg(
+                "handle",
+                "a GPU backend handle: fep_gpu_dispatch fills outputs",
+            ));
+        };
+        let out = slot.take().ok_or_else(|| Error::arg("handle", "outputs already copied out"))?;
         let rows = out.handle.num_out_rows() as i64;
-        let restore = |h: &mut fep_handle, out| h.out = Some(out);
+        let restore = |slot: &mut Option<DispatchOutput>, out| *slot = Some(out);
         let res = (|| -> Result<(), Error> {
             match &out.recv_x {
                 OwnedTokens::Bf16(v) => {
@@ -640,7 +741,7 @@ pub unsafe extern "C" fn fep_handle_copy_out(
         })();
         if res.is_err() {
             // Let the caller fix its tensors and try again.
-            restore(h, out);
+            restore(slot, out);
         }
         res
     })
@@ -652,7 +753,10 @@ pub unsafe extern "C" fn fep_handle_copy_out(
 /// `handle` must be valid or NULL (returns -1).
 #[no_mangle]
 pub unsafe extern "C" fn fep_handle_num_recv_tokens(handle: *const fep_handle) -> i64 {
-    handle.as_ref().map_or(-1, |h| h.handle.num_out_rows() as i64)
+    handle.as_ref().map_or(-1, |h| match &h.kind {
+        HandleKind::Host { handle, .. } => handle.num_out_rows() as i64,
+        HandleKind::Gpu(p) => p.num_out_rows().map_or(-1, |r| r as i64),
+    })
 }
 
 /// Normal combine with a dispatch handle: `x` `[rows, H]` bf16 (rows as the dispatch's outputs),
@@ -675,9 +779,9 @@ pub unsafe extern "C" fn fep_combine(
     guard(|| {
         let b = buffer(buf)?;
         no_stream(stream, b)?;
-        let h = handle.as_ref().ok_or_else(|| Error::arg("handle", "NULL pointer"))?;
+        let h = handle.as_ref().ok_or_else(|| Error::arg("handle", "NULL pointer"))?.host()?;
         let (hidden, k) = (b.config().hidden as i64, b.config().num_topk as i64);
-        let rows = h.handle.num_out_rows() as i64;
+        let rows = h.num_out_rows() as i64;
         let xs = view::<u16>("x", x, FEP_DTYPE_BF16, &[Some(rows), Some(hidden)])?.0;
         let w = if topk_weights.is_null() {
             None
@@ -686,8 +790,8 @@ pub unsafe extern "C" fn fep_combine(
                 view::<f32>("topk_weights", topk_weights, FEP_DTYPE_F32, &[Some(rows), Some(k)])?.0,
             )
         };
-        let out = b.combine(&CombineArgs { x: xs, handle: &h.handle, topk_weights: w })?;
-        let t = h.handle.num_tokens() as i64;
+        let out = b.combine(&CombineArgs { x: xs, handle: h, topk_weights: w })?;
+        let t = h.num_tokens() as i64;
         view_mut::<u16>("combined_x", combined_x, FEP_DTYPE_BF16, &[Some(t), Some(hidden)])?
             .copy_from_slice(&out.combined_x);
         if let (false, Some(cw)) =

@@ -279,16 +279,24 @@ pub unsafe extern "C" fn fep_ll_combine_copy_out(
 #[no_mangle]
 pub unsafe extern "C" fn fep_ll_op_destroy(op: *mut fep_ll_op) {
     if !op.is_null() {
-        drop(Box::from_raw(op));
+        super::free_boxed(op);
     }
 }
 
 /// Makes the low-latency buffers usable again after a failed step (collective: every rank calls
-/// it); earlier ops and handles become invalid.
+/// it); earlier ops and handles become invalid. On the GPU backend it also resets normal mode
+/// after a device error, and no kernel of this buffer's group may be running (synchronise
+/// every rank's streams first).
 ///
 /// # Safety
 /// `buf` must be valid.
 #[no_mangle]
 pub unsafe extern "C" fn fep_clean_low_latency_buffer(buf: *mut fep_buffer) -> super::fep_status {
-    guard(|| super::buffer::buffer(buf)?.clean_low_latency_buffer())
+    guard(|| {
+        let b = super::buffer::buffer(buf)?;
+        match b.gpu() {
+            Ok(g) => g.clean_low_latency_gpu(),
+            Err(_) => b.clean_low_latency_buffer(),
+        }
+    })
 }

@@ -9,10 +9,12 @@
 #![allow(non_camel_case_types)]
 
 mod buffer;
+mod gpu;
 mod ll;
 mod status;
 
 pub use buffer::*;
+pub use gpu::*;
 pub use ll::*;
 
 pub use status::*;

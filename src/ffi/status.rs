@@ -77,6 +77,19 @@ pub(crate) fn guard(f: impl FnOnce() -> Result<(), Error>) -> fep_status {
     }
 }
 
+/// Frees a boxed object handed out to C, inside the panic boundary (a `_destroy` returns
+/// nothing, so a panic in a destructor is recorded as the thread's last error and swallowed).
+///
+/// # Safety
+/// `p` must come from `Box::into_raw` and not be used afterwards.
+pub(crate) unsafe fn free_boxed<T>(p: *mut T) {
+    let p = p as usize;
+    if let Err(e) = catch_unwind(move || drop(Box::from_raw(p as *mut T))) {
+        let what = e.downcast_ref::<&str>().map_or("unknown panic", |s| s);
+        set_last_error(&format!("internal panic (a fabric-ep bug) in a destroy call: {what}"));
+    }
+}
+
 /// A static, human-readable name for a status (any integer is accepted).
 #[no_mangle]
 pub extern "C" fn fep_status_string(status: i32) -> *const c_char {

@@ -4,8 +4,10 @@ C ABI (``libfabric_ep``), so a DeepEP user changes the import::
     from fabric_ep import Buffer, Config, EventOverlap
 
 The one difference: ``Buffer(...)`` needs ``num_experts=``, ``hidden=`` and ``num_topk=`` (fabric-ep
-sizes its buffers from the model shape, not from byte counts). Only the host backend (CPU threads
-over host memory; numpy arrays or torch CPU tensors) is in the C ABI today.
+sizes its buffers from the model shape, not from byte counts). Two backends: host (CPU threads
+over host memory; numpy arrays or torch CPU tensors) and GPU (CUDA kernels; torch CUDA tensors
+and the current CUDA stream; in this version ranks are threads of one process on one GPU, e.g.
+over a :class:`ThreadGroup`).
 
 The library is found through ``FABRIC_EP_LIBRARY``, next to this package, ``$CARGO_TARGET_DIR``
 or the repository's ``target/{release,debug}``, then the system library path.
@@ -14,7 +16,7 @@ or the repository's ``target/{release,debug}``, then the system library path.
 from ._lib import FabricEPArgumentError, FabricEPError, FabricEPTimeoutError
 from .buffer import Buffer, DispatchHandle, LowLatencyHandle
 from .config import Config
-from .utils import EventOverlap
+from .utils import EventOverlap, ThreadGroup
 
 __all__ = [
     "Buffer",
@@ -22,6 +24,7 @@ __all__ = [
     "DispatchHandle",
     "LowLatencyHandle",
     "EventOverlap",
+    "ThreadGroup",
     "FabricEPError",
     "FabricEPArgumentError",
     "FabricEPTimeoutError",

@@ -53,6 +53,9 @@ class fep_config(ctypes.Structure):
         ("reserved", ctypes.c_int32),
         ("timeout_s", ctypes.c_double),
         ("provider", ctypes.c_char_p),
+        # Appended after the first release (FEP_CONFIG_V1_SIZE = 80 bytes is still accepted).
+        ("device", ctypes.c_int32),
+        ("gpu_reserve_tokens", ctypes.c_int32),
     ]
 
 
@@ -72,6 +75,21 @@ class fep_tensor(ctypes.Structure):
         ("ndim", ctypes.c_int32),
         ("shape", ctypes.c_int64 * 4),
     ]
+
+
+class fep_gpu_order(ctypes.Structure):
+    """Stream order of a GPU call: run on ``stream`` after ``wait_stream``'s queued work and
+    ``wait_event``; then ``then_stream`` waits for it (NULL members skipped)."""
+
+    _fields_ = [
+        ("stream", ctypes.c_void_p),
+        ("wait_stream", ctypes.c_void_p),
+        ("wait_event", ctypes.c_void_p),
+        ("then_stream", ctypes.c_void_p),
+    ]
+
+
+FEP_CONFIG_V1_SIZE = 80
 
 
 # int (*)(const void *send, size_t len, void *recv, void *user)
@@ -205,6 +223,17 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("fep_ll_combine_copy_out", _st, _vp, _vp),
         ("fep_ll_op_destroy", None, _vp),
         ("fep_clean_low_latency_buffer", _st, _vp),
+        # GPU backend (device pointers, CUDA streams).
+        ("fep_gpu_reserve", _st, _vp, ctypes.c_int64, ctypes.c_int32),
+        ("fep_gpu_notify", _st, _vp, _vp, ctypes.c_int32, ctypes.c_int64, _vp, _vp, _vp, _vp),
+        ("fep_gpu_dispatch", _st, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp),
+        ("fep_gpu_combine", _st, _vp, _vp, _vp, _vp, _vp, _vp, _vp),
+        ("fep_gpu_ll_dispatch", _st, _vp, _vp, _vp, _b, _b, _b, _vp, _vp, _vp),
+        ("fep_gpu_ll_complete", _st, _vp, _vp, _vp),
+        ("fep_gpu_ll_combine", _st, _vp, _vp, _vp, _vp, _vp, _vp, _b, _vp, _vp),
+        ("fep_gpu_ll_op_destroy", None, _vp),
+        ("fep_gpu_sync", _st, _vp, _vp),
+        ("fep_gpu_info", _st, _vp, _vp, _vp, _vp),
     ]
     for name, restype, *argtypes in optional:
         if hasattr(lib, name):

@@ -19,6 +19,7 @@ import numpy as np
 from . import _lib
 from ._arrays import TensorSlots, alloc, arr, data_ptr, empty_like_kind, in2, tensor
 from ._lib import (
+    FEP_BACKEND_GPU,
     FEP_BACKEND_HOST,
     FEP_DTYPE_BF16,
     FEP_DTYPE_BOOL,
@@ -91,13 +92,15 @@ class DispatchHandle:
     ``dispatch``. Owns the native ``fep_handle`` (freed when this object is collected). Opaque;
     ``num_tokens`` (this rank's ``T``) and ``num_recv_tokens`` (``rows``) are informational."""
 
-    __slots__ = ("_ptr", "_buffer_id", "num_tokens", "num_recv_tokens", "__weakref__")
+    __slots__ = ("_ptr", "_buffer_id", "num_tokens", "num_recv_tokens", "_keep", "__weakref__")
 
     def __init__(self, ptr: int, buffer_id: int, num_tokens: int, num_recv_tokens: int):
         self._ptr = ptr
         self._buffer_id = buffer_id
         self.num_tokens = num_tokens
         self.num_recv_tokens = num_recv_tokens
+        # GPU backend: (topk_idx, topk_weights, recv_src_idx) tensors a cached dispatch reuses.
+        self._keep: Any = None
 
     def __del__(self, _destroy=_destroy_handle) -> None:
         p, self._ptr = self._ptr, 0
@@ -146,10 +149,14 @@ class _TorchAllGather:
 
 
 class Buffer:
-    """DeepEP V1's ``Buffer`` on fabric-ep (host backend: CPU threads over host memory).
+    """DeepEP V1's ``Buffer`` on fabric-ep: the host backend (CPU threads over host memory; numpy
+    arrays or torch CPU tensors) or the GPU backend (CUDA kernels; torch CUDA tensors, the
+    current CUDA stream; see :mod:`fabric_ep._gpu` for the stream rules).
 
     Arguments (DeepEP's, in DeepEP's order):
-        group: a ``torch.distributed`` ProcessGroup (the connection info is all-gathered over it)
+        group: a ``torch.distributed`` ProcessGroup (the connection info is all-gathered over it),
+            any object with ``rank()``, ``size()`` and ``all_gather_bytes(bytes) -> list[bytes]``
+            (e.g. :class:`fabric_ep.ThreadGroup`, ranks as threads of this process),
             or ``None``: bootstrap from the torchrun variables ``RANK``, ``WORLD_SIZE``,
             ``MASTER_ADDR``, ``MASTER_PORT`` (fabric-ep's store listens on ``MASTER_PORT + 1``
             unless ``FEP_MASTER_PORT`` is set), ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``.
@@ -170,7 +177,15 @@ class Buffer:
         num_max_dispatch_tokens_per_rank: low-latency capacity (0: the library's default, 128);
             ``low_latency_dispatch``/``clean_low_latency_buffer`` must pass the same value.
         config: a :class:`Config` for normal mode (default ``Buffer.get_dispatch_config(R)``).
-        backend: ``"host"`` (the only backend in the C ABI today).
+        backend: ``"host"``, ``"gpu"`` or ``"auto"`` (default): ``"gpu"`` when torch sees a CUDA
+            device and ``group`` is an NCCL process group or an ``all_gather_bytes`` group (a
+            :class:`fabric_ep.ThreadGroup`), else ``"host"``. The GPU backend of this version runs
+            ranks as threads of one process on one GPU (the current CUDA device); ranks in other
+            processes are refused when the buffer connects.
+        gpu_reserve_tokens: GPU backend: dispatch handles for up to this many input tokens are
+            reserved at construction (4 of them; 0: none), so steps allocate no device memory; a
+            larger dispatch allocates one when it runs (which, with ranks as threads, can stall
+            until the timeout if a peer's kernel is spinning).
         provider: libfabric provider (``"shm"``, ``"tcp;ofi_rxm"``, ``"efa"``); None:
             ``FI_PROVIDER``, else ``"shm"``.
         timeout_s: bound on every wait inside the library (0: 60 s).
@@ -195,12 +210,14 @@ class Buffer:
         dispatch_dtype: str = "bf16",
         num_max_dispatch_tokens_per_rank: int = 0,
         config: Optional[Config] = None,
-        backend: str = "host",
+        backend: str = "auto",
         provider: Optional[str] = None,
         timeout_s: float = 0.0,
         ranks_per_node: Optional[int] = None,
+        gpu_reserve_tokens: int = 4096,
     ) -> None:
         self._ptr = 0  # set last: __del__ must see a consistent object if __init__ raises
+        self._g: Optional[Any] = None
         missing = [
             n for n, v in (("num_experts", num_experts), ("hidden", hidden), ("num_topk", num_topk))
             if v is None
@@ -222,11 +239,18 @@ class Buffer:
             raise ValueError(f"num_qps_per_rank: {num_qps_per_rank!r} must be a positive int")
         if dispatch_dtype not in _DISPATCH_DTYPES:
             raise ValueError(f"dispatch_dtype: {dispatch_dtype!r}, expected 'bf16' or 'fp8'")
-        if backend != "host":
+        if backend not in ("auto", "host", "gpu"):
+            raise ValueError(f"backend: {backend!r}, expected 'auto', 'host' or 'gpu'")
+        if backend == "auto":
+            backend = _auto_backend(group)
+        if backend == "gpu" and not _lib._has("fep_gpu_notify"):
             raise NotImplementedError(
-                f"backend: {backend!r}: the C ABI has only the host backend so far; the GPU "
-                "backend (CUDA tensors, the current stream) is not in it yet"
+                "backend: 'gpu': this libfabric_ep has no fep_gpu_* calls; rebuild the library"
             )
+        if isinstance(gpu_reserve_tokens, bool) or not isinstance(gpu_reserve_tokens, int) \
+                or not 0 <= gpu_reserve_tokens < 2**31:
+            raise ValueError(f"gpu_reserve_tokens: {gpu_reserve_tokens!r} must be an int in [0, 2**31)")
+        self.backend = backend
         if num_max_dispatch_tokens_per_rank < 0:
             raise ValueError(
                 f"num_max_dispatch_tokens_per_rank: {num_max_dispatch_tokens_per_rank} is negative"
@@ -247,9 +271,17 @@ class Buffer:
         self.dispatch_dtype = dispatch_dtype
         self._dispatch_code = _DISPATCH_DTYPES[dispatch_dtype]
 
+        explicit_config = config is not None
         cfg = _lib.new_config()
-        self._gather: Optional[_TorchAllGather] = None
-        if group is not None:
+        self._gather: Optional[Any] = None
+        if group is not None and hasattr(group, "all_gather_bytes"):
+            from ._gpu import CallbackAllGather
+
+            self._gather = CallbackAllGather(group)
+            cfg.rank = group.rank()
+            cfg.num_ranks = group.size()
+            world = cfg.num_ranks
+        elif group is not None:
             self._gather = _TorchAllGather(group)
             cfg.rank = group.rank()
             cfg.num_ranks = group.size()
@@ -277,6 +309,24 @@ class Buffer:
         cfg.chunk_tokens = chunk
         cfg.slots_per_peer = slots
         cfg.backend = FEP_BACKEND_HOST
+        torch_mod: Any = None
+        if backend == "gpu":
+            try:
+                import torch as torch_mod
+            except ImportError as e:
+                raise ValueError(f"backend: 'gpu' needs torch with CUDA ({e})") from None
+            if not torch_mod.cuda.is_available():
+                raise ValueError("backend: 'gpu' needs a CUDA device (torch.cuda.is_available() is False)")
+            cfg.backend = FEP_BACKEND_GPU
+            cfg.device = torch_mod.cuda.current_device()
+            # Reserved inside fep_buffer_create, before its closing barrier (no allocation may
+            # happen while a peer's kernel spins).
+            cfg.gpu_reserve_tokens = gpu_reserve_tokens if gpu_reserve_tokens else -1
+            # The GPU defaults (SMs / ranks, 16-token chunks, 8 slots) unless the caller chose.
+            if not explicit_config:
+                cfg.chunk_tokens = cfg.slots_per_peer = 0
+                if Buffer.num_sms == DEFAULT_NUM_SMS:
+                    cfg.num_sms = 0
         cfg.timeout_s = float(timeout_s)
         self._provider = provider.encode() if provider is not None else None
         cfg.provider = self._provider
@@ -312,6 +362,15 @@ class Buffer:
         self._slots = TensorSlots(9)
         self._per_expert = np.zeros(self.num_local_experts, dtype=np.int32)
         self._slots.set1(8, self._per_expert.ctypes.data, FEP_DTYPE_I32, self.num_local_experts)
+        if backend == "gpu":
+            from ._gpu import GpuPath
+
+            threads = hasattr(group, "all_gather_bytes") and self.num_ranks > 1
+            d, sms, comm = ctypes.c_int32(), ctypes.c_int32(), ctypes.c_void_p()
+            _lib.check("fep_gpu_info", lib.fep_gpu_info(self._ptr, ctypes.byref(d), ctypes.byref(sms),
+                                                        ctypes.byref(comm)))
+            self.num_sms = sms.value
+            self._g = GpuPath(self, torch_mod, int(cfg.device), threads, comm.value or 0)
 
     # ---------------------------------------------------------------- lifetime
 
@@ -323,9 +382,11 @@ class Buffer:
     def destroy(self) -> None:
         """Frees the native buffer (a bounded barrier with the other ranks, then teardown).
         Collective: every rank calls it. Later calls on this Buffer raise."""
-        p, self._ptr = self._ptr, 0
-        if not p:
+        if not self._ptr:
             raise RuntimeError("Buffer.destroy: already destroyed")
+        if self._g is not None:
+            self._g.quiesce()  # no kernel of this rank may run into the teardown
+        p, self._ptr = self._ptr, 0
         st = lib.fep_buffer_destroy(p)
         if st != _lib.FEP_OK:
             raise _lib.error("fep_buffer_destroy", st)
@@ -386,11 +447,20 @@ class Buffer:
         h = _lib.size_hints(self._cfg)
         return {n: int(getattr(h, n)) for n, _ in _lib.fep_size_hints._fields_}
 
-    def get_comm_stream(self) -> None:
-        """DeepEP returns its communication stream; the host backend has none: returns None
-        (``torch.cuda.stream(None)`` is a no-op context)."""
+    def get_comm_stream(self) -> Any:
+        """The communication stream (a ``torch.cuda.Stream``) on the GPU backend; None on the host
+        backend, which has none (``torch.cuda.stream(None)`` is a no-op context)."""
         self._live()
-        return None
+        return self._g.comm if self._g is not None else None
+
+    def sync(self) -> None:
+        """fabric-ep extension: waits (bounded by twice ``timeout_s`` plus 5 s) until the
+        communication stream has run its work and raises :class:`FabricEPError` for any error
+        this rank's kernels recorded (a timed-out wait names the phase and the peer). A no-op on
+        the host backend, whose calls report their errors themselves."""
+        self._live()
+        if self._g is not None:
+            self._g.sync()
 
     def get_local_buffer_tensor(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(
@@ -422,12 +492,15 @@ class Buffer:
             event: ``EventOverlap(None)`` (the work is done).
         """
         self._live()
-        _no_event(previous_event)
-        _host_only(async_finish, allocate_on_comm_stream)
         if num_experts != self.num_experts:
             raise ValueError(
                 f"num_experts: {num_experts}, but this Buffer was built for {self.num_experts}"
             )
+        if self._g is not None:
+            return self._g.get_dispatch_layout(topk_idx, num_experts, previous_event,
+                                               async_finish, allocate_on_comm_stream)
+        _no_event(previous_event)
+        _host_only(async_finish, allocate_on_comm_stream)
         idx = arr("topk_idx", topk_idx, FEP_DTYPE_I64, (None, None))
         t, k = idx.shape
         r = self.num_ranks
@@ -507,12 +580,18 @@ class Buffer:
         p = self._ptr
         if not p:
             raise RuntimeError("Buffer: already destroyed")
+        if config is not None:
+            self._check_config(config)
+        if self._g is not None:
+            self._layout_args(None, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                              is_token_in_rank, num_tokens_per_expert)
+            return self._g.dispatch(x, handle, topk_idx, topk_weights, expert_alignment,
+                                    num_worst_tokens, previous_event, async_finish,
+                                    allocate_on_comm_stream)
         if previous_event is not None:
             _no_event(previous_event)
         if async_finish or allocate_on_comm_stream:
             _host_only(async_finish, allocate_on_comm_stream)
-        if config is not None:
-            self._check_config(config)
         h = self.hidden
         k = self.num_topk
 
@@ -563,16 +642,10 @@ class Buffer:
             ip = in2("topk_idx", topk_idx, FEP_DTYPE_I64, t, k)[0]
             wp = in2("topk_weights", topk_weights, FEP_DTYPE_F32, t, k)[0]
             cached = None
-        if num_tokens_per_rank is not None:
-            arr("num_tokens_per_rank", num_tokens_per_rank, FEP_DTYPE_I32, (self.num_ranks,))
-        if num_tokens_per_rdma_rank is not None:
-            arr("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, FEP_DTYPE_I32,
-                (self._num_nodes,))
-        if is_token_in_rank is not None:
-            arr("is_token_in_rank", is_token_in_rank, FEP_DTYPE_BOOL, (t, self.num_ranks))
-        if num_tokens_per_expert is not None:
-            arr("num_tokens_per_expert", num_tokens_per_expert, FEP_DTYPE_I32,
-                (self.num_experts,))
+        if (num_tokens_per_rank is not None or num_tokens_per_rdma_rank is not None
+                or is_token_in_rank is not None or num_tokens_per_expert is not None):
+            self._layout_args(t, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                              num_tokens_per_expert)
         if type(expert_alignment) is not int or expert_alignment < 1:
             raise ValueError(f"expert_alignment: {expert_alignment!r} must be an int >= 1")
         if type(num_worst_tokens) is not int or num_worst_tokens < 0:
@@ -622,6 +695,31 @@ class Buffer:
         counts = [] if num_worst_tokens > 0 else self._per_expert.tolist()
         return out_x, recv_idx, recv_w, counts, new_handle, EventOverlap(None)
 
+    def _layout_args(self, t: Optional[int], per_rank: Any, per_rdma: Any, in_rank: Any,
+                     per_expert: Any) -> None:
+        """Checks ``get_dispatch_layout``'s outputs passed to ``dispatch`` (shape and dtype only:
+        the library derives the counts from ``topk_idx``)."""
+        if self._g is not None:
+            g = self._g
+            if per_rank is not None:
+                g.tn("num_tokens_per_rank", per_rank, (g.i32,), (self.num_ranks,))
+            if per_rdma is not None:
+                g.tn("num_tokens_per_rdma_rank", per_rdma, (g.i32,), (self._num_nodes,))
+            if in_rank is not None:
+                rows = in_rank.shape[0] if isinstance(in_rank, g.Tensor) and in_rank.dim() == 2 else -1
+                g.tn("is_token_in_rank", in_rank, (g.torch.bool,), (rows, self.num_ranks))
+            if per_expert is not None:
+                g.tn("num_tokens_per_expert", per_expert, (g.i32,), (self.num_experts,))
+            return
+        if per_rank is not None:
+            arr("num_tokens_per_rank", per_rank, FEP_DTYPE_I32, (self.num_ranks,))
+        if per_rdma is not None:
+            arr("num_tokens_per_rdma_rank", per_rdma, FEP_DTYPE_I32, (self._num_nodes,))
+        if in_rank is not None:
+            arr("is_token_in_rank", in_rank, FEP_DTYPE_BOOL, (t, self.num_ranks))
+        if per_expert is not None:
+            arr("num_tokens_per_expert", per_expert, FEP_DTYPE_I32, (self.num_experts,))
+
     def combine(
         self,
         x: Any,
@@ -654,10 +752,6 @@ class Buffer:
             raise RuntimeError("Buffer: already destroyed")
         if bias is not None:
             raise ValueError("bias: fabric-ep's combine has no bias add; add it before or after")
-        if previous_event is not None:
-            _no_event(previous_event)
-        if async_finish or allocate_on_comm_stream:
-            _host_only(async_finish, allocate_on_comm_stream)
         if config is not None:
             self._check_config(config)
         if type(handle) is not DispatchHandle:
@@ -666,6 +760,13 @@ class Buffer:
             )
         if handle._buffer_id != id(self) or not handle._ptr:
             raise ValueError("handle: made by another Buffer (or already freed)")
+        if self._g is not None:
+            return self._g.combine(x, handle, topk_weights, previous_event, async_finish,
+                                   allocate_on_comm_stream)
+        if previous_event is not None:
+            _no_event(previous_event)
+        if async_finish or allocate_on_comm_stream:
+            _host_only(async_finish, allocate_on_comm_stream)
         h = self.hidden
         k = self.num_topk
         rows = handle.num_recv_tokens
@@ -773,6 +874,9 @@ class Buffer:
             )
         if use_ue8m0:
             raise ValueError("use_ue8m0=True: fabric-ep's fp8 scales are float32; pass False")
+        if self._g is not None:
+            return self._g.ll_dispatch(x, topk_idx, cumulative_local_expert_recv_stats, use_fp8,
+                                       round_scale, async_finish, return_recv_hook)
         if async_finish:
             _host_only(async_finish, False)
         h, k = self.hidden, self.num_topk
@@ -887,8 +991,6 @@ class Buffer:
                 "combine_wait_recv_cost_stats: fabric-ep does not time per-rank receive waits; "
                 "pass None"
             )
-        if async_finish:
-            _host_only(async_finish, False)
         if type(handle) is not LowLatencyHandle:
             raise TypeError(
                 f"handle: expected a fabric_ep LowLatencyHandle, got {type(handle).__name__}"
@@ -897,6 +999,11 @@ class Buffer:
             raise ValueError("handle: made by another Buffer (or already freed)")
         if not handle._received:
             raise ValueError("handle: its dispatch's receive hook has not been called yet")
+        if self._g is not None:
+            return self._g.ll_combine(x, topk_idx, topk_weights, handle, out, async_finish,
+                                      return_recv_hook)
+        if async_finish:
+            _host_only(async_finish, False)
         h, k, t = self.hidden, self.num_topk, handle.num_tokens
         l, sz = self.num_local_experts, self.num_ranks * self.num_max_dispatch_tokens_per_rank
         xa = arr("x", x, FEP_DTYPE_BF16, (l, sz, h))
@@ -951,12 +1058,45 @@ class Buffer:
         The arguments must match the Buffer's (fabric-ep sized the buffer at construction)."""
         p = self._ll_check("clean_low_latency_buffer")
         self._ll_shape_args(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        if self._g is not None:
+            # GPU: no kernel of the group may run while any rank resets (collective fence).
+            from ._gpu import group_barrier
+
+            self._g.quiesce()
+            group_barrier(self.group)
         st = lib.fep_clean_low_latency_buffer(p)
         if st:
             raise _lib.error("fep_clean_low_latency_buffer", st)
+        if self._g is not None:
+            group_barrier(self.group)
 
 
 _addr = ctypes.addressof
+
+
+def _auto_backend(group: Any) -> str:
+    """``"gpu"`` for an NCCL process group or an ``all_gather_bytes`` group when torch sees a
+    CUDA device; ``"host"`` otherwise."""
+    if group is None:
+        return "host"
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return "host"
+    try:
+        if not torch.cuda.is_available():
+            return "host"
+    except Exception:  # noqa: BLE001 - a broken CUDA install: the host backend still works
+        return "host"
+    if hasattr(group, "all_gather_bytes"):
+        return "gpu"
+    try:
+        import torch.distributed as dist
+
+        return "gpu" if "nccl" in str(dist.get_backend(group)).lower() else "host"
+    except Exception:  # noqa: BLE001 - not a torch group
+        return "host"
 
 
 def _accumulate(stats: Any, counts: Any) -> None:
@@ -1009,28 +1149,66 @@ class _LowLatencyOp:
             _destroy(p)
 
 
+def _destroy_gpu_ll_op(ptr: int, _lib_ref=lib) -> None:
+    _lib_ref.fep_gpu_ll_op_destroy(ptr)
+
+
+class _GpuLowLatencyOp:
+    """Owns a ``fep_gpu_ll_op`` (a combine's) and the tensors its receive uses."""
+
+    __slots__ = ("ptr", "done", "keep")
+
+    def __init__(self, ptr: int, keep: Tuple[Any, ...]):
+        self.ptr = ptr
+        self.done = False
+        self.keep = keep
+
+    def __del__(self, _destroy=_destroy_gpu_ll_op) -> None:
+        p, self.ptr = self.ptr, 0
+        if p:
+            _destroy(p)
+
+
 class LowLatencyHandle:
     """What ``low_latency_dispatch`` returns as ``handle``; pass it to ``low_latency_combine``.
     Owns the dispatch's native op. Attributes (valid once the receive is done): ``src_rank`` and
-    ``src_idx`` ``[L, S]`` int32 (source rank / token index of each row, -1 past the counts),
-    ``layout_range`` ``[L, R]`` int64 (DeepEP's packing: ``begin << 32 | count``),
+    ``src_idx`` ``[L, S]`` int32 (source rank / token index of each row, -1 past the counts on
+    the host backend; unspecified past the counts on the GPU backend), ``layout_range`` ``[L, R]``
+    int64 (DeepEP's packing: ``begin << 32 | count``; computed on first access on the GPU),
     ``num_max_dispatch_tokens_per_rank``, ``hidden``, ``num_experts``."""
 
     __slots__ = ("_ptr", "_buffer_id", "_received", "num_tokens", "num_max_dispatch_tokens_per_rank",
-                 "hidden", "num_experts", "src_rank", "src_idx", "layout_range")
+                 "hidden", "num_experts", "src_rank", "src_idx", "_layout_range", "_gpu", "_pairs",
+                 "_keep")
 
     def __init__(self, ptr: int, buffer_id: int, num_tokens: int, max_tokens: int, hidden: int,
-                 num_experts: int):
+                 num_experts: int, gpu: bool = False):
         self._ptr = ptr
         self._buffer_id = buffer_id
         self._received = False
+        self._gpu = gpu
         self.num_tokens = num_tokens
         self.num_max_dispatch_tokens_per_rank = max_tokens
         self.hidden = hidden
         self.num_experts = num_experts
-        self.src_rank = self.src_idx = self.layout_range = None
+        self.src_rank = self.src_idx = self._layout_range = None
+        self._pairs: Any = None  # GPU: [L, R, 2] int32 (begin, count)
+        self._keep: Any = None
 
-    def __del__(self, _destroy=_destroy_ll_op) -> None:
+    @property
+    def layout_range(self) -> Any:
+        if self._layout_range is None and self._pairs is not None:
+            import torch
+
+            p = self._pairs.to(torch.int64)
+            self._layout_range = (p[..., 0] << 32) | p[..., 1]
+        return self._layout_range
+
+    @layout_range.setter
+    def layout_range(self, v: Any) -> None:
+        self._layout_range = v
+
+    def __del__(self, _destroy=_destroy_ll_op, _destroy_gpu=_destroy_gpu_ll_op) -> None:
         p, self._ptr = self._ptr, 0
         if p:
-            _destroy(p)
+            (_destroy_gpu if self._gpu else _destroy)(p)

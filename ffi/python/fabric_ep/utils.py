@@ -1,14 +1,16 @@
-"""``EventOverlap``: DeepEP's event wrapper.
+"""``EventOverlap``: DeepEP's event wrapper; ``ThreadGroup``: ranks as threads of one process.
 
 On the host backend every call has finished when it returns, so the calls return
 ``EventOverlap(None)`` (what DeepEP returns when ``async_finish=False``): waiting on it, or using
-it as a context manager, does nothing. A ``torch.cuda.Event`` (or anything with ``.wait()``)
-can be wrapped too; ``current_stream_wait`` then makes the current stream wait for it.
+it as a context manager, does nothing. On the GPU backend, ``async_finish=True`` returns an
+``EventOverlap`` wrapping a ``torch.cuda.Event`` recorded on the buffer's communication stream;
+``current_stream_wait`` makes the current stream wait for it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+import threading
+from typing import Any, List, Optional, Tuple
 
 
 class EventOverlap:
@@ -40,3 +42,55 @@ class EventOverlap:
 
     def __repr__(self) -> str:
         return "EventOverlap(None)" if self.event is None else f"EventOverlap({self.event!r})"
+
+
+class ThreadGroup:
+    """A group whose ranks are threads of this process (the GPU backend's mode in this version:
+    every rank on one GPU). ``ThreadGroup.create(n)`` returns one object per rank; each rank's
+    thread passes its own as ``Buffer(group, ...)``. Any object with ``rank()``, ``size()`` and
+    ``all_gather_bytes(bytes) -> list[bytes]`` can stand in for a ``torch.distributed`` group the
+    same way. Waits are bounded by ``timeout_s`` (a ``TimeoutError`` names the rank)."""
+
+    class _Shared:
+        def __init__(self, n: int, timeout_s: float):
+            self.n = n
+            self.timeout_s = timeout_s
+            self.slots: List[bytes] = [b""] * n
+            self.barrier = threading.Barrier(n)
+
+    def __init__(self, shared: "ThreadGroup._Shared", rank: int):
+        self._s = shared
+        self._rank = rank
+
+    @staticmethod
+    def create(num_ranks: int, timeout_s: float = 120.0) -> "List[ThreadGroup]":
+        if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks <= 0:
+            raise ValueError(f"num_ranks: {num_ranks!r} must be a positive int")
+        shared = ThreadGroup._Shared(num_ranks, float(timeout_s))
+        return [ThreadGroup(shared, r) for r in range(num_ranks)]
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._s.n
+
+    def _wait(self) -> None:
+        try:
+            self._s.barrier.wait(self._s.timeout_s)
+        except threading.BrokenBarrierError:
+            raise TimeoutError(
+                f"ThreadGroup: rank {self._rank} waited {self._s.timeout_s} s for the other "
+                f"{self._s.n - 1} ranks (a rank failed or never came)"
+            ) from None
+
+    def barrier(self) -> None:
+        self._wait()
+
+    def all_gather_bytes(self, data: bytes) -> List[bytes]:
+        """Every rank's ``data`` in rank order (collective)."""
+        self._s.slots[self._rank] = bytes(data)
+        self._wait()
+        out = list(self._s.slots)
+        self._wait()  # nobody overwrites its slot before every rank has read
+        return out

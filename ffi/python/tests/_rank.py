@@ -29,9 +29,11 @@ def tokens_of(s):
     return [24, 0, 17, 40, 5, 31, 12, 9][s % 8]  # rank 1 sends nothing
 
 
-def inputs(s, num_ranks, salt=0):
+def inputs(s, num_ranks, salt=0, tokens=None):
+    """Rank ``s``'s x, topk_idx, topk_weights (``tokens``: per-rank token counts instead of
+    tokens_of)."""
     rng = np.random.default_rng(SEED * 1000 + s * 10 + salt)
-    t = tokens_of(s)
+    t = tokens_of(s) if tokens is None else tokens[s]
     e = L * num_ranks
     x = f2bf(rng.integers(-8, 9, size=(t, H)).astype(np.float32))
     # K distinct experts per token, some slots -1 (no expert), a few tokens routed nowhere.

@@ -10,7 +10,9 @@ do not count; the library's own proxy threads are not this thread):
   allocation, handle/event objects), plus the stubs' own call cost (a slight over-estimate).
 * ``end_to_end_us`` vs ``raw_ctypes_us``: the real calls through ``Buffer`` and the same C calls
   (fep_dispatch + fep_handle_copy_out + fep_handle_destroy; fep_combine) made through ctypes
-  with descriptors and outputs prepared once; ``difference_us`` is their difference.
+  with descriptors and outputs prepared once; ``difference_us`` is their difference, and
+  ``paired_median_difference_us`` the median of (real - raw) over back-to-back pairs (wall
+  clock), which a busy machine disturbs far less.
 
 Run: ``python3 ffi/python/tests/bench_overhead.py`` (prints JSON). Sets the torchrun variables
 for one rank itself.
@@ -42,6 +44,22 @@ def best_us(fn, n=5000, reps=7, clock=time.thread_time):
             fn()
         best = min(best, (clock() - t0) / n)
     return best * 1e6
+
+
+def paired_median_us(real, raw, n, clock=time.perf_counter_ns):
+    """Median over ``n`` back-to-back pairs of (real call - raw call), wall clock: a load spike
+    or a preemption lands in a few pairs and leaves the median alone, unlike a difference of two
+    separately timed loops."""
+    d = []
+    for _ in range(n):
+        t0 = clock()
+        real()
+        t1 = clock()
+        raw()
+        t2 = clock()
+        d.append((t1 - t0) - (t2 - t1))
+    d.sort()
+    return d[len(d) // 2] / 1e3
 
 
 def measure(n=5000, reps=7):
@@ -111,6 +129,9 @@ def _measure(n, reps):
                             "combine": best_us(raw_combine, n, reps)}
     out["difference_us"] = {k: out["end_to_end_us"][k] - out["raw_ctypes_us"][k]
                             for k in ("dispatch", "combine")}
+    out["paired_median_difference_us"] = {
+        "dispatch": paired_median_us(py_dispatch, raw_dispatch, n),
+        "combine": paired_median_us(py_combine, raw_combine, n)}
 
     class Stub:  # no-op C entry points: what remains is the Python work
         def fep_dispatch(self, *a):

@@ -10,6 +10,10 @@ import time
 
 import pytest
 
+# The GPU tests run ranks as threads of this process: CUDA's lazy module loading may synchronise
+# the context on a kernel's first use while a peer's kernel spins. Set before CUDA initialises.
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+
 HERE = pathlib.Path(__file__).resolve().parent
 PKG_ROOT = HERE.parent  # ffi/python
 

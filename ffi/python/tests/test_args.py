@@ -42,6 +42,14 @@ def data():
     return x, idx, w
 
 
+def _cuda_available():
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
 def raises(exc, match, fn, *a, **kw):
     with pytest.raises(exc, match=match) as e:
         fn(*a, **kw)
@@ -55,8 +63,11 @@ def test_constructor_requires_model_shape(env1):
     raises(ValueError, "^hidden: ", Buffer, None, num_experts=E, hidden=0, num_topk=K)
     raises(ValueError, "^dispatch_dtype: ", Buffer, None, num_experts=E, hidden=H, num_topk=K,
            dispatch_dtype="fp16")
-    raises(NotImplementedError, "^backend: ", Buffer, None, num_experts=E, hidden=H, num_topk=K,
-           backend="gpu")
+    raises(ValueError, "^backend: ", Buffer, None, num_experts=E, hidden=H, num_topk=K,
+           backend="tpu")
+    if not _cuda_available():
+        raises(ValueError, "^backend: 'gpu' needs ", Buffer, None, num_experts=E, hidden=H,
+               num_topk=K, backend="gpu")
     raises(ValueError, "^config: .*nvl", Buffer, None, num_experts=E, hidden=H, num_topk=K,
            config=Config(20, 6, 256, 6, 128))
 

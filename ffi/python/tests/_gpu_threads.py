@@ -1,0 +1,87 @@
+"""Helpers of the GPU tests: ranks as threads of this process on one GPU (the GPU backend's mode
+in this version), torch <-> numpy conversions of the reference data of _rank.py."""
+
+import ctypes
+import sys
+import threading
+import traceback
+
+import numpy as np
+
+from fabric_ep import ThreadGroup
+from fabric_ep._gpu import warm_allocator
+
+
+def to_bf16(torch, a, dev):
+    """numpy bf16 bits (uint16) -> torch.bfloat16 on ``dev``."""
+    return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16).to(dev)
+
+
+def bits(t):
+    """torch bf16 / fp8 tensor -> numpy raw bits (uint16 / uint8)."""
+    import torch
+
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    if t.dtype.itemsize == 1:
+        return t.view(torch.uint8).numpy()
+    return t.numpy()
+
+
+def own_stream(torch):
+    """A new non-blocking stream of the current context (cuStreamCreate), as a torch stream.
+    NOTES: not torch.cuda.Stream(): torch hands those out from a pool of 32, round-robin, so
+    two ranks' streams can be one stream and serialise their spinning kernels."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    h = ctypes.c_void_p()
+    rc = cuda.cuStreamCreate(ctypes.byref(h), 1)  # CU_STREAM_NON_BLOCKING
+    if rc != 0:
+        raise RuntimeError(f"cuStreamCreate: CUresult {rc}")
+    return torch.cuda.ExternalStream(h.value, device=torch.device("cuda", 0)), h.value
+
+
+def drop_stream(raw):
+    ctypes.CDLL("libcuda.so.1").cuStreamDestroy_v2(ctypes.c_void_p(raw))
+
+
+def run_ranks(world, fn, timeout=40.0):
+    """Runs ``fn(group, rank, world)`` in ``world`` threads, each on its own CUDA stream with a
+    warm caching allocator (no cudaMalloc inside a step: a peer's kernel may be spinning).
+    Returns the per-rank results; raises with every failing rank's traceback."""
+    import torch
+
+    groups = ThreadGroup.create(world, timeout_s=min(timeout, 120.0))
+    results = [None] * world
+    errors = [None] * world
+
+    def body(r):
+        raw = 0
+        try:
+            torch.cuda.set_device(0)
+            torch.cuda.synchronize()  # the primary context is current on this thread
+            s, raw = own_stream(torch)
+            with torch.cuda.stream(s):
+                warm_allocator(torch, 0)
+                results[r] = fn(groups[r], r, world)
+                s.synchronize()
+        except BaseException:  # noqa: BLE001 - reported below with the rank
+            errors[r] = traceback.format_exc()
+            # Live, for logs of runs that are cut short (pytest -s).
+            print(f"[world {world} rank {r}] FAILED:\n{errors[r]}", file=sys.stderr, flush=True)
+        finally:
+            if raw:
+                drop_stream(raw)
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    hung = [r for r, t in enumerate(threads) if t.is_alive()]
+    bad = [(r, e) for r, e in enumerate(errors) if e]
+    if hung or bad:
+        msg = [f"world {world}: ranks still running after {timeout} s: {hung}"] if hung else []
+        msg += [f"--- rank {r}\n{e}" for r, e in bad]
+        raise AssertionError("\n".join(msg))
+    return results

@@ -1,0 +1,358 @@
+//! GPU: the C ABI's GPU entry points (`fep_gpu_*`) driven the way a C caller drives them — ranks
+//! as threads of one process on one GPU, bootstrapped through an all-gather callback, device
+//! pointers in `fep_tensor`s, a stream in a `fep_gpu_order` — against the single-process
+//! reference (src/ep/reference.rs) on the same inputs: the two-step dispatch (notify, outputs
+//! of the returned row count, dispatch), combine, and the `num_worst_tokens` form, bf16 and fp8,
+//! world 1, 2 and 4; and a refused argument naming itself. Ignored without `--include-ignored`
+//! (CI has no GPU); scripts/gpu-check.sh runs it.
+
+use std::os::raw::{c_int, c_void};
+use std::time::Duration;
+
+use fabric_ep::bench::ep::{combine_input, rank_inputs, reference, NormalBenchParams, RankInputs};
+use fabric_ep::bootstrap::{Bootstrap, InProcGroup};
+use fabric_ep::cuda::{gpu_available, Device, DeviceBuffer, Stream};
+use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
+use fabric_ep::ep::reference::Tokens;
+use fabric_ep::ffi::*;
+
+const E: usize = 16;
+const H: usize = 256;
+const K: usize = 4;
+const T: usize = 40;
+
+fn gpu() -> Option<Device> {
+    if !gpu_available() {
+        eprintln!("SKIP: no GPU visible (gpu_available() is false)");
+        return None;
+    }
+    Some(Device::from_env().expect("open the GPU"))
+}
+
+/// `fep_allgather_fn` over an in-process group: `user` is a `&Box<dyn Bootstrap>`.
+unsafe extern "C" fn gather(
+    send: *const c_void,
+    len: usize,
+    recv: *mut c_void,
+    user: *mut c_void,
+) -> c_int {
+    let b = &*(user as *const Box<dyn Bootstrap>);
+    let data = if len == 0 { &[][..] } else { std::slice::from_raw_parts(send as *const u8, len) };
+    match b.all_gather(data) {
+        Ok(parts) => {
+            for (i, p) in parts.iter().enumerate() {
+                if p.len() != len {
+                    return 2;
+                }
+                std::ptr::copy_nonoverlapping(p.as_ptr(), (recv as *mut u8).add(i * len), len);
+            }
+            0
+        }
+        Err(_) => 1,
+    }
+}
+
+fn tensor(b: &DeviceBuffer, dtype: i32, shape: &[usize]) -> fep_tensor {
+    let mut s = [0i64; 4];
+    for (d, v) in s.iter_mut().zip(shape) {
+        *d = *v as i64;
+    }
+    fep_tensor { data: b.device_ptr() as *mut c_void, dtype, ndim: shape.len() as i32, shape: s }
+}
+
+fn ok(what: &str, rank: usize, s: fep_status) {
+    if s != FEP_OK {
+        // SAFETY: fep_last_error returns a NUL-terminated string valid until the next call.
+        let msg = unsafe { std::ffi::CStr::from_ptr(fep_last_error()) }.to_string_lossy();
+        panic!("rank {rank}: {what}: {s:?}: {msg}");
+    }
+}
+
+fn settings(rank: usize, n: usize, fp8: bool) -> EpConfig {
+    let mut s = EpSettings::new(rank, n, E, H, K);
+    s.ranks_per_node = n;
+    if fp8 {
+        s.dispatch_dtype = DispatchDtype::Fp8E4m3;
+    }
+    EpConfig::new(s).expect("config")
+}
+
+/// Device copies of one rank's inputs and outputs, all allocated before any step (with ranks
+/// as threads, an allocation during a step can wait for a peer's spinning kernel).
+struct RankBufs {
+    x: DeviceBuffer,
+    xs: Option<DeviceBuffer>,
+    idx: DeviceBuffer,
+    w: DeviceBuffer,
+    rx: DeviceBuffer,
+    rxs: DeviceBuffer,
+    ri: DeviceBuffer,
+    rw: DeviceBuffer,
+    src: DeviceBuffer,
+    cin: DeviceBuffer,
+    cin_w: DeviceBuffer,
+    cin_worst: DeviceBuffer,
+    cx: DeviceBuffer,
+    cw: DeviceBuffer,
+}
+
+fn run(dev: &Device, n: usize, fp8: bool) {
+    let hp = NormalBenchParams {
+        num_tokens: T,
+        seed: 0xF1 + n as u64,
+        drop_pct: 10,
+        iters: 1,
+        warmup: 0,
+        combine_weights: true,
+    };
+    let cfg0 = settings(0, n, fp8);
+    let inputs: Vec<RankInputs> =
+        (0..n).map(|r| rank_inputs(&settings(r, n, fp8), &hp, r).expect("inputs")).collect();
+    let worst = T * n;
+    let (want_d, want_c) = reference(&cfg0, &inputs, 1, None, true).expect("reference");
+    let (want_wd, want_wc) = reference(&cfg0, &inputs, 1, Some(worst), true).expect("reference");
+    let boots = InProcGroup::new(n, n, Duration::from_secs(30)).expect("group");
+    std::thread::scope(|s| {
+        let hs: Vec<_> = boots
+            .into_iter()
+            .enumerate()
+            .map(|(rank, b)| {
+                let (me, wd, wc) = (&inputs[rank], &want_d[rank], &want_c[rank]);
+                let (wwd, wwc) = (&want_wd[rank], &want_wc[rank]);
+                s.spawn(move || {
+                    let boot: Box<dyn Bootstrap> = Box::new(b);
+                    rank_body(dev, rank, n, fp8, &boot, me, (wd, wc), (wwd, wwc), worst);
+                })
+            })
+            .collect();
+        for (r, h) in hs.into_iter().enumerate() {
+            if let Err(e) = h.join() {
+                let m = e
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                panic!("world {n} fp8 {fp8}: rank {r} failed: {m}");
+            }
+        }
+    });
+    eprintln!(
+        "ok: C ABI GPU normal world {n} {}: two-step, combine, num_worst_tokens",
+        if fp8 { "fp8" } else { "bf16" }
+    );
+}
+
+type Want<'a> = (
+    &'a fabric_ep::ep::reference::NormalDispatchOut,
+    &'a fabric_ep::ep::reference::NormalCombineOut,
+);
+
+// NOTES: `&Box<dyn Bootstrap>`, not `&dyn Bootstrap`: the all-gather callback's `user` must be a
+// thin pointer.
+#[allow(clippy::too_many_arguments, clippy::borrowed_box)]
+fn rank_body(
+    dev: &Device,
+    rank: usize,
+    n: usize,
+    fp8: bool,
+    boot: &Box<dyn Bootstrap>,
+    me: &RankInputs,
+    want: Want<'_>,
+    want_worst: Want<'_>,
+    worst: usize,
+) {
+    let up = |v: &[u8]| DeviceBuffer::from_slice(dev, v).expect("upload");
+    let bytes = |v: &[u16]| bytemuck::cast_slice::<u16, u8>(v).to_vec();
+    let (wd, wc) = want;
+    let (wwd, wwc) = want_worst;
+    let xd = if fp8 { FEP_DTYPE_FP8_E4M3 } else { FEP_DTYPE_BF16 };
+    let elem = if fp8 { 1 } else { 2 };
+    let g = H / 128;
+    let b = RankBufs {
+        x: match &me.x_fp8 {
+            Some((q, _)) => up(q),
+            None => up(&bytes(&me.x_bf16)),
+        },
+        xs: me.x_fp8.as_ref().map(|(_, sc)| up(bytemuck::cast_slice(sc))),
+        idx: up(bytemuck::cast_slice(&me.topk_idx)),
+        w: up(bytemuck::cast_slice(&me.topk_weights)),
+        rx: DeviceBuffer::new(dev, worst * H * elem).expect("alloc"),
+        rxs: DeviceBuffer::new(dev, worst * g * 4).expect("alloc"),
+        ri: DeviceBuffer::new(dev, worst * K * 8).expect("alloc"),
+        rw: DeviceBuffer::new(dev, worst * K * 4).expect("alloc"),
+        src: DeviceBuffer::new(dev, worst * 4).expect("alloc"),
+        cin: up(&bytes(&combine_input(&wd.recv_x, H).expect("combine input"))),
+        cin_w: up(bytemuck::cast_slice(&wd.recv_topk_weights)),
+        cin_worst: up(&bytes(&combine_input(&wwd.recv_x, H).expect("combine input"))),
+        cx: DeviceBuffer::new(dev, T * H * 2).expect("alloc"),
+        cw: DeviceBuffer::new(dev, T * K * 4).expect("alloc"),
+    };
+    let stream = Stream::new(dev).expect("stream");
+    let order = fep_gpu_order {
+        stream: stream.as_raw() as *mut c_void,
+        wait_stream: std::ptr::null_mut(),
+        wait_event: std::ptr::null_mut(),
+        then_stream: std::ptr::null_mut(),
+    };
+    // SAFETY: every pointer below is valid for its call; device buffers outlive the stream's
+    // work (fep_gpu_sync before they are read or dropped).
+    unsafe {
+        let mut cfg = std::mem::zeroed::<fep_config>();
+        ok("config_init", rank, fep_config_init(&mut cfg));
+        cfg.rank = rank as i32;
+        cfg.num_ranks = n as i32;
+        cfg.ranks_per_node = n as i32;
+        cfg.local_rank = rank as i32;
+        cfg.num_experts = E as i32;
+        cfg.hidden = H as i32;
+        cfg.num_topk = K as i32;
+        cfg.dispatch_dtype = xd;
+        cfg.backend = FEP_BACKEND_GPU;
+        cfg.device = dev.ordinal() as i32;
+        cfg.timeout_s = 10.0;
+        let user = boot as *const Box<dyn Bootstrap> as *mut c_void;
+        let mut buf = std::ptr::null_mut();
+        ok("buffer_create", rank, fep_buffer_create(&cfg, Some(gather), user, &mut buf));
+
+        let idx = tensor(&b.idx, FEP_DTYPE_I64, &[T, K]);
+        let l = E / n;
+        for (phase, w) in [(0, None), (1, Some(worst))] {
+            let (wd, wc, cin) =
+                if w.is_some() { (wwd, wwc, &b.cin_worst) } else { (wd, wc, &b.cin) };
+            let mut h = std::ptr::null_mut();
+            let mut rows = -1i64;
+            let mut per_expert = vec![-1i32; l];
+            ok(
+                "gpu_notify",
+                rank,
+                fep_gpu_notify(
+                    buf,
+                    &idx,
+                    1,
+                    w.unwrap_or(0) as i64,
+                    &order,
+                    &mut h,
+                    &mut rows,
+                    per_expert.as_mut_ptr(),
+                ),
+            );
+            let rows = rows as usize;
+            match w {
+                Some(w) => assert_eq!(rows, w, "rank {rank}: worst rows"),
+                None => {
+                    assert_eq!(rows, wd.num_recv_tokens, "rank {rank}: rows");
+                    let pe: Vec<usize> = per_expert.iter().map(|&c| c as usize).collect();
+                    assert_eq!(pe, wd.num_recv_tokens_per_expert, "rank {rank}: per expert");
+                }
+            }
+            let x = tensor(&b.x, xd, &[T, H]);
+            let xs = b.xs.as_ref().map(|s| tensor(s, FEP_DTYPE_F32, &[T, g]));
+            let wt = tensor(&b.w, FEP_DTYPE_F32, &[T, K]);
+            let rx = tensor(&b.rx, xd, &[rows, H]);
+            let rxs = tensor(&b.rxs, FEP_DTYPE_F32, &[rows, g]);
+            let ri = tensor(&b.ri, FEP_DTYPE_I64, &[rows, K]);
+            let rw = tensor(&b.rw, FEP_DTYPE_F32, &[rows, K]);
+            let src = tensor(&b.src, FEP_DTYPE_I32, &[rows]);
+            if phase == 0 && rank == 0 {
+                // A refused argument names itself and leaves the handle usable.
+                let bad = tensor(&b.rx, xd, &[rows + 1, H]);
+                let st = fep_gpu_dispatch(
+                    buf,
+                    h,
+                    &x,
+                    xs.as_ref().map_or(std::ptr::null(), |t| t),
+                    &idx,
+                    &wt,
+                    &bad,
+                    if fp8 { &rxs } else { std::ptr::null() },
+                    &ri,
+                    &rw,
+                    &src,
+                    &order,
+                );
+                let msg = std::ffi::CStr::from_ptr(fep_last_error()).to_string_lossy();
+                assert!(st == FEP_ERR_INVALID_ARGUMENT && msg.contains("`recv_x`"), "{st:?} {msg}");
+            }
+            ok(
+                "gpu_dispatch",
+                rank,
+                fep_gpu_dispatch(
+                    buf,
+                    h,
+                    &x,
+                    xs.as_ref().map_or(std::ptr::null(), |t| t),
+                    &idx,
+                    &wt,
+                    &rx,
+                    if fp8 { &rxs } else { std::ptr::null() },
+                    &ri,
+                    &rw,
+                    &src,
+                    &order,
+                ),
+            );
+            ok("gpu_sync", rank, fep_gpu_sync(buf, order.stream));
+            // NOTES: no peer kernel runs while this rank copies out (the barriers around).
+            boot.barrier().expect("barrier");
+            let real = wd.num_recv_tokens;
+            match &wd.recv_x {
+                Tokens::Bf16(v) => {
+                    let got: Vec<u16> = b.rx.to_vec().expect("copy");
+                    assert!(got[..real * H] == v[..real * H], "rank {rank}: recv_x");
+                }
+                Tokens::Fp8 { x, scales } => {
+                    let got: Vec<u8> = b.rx.to_vec().expect("copy");
+                    assert!(got[..real * H] == x[..real * H], "rank {rank}: recv_x fp8");
+                    let gs: Vec<f32> = b.rxs.to_vec().expect("copy");
+                    assert!(gs[..real * g] == scales[..real * g], "rank {rank}: scales");
+                }
+            }
+            let gi: Vec<i64> = b.ri.to_vec().expect("copy");
+            assert!(gi[..real * K] == wd.recv_topk_idx[..real * K], "rank {rank}: recv_topk_idx");
+            let gw: Vec<f32> = b.rw.to_vec().expect("copy");
+            assert!(gw[..real * K] == wd.recv_topk_weights[..real * K], "rank {rank}: weights");
+
+            let cx_in = tensor(cin, FEP_DTYPE_BF16, &[rows, H]);
+            let cw_in = tensor(&b.cin_w, FEP_DTYPE_F32, &[rows, K]);
+            let cx = tensor(&b.cx, FEP_DTYPE_BF16, &[T, H]);
+            let cw = tensor(&b.cw, FEP_DTYPE_F32, &[T, K]);
+            let with_w = w.is_none();
+            boot.barrier().expect("barrier");
+            ok(
+                "gpu_combine",
+                rank,
+                fep_gpu_combine(
+                    buf,
+                    h,
+                    &cx_in,
+                    if with_w { &cw_in } else { std::ptr::null() },
+                    &cx,
+                    if with_w { &cw } else { std::ptr::null() },
+                    &order,
+                ),
+            );
+            ok("gpu_sync", rank, fep_gpu_sync(buf, order.stream));
+            boot.barrier().expect("barrier");
+            let got: Vec<u16> = b.cx.to_vec().expect("copy");
+            assert!(got == wc.combined_x, "rank {rank}: combined_x (worst {w:?})");
+            if with_w {
+                let got: Vec<f32> = b.cw.to_vec().expect("copy");
+                assert!(Some(&got) == wc.combined_topk_weights.as_ref(), "rank {rank}: cw");
+            }
+            fep_handle_destroy(h);
+            boot.barrier().expect("barrier");
+        }
+        ok("buffer_destroy", rank, fep_buffer_destroy(buf));
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: scripts/gpu-check.sh runs it"]
+fn c_abi_gpu_normal_matches_reference_1_2_4_ranks() {
+    let Some(dev) = gpu() else { return };
+    for n in [1, 2, 4] {
+        for fp8 in [false, true] {
+            run(&dev, n, fp8);
+        }
+    }
+}
