@@ -1,4 +1,4 @@
-// Normal-mode combine (intranode, peer stores) with a dispatch handle. Same queues as dispatch,
+// Normal-mode combine with a dispatch handle (peer stores; the proxy for peers on other nodes). Same queues as dispatch,
 // the other direction; grid: the rank's SM budget, FEP_NORMAL_THREADS threads, first half send,
 // second half receive.
 //   sender   (towards d): the rows this rank received from d (rank_prefix[d] ..), in order,
@@ -61,6 +61,14 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
     const int32_t* send_counts = reinterpret_cast<const int32_t*>(p.handle.send_counts);
     const uint32_t row16 = static_cast<uint32_t>(p.hidden) / 8;  // 16-byte vectors per row
     __shared__ bool ok;
+    // Proxy ring of this block: the receiver's warps take turns (lock) and share the head.
+    __shared__ unsigned long long px_head;
+    __shared__ int px_lock;
+    if (threadIdx.x == 0) {
+        px_lock = 0;
+        px_head = p.comm.proxy.mask != 0u ? fep::ld_acquire_sys(&comm.px_ring(blockIdx.x)->head) : 0;
+    }
+    __syncthreads();
 
     if (static_cast<int>(blockIdx.x) < num_send) {
         // ---- sender: rows received from d go back to d ----
@@ -73,17 +81,22 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
         const uint64_t base = comm.sent_base()[d];
         const uint4* x = reinterpret_cast<const uint4*>(p.x);
         const float* w = reinterpret_cast<const float*>(p.topk_weights);
+        const bool px = comm.via_proxy(d);
+        Pusher pusher{};
+        if (threadIdx.x == 0 && px) pusher = Pusher::at(comm, blockIdx.x, px_head);
         for (uint32_t k = j / R; k < chunks; k += nsub) {
             const uint64_t cum = base + k;
             const uint32_t slot = static_cast<uint32_t>(cum % spp);
             if (threadIdx.x == 0) {
-                ok = cum < spp || fep::wait_geq(comm.credit_ptr(me, d, slot), cum - spp + 1,
-                                                comm.wait_ctx(FEP_NORMAL_PHASE_COMBINE_SEND, d));
+                const fep::WaitCtx ctx = comm.wait_ctx(FEP_NORMAL_PHASE_COMBINE_SEND, d);
+                ok = cum < spp ||
+                     (px ? fep::wait_geq(comm.px_arrivals(comm.px_credit_id(d, slot)), cum / spp, ctx)
+                         : fep::wait_geq(comm.credit_ptr(me, d, slot), cum - spp + 1, ctx));
             }
             __syncthreads();
             if (!ok) break;
             const uint32_t rows = min(C, n - k * C);
-            uint8_t* dst = comm.slot_ptr(d, me, slot);
+            uint8_t* dst = px ? comm.px_send(comm.px_data_off(d, slot)) : comm.slot_ptr(d, me, slot);
             for (uint32_t i = warp; i < rows; i += kWarps) {
                 const int64_t row = static_cast<int64_t>(row0) + k * C + i;
                 uint8_t* rec = dst + static_cast<uint64_t>(i) * p.record_bytes;
@@ -93,8 +106,18 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
                         w != nullptr ? w[row * K + lane] : 0.0f;
                 }
             }
+            if (px) __threadfence_system();  // staged rows visible to the proxy before the push
             __syncthreads();
-            if (threadIdx.x == 0) fep::st_release_sys(comm.flag_ptr(d, me, slot), cum + 1);
+            if (threadIdx.x == 0) {
+                if (px) {
+                    ok = pusher.push(static_cast<uint32_t>(d), comm.px_data_off(d, slot),
+                                     comm.px_data_off(me, slot), rows * p.record_bytes,
+                                     comm.px_imm(comm.px_data_id(me, slot), rows),
+                                     comm.wait_ctx(FEP_NORMAL_PHASE_COMBINE_SEND, d));
+                } else {
+                    fep::st_release_sys(comm.flag_ptr(d, me, slot), cum + 1);
+                }
+            }
         }
     } else {
         // ---- receiver: one warp per token ----
@@ -115,14 +138,17 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
                 if (pos < 0) continue;
                 const uint64_t cum = comm.recv_base()[r] + static_cast<uint32_t>(pos) / C;
                 const uint32_t slot = static_cast<uint32_t>(cum % spp);
+                const bool px = comm.via_proxy(r);
                 bool got = true;
                 if (lane == 0) {
-                    got = fep::wait_geq(comm.flag_ptr(me, r, slot), cum + 1,
-                                        comm.wait_ctx(FEP_NORMAL_PHASE_COMBINE_RECV, r));
+                    const fep::WaitCtx ctx = comm.wait_ctx(FEP_NORMAL_PHASE_COMBINE_RECV, r);
+                    got = px ? fep::wait_geq(comm.px_arrivals(comm.px_data_id(r, slot)),
+                                             cum / spp + 1, ctx)
+                             : fep::wait_geq(comm.flag_ptr(me, r, slot), cum + 1, ctx);
                 }
                 got = __shfl_sync(0xffffffffu, got, 0);
                 if (!got) alive = false;
-                rec[r] = comm.slot_ptr(me, r, slot) +
+                rec[r] = (px ? comm.px_recv(comm.px_data_off(r, slot)) : comm.slot_ptr(me, r, slot)) +
                          static_cast<uint64_t>(static_cast<uint32_t>(pos) % C) * p.record_bytes;
             }
             if (!alive) break;
@@ -134,8 +160,14 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
 #pragma unroll
                 for (int q = 0; q < kMaxRanks; ++q) {
                     if (rec[q] != nullptr) {
-                        v0[q] = __ldcg(reinterpret_cast<const uint4*>(rec[q]) + i);
-                        if (two) v1[q] = __ldcg(reinterpret_cast<const uint4*>(rec[q]) + i + 32);
+                        const uint4* a = reinterpret_cast<const uint4*>(rec[q]) + i;
+                        if (comm.via_proxy(q)) {
+                            v0[q] = __ldcv(a);
+                            if (two) v1[q] = __ldcv(a + 32);
+                        } else {
+                            v0[q] = __ldcg(a);
+                            if (two) v1[q] = __ldcg(a + 32);
+                        }
                     }
                 }
 #pragma unroll
@@ -152,9 +184,11 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
                 float a = 0.0f;
 #pragma unroll
                 for (int q = 0; q < kMaxRanks; ++q) {
-                    if (rec[q] != nullptr)
-                        a += __ldcg(reinterpret_cast<const float*>(rec[q] + p.topk_weights_offset) +
-                                    lane);
+                    if (rec[q] != nullptr) {
+                        const float* wq =
+                            reinterpret_cast<const float*>(rec[q] + p.topk_weights_offset) + lane;
+                        a += comm.via_proxy(q) ? __ldcv(wq) : __ldcg(wq);
+                    }
                 }
                 out_w[t * K + lane] = a;
             }
@@ -175,7 +209,21 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
                     if (atomicAdd(cnt_ptr, 1u) + 1u == rows) {
                         atomicExch(cnt_ptr, 0u);
                         __threadfence();
-                        fep::st_release_sys(comm.credit_ptr(r, me, slot), cum + 1);
+                        if (comm.via_proxy(r)) {
+                            // A zero-length write to r; the block's ring under its lock.
+                            while (atomicCAS(&px_lock, 0, 1) != 0) __nanosleep(32);
+                            __threadfence_block();
+                            volatile unsigned long long* h = &px_head;
+                            Pusher pu = Pusher::at(comm, blockIdx.x, *h);
+                            pu.push(static_cast<uint32_t>(r), 0, 0, 0,
+                                    comm.px_imm(comm.px_credit_id(me, slot), 1),
+                                    comm.wait_ctx(FEP_NORMAL_PHASE_COMBINE_RECV, r));
+                            *h = pu.head;
+                            __threadfence_block();
+                            atomicExch(&px_lock, 0);
+                        } else {
+                            fep::st_release_sys(comm.credit_ptr(r, me, slot), cum + 1);
+                        }
                     }
                 }
             }

@@ -43,6 +43,8 @@
 //! [`Buffer::destroy`](super::buffer::Buffer::destroy) (collective: it waits for every rank)
 //! after every stream that ran this buffer's kernels has synchronised.
 
+pub mod normal_proxy;
+
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
 use std::time::Duration;
@@ -76,6 +78,9 @@ pub struct GpuOptions {
     /// Allocate the low-latency buffers (two sets, sized from `max_tokens_per_rank`; dispatch
     /// dtype = the config's `dispatch_dtype`).
     pub low_latency: bool,
+    /// Normal mode with `ranks_per_node < num_ranks`: the libfabric provider of the proxy lane
+    /// to the other nodes ([`normal_proxy`]; `efa` on EFA, `shm` / `tcp;ofi_rxm` on one box).
+    pub proxy_provider: String,
 }
 
 impl GpuOptions {
@@ -88,6 +93,7 @@ impl GpuOptions {
             slots_per_peer: 8,
             normal: true,
             low_latency: true,
+            proxy_provider: "shm".to_string(),
         }
     }
 }
@@ -447,7 +453,19 @@ impl GpuBuffer {
             }
             let v = |i| read_u64(b, i).ok_or_else(bad);
             cfg.check_peer_hash(peer, v(0)?)?;
-            if v(1)? != pid || v(2)? != ctx {
+            // Peers on other nodes are reached through the proxy lane (normal mode only).
+            let remote = cfg.node_of(peer) != cfg.node_of(rank);
+            if remote && opts.low_latency {
+                return Err(Error::arg(
+                    "low_latency",
+                    format!(
+                        "rank {peer} is on another node (ranks_per_node {}): the GPU \
+                         low-latency mode has no internode path in this version",
+                        cfg.ranks_per_node
+                    ),
+                ));
+            }
+            if !remote && (v(1)? != pid || v(2)? != ctx) {
                 return Err(Error::arg(
                     "backend",
                     format!(
@@ -481,9 +499,23 @@ impl GpuBuffer {
                 // SAFETY: same process and context (checked above); every peer's buffer is a
                 // zeroed comm buffer of this map that lives until its Buffer is destroyed
                 // (collectively, after every rank's last kernel).
-                let rank_n = unsafe {
+                let mut rank_n = unsafe {
                     NormalGpuRank::from_peer_pointers(&dev, &settings, rank, buf, &normal_ptrs)?
                 };
+                if cfg.ranks_per_node < r {
+                    let l = normal_proxy::ProxyLaneSettings::new(
+                        &opts.proxy_provider,
+                        cfg.ranks_per_node,
+                    );
+                    let lane = normal_proxy::NormalProxyLane::connect(
+                        &dev,
+                        &**boot,
+                        &settings,
+                        &l,
+                        num_sms.max(r) as u32,
+                    )?;
+                    rank_n.attach_proxy(lane)?;
+                }
                 let layout_gpu = DispatchLayoutGpu::new(&dev, cfg.num_experts, r, r)?;
                 let layout = LayoutBuffers::new(&layout_gpu, 1)?;
                 Some(NormalPart { rank: rank_n, layout_gpu, layout, layout_cap: 1 })
