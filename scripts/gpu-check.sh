@@ -10,7 +10,7 @@
 #                                  comparison; logs under $OUT (default /tmp/fep-gpu-out); a short
 #                                  table at the end. Exit status non-zero if anything failed.
 #                                  FEP_GPU_SECTIONS (default "tests,memcheck,memcheck-proxy,layout,
-#                                  proxy") picks what runs, FEP_GPU_TESTS (default all) which test
+#                                  proxy,normal,nproxy,epbench") picks what runs, FEP_GPU_TESTS (default all) which test
 #                                  binaries; "proxy" is the GPU proxy latency bench (with and
 #                                  without MPS) and the loopback proxy throughput bench.
 #
@@ -97,7 +97,7 @@ EOF
   [ "$size" -le 50 ] || { echo "gpu-check: bundle is ${size} MiB (> 50)" >&2; exit 1; }
 }
 
-has_section() { case ",${FEP_GPU_SECTIONS:-tests,memcheck,memcheck-proxy,layout,proxy,normal,epbench}," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+has_section() { case ",${FEP_GPU_SECTIONS:-tests,memcheck,memcheck-proxy,layout,proxy,normal,nproxy,epbench}," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 
 # GPU proxy latency (examples/gpu_proxy_bench.rs): first as the machine is (two processes on one
 # GPU time-slice it: few rounds), then under MPS if its control daemon is there (the daemon is
@@ -155,6 +155,63 @@ run_proxy_section() {
     grep -E "^\| |PROXY_RESULT|FI_PINGPONG|FAILED|MPS|proxy_wake|p50" "$log" || true
     grep -E -A3 "^proxy_loopback/" "$log" | grep -E "proxy_loopback|thrpt" || true
   } >>"$out/summary.txt"
+  return $fail
+}
+
+# Normal mode's forced-internode GPU path (tests/gpu_normal_proxy.rs, examples/
+# gpu_normal_proxy_bench.rs): the threads-as-ranks tests as the machine is, then under MPS (the
+# control daemon is started here and stopped at the end) the two-process test and the bench,
+# which runs fi_pingpong at the chunk write size in the same run. FEP_NPROXY_CHUNKS (default
+# 16,32,64), FEP_NPROXY_ITERS (default 20), FEP_NPROXY_PROVIDERS (tests; default shm,tcp;ofi_rxm).
+run_nproxy_section() {
+  local b=$1 out=$2 log=$2/nproxy.log rc fail=0
+  : >"$log"
+  local t="$b/tests/gpu_normal_proxy" nb="$b/examples/gpu_normal_proxy_bench"
+  if [ -x "$t" ]; then
+    set +e
+    FEP_TEST_PROVIDERS=${FEP_NPROXY_PROVIDERS:-shm,tcp;ofi_rxm} timeout "${FEP_NPROXY_TEST_S:-150}" \
+      "$t" --include-ignored --test-threads=1 --nocapture --skip two_processes >>"$log" 2>&1
+    rc=$?
+    set -e
+    [ "$rc" -eq 0 ] || fail=1
+    printf '%-18s rc=%-3s %s\n' "nproxy-threads" "$rc" \
+      "$(grep -E '^test result:' "$log" | tail -1)" >>"$out/summary.txt"
+  fi
+  if command -v nvidia-cuda-mps-control >/dev/null; then
+    local mps=/tmp/fep-mps-np
+    mkdir -p "$mps/pipe" "$mps/log"
+    set +e
+    CUDA_MPS_PIPE_DIRECTORY=$mps/pipe CUDA_MPS_LOG_DIRECTORY=$mps/log nvidia-cuda-mps-control -d
+    rc=$?
+    if [ "$rc" -eq 0 ]; then
+      export CUDA_MPS_PIPE_DIRECTORY=$mps/pipe CUDA_MPS_LOG_DIRECTORY=$mps/log
+      if [ -x "$t" ]; then
+        FEP_GPU_MPS=1 timeout 120 "$t" --include-ignored --test-threads=1 --nocapture --exact \
+          two_processes_one_per_node_over_shm >>"$log" 2>&1
+        rc=$?
+        [ "$rc" -eq 0 ] || fail=1
+        printf '%-18s rc=%-3s %s\n' "nproxy-2procs" "$rc" "2 processes x 1 per node, shm, MPS" >>"$out/summary.txt"
+      fi
+      if [ -x "$nb" ]; then
+        timeout "${FEP_NPROXY_BENCH_S:-240}" "$nb" --chunks "${FEP_NPROXY_CHUNKS:-16,32,64}" \
+          --iters "${FEP_NPROXY_ITERS:-20}" 2>&1 | tee -a "$log"
+        rc=${PIPESTATUS[0]}
+        [ "$rc" -eq 0 ] || fail=1
+        printf '%-18s rc=%-3s %s\n' "nproxy-bench" "$rc" "2 processes under MPS" >>"$out/summary.txt"
+      fi
+      echo quit | nvidia-cuda-mps-control
+      unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+      sleep 1
+    else
+      echo "MPS control daemon did not start (rc $rc)" | tee -a "$log"
+      fail=1
+    fi
+    tail -n 20 "$mps"/log/*.log >>"$log" 2>/dev/null
+    set -e
+  else
+    echo "no nvidia-cuda-mps-control: no two-process run" | tee -a "$log"
+  fi
+  grep -E "^ok:|timeout path|SKIP|panicked|FAILED|^\| |NPROXY_RESULT|steps checked" "$log" >>"$out/summary.txt" || true
   return $fail
 }
 
@@ -253,6 +310,9 @@ run() {
   fi
   if has_section proxy; then
     run_proxy_section "$b" "$out" || fail=1
+  fi
+  if has_section nproxy; then
+    run_nproxy_section "$b" "$out" || fail=1
   fi
   if has_section normal && [ -x "$b/examples/gpu_normal_bench" ]; then
     set +e

@@ -73,9 +73,13 @@ impl GpuBenchParams {
     }
 
     fn config(&self, rank: usize) -> Result<EpConfig> {
+        self.config_split(rank, self.num_ranks)
+    }
+
+    fn config_split(&self, rank: usize, ranks_per_node: usize) -> Result<EpConfig> {
         let mut s =
             EpSettings::new(rank, self.num_ranks, self.num_experts, self.hidden, self.num_topk);
-        s.ranks_per_node = self.num_ranks;
+        s.ranks_per_node = ranks_per_node;
         s.timeout = self.timeout;
         s.max_tokens_per_rank = self.num_tokens.max(1);
         if self.fp8 {
@@ -90,6 +94,33 @@ impl GpuBenchParams {
             normal,
             low_latency: !normal,
             ..GpuOptions::new(dev.clone())
+        }
+    }
+}
+
+/// Where the ranks of a normal-mode GPU run sit, and the queue shape.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuSplit {
+    /// Ranks per (simulated) node: peers on other nodes go through the proxy lane
+    /// (`ep::gpu::normal_proxy`), the others through device pointers.
+    pub ranks_per_node: usize,
+    /// The proxy lane's libfabric provider.
+    pub provider: String,
+    pub chunk_tokens: usize,
+    pub slots_per_peer: usize,
+    /// After the first step, dispatch with the cached handle (no layout, no notify).
+    pub cached: bool,
+}
+
+impl GpuSplit {
+    /// Every rank on one node (no proxy), the default queue shape.
+    pub fn one_node(num_ranks: usize) -> Self {
+        GpuSplit {
+            ranks_per_node: num_ranks,
+            provider: "shm".to_string(),
+            chunk_tokens: 16,
+            slots_per_peer: 8,
+            cached: false,
         }
     }
 }
@@ -222,26 +253,80 @@ fn check_normal_dispatch(
 /// Dispatch time: from before the layout to after the dispatch kernel (the host sync included),
 /// combine time: the combine kernel; both from CUDA events. Returns each rank's report.
 pub fn run_normal_gpu(dev: &Device, p: &GpuBenchParams) -> Result<GpuReport> {
-    let cfg0 = p.config(0)?;
-    let hp = NormalBenchParams {
-        num_tokens: p.num_tokens,
-        seed: p.seed,
-        drop_pct: p.drop_pct,
-        iters: p.iters,
-        warmup: p.warmup,
-        combine_weights: true,
-    };
-    let inputs: Vec<RankInputs> =
-        (0..p.num_ranks).map(|r| host_bench::rank_inputs(&cfg0, &hp, r)).collect::<Result<_>>()?;
-    let total: usize = p.num_tokens * p.num_ranks;
-    let worst = p.worst.then_some(total.max(1));
-    let (want_d, want_c): (Vec<NormalDispatchOut>, Vec<NormalCombineOut>) =
-        host_bench::reference(&cfg0, &inputs, 1, worst, true)?;
-    on_threads(p.num_ranks, p.timeout, |rank, boot| {
-        let cfg = p.config(rank)?;
+    run_normal_gpu_split(dev, p, &GpuSplit::one_node(p.num_ranks))
+}
+
+/// [`run_normal_gpu`] with ranks split into nodes of `split.ranks_per_node` (threads of this
+/// process; other-node peers through the proxy lane) and the given queue shape.
+pub fn run_normal_gpu_split(
+    dev: &Device,
+    p: &GpuBenchParams,
+    split: &GpuSplit,
+) -> Result<GpuReport> {
+    let prep = NormalPrep::new(p, split)?;
+    on_threads(p.num_ranks, p.timeout, |rank, boot| normal_rank(dev, p, split, &prep, rank, boot))
+}
+
+/// One rank of [`run_normal_gpu_split`] in this process (one process per rank, e.g. under
+/// `LocalJob` with a `TcpStore`): the same inputs and checks, this rank's report.
+pub fn run_normal_gpu_rank(
+    dev: &Device,
+    p: &GpuBenchParams,
+    split: &GpuSplit,
+    boot: Arc<dyn Bootstrap>,
+) -> Result<NormalBenchReport> {
+    let prep = NormalPrep::new(p, split)?;
+    normal_rank(dev, p, split, &prep, boot.rank(), boot)
+}
+
+/// Every rank's inputs and the reference outputs (the same in every process).
+struct NormalPrep {
+    inputs: Vec<RankInputs>,
+    want_d: Vec<NormalDispatchOut>,
+    want_c: Vec<NormalCombineOut>,
+    worst: Option<usize>,
+}
+
+impl NormalPrep {
+    fn new(p: &GpuBenchParams, split: &GpuSplit) -> Result<Self> {
+        let cfg0 = p.config_split(0, split.ranks_per_node)?;
+        let hp = NormalBenchParams {
+            num_tokens: p.num_tokens,
+            seed: p.seed,
+            drop_pct: p.drop_pct,
+            iters: p.iters,
+            warmup: p.warmup,
+            combine_weights: true,
+        };
+        let inputs: Vec<RankInputs> = (0..p.num_ranks)
+            .map(|r| host_bench::rank_inputs(&cfg0, &hp, r))
+            .collect::<Result<_>>()?;
+        let total: usize = p.num_tokens * p.num_ranks;
+        let worst = p.worst.then_some(total.max(1));
+        let (want_d, want_c) = host_bench::reference(&cfg0, &inputs, 1, worst, true)?;
+        Ok(NormalPrep { inputs, want_d, want_c, worst })
+    }
+}
+
+fn normal_rank(
+    dev: &Device,
+    p: &GpuBenchParams,
+    split: &GpuSplit,
+    prep: &NormalPrep,
+    rank: usize,
+    boot: Arc<dyn Bootstrap>,
+) -> Result<NormalBenchReport> {
+    let (inputs, want_d, want_c, worst) = (&prep.inputs, &prep.want_d, &prep.want_c, prep.worst);
+    {
+        let cfg = p.config_split(rank, split.ranks_per_node)?;
         let (t, h, k) = (p.num_tokens, cfg.hidden, cfg.num_topk);
-        let mut buf =
-            Buffer::new(cfg.clone(), boot.clone(), BufferOptions::gpu(p.gpu_options(dev, true)))?;
+        let opts = GpuOptions {
+            chunk_tokens: split.chunk_tokens,
+            slots_per_peer: split.slots_per_peer,
+            proxy_provider: split.provider.clone(),
+            ..p.gpu_options(dev, true)
+        };
+        let mut buf = Buffer::new(cfg.clone(), boot.clone(), BufferOptions::gpu(opts))?;
         let me = &inputs[rank];
         let want = &want_d[rank];
         let x = match &me.x_fp8 {
@@ -296,8 +381,13 @@ pub fn run_normal_gpu(dev: &Device, p: &GpuBenchParams) -> Result<GpuReport> {
             // SAFETY: every buffer lives until the stream synchronises at the end of the
             // iteration (sync_gpu); all ranks run the same sequence of calls.
             unsafe {
-                let info = gpu.notify_gpu(&notify, &mut handle)?;
-                let rows = info.map_or(worst.unwrap_or(0), |i| i.num_recv_tokens);
+                let rows = if split.cached && it > 0 {
+                    // Same routing every iteration: the first notify's handle is reused.
+                    handle.num_out_rows().unwrap_or(0)
+                } else {
+                    let info = gpu.notify_gpu(&notify, &mut handle)?;
+                    info.map_or(worst.unwrap_or(0), |i| i.num_recv_tokens)
+                };
                 if outs.as_ref().is_none_or(|o| o.rows < rows) {
                     return Err(Error::Other(format!("rank {rank}: {rows} rows exceed the bound")));
                 }
@@ -345,7 +435,7 @@ pub fn run_normal_gpu(dev: &Device, p: &GpuBenchParams) -> Result<GpuReport> {
         drop(outs);
         buf.destroy()?;
         Ok(rep)
-    })
+    }
 }
 
 /// One rank's low-latency inputs.

@@ -408,12 +408,19 @@ impl NormalGpuRank {
         if (lane.num_rings() as usize) < self.settings.num_sms.max(r) {
             return Err(Error::arg(
                 "lane",
-                format!("{} rings for {} blocks per kernel", lane.num_rings(), self.settings.num_sms),
+                format!(
+                    "{} rings for {} blocks per kernel",
+                    lane.num_rings(),
+                    self.settings.num_sms
+                ),
             ));
         }
         let mask = lane.mask();
         if mask >> self.rank & 1 == 1 || (r < 32 && mask >> r != 0) {
-            return Err(Error::arg("lane", format!("mask {mask:#x} for rank {} of {r}", self.rank)));
+            return Err(Error::arg(
+                "lane",
+                format!("mask {mask:#x} for rank {} of {r}", self.rank),
+            ));
         }
         for (p, t) in self.transports.iter_mut().enumerate() {
             if mask >> p & 1 == 1 {

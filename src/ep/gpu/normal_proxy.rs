@@ -235,9 +235,8 @@ impl NormalProxyLane {
         let recv = Arc::new(RegionMem::alloc(dev, kind, geo.bytes as usize)?);
         // SAFETY: both regions outlive their registrations (field order of the lane; the send
         // registration lives in the transport, which the proxy drops first).
-        let send_mr = Arc::new(unsafe {
-            stack.register(send.reg_ptr(), send.len(), send.mem_kind(dev))?
-        });
+        let send_mr =
+            Arc::new(unsafe { stack.register(send.reg_ptr(), send.len(), send.mem_kind(dev))? });
         let recv_mr = unsafe { stack.register(recv.reg_ptr(), recv.len(), recv.mem_kind(dev))? };
         let hdr = header(s, l, geo.bytes);
         let fp = exchange_fabric(boot, &stack, &recv_mr.remote(), &hdr, geo.bytes)?;
@@ -346,6 +345,32 @@ impl NormalProxyLane {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ep::config::DispatchDtype;
+    use crate::ep::plan::NormalLayout;
+
+    /// The kernels' placement (fep_normal.cuh `px_data_off` / `px_notify_off`), from the
+    /// fields the lane hands them, equals the host backend's geometry for every slot and record.
+    #[test]
+    fn kernel_offsets_are_the_host_geometry() {
+        let l = NormalLayout::from_parts(4, 64, 2048, 8, DispatchDtype::Fp8E4m3, 16, 3).unwrap();
+        for stride in [l.slot_bytes, 3 * l.slot_bytes + 100, 1 << 30] {
+            let g = Geometry::new(&l, stride).unwrap();
+            let (dpr, npr) = (g.data.units_per_region, g.notify.units_per_region);
+            let place =
+                |unit: u64, per: u64, bytes: u64| (unit / per) * stride + (unit % per) * bytes;
+            for peer in 0..4u64 {
+                for slot in 0..3u64 {
+                    let k = place(peer * 3 + slot, dpr, l.slot_bytes);
+                    assert_eq!(k, g.data_offset(peer as usize, slot), "stride {stride}");
+                }
+                for seq in 0..4u64 {
+                    let k = g.notify_base + place((seq % 2) * 4 + peer, npr, l.notify_record_bytes);
+                    assert_eq!(k, g.notify_offset(peer as usize, seq), "stride {stride}");
+                }
+            }
+            assert!(dpr <= u32::MAX as u64 && npr <= u32::MAX as u64);
+        }
+    }
 
     #[test]
     fn masks_name_other_nodes() {
