@@ -186,7 +186,7 @@ run_nproxy_section() {
     if [ "$rc" -eq 0 ]; then
       export CUDA_MPS_PIPE_DIRECTORY=$mps/pipe CUDA_MPS_LOG_DIRECTORY=$mps/log
       if [ -x "$t" ]; then
-        FEP_GPU_MPS=1 timeout 120 "$t" --include-ignored --test-threads=1 --nocapture --exact \
+        FEP_GPU_MPS=1 timeout "${FEP_NPROXY_2P_S:-120}" "$t" --include-ignored --test-threads=1 --nocapture --exact \
           two_processes_one_per_node_over_shm >>"$log" 2>&1
         rc=$?
         [ "$rc" -eq 0 ] || fail=1

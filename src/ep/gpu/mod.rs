@@ -31,9 +31,11 @@
 //!
 //! Connection: every rank allocates its own comm buffers and sends their device pointers, its
 //! process id and its CUDA context through the bootstrap; pointers are only valid in the same
-//! address space and context, so a rank in another process (or on another GPU) is refused at
-//! connect time with an error naming it (CUDA IPC of the comm buffers, for processes sharing a
-//! GPU, is not built in this version).
+//! address space and context, so a same-node rank in another process (or on another GPU) is
+//! refused at connect time with an error naming it. Ranks on other nodes
+//! (`ranks_per_node < num_ranks`, normal mode) are reached through the proxy lane instead
+//! ([`normal_proxy`]: libfabric RMA writes posted by the CPU proxy, `GpuOptions::proxy_provider`),
+//! wherever they run; low-latency mode has no internode path here and refuses them.
 //!
 //! NOTES (co-residency): receive kernels spin on other ranks' sends, so every rank's running
 //! kernel must be resident at once. Each rank launches at most `num_sms` blocks (default:
