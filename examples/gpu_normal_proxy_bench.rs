@@ -2,7 +2,7 @@
 //! under MPS so the two processes' kernels are co-resident), every byte between the ranks through
 //! the CPU proxy over libfabric (`--provider`, default shm; mapped host buffers), at DeepEP's
 //! standard settings (4096 tokens per rank, hidden 7168, top-8 of 256 experts, fp8 dispatch,
-//! bf16 combine), for each `--chunks` size. Every step is checked against the reference.
+//! bf16 combine), for each `--chunks` size and `--slots` count. Every step is checked against the reference.
 //!
 //! Printed per chunk size and mode (rank 0's CUDA-event times, median and p99):
 //! - `cached`: dispatch with a cached handle (the dispatch kernel alone) and combine;
@@ -14,7 +14,7 @@
 //! dispatch chunk write: chunk_tokens x record bytes) in the same run, and the ratio of the proxy
 //! dispatch GB/s to fi_pingpong's MB/s.
 //!
-//! `gpu_normal_proxy_bench [--chunks 16,32,64] [--slots 8] [--iters 20] [--warmup 3]
+//! `gpu_normal_proxy_bench [--chunks 16,32,64] [--slots 8,32] [--iters 20] [--warmup 3]
 //!  [--provider shm] [--tokens 4096] [--pingpong-iters 2000]`
 
 use std::path::PathBuf;
@@ -39,9 +39,9 @@ struct Args {
     /// Records per chunk (one proxy write each), one run per value.
     #[arg(long, value_delimiter = ',', default_value = "16,32,64")]
     chunks: Vec<usize>,
-    /// Chunks in flight per pair.
-    #[arg(long, default_value_t = 8)]
-    slots: usize,
+    /// Chunks in flight per pair, one run per value (with every chunk size).
+    #[arg(long, value_delimiter = ',', default_value = "8")]
+    slots: Vec<usize>,
     #[arg(long, default_value_t = 20)]
     iters: usize,
     #[arg(long, default_value_t = 3)]
@@ -59,6 +59,9 @@ struct Args {
     /// Internal: the chunk size a rank process runs.
     #[arg(long, hide = true, default_value_t = 0)]
     child_chunk: usize,
+    /// Internal: the slots per pair a rank process runs.
+    #[arg(long, hide = true, default_value_t = 0)]
+    child_slots: usize,
 }
 
 fn params(a: &Args) -> GpuBenchParams {
@@ -107,16 +110,17 @@ fn child(a: &Args) {
             ranks_per_node: 1,
             provider: a.provider.clone(),
             chunk_tokens: a.child_chunk,
-            slots_per_peer: a.slots,
+            slots_per_peer: a.child_slots,
             cached,
         };
         let r = run_normal_gpu_rank(&dev, &p, &s, boot.clone())
             .unwrap_or_else(|e| panic!("rank {rank} chunk {} cached {cached}: {e}", a.child_chunk));
         let list = |v: &[f64]| v.iter().map(|x| format!("{:.3}", x * 1e6)).collect::<Vec<_>>();
         println!(
-            "NPROXY rank={rank} chunk={} mode={} dispatch_bytes={} combine_bytes={} \
+            "NPROXY rank={rank} chunk={} slots={} mode={} dispatch_bytes={} combine_bytes={} \
              proxy_dispatch_bytes={pd} proxy_combine_bytes={pc} d_us={} c_us={}",
             a.child_chunk,
+            a.child_slots,
             if cached { "cached" } else { "fresh" },
             r.dispatch_bytes,
             r.combine_bytes,
@@ -157,10 +161,11 @@ fn parse(line: &str) -> Option<Line> {
     })
 }
 
-fn run_chunk(chunk: usize) -> Result<Vec<Line>, String> {
+fn run_chunk(chunk: usize, slots: usize) -> Result<Vec<Line>, String> {
     let exe: PathBuf = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut args: Vec<String> = std::env::args().skip(1).collect();
     args.push(format!("--child-chunk={chunk}"));
+    args.push(format!("--child-slots={slots}"));
     let env = [(ROLE.to_string(), "1".to_string())];
     let mut job = LocalJob::spawn(&exe, &args, 2, 2, &env).map_err(|e| e.to_string())?;
     let out = job.wait(Duration::from_secs(300)).map_err(|e| e.to_string())?;
@@ -187,7 +192,7 @@ fn main() {
     println!(
         "gpu_normal_proxy_bench: {} ({} SMs), 2 processes x 1 rank per node, provider {}, \
          {} tokens/rank, hidden {}, top-{} of {}, fp8 dispatch / bf16 combine, {} SMs/rank, \
-         {} slots, iters {} + warm-up {}, MPS env {}",
+         slots {:?}, iters {} + warm-up {}, MPS env {}",
         dev.name(),
         dev.sm_count(),
         a.provider,
@@ -204,10 +209,10 @@ fn main() {
     drop(dev);
     let mut failed = false;
     println!(
-        "| chunk | write bytes | mode | dispatch us med / p99 | dispatch GB/s (DeepEP) | dispatch GB/s (proxy) | combine us med / p99 | combine GB/s (DeepEP) | combine GB/s (proxy) | fi_pingpong MB/s | proxy dispatch / fi_pingpong |"
+        "| chunk | slots | write bytes | mode | dispatch us med / p99 | dispatch GB/s (DeepEP) | dispatch GB/s (proxy) | combine us med / p99 | combine GB/s (DeepEP) | combine GB/s (proxy) | fi_pingpong MB/s | proxy dispatch / fi_pingpong |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
-    for &chunk in &a.chunks {
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for (&chunk, &slots) in a.chunks.iter().flat_map(|c| a.slots.iter().map(move |s| (c, s))) {
         let layout = NormalLayout::from_parts(
             2,
             p.num_experts as u64,
@@ -215,11 +220,11 @@ fn main() {
             p.num_topk as u64,
             DispatchDtype::Fp8E4m3,
             chunk as u64,
-            a.slots as u64,
+            slots as u64,
         )
         .expect("layout");
         let write = chunk as u64 * layout.dispatch_record.bytes;
-        let lines = match run_chunk(chunk) {
+        let lines = match run_chunk(chunk, slots) {
             Ok(l) => l,
             Err(e) => {
                 eprintln!("FAILED: {e}");
@@ -238,11 +243,11 @@ fn main() {
             let (cd, cp) = (gbps(l.combine_bytes, l.c.median_us), gbps(l.proxy_c, l.c.median_us));
             let ratio = dp * 1e3 / pp_mbps;
             println!(
-                "| {chunk} | {write} | {} | {:.0} / {:.0} | {dd:.2} | {dp:.2} | {:.0} / {:.0} | {cd:.2} | {cp:.2} | {pp_mbps:.0} | {ratio:.2} |",
+                "| {chunk} | {slots} | {write} | {} | {:.0} / {:.0} | {dd:.2} | {dp:.2} | {:.0} / {:.0} | {cd:.2} | {cp:.2} | {pp_mbps:.0} | {ratio:.2} |",
                 l.mode, l.d.median_us, l.d.p99_us, l.c.median_us, l.c.p99_us
             );
             println!(
-                "NPROXY_RESULT provider={} chunk={chunk} write_bytes={write} mode={} \
+                "NPROXY_RESULT provider={} chunk={chunk} slots={slots} write_bytes={write} mode={} \
                  dispatch_us={:.1} dispatch_p99_us={:.1} dispatch_gbps={dd:.3} \
                  dispatch_proxy_gbps={dp:.3} combine_us={:.1} combine_p99_us={:.1} \
                  combine_gbps={cd:.3} combine_proxy_gbps={cp:.3} fi_pingpong_mbps={pp_mbps:.1} \

@@ -36,7 +36,9 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
     // Head of this block's proxy ring (thread 0 pushes; kept in shared memory, not registers).
     __shared__ unsigned long long px_head;
     if (threadIdx.x == 0)
-        px_head = p.comm.proxy.mask != 0u ? fep::ld_acquire_sys(&comm.px_ring(blockIdx.x)->head) : 0;
+        px_head = p.comm.proxy.mask != 0u
+                      ? fep::ld_acquire_sys(&comm.px_ring(blockIdx.x)->head)
+                      : 0;
     __syncthreads();
 
     if (static_cast<int>(blockIdx.x) < num_send) {
@@ -62,13 +64,15 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
             if (threadIdx.x == 0) {
                 const fep::WaitCtx ctx = comm.wait_ctx(FEP_NORMAL_PHASE_DISPATCH_SEND, d);
                 ok = cum < spp ||
-                     (px ? fep::wait_geq(comm.px_arrivals(comm.px_credit_id(d, slot)), cum / spp, ctx)
+                     (px ? fep::wait_geq(comm.px_arrivals(comm.px_credit_id(d, slot)), cum / spp,
+                                         ctx)
                          : fep::wait_geq(comm.credit_ptr(me, d, slot), cum - spp + 1, ctx));
             }
             __syncthreads();
             if (!ok) break;
             const uint32_t rows = min(C, n - k * C);
-            uint8_t* dst = px ? comm.px_send(comm.px_data_off(d, slot)) : comm.slot_ptr(d, me, slot);
+            uint8_t* dst =
+                px ? comm.px_send(comm.px_data_off(d, slot)) : comm.slot_ptr(d, me, slot);
             for (uint32_t i = warp; i < rows; i += kWarps) {
                 const int t = ids[k * C + i];
                 uint8_t* rec = dst + static_cast<uint64_t>(i) * p.record_bytes;
@@ -127,7 +131,8 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
             const uint32_t slot = static_cast<uint32_t>(cum % spp);
             if (threadIdx.x == 0) {
                 const fep::WaitCtx ctx = comm.wait_ctx(FEP_NORMAL_PHASE_DISPATCH_RECV, s);
-                ok = px ? fep::wait_geq(comm.px_arrivals(comm.px_data_id(s, slot)), cum / spp + 1, ctx)
+                ok = px ? fep::wait_geq(comm.px_arrivals(comm.px_data_id(s, slot)), cum / spp + 1,
+                                        ctx)
                         : fep::wait_geq(comm.flag_ptr(me, s, slot), cum + 1, ctx);
             }
             __syncthreads();

@@ -162,7 +162,7 @@ run_proxy_section() {
 # gpu_normal_proxy_bench.rs): the threads-as-ranks tests as the machine is, then under MPS (the
 # control daemon is started here and stopped at the end) the two-process test and the bench,
 # which runs fi_pingpong at the chunk write size in the same run. FEP_NPROXY_CHUNKS (default
-# 16,32,64), FEP_NPROXY_ITERS (default 20), FEP_NPROXY_PROVIDERS (tests; default shm,tcp;ofi_rxm).
+# 16,32,64), FEP_NPROXY_SLOTS (default 8), FEP_NPROXY_ITERS (default 20), FEP_NPROXY_PROVIDERS (tests; default shm,tcp;ofi_rxm).
 run_nproxy_section() {
   local b=$1 out=$2 log=$2/nproxy.log rc fail=0
   : >"$log"
@@ -194,7 +194,7 @@ run_nproxy_section() {
       fi
       if [ -x "$nb" ]; then
         timeout "${FEP_NPROXY_BENCH_S:-240}" "$nb" --chunks "${FEP_NPROXY_CHUNKS:-16,32,64}" \
-          --iters "${FEP_NPROXY_ITERS:-20}" 2>&1 | tee -a "$log"
+          --slots "${FEP_NPROXY_SLOTS:-8}" --iters "${FEP_NPROXY_ITERS:-20}" 2>&1 | tee -a "$log"
         rc=${PIPESTATUS[0]}
         [ "$rc" -eq 0 ] || fail=1
         printf '%-18s rc=%-3s %s\n' "nproxy-bench" "$rc" "2 processes under MPS" >>"$out/summary.txt"

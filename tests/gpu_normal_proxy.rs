@@ -2,7 +2,7 @@
 //! writes with immediate data, mapped host buffers here) with "forced" nodes on one GPU, through
 //! `Buffer` with `Backend::Gpu`, every step checked against the single-process reference
 //! (src/ep/reference.rs) on the same inputs:
-//! - ranks as threads with node splits 2 x 1 per node and 4 x 2 per node (mixed: same-node peers
+//! - ranks as threads with node splits 2 x 1, 4 x 2 and 4 x 1 per node (mixed: same-node peers
 //!   by device pointers, others by the proxy), over `shm` and `tcp;ofi_rxm`, bf16 and fp8, hidden
 //!   2048 / 4096 / 7168, fresh and cached handles, `num_worst_tokens`, two queue shapes;
 //! - a peer that stalls: a typed timeout naming it;
@@ -86,6 +86,7 @@ fn forced_internode_threads_match_reference() {
             (4, 2, 4096, false, false, true, 16, 8),
             (4, 2, 7168, true, false, false, 64, 2),
             (4, 2, 2048, true, true, true, 8, 1),
+            (4, 1, 2048, true, false, true, 16, 4),
         ];
         for (ranks, rpn, hidden, fp8, worst, cached, chunk, spp) in cases {
             let p = GpuBenchParams { worst, ..params(ranks, 300, hidden, fp8) };

@@ -226,6 +226,23 @@ __device__ __forceinline__ void warp_copy4(uint32_t* dst, const uint32_t* src, i
     for (int i = lane; i < n; i += kWarpSize) dst[i] = kFromQueue ? __ldcg(src + i) : __ldg(src + i);
 }
 
+// A block copies n 16-byte vectors out of a proxy receive region (uncached loads, kUnroll in
+// flight per thread: a PCIe read is a round trip).
+__device__ __forceinline__ void block_copy16_px(uint4* __restrict__ dst,
+                                                const uint4* __restrict__ src, uint32_t n) {
+    constexpr uint32_t kUnroll = 8;
+    const uint32_t step = blockDim.x;
+    uint32_t i = threadIdx.x;
+    for (; i + (kUnroll - 1) * step < n; i += kUnroll * step) {
+        uint4 v[kUnroll];
+#pragma unroll
+        for (uint32_t u = 0; u < kUnroll; ++u) v[u] = __ldcv(src + i + u * step);
+#pragma unroll
+        for (uint32_t u = 0; u < kUnroll; ++u) dst[i + u * step] = v[u];
+    }
+    for (; i < n; i += step) dst[i] = __ldcv(src + i);
+}
+
 // A warp copies n 4-byte words out of a proxy receive region (uncached).
 __device__ __forceinline__ void warp_copy4_px(uint32_t* dst, const uint32_t* src, int n, int lane) {
     for (int i = lane; i < n; i += kWarpSize) dst[i] = __ldcv(src + i);
