@@ -199,6 +199,12 @@ run_nproxy_section() {
         [ "$rc" -eq 0 ] || fail=1
         printf '%-18s rc=%-3s %s\n' "nproxy-bench" "$rc" "2 processes under MPS" >>"$out/summary.txt"
       fi
+      if [ -x "$nb" ] && [ -n "${FEP_NPROXY_ALLOC_CHUNKS:-16}" ]; then
+        # The same bench with the regions in cuMemHostAlloc memory instead of registered pages.
+        FEP_GPU_PROXY_HOSTMEM=alloc timeout 90 "$nb" --chunks "${FEP_NPROXY_ALLOC_CHUNKS:-16}" \
+          --slots 8 --iters "${FEP_NPROXY_ITERS:-20}" 2>&1 \
+          | sed 's/^NPROXY_RESULT /NPROXY_RESULT hostmem=alloc /' | tee -a "$log"
+      fi
       echo quit | nvidia-cuda-mps-control
       unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
       sleep 1
@@ -211,7 +217,21 @@ run_nproxy_section() {
   else
     echo "no nvidia-cuda-mps-control: no two-process run" | tee -a "$log"
   fi
-  grep -E "^ok:|timeout path|SKIP|panicked|FAILED|^\| |NPROXY_RESULT|steps checked" "$log" >>"$out/summary.txt" || true
+  # The CPU side alone on the same machine: our RMA-write stream vs fi_pingpong, and the host
+  # backend's normal mode (same wire protocol, same inputs) between 2 processes over shm.
+  if [ -x "$b/bin/ep-bench" ] && [ "${FEP_NPROXY_HOST:-1}" = 1 ]; then
+    set +e
+    echo "===== ep-bench fabric (CPU RMA writes, shm)" >>"$log"
+    timeout 60 "$b/bin/ep-bench" fabric --ranks 2 --sizes 119552,239104 --window 8 >>"$log" 2>&1
+    echo "===== ep-bench --backend host normal, 2 processes x 1 per node, shm" >>"$log"
+    timeout 90 "$b/bin/ep-bench" --backend host --ranks 2 --ranks-per-node 1 --mode normal \
+      --tokens 4096 --fp8 --iters 5 >>"$log" 2>&1
+    rc=$?
+    set -e
+    printf '%-18s rc=%-3s %s\n' "nproxy-host" "$rc" "ep-bench host backend, 2 procs, shm" >>"$out/summary.txt"
+  fi
+  grep -E "^ok:|timeout path|SKIP|panicked|FAILED|^\| |NPROXY_RESULT|steps checked|B \||^mode |^normal |rror" \
+    "$log" >>"$out/summary.txt" || true
   return $fail
 }
 

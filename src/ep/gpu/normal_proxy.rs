@@ -15,9 +15,12 @@
 //!   registered with `FI_HMEM_CUDA` (`fi_mr(3)` `iface`/`device.cuda`): the kernel stages and
 //!   reads at device-memory speed and the NIC reads/writes GPU memory directly. Not testable on
 //!   the one-GPU machine (shm/tcp have no CUDA HMEM there).
-//! - otherwise (shm, tcp;ofi_rxm here): pinned host memory mapped into the GPU
-//!   (`cuMemHostAlloc(DEVICEMAP)`), registered as host memory; the kernel writes and reads it over
-//!   PCIe.
+//! - otherwise (shm, tcp;ofi_rxm here): pinned host memory mapped into the GPU, registered with
+//!   libfabric as host memory; the kernel writes and reads it over PCIe. Two ways to get it:
+//!   anonymous pages pinned with `cuMemHostRegister(DEVICEMAP)` ([`RegionKind::RegisteredHost`],
+//!   the default: ordinary pages, which the shm provider's cross-process copy handles like any
+//!   other) or `cuMemHostAlloc(DEVICEMAP)` ([`RegionKind::MappedHost`],
+//!   `FEP_GPU_PROXY_HOSTMEM=alloc`).
 //!
 //! NOTES: the wire protocol mirrors the host backend's (same geometry, same data immediate
 //! `slot id | rows`, same notify record `[seq, tokens, per-expert]` and two-deep notify slots, no
@@ -47,21 +50,97 @@ const VALUE_BITS: u32 = super::super::plan::IMM_VALUE_BITS;
 /// Where the registered send/receive regions live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RegionKind {
-    /// Pinned host memory mapped into the GPU, registered as host memory.
+    /// `cuMemHostAlloc(DEVICEMAP)` memory, registered as host memory.
     MappedHost,
+    /// Anonymous pages pinned and mapped with `cuMemHostRegister(DEVICEMAP)`, registered as host
+    /// memory.
+    RegisteredHost,
     /// Device memory registered through `FI_HMEM_CUDA`.
     Device,
 }
 
 impl RegionKind {
     /// Device memory when the provider reports `FI_HMEM` (and `FEP_GPU_PROXY_HMEM` is not `0`),
-    /// else mapped host memory.
+    /// else host memory: registered anonymous pages, or `cuMemHostAlloc` memory with
+    /// `FEP_GPU_PROXY_HOSTMEM=alloc`.
     pub fn select(info: &Info) -> RegionKind {
         let off = std::env::var("FEP_GPU_PROXY_HMEM").is_ok_and(|v| v == "0");
         if info.hmem() && !off {
             RegionKind::Device
-        } else {
+        } else if std::env::var("FEP_GPU_PROXY_HOSTMEM").is_ok_and(|v| v == "alloc") {
             RegionKind::MappedHost
+        } else {
+            RegionKind::RegisteredHost
+        }
+    }
+}
+
+/// Anonymous host pages (mmap), pinned and mapped into the GPU with `cuMemHostRegister`;
+/// unregistered and unmapped on drop.
+struct RegisteredHost {
+    dev: Device,
+    ptr: *mut u8,
+    len: usize,
+    dptr: u64,
+}
+
+// SAFETY: plain memory owned by this value; every concurrent access goes through the proxy's
+// and the kernels' protocol (no Rust references into it).
+unsafe impl Send for RegisteredHost {}
+// SAFETY: as above.
+unsafe impl Sync for RegisteredHost {}
+
+impl RegisteredHost {
+    fn new(dev: &Device, len: usize) -> Result<Self> {
+        use cudarc::driver::sys;
+        dev.bind()?;
+        let len = len.max(1).div_ceil(4096) * 4096;
+        // SAFETY: a fresh private anonymous mapping (zero-filled by the kernel).
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::Other(format!(
+                "mmap of {len} bytes for the proxy lane failed: {}",
+                std::io::Error::last_os_error()
+            )));
+        }
+        let flags = sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE;
+        // SAFETY: `p` is `len` bytes of our own mapping; the context is bound.
+        let reg = crate::cuda::driver::check("cuMemHostRegister", unsafe {
+            sys::cuMemHostRegister_v2(p, len, flags)
+        });
+        if let Err(e) = reg {
+            // SAFETY: our mapping, registered with nobody.
+            unsafe { libc::munmap(p, len) };
+            return Err(e.into());
+        }
+        let mut m = RegisteredHost { dev: dev.clone(), ptr: p.cast(), len, dptr: 0 };
+        let mut d: sys::CUdeviceptr = 0;
+        // SAFETY: `p` is registered with DEVICEMAP; out-pointer valid.
+        crate::cuda::driver::check("cuMemHostGetDevicePointer", unsafe {
+            sys::cuMemHostGetDevicePointer_v2(&mut d, p, 0)
+        })?;
+        m.dptr = d;
+        Ok(m)
+    }
+}
+
+impl Drop for RegisteredHost {
+    fn drop(&mut self) {
+        let _ = self.dev.bind();
+        // SAFETY: registered and mapped by `new`; nobody uses it any more (the lane drops its
+        // registrations and the proxy first).
+        unsafe {
+            let _ = cudarc::driver::sys::cuMemHostUnregister(self.ptr.cast());
+            libc::munmap(self.ptr.cast(), self.len);
         }
     }
 }
@@ -98,6 +177,7 @@ pub fn other_node_mask(rank: usize, num_ranks: usize, ranks_per_node: usize) -> 
 
 enum RegionMem {
     Host(HostMapped),
+    Registered(RegisteredHost),
     Device(DeviceBuffer),
 }
 
@@ -110,18 +190,21 @@ impl RegionMem {
                 unsafe { std::ptr::write_bytes(m.as_ptr(), 0, m.len()) };
                 RegionMem::Host(m)
             }
+            RegionKind::RegisteredHost => RegionMem::Registered(RegisteredHost::new(dev, len)?),
             RegionKind::Device => RegionMem::Device(DeviceBuffer::zeroed(dev, len)?),
         })
     }
     fn device_ptr(&self) -> u64 {
         match self {
             RegionMem::Host(m) => m.device_ptr(),
+            RegionMem::Registered(m) => m.dptr,
             RegionMem::Device(b) => b.device_ptr(),
         }
     }
     fn len(&self) -> usize {
         match self {
             RegionMem::Host(m) => m.len(),
+            RegionMem::Registered(m) => m.len,
             RegionMem::Device(b) => b.len(),
         }
     }
@@ -129,12 +212,13 @@ impl RegionMem {
     fn reg_ptr(&self) -> *mut u8 {
         match self {
             RegionMem::Host(m) => m.as_ptr(),
+            RegionMem::Registered(m) => m.ptr,
             RegionMem::Device(b) => b.device_ptr() as usize as *mut u8,
         }
     }
     fn mem_kind(&self, dev: &Device) -> MemKind {
         match self {
-            RegionMem::Host(_) => MemKind::Host,
+            RegionMem::Host(_) | RegionMem::Registered(_) => MemKind::Host,
             RegionMem::Device(_) => MemKind::Cuda { device: dev.ordinal() as i32 },
         }
     }
