@@ -162,7 +162,10 @@ run_proxy_section() {
 # gpu_normal_proxy_bench.rs): the threads-as-ranks tests as the machine is, then under MPS (the
 # control daemon is started here and stopped at the end) the two-process test and the bench,
 # which runs fi_pingpong at the chunk write size in the same run. FEP_NPROXY_CHUNKS (default
-# 16,32,64), FEP_NPROXY_SLOTS (default 8), FEP_NPROXY_ITERS (default 20), FEP_NPROXY_PROVIDERS (tests; default shm,tcp;ofi_rxm).
+# 16,32,64), FEP_NPROXY_SLOTS (default 8), FEP_NPROXY_ITERS (default 20),
+# FEP_NPROXY_REGISTER_CHUNKS (default 16,32: the bench again with registered pages; empty: skip),
+# FEP_NPROXY_HOST (default 1: ep-bench fabric and the host backend on the same machine),
+# FEP_NPROXY_PROVIDERS (tests; default shm,tcp;ofi_rxm).
 run_nproxy_section() {
   local b=$1 out=$2 log=$2/nproxy.log rc fail=0
   : >"$log"
@@ -199,11 +202,12 @@ run_nproxy_section() {
         [ "$rc" -eq 0 ] || fail=1
         printf '%-18s rc=%-3s %s\n' "nproxy-bench" "$rc" "2 processes under MPS" >>"$out/summary.txt"
       fi
-      if [ -x "$nb" ] && [ -n "${FEP_NPROXY_ALLOC_CHUNKS:-16}" ]; then
-        # The same bench with the regions in cuMemHostAlloc memory instead of registered pages.
-        FEP_GPU_PROXY_HOSTMEM=alloc timeout 90 "$nb" --chunks "${FEP_NPROXY_ALLOC_CHUNKS:-16}" \
+      if [ -x "$nb" ] && [ -n "${FEP_NPROXY_REGISTER_CHUNKS-16,32}" ]; then
+        # The same bench with the regions in registered anonymous pages (cuMemHostRegister)
+        # instead of cuMemHostAlloc memory.
+        FEP_GPU_PROXY_HOSTMEM=register timeout 90 "$nb" --chunks "${FEP_NPROXY_REGISTER_CHUNKS-16,32}" \
           --slots 8 --iters "${FEP_NPROXY_ITERS:-20}" 2>&1 \
-          | sed 's/^NPROXY_RESULT /NPROXY_RESULT hostmem=alloc /' | tee -a "$log"
+          | sed 's/^NPROXY_RESULT /NPROXY_RESULT hostmem=register /' | tee -a "$log"
       fi
       echo quit | nvidia-cuda-mps-control
       unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY

@@ -5,6 +5,7 @@
 //! - ranks as threads with node splits 2 x 1, 4 x 2 and 4 x 1 per node (mixed: same-node peers
 //!   by device pointers, others by the proxy), over `shm` and `tcp;ofi_rxm`, bf16 and fp8, hidden
 //!   2048 / 4096 / 7168, fresh and cached handles, `num_worst_tokens`, two queue shapes;
+//! - the host backend on the same configs and inputs (both equal the one reference);
 //! - a peer that stalls: a typed timeout naming it;
 //! - 2 processes x 1 per node over shm (no CUDA IPC: all traffic through the proxy). Their kernels
 //!   must be co-resident, so this one runs only under MPS (`FEP_GPU_MPS=1`, set by the
@@ -17,13 +18,14 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use fabric_ep::bench::ep::{run_normal, NormalBenchParams};
 use fabric_ep::bench::ep_gpu::{
     run_normal_gpu_rank, run_normal_gpu_split, GpuBenchParams, GpuSplit,
 };
 use fabric_ep::bootstrap::{Bootstrap, InProcGroup, LocalJob, TcpStore};
 use fabric_ep::cuda::{gpu_available, Device, DeviceBuffer, Stream};
 use fabric_ep::ep::buffer::{Buffer, BufferOptions};
-use fabric_ep::ep::config::{EpConfig, EpSettings};
+use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::ep::gpu::{DevSlice, GpuNotifyArgs, GpuOptions};
 use fabric_ep::Error;
 
@@ -104,6 +106,63 @@ fn forced_internode_threads_match_reference() {
                 t0.elapsed().as_secs_f64()
             );
         }
+    }
+}
+
+/// The host backend (CPU staging, same proxy, same wire protocol) on the same configs and the same
+/// deterministic inputs (`bench::ep::rank_inputs`) as the GPU runs: both are checked against the
+/// one reference those inputs give, so the two backends' outputs are equal.
+#[test]
+#[ignore = "needs a GPU: scripts/gpu-check.sh runs it"]
+fn gpu_and_host_backend_agree_on_the_same_inputs() {
+    let Some(dev) = gpu() else { return };
+    for (ranks, rpn, hidden, fp8) in [(2, 1, 7168, true), (4, 2, 4096, false)] {
+        let p = params(ranks, 200, hidden, fp8);
+        run_normal_gpu_split(&dev, &p, &split(rpn, "shm", 16, 8, false))
+            .unwrap_or_else(|e| panic!("GPU {ranks} x {rpn}/node: {e}"));
+        let hp = NormalBenchParams {
+            num_tokens: p.num_tokens,
+            seed: p.seed,
+            drop_pct: p.drop_pct,
+            iters: p.iters,
+            warmup: p.warmup,
+            combine_weights: true,
+        };
+        let boots = InProcGroup::new(ranks, rpn, Duration::from_secs(60)).unwrap();
+        let res: Vec<Result<(), String>> = std::thread::scope(|s| {
+            let hs: Vec<_> = boots
+                .into_iter()
+                .enumerate()
+                .map(|(rank, b)| {
+                    let hp = &hp;
+                    s.spawn(move || -> Result<(), String> {
+                        let mut st =
+                            EpSettings::new(rank, ranks, p.num_experts, hidden, p.num_topk);
+                        st.ranks_per_node = rpn;
+                        st.timeout = p.timeout;
+                        st.max_tokens_per_rank = p.num_tokens;
+                        if fp8 {
+                            st.dispatch_dtype = DispatchDtype::Fp8E4m3;
+                        }
+                        let cfg = EpConfig::new(st).map_err(|e| e.to_string())?;
+                        let boot: Arc<dyn Bootstrap> = Arc::new(b);
+                        let mut buf = Buffer::new(cfg, boot, BufferOptions::host("shm"))
+                            .map_err(|e| e.to_string())?;
+                        run_normal(&mut buf, hp).map_err(|e| e.to_string())?;
+                        buf.destroy().map_err(|e| e.to_string())
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
+        });
+        for (r, x) in res.into_iter().enumerate() {
+            x.unwrap_or_else(|e| panic!("host backend {ranks} x {rpn}/node rank {r}: {e}"));
+        }
+        eprintln!(
+            "ok: GPU and host backend, {ranks} ranks x {rpn} per node, hidden {hidden} {}: both \
+             equal the reference of the same inputs",
+            if fp8 { "fp8" } else { "bf16" }
+        );
     }
 }
 

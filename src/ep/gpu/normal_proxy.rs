@@ -17,10 +17,10 @@
 //!   the one-GPU machine (shm/tcp have no CUDA HMEM there).
 //! - otherwise (shm, tcp;ofi_rxm here): pinned host memory mapped into the GPU, registered with
 //!   libfabric as host memory; the kernel writes and reads it over PCIe. Two ways to get it:
+//!   `cuMemHostAlloc(DEVICEMAP)` ([`RegionKind::MappedHost`], the default, measured) or ordinary
 //!   anonymous pages pinned with `cuMemHostRegister(DEVICEMAP)` ([`RegionKind::RegisteredHost`],
-//!   the default: ordinary pages, which the shm provider's cross-process copy handles like any
-//!   other) or `cuMemHostAlloc(DEVICEMAP)` ([`RegionKind::MappedHost`],
-//!   `FEP_GPU_PROXY_HOSTMEM=alloc`).
+//!   `FEP_GPU_PROXY_HOSTMEM=register`: an experiment on whether the shm provider's
+//!   cross-process copy is faster on ordinary pages; built, not yet run on the GPU).
 //!
 //! NOTES: the wire protocol mirrors the host backend's (same geometry, same data immediate
 //! `slot id | rows`, same notify record `[seq, tokens, per-expert]` and two-deep notify slots, no
@@ -61,16 +61,16 @@ pub enum RegionKind {
 
 impl RegionKind {
     /// Device memory when the provider reports `FI_HMEM` (and `FEP_GPU_PROXY_HMEM` is not `0`),
-    /// else host memory: registered anonymous pages, or `cuMemHostAlloc` memory with
-    /// `FEP_GPU_PROXY_HOSTMEM=alloc`.
+    /// else host memory: `cuMemHostAlloc` memory, or registered anonymous pages with
+    /// `FEP_GPU_PROXY_HOSTMEM=register`.
     pub fn select(info: &Info) -> RegionKind {
         let off = std::env::var("FEP_GPU_PROXY_HMEM").is_ok_and(|v| v == "0");
         if info.hmem() && !off {
             RegionKind::Device
-        } else if std::env::var("FEP_GPU_PROXY_HOSTMEM").is_ok_and(|v| v == "alloc") {
-            RegionKind::MappedHost
-        } else {
+        } else if std::env::var("FEP_GPU_PROXY_HOSTMEM").is_ok_and(|v| v == "register") {
             RegionKind::RegisteredHost
+        } else {
+            RegionKind::MappedHost
         }
     }
 }
