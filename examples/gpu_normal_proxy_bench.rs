@@ -109,8 +109,8 @@ fn child(a: &Args) {
         let s = GpuSplit {
             ranks_per_node: 1,
             provider: a.provider.clone(),
-            chunk_tokens: a.child_chunk,
-            slots_per_peer: a.child_slots,
+            chunk_tokens: Some(a.child_chunk),
+            slots_per_peer: Some(a.child_slots),
             cached,
         };
         let r = run_normal_gpu_rank(&dev, &p, &s, boot.clone())

@@ -255,6 +255,11 @@ run() {
   export PATH="$b/bin:$PATH"
   # The tcp provider on loopback only: the GPU machine reaches nothing outside it.
   export FI_TCP_IFACE=${FI_TCP_IFACE:-lo}
+  # NCCL for ep-bench's baseline (src/bench/nccl.rs): the PyTorch wheel's copy.
+  if [ -z "${FEP_NCCL_LIB:-}" ]; then
+    FEP_NCCL_LIB=$(python3 -c 'import nvidia.nccl as m, os; print(os.path.join(list(m.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null || true)
+    export FEP_NCCL_LIB
+  fi
   {
     echo "== $(cat "$b/MANIFEST" 2>/dev/null)"
     nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv,noheader || true

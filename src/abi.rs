@@ -28,6 +28,8 @@ const _: () = assert!(offset_of!(fep_proxy_pingpong_params, cmd) == 64);
 const _: () = assert!(size_of::<fep_ll_peer>() == 32);
 const _: () = assert!(size_of::<fep_ll_dispatch_params>() == 200);
 const _: () = assert!(size_of::<fep_ll_combine_params>() == 160);
+const _: () = assert!(size_of::<fep_gather_rows_params>() == 32);
+const _: () = assert!(size_of::<fep_segment_sum_params>() == 40);
 const _: () = assert!(offset_of!(fep_ll_dispatch_params, epoch) == 120);
 const _: () = assert!(offset_of!(fep_ll_combine_params, record_bytes) == 120);
 const _: () = assert!(size_of::<fep_normal_comm>() == 256);

@@ -39,6 +39,7 @@ fn small(ranks: usize, tokens: usize, hidden: usize, fp8: bool) -> GpuBenchParam
         num_sms: None,
         worst: false,
         hook: false,
+        graph: false,
     }
 }
 
@@ -96,6 +97,29 @@ fn low_latency_matches_reference_hook_and_not() {
         run_ll_gpu(&dev, &p).unwrap_or_else(|e| panic!("LL standard hook {hook}: {e}"));
         eprintln!("ok: low-latency 4 ranks x 128 tokens hidden 7168 top-8 of 256 fp8 hook {hook}");
     }
+}
+
+#[test]
+#[ignore = "needs a GPU: scripts/gpu-check.sh runs it"]
+fn low_latency_cuda_graph_replay_matches_reference() {
+    // Each rank captures its own step (dispatch + combine, hook or not) once, after one eager
+    // step, and replays it; two input cases (different routing and data) alternate in the
+    // same device buffers, and every replay is checked bit-exactly against the reference, so
+    // graph replay equals eager execution on the same inputs.
+    let Some(dev) = gpu() else { return };
+    for (ranks, fp8, hook) in
+        [(1, true, false), (2, false, true), (4, true, false), (4, true, true)]
+    {
+        let p = GpuBenchParams { hook, graph: true, iters: 6, ..small(ranks, 64, 2048, fp8) };
+        run_ll_gpu(&dev, &p)
+            .unwrap_or_else(|e| panic!("LL graph ranks {ranks} fp8 {fp8} hook {hook}: {e}"));
+        eprintln!(
+            "ok: low-latency CUDA graph ranks {ranks} fp8 {fp8} hook {hook}: 1 eager + 5 replays"
+        );
+    }
+    let p = GpuBenchParams { graph: true, iters: 4, warmup: 0, ..GpuBenchParams::ll_standard(4) };
+    run_ll_gpu(&dev, &p).unwrap_or_else(|e| panic!("LL graph standard: {e}"));
+    eprintln!("ok: low-latency CUDA graph 4 ranks x 128 tokens hidden 7168 top-8 of 256 fp8");
 }
 
 fn cfg(rank: usize, ranks: usize, fp8: bool, timeout: Duration) -> EpConfig {

@@ -62,6 +62,7 @@ fn params(ranks: usize, tokens: usize, hidden: usize, fp8: bool) -> GpuBenchPara
         num_sms: Some(16),
         worst: false,
         hook: false,
+        graph: false,
     }
 }
 
@@ -69,8 +70,8 @@ fn split(rpn: usize, provider: &str, chunk: usize, spp: usize, cached: bool) -> 
     GpuSplit {
         ranks_per_node: rpn,
         provider: provider.to_string(),
-        chunk_tokens: chunk,
-        slots_per_peer: spp,
+        chunk_tokens: Some(chunk),
+        slots_per_peer: Some(spp),
         cached,
     }
 }

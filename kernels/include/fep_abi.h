@@ -420,4 +420,6 @@ static_assert(sizeof(fep_normal_proxy) == 80, "fep_normal_proxy layout");
 static_assert(offsetof(fep_normal_comm, proxy) == 176, "fep_normal_comm proxy");
 #endif
 
+#include "fep_baseline.h"
+
 #endif /* FEP_ABI_H */

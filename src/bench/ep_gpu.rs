@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use super::ep::{self as host_bench, NormalBenchParams, NormalBenchReport, RankInputs};
 use crate::bootstrap::{Bootstrap, InProcGroup};
-use crate::cuda::{Device, DeviceBuffer, Event, Stream};
+use crate::cuda::{Device, DeviceBuffer, Event, Graph, Stream};
 use crate::ep::buffer::{Buffer, BufferOptions};
 use crate::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use crate::ep::gpu::{
@@ -45,6 +45,9 @@ pub struct GpuBenchParams {
     pub worst: bool,
     /// Low-latency: hook mode (send, then the hook's receive) instead of one call.
     pub hook: bool,
+    /// Low-latency: capture the step (dispatch + combine) in a CUDA graph after one eager
+    /// iteration and replay it, with two input cases alternating in the same buffers.
+    pub graph: bool,
 }
 
 impl GpuBenchParams {
@@ -65,6 +68,7 @@ impl GpuBenchParams {
             num_sms: None,
             worst: false,
             hook: false,
+            graph: false,
         }
     }
     /// DeepEP's standard low-latency setting: 128 tokens, otherwise as normal.
@@ -72,7 +76,7 @@ impl GpuBenchParams {
         GpuBenchParams { num_tokens: 128, ..Self::normal_standard(num_ranks) }
     }
 
-    fn config(&self, rank: usize) -> Result<EpConfig> {
+    pub(crate) fn config(&self, rank: usize) -> Result<EpConfig> {
         self.config_split(rank, self.num_ranks)
     }
 
@@ -106,8 +110,10 @@ pub struct GpuSplit {
     pub ranks_per_node: usize,
     /// The proxy lane's libfabric provider.
     pub provider: String,
-    pub chunk_tokens: usize,
-    pub slots_per_peer: usize,
+    /// Records per chunk; `None`: `GpuOptions`' default.
+    pub chunk_tokens: Option<usize>,
+    /// Chunks in flight per pair; `None`: `GpuOptions`' default.
+    pub slots_per_peer: Option<usize>,
     /// After the first step, dispatch with the cached handle (no layout, no notify).
     pub cached: bool,
 }
@@ -118,8 +124,8 @@ impl GpuSplit {
         GpuSplit {
             ranks_per_node: num_ranks,
             provider: "shm".to_string(),
-            chunk_tokens: 16,
-            slots_per_peer: 8,
+            chunk_tokens: None,
+            slots_per_peer: None,
             cached: false,
         }
     }
@@ -128,7 +134,7 @@ impl GpuSplit {
 /// Per-rank figures of a GPU run, in the host runner's shape (bytes as DeepEP counts them).
 pub type GpuReport = Vec<NormalBenchReport>;
 
-fn upload<T: bytemuck::Pod>(dev: &Device, v: &[T]) -> Result<DeviceBuffer> {
+pub(crate) fn upload<T: bytemuck::Pod>(dev: &Device, v: &[T]) -> Result<DeviceBuffer> {
     if v.is_empty() {
         return Ok(DeviceBuffer::zeroed(dev, 16)?);
     }
@@ -140,7 +146,7 @@ fn mismatch(rank: usize, what: &str, it: usize) -> Error {
 }
 
 /// Runs `f(rank, boot)` on one thread per rank; the first error wins (by rank).
-fn on_threads<T: Send>(
+pub(crate) fn on_threads<T: Send>(
     n: usize,
     timeout: Duration,
     f: impl Fn(usize, Arc<dyn Bootstrap>) -> Result<T> + Sync,
@@ -320,12 +326,10 @@ fn normal_rank(
     {
         let cfg = p.config_split(rank, split.ranks_per_node)?;
         let (t, h, k) = (p.num_tokens, cfg.hidden, cfg.num_topk);
-        let opts = GpuOptions {
-            chunk_tokens: split.chunk_tokens,
-            slots_per_peer: split.slots_per_peer,
-            proxy_provider: split.provider.clone(),
-            ..p.gpu_options(dev, true)
-        };
+        let mut opts =
+            GpuOptions { proxy_provider: split.provider.clone(), ..p.gpu_options(dev, true) };
+        opts.chunk_tokens = split.chunk_tokens.unwrap_or(opts.chunk_tokens);
+        opts.slots_per_peer = split.slots_per_peer.unwrap_or(opts.slots_per_peer);
         let mut buf = Buffer::new(cfg.clone(), boot.clone(), BufferOptions::gpu(opts))?;
         let me = &inputs[rank];
         let want = &want_d[rank];
@@ -445,10 +449,10 @@ struct LlInput {
     topk_weights: Vec<f32>,
 }
 
-fn ll_inputs(p: &GpuBenchParams) -> Result<Vec<LlInput>> {
+fn ll_inputs(p: &GpuBenchParams, seed: u64) -> Result<Vec<LlInput>> {
     (0..p.num_ranks)
         .map(|r| {
-            let mut rng = SplitMix64(p.seed ^ (r as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            let mut rng = SplitMix64(seed ^ (r as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
             let t = p.num_tokens;
             let shape = LayoutShape::new(t, p.num_topk, p.num_experts, p.num_ranks, p.num_ranks)?;
             let topk_idx = random_topk_idx(&mut rng, shape, p.drop_pct, false);
@@ -457,6 +461,53 @@ fn ll_inputs(p: &GpuBenchParams) -> Result<Vec<LlInput>> {
             Ok(LlInput { x, topk_idx, topk_weights })
         })
         .collect()
+}
+
+/// One low-latency case: every rank's inputs, expert outputs and the reference results.
+struct LlCase {
+    inputs: Vec<LlInput>,
+    /// Expert outputs `[L, R * M, hidden]` per rank (random on the received rows).
+    ys: Vec<Vec<u16>>,
+    want_d: Vec<refm::LlDispatchOut>,
+    want_c: Vec<Vec<u16>>,
+}
+
+fn ll_case(p: &GpuBenchParams, seed: u64) -> Result<LlCase> {
+    let inputs = ll_inputs(p, seed)?;
+    let lp = ll_params(p);
+    let rin: Vec<refm::LlRankInput> =
+        inputs.iter().map(|i| refm::LlRankInput { x: &i.x, topk_idx: &i.topk_idx }).collect();
+    let want_d = refm::ll_dispatch(&lp, &rin)?;
+    let (nr, h, m) = (p.num_ranks, p.hidden, p.num_tokens);
+    let l = p.num_experts / nr;
+    let s = nr * m;
+    // Expert outputs: random bf16 on the rows each rank received (the rest is never read).
+    let ys: Vec<Vec<u16>> = want_d
+        .iter()
+        .enumerate()
+        .map(|(r, w)| {
+            let mut rng = SplitMix64(seed.wrapping_add(77 + r as u64));
+            let mut y = vec![0u16; l * s * h];
+            for e in 0..l {
+                let n = w.recv_count[e] as usize;
+                for v in &mut y[e * s * h..(e * s + n) * h] {
+                    *v = f32_to_bf16((rng.unit_f32() - 0.5) * 4.0 + 1e-3);
+                }
+            }
+            y
+        })
+        .collect();
+    let cin: Vec<refm::LlCombineInput> = inputs
+        .iter()
+        .zip(&ys)
+        .map(|(i, y)| refm::LlCombineInput {
+            x: y,
+            topk_idx: &i.topk_idx,
+            topk_weights: &i.topk_weights,
+        })
+        .collect();
+    let want_c = refm::ll_combine(&lp, &want_d, &cin)?;
+    Ok(LlCase { inputs, ys, want_d, want_c })
 }
 
 fn ll_params(p: &GpuBenchParams) -> refm::LlParams {
@@ -524,50 +575,24 @@ fn check_ll_dispatch(
 /// hook's receive), every one checked against the reference. Times from CUDA events around
 /// dispatch (send + receive) and combine (send + receive).
 pub fn run_ll_gpu(dev: &Device, p: &GpuBenchParams) -> Result<GpuReport> {
-    let inputs = ll_inputs(p)?;
-    let lp = ll_params(p);
-    let rin: Vec<refm::LlRankInput> =
-        inputs.iter().map(|i| refm::LlRankInput { x: &i.x, topk_idx: &i.topk_idx }).collect();
-    let want_d = refm::ll_dispatch(&lp, &rin)?;
+    // With a CUDA graph the step is captured once and replayed with the inputs of two cases
+    // alternating in the same device buffers: a replay must follow whatever routing it is given.
+    let cases: Vec<LlCase> = if p.graph {
+        vec![ll_case(p, p.seed)?, ll_case(p, p.seed ^ 0x6a09_e667_f3bc_c908)?]
+    } else {
+        vec![ll_case(p, p.seed)?]
+    };
     let (nr, h, m) = (p.num_ranks, p.hidden, p.num_tokens);
-    let l = p.num_experts / nr;
-    let s = nr * m;
-    // Expert outputs: random bf16 on the rows each rank received (the rest is never read).
-    let ys: Vec<Vec<u16>> = want_d
-        .iter()
-        .enumerate()
-        .map(|(r, w)| {
-            let mut rng = SplitMix64(p.seed.wrapping_add(77 + r as u64));
-            let mut y = vec![0u16; l * s * h];
-            for e in 0..l {
-                let n = w.recv_count[e] as usize;
-                for v in &mut y[e * s * h..(e * s + n) * h] {
-                    *v = f32_to_bf16((rng.unit_f32() - 0.5) * 4.0 + 1e-3);
-                }
-            }
-            y
-        })
-        .collect();
-    let cin: Vec<refm::LlCombineInput> = inputs
-        .iter()
-        .zip(&ys)
-        .map(|(i, y)| refm::LlCombineInput {
-            x: y,
-            topk_idx: &i.topk_idx,
-            topk_weights: &i.topk_weights,
-        })
-        .collect();
-    let want_c = refm::ll_combine(&lp, &want_d, &cin)?;
     on_threads(nr, p.timeout, |rank, boot| {
         let cfg = p.config(rank)?;
-        let me = &inputs[rank];
+        let me = &cases[0].inputs[rank];
         let t = m;
         let mut buf =
             Buffer::new(cfg, boot.clone(), BufferOptions::gpu(p.gpu_options(dev, false)))?;
-        let x = upload(dev, &me.x)?;
-        let ti = upload(dev, &me.topk_idx)?;
-        let tw = upload(dev, &me.topk_weights)?;
-        let y = upload(dev, &ys[rank])?;
+        let mut x = upload(dev, &me.x)?;
+        let mut ti = upload(dev, &me.topk_idx)?;
+        let mut tw = upload(dev, &me.topk_weights)?;
+        let mut y = upload(dev, &cases[0].ys[rank])?;
         let out_c = DeviceBuffer::new(dev, (t * h * 2).max(16))?;
         let stream = Stream::new(dev)?;
         let ev: Vec<Event> =
@@ -582,44 +607,84 @@ pub fn run_ll_gpu(dev: &Device, p: &GpuBenchParams) -> Result<GpuReport> {
         };
         let gpu = buf.gpu()?;
         let out = gpu.new_ll_dispatch_out()?;
-        for it in 0..p.warmup + p.iters {
-            boot.barrier()?;
-            out.recv_x.memset_async(0xAB, &stream)?;
-            out_c.memset_async(0xAB, &stream)?;
-            ev[0].record(&stream)?;
-            let da = GpuLlDispatchArgs {
-                x: DevSlice::of(&x),
-                topk_idx: DevSlice::of(&ti),
-                num_tokens: t,
-                use_fp8: p.fp8,
-                return_recv_hook: p.hook,
-                stream: &stream,
-            };
-            let ca = GpuLlCombineArgs {
-                x: DevSlice::of(&y),
-                topk_idx: DevSlice::of(&ti),
-                topk_weights: DevSlice::of(&tw),
-                num_tokens: t,
-                handle: &out,
-                out: DevSlice::of(&out_c),
-                return_recv_hook: p.hook,
-                stream: &stream,
-            };
-            // SAFETY: every buffer lives until sync_gpu below; all ranks make the same calls.
+        let da = GpuLlDispatchArgs {
+            x: DevSlice::of(&x),
+            topk_idx: DevSlice::of(&ti),
+            num_tokens: t,
+            use_fp8: p.fp8,
+            return_recv_hook: p.hook,
+            stream: &stream,
+        };
+        let ca = GpuLlCombineArgs {
+            x: DevSlice::of(&y),
+            topk_idx: DevSlice::of(&ti),
+            topk_weights: DevSlice::of(&tw),
+            num_tokens: t,
+            handle: &out,
+            out: DevSlice::of(&out_c),
+            return_recv_hook: p.hook,
+            stream: &stream,
+        };
+        // The two phases of a step: dispatch (send, then the hook's receive if hooked) and
+        // combine (likewise).
+        // SAFETY (all uses): every buffer lives until the stream is synchronised below, and all
+        // ranks make the same sequence of calls.
+        let dispatch = |gpu: &mut crate::ep::gpu::GpuBuffer| -> Result<()> {
             unsafe {
                 if let Some(hook) = gpu.low_latency_dispatch_gpu(&da, &out)? {
                     gpu.low_latency_dispatch_recv_gpu(hook, &out, &stream)?;
                 }
-                ev[1].record(&stream)?;
+            }
+            Ok(())
+        };
+        let combine = |gpu: &mut crate::ep::gpu::GpuBuffer| -> Result<()> {
+            unsafe {
                 if let Some(hook) = gpu.low_latency_combine_gpu(&ca)? {
                     gpu.low_latency_combine_recv_gpu(hook, &ca)?;
                 }
-                ev[2].record(&stream)?;
             }
+            Ok(())
+        };
+        // Graph mode: iteration 0 runs eagerly (checked), then each phase is captured once into
+        // its own graph (so CUDA events between the launches time each phase).
+        let mut graphs: Option<(Graph, Graph)> = None;
+        for it in 0..p.warmup + p.iters {
+            let case = &cases[it % cases.len()];
+            if cases.len() > 1 {
+                // Host copies on the legacy stream, outside any step (no kernel of this rank in
+                // flight; peers' kernels wait for this rank's sends, not for these copies).
+                let c = &case.inputs[rank];
+                x.copy_from_host(&c.x)?;
+                ti.copy_from_host(&c.topk_idx)?;
+                tw.copy_from_host(&c.topk_weights)?;
+                y.copy_from_host(&case.ys[rank])?;
+            }
+            if p.graph && it == 1 {
+                let cap = Graph::begin_capture(&stream)?;
+                dispatch(gpu)?;
+                let gd = cap.end()?;
+                let cap = Graph::begin_capture(&stream)?;
+                combine(gpu)?;
+                graphs = Some((gd, cap.end()?));
+            }
+            boot.barrier()?;
+            out.recv_x.memset_async(0xAB, &stream)?;
+            out_c.memset_async(0xAB, &stream)?;
+            ev[0].record(&stream)?;
+            match &graphs {
+                Some((gd, _)) => gd.launch(&stream)?,
+                None => dispatch(gpu)?,
+            }
+            ev[1].record(&stream)?;
+            match &graphs {
+                Some((_, gc)) => gc.launch(&stream)?,
+                None => combine(gpu)?,
+            }
+            ev[2].record(&stream)?;
             gpu.sync_gpu(&stream)?;
-            check_ll_dispatch(rank, it, p, &out.to_host()?, &want_d[rank])?;
+            check_ll_dispatch(rank, it, p, &out.to_host()?, &case.want_d[rank])?;
             let got: Vec<u16> = out_c.to_vec()?;
-            if got[..t * h] != want_c[rank][..] {
+            if got[..t * h] != case.want_c[rank][..] {
                 return Err(mismatch(rank, "low-latency combine", it));
             }
             if it >= p.warmup {
@@ -628,6 +693,7 @@ pub fn run_ll_gpu(dev: &Device, p: &GpuBenchParams) -> Result<GpuReport> {
             }
         }
         boot.barrier()?;
+        drop(graphs);
         drop(out);
         buf.destroy()?;
         Ok(rep)

@@ -3,6 +3,7 @@
 pub mod ep;
 pub mod ep_gpu;
 pub mod fabric;
+pub mod nccl;
 pub mod plan;
 pub mod report;
 pub mod stats;

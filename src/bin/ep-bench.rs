@@ -70,6 +70,13 @@ struct Common {
     /// GPU backend: bf16 dispatch instead of its default, fp8 (DeepEP's standard setting).
     #[arg(long, conflicts_with = "fp8")]
     bf16: bool,
+    /// GPU backend, low-latency: also time the step captured once in a CUDA graph and
+    /// replayed (each replay checked like an eager step).
+    #[arg(long)]
+    cuda_graph: bool,
+    /// GPU backend, normal mode: skip the NCCL all-to-all (+ permute) comparison.
+    #[arg(long)]
+    no_nccl: bool,
     #[arg(long, default_value_t = 20, global = true)]
     iters: usize,
 }
@@ -627,12 +634,13 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
     let sms = dev.sm_count() as usize;
     println!(
         "ep-bench (GPU backend): {} ranks as THREADS of one process on one GPU ({}, {} SMs, \
-         SM budget {} per rank), {} dispatch / bf16 combine, top-{} of {} experts, {} iters \
+         SM budget per rank: normal {}, low-latency {}), {} dispatch / bf16 combine, top-{} of {} experts, {} iters \
          (+{} warm-up); every result checked against the reference",
         c.ranks,
         dev.name(),
         sms,
         (sms / c.ranks).min(fabric_ep::ep::gpu::DEFAULT_MAX_SMS) & !1,
+        (sms / c.ranks) & !1,
         if c.bf16 { "bf16" } else { "fp8" },
         c.topk,
         c.experts,
@@ -641,7 +649,12 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
     );
     // Rank 0's figures, as rows of the same table (and JSON/CSV) as the host path.
     let mut rows: Vec<EpRow> = Vec::new();
-    let mut row = |mode: &str, hook: bool, p: &GpuBenchParams, r: &[NormalBenchReport]| {
+    let row = |rows: &mut Vec<EpRow>,
+               mode: &str,
+               op_suffix: &str,
+               backend: &str,
+               p: &GpuBenchParams,
+               r: &[NormalBenchReport]| {
         if let Some(r0) = r.first() {
             let figs = [
                 ("dispatch", r0.dispatch_figures(), r0.dispatch_bytes),
@@ -650,8 +663,8 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
             for (op, (gbps, median_us, p99_us), bytes) in figs {
                 rows.push(EpRow {
                     mode: mode.into(),
-                    op: if hook { format!("{op}+hook") } else { op.into() },
-                    backend: "gpu".into(),
+                    op: format!("{op}{op_suffix}"),
+                    backend: backend.into(),
                     ranks: p.num_ranks,
                     tokens: p.num_tokens,
                     hidden: p.hidden,
@@ -663,20 +676,66 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
             }
         }
     };
+    // NCCL's all-to-all with the permute around it, on the same inputs: one rank per GPU (NCCL
+    // refuses two ranks on one GPU), so at min(ranks, GPUs) ranks, with our figure at that
+    // world size beside it when it differs from --ranks.
+    let mut nccl_pairs: Vec<(usize, Vec<NormalBenchReport>, Vec<NormalBenchReport>)> = Vec::new();
     if matches!(c.mode, Mode::Normal | Mode::Both) {
         let p = base(4096);
         let r = run_normal_gpu(&dev, &p)?;
-        row("normal", false, &p, &r);
+        row(&mut rows, "normal", "", "gpu", &p, &r);
+        if !c.no_nccl {
+            let gpus = fabric_ep::cuda::device_count()?;
+            let world = p.num_ranks.min(gpus);
+            match fabric_ep::bench::nccl::nccl_library() {
+                Err(why) => println!("NCCL comparison skipped: {why}"),
+                Ok(lib) => {
+                    let devices = (0..world)
+                        .map(fabric_ep::cuda::Device::new)
+                        .collect::<Result<Vec<_>, _>>()?;
+                    let pn = GpuBenchParams { num_ranks: world, ..p.clone() };
+                    let ours = if world == p.num_ranks { r } else { run_normal_gpu(&dev, &pn)? };
+                    let base_r = fabric_ep::bench::nccl::run_nccl_baseline(&devices, &pn)?;
+                    println!(
+                        "NCCL comparison: {lib}, {world} rank(s) on {world} GPU(s) \
+                         ({} ranks requested, {gpus} GPU(s) here)",
+                        p.num_ranks
+                    );
+                    if world != p.num_ranks {
+                        row(&mut rows, "normal", "", "gpu", &pn, &ours);
+                    }
+                    nccl_pairs.push((world, ours, base_r.clone()));
+                    row(&mut rows, "normal", "", "nccl+permute", &pn, &base_r);
+                }
+            }
+        }
     }
     if matches!(c.mode, Mode::LowLatency | Mode::Both) {
         let p = base(128);
         let r = run_ll_gpu(&dev, &p)?;
-        row("low-latency", false, &p, &r);
-        let ph = GpuBenchParams { hook: true, ..p };
+        row(&mut rows, "low-latency", "", "gpu", &p, &r);
+        let ph = GpuBenchParams { hook: true, ..p.clone() };
         let r = run_ll_gpu(&dev, &ph)?;
-        row("low-latency", true, &ph, &r);
+        row(&mut rows, "low-latency", "+hook", "gpu", &ph, &r);
+        if c.cuda_graph {
+            let pg = GpuBenchParams { graph: true, ..p };
+            let r = run_ll_gpu(&dev, &pg)?;
+            row(&mut rows, "low-latency", " (graph)", "gpu", &pg, &r);
+        }
     }
     print_rows(c, &rows);
+    for (world, ours, theirs) in &nccl_pairs {
+        if let (Some(o), Some(t)) = (ours.first(), theirs.first()) {
+            let (od, oc) = (o.dispatch_figures().1, o.combine_figures().1);
+            let (td, tc) = (t.dispatch_figures().1, t.combine_figures().1);
+            println!(
+                "vs NCCL all-to-all + permute at {world} rank(s): dispatch {:.2}x, combine {:.2}x \
+                 faster (median {od:.1} vs {td:.1} us, {oc:.1} vs {tc:.1} us)",
+                td / od,
+                tc / oc
+            );
+        }
+    }
     println!(
         "rank 0's figures. GB/s = bytes of the tokens rank 0 sends (dispatch: once per destination \
          rank in normal mode, once per selected expert in low-latency mode; fp8 payload + scales) \

@@ -293,3 +293,49 @@ fn check_normal_grid(grid: u32, num_ranks: u32) -> CudaResult<()> {
     }
     Ok(())
 }
+
+/// `fep_gather_rows` (kernels/baseline.cu): `grid` blocks of `FEP_BASELINE_THREADS`.
+///
+/// # Safety
+/// `p.src` holds every row `p.index` names, `p.dst` holds `num_rows` rows, all 16-byte aligned
+/// and live until the launch completes.
+pub unsafe fn gather_rows(
+    stream: &Stream,
+    grid: u32,
+    p: abi::fep_gather_rows_params,
+) -> CudaResult<()> {
+    if p.row_bytes % 16 != 0 || p.num_rows < 0 {
+        return Err(CudaError::InvalidArgument {
+            arg: "row_bytes",
+            msg: format!(
+                "{} bytes per row ({} rows): must be a multiple of 16",
+                p.row_bytes, p.num_rows
+            ),
+        });
+    }
+    let cfg = LaunchConfig { grid, block: abi::FEP_BASELINE_THREADS, shared_bytes: 0 };
+    launch(stream, Kernel::GatherRows, cfg, &p)
+}
+
+/// `fep_segment_sum` (kernels/baseline.cu): `grid` blocks of `FEP_BASELINE_THREADS`.
+///
+/// # Safety
+/// `p.offsets` has `num_tokens + 1` entries, `p.rows` every index they span, each naming a row
+/// of `p.src`; `p.out` holds `num_tokens` rows; all live until the launch completes.
+pub unsafe fn segment_sum(
+    stream: &Stream,
+    grid: u32,
+    p: abi::fep_segment_sum_params,
+) -> CudaResult<()> {
+    if p.hidden % 8 != 0 || p.hidden <= 0 || p.num_tokens < 0 {
+        return Err(CudaError::InvalidArgument {
+            arg: "hidden",
+            msg: format!(
+                "{} (tokens {}): must be a positive multiple of 8",
+                p.hidden, p.num_tokens
+            ),
+        });
+    }
+    let cfg = LaunchConfig { grid, block: abi::FEP_BASELINE_THREADS, shared_bytes: 0 };
+    launch(stream, Kernel::SegmentSum, cfg, &p)
+}

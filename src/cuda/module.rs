@@ -31,10 +31,12 @@ pub enum Kernel {
     NormalNotify,
     NormalDispatch,
     NormalCombine,
+    GatherRows,
+    SegmentSum,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 13] = [
+    pub const ALL: [Kernel; 15] = [
         Kernel::DispatchLayout,
         Kernel::DispatchLayoutCluster,
         Kernel::WaitTest,
@@ -48,6 +50,8 @@ impl Kernel {
         Kernel::NormalNotify,
         Kernel::NormalDispatch,
         Kernel::NormalCombine,
+        Kernel::GatherRows,
+        Kernel::SegmentSum,
     ];
 
     /// The `extern "C"` symbol in kernels/*.cu.
@@ -66,6 +70,8 @@ impl Kernel {
             Kernel::NormalNotify => "fep_normal_notify",
             Kernel::NormalDispatch => "fep_normal_dispatch",
             Kernel::NormalCombine => "fep_normal_combine",
+            Kernel::GatherRows => "fep_gather_rows",
+            Kernel::SegmentSum => "fep_segment_sum",
         }
     }
 }

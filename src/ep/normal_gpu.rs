@@ -84,7 +84,7 @@ impl NormalGpuSettings {
             num_topk,
             dtype,
             chunk_tokens: 16,
-            slots_per_peer: 8,
+            slots_per_peer: 16,
             num_sms: 32,
             timeout: Duration::from_secs(10),
         }
@@ -691,8 +691,10 @@ mod tests {
             assert_eq!(o % 256, 0);
         }
         assert!(m.total_bytes > m.state_offset);
-        // Independent of the token count: 4 peers x 8 slots x 16 records of at most 14.4 KB.
-        assert!(m.total_bytes < 8 << 20, "{}", m.total_bytes);
+        // Independent of the token count: 4 peers x spp slots x 16 records of at most 14.4 KB
+        // (the record bytes plus the flag, credit, notify and state areas).
+        let data = 4 * s.slots_per_peer as u64 * 16 * 14_400;
+        assert!(m.total_bytes < data + (1 << 20), "{} for spp {}", m.total_bytes, s.slots_per_peer);
         assert!(CommMap::new(&NormalGpuSettings { num_ranks: 9, ..s.clone() }).is_err());
         assert!(CommMap::new(&NormalGpuSettings { num_topk: 33, ..s }).is_err());
     }

@@ -68,8 +68,8 @@ use crate::{Error, Result};
 pub struct GpuOptions {
     /// The GPU every rank of this process uses.
     pub device: Device,
-    /// Blocks per kernel of this rank (its SM budget); `None`: SMs / num_ranks, at most
-    /// [`DEFAULT_MAX_SMS`], rounded down to even. Every rank shares the GPU, so `num_sms * num_ranks` must not exceed its SMs.
+    /// Blocks per kernel of this rank (its SM budget); `None`: SMs / num_ranks rounded down to
+    /// even, at most [`DEFAULT_MAX_SMS`] when normal mode is enabled. Every rank shares the GPU, so `num_sms * num_ranks` must not exceed its SMs.
     pub num_sms: Option<usize>,
     /// Normal mode: records per queue chunk (same on every rank).
     pub chunk_tokens: usize,
@@ -86,13 +86,14 @@ pub struct GpuOptions {
 }
 
 impl GpuOptions {
-    /// Both modes, default SM budget, 16-token chunks, 8 slots per peer.
+    /// Both modes, default SM budget, 16-token chunks, 16 slots per peer (the best of chunk
+    /// 16/32/64 x slots 8/16/32 at 4 ranks x 32 SMs on the H200: docs/results/).
     pub fn new(device: Device) -> Self {
         GpuOptions {
             device,
             num_sms: None,
             chunk_tokens: 16,
-            slots_per_peer: 8,
+            slots_per_peer: 16,
             normal: true,
             low_latency: true,
             proxy_provider: "shm".to_string(),
@@ -372,7 +373,10 @@ impl GpuBuffer {
         dev.bind()?;
         let (rank, r) = (cfg.rank, cfg.num_ranks);
         let sms = dev.sm_count() as usize;
-        let num_sms = opts.num_sms.unwrap_or((sms / r.max(1)).min(DEFAULT_MAX_SMS) & !1);
+        // The cap is normal mode's (its kernels were tuned at 32 blocks); low latency alone
+        // takes its whole share of the GPU (more blocks, more rows in flight).
+        let cap = if opts.normal { DEFAULT_MAX_SMS } else { sms };
+        let num_sms = opts.num_sms.unwrap_or((sms / r.max(1)).min(cap) & !1);
         if num_sms == 0
             || num_sms * r > sms
             || (opts.normal && (num_sms < 2 * r || num_sms % 2 != 0))
