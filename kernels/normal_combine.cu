@@ -1,8 +1,10 @@
-// Normal-mode combine (intranode, peer stores) with a dispatch handle. Same queues as dispatch,
-// the other direction; grid: the rank's SM budget, FEP_NORMAL_THREADS threads, first half send,
-// second half receive.
+// Normal-mode combine with a dispatch handle (peer stores; the proxy for peers on other nodes).
+// Same queues as dispatch, the other direction; grid: the rank's SM budget, FEP_NORMAL_THREADS
+// threads, first half send, second half receive.
 //   sender   (towards d): the rows this rank received from d (rank_prefix[d] ..), in order,
 //            chunked by C, as combine records (bf16 row, top-k weights) into d's recv slots;
+//   forwarder (peers on other nodes only): the first receiver blocks copy each arrived chunk from
+//            the proxy receive region into the peer's device slot and publish its device flag;
 //   receiver: one warp per token of this rank (tokens gw, gw + W, ... ascending): for every rank
 //            r the token went to, ascending, wait for the chunk holding it (send_pos[t][r] gives
 //            the row), sum the rows in fp32 in that order, round to bf16 once. The last warp to
@@ -61,6 +63,16 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
     const int32_t* send_counts = reinterpret_cast<const int32_t*>(p.handle.send_counts);
     const uint32_t row16 = static_cast<uint32_t>(p.hidden) / 8;  // 16-byte vectors per row
     __shared__ bool ok;
+    // Proxy ring of this block: the receiver's warps take turns (lock) and share the head.
+    __shared__ unsigned long long px_head;
+    __shared__ int px_lock;
+    if (threadIdx.x == 0) {
+        px_lock = 0;
+        px_head = p.comm.proxy.mask != 0u
+                      ? fep::ld_acquire_sys(&comm.px_ring(blockIdx.x)->head)
+                      : 0;
+    }
+    __syncthreads();
 
     if (static_cast<int>(blockIdx.x) < num_send) {
         // ---- sender: rows received from d go back to d ----
@@ -73,17 +85,24 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
         const uint64_t base = comm.sent_base()[d];
         const uint4* x = reinterpret_cast<const uint4*>(p.x);
         const float* w = reinterpret_cast<const float*>(p.topk_weights);
+        const bool px = comm.via_proxy(d);
+        Pusher pusher{};
+        if (threadIdx.x == 0 && px) pusher = Pusher::at(comm, blockIdx.x, px_head);
         for (uint32_t k = j / R; k < chunks; k += nsub) {
             const uint64_t cum = base + k;
             const uint32_t slot = static_cast<uint32_t>(cum % spp);
             if (threadIdx.x == 0) {
-                ok = cum < spp || fep::wait_geq(comm.credit_ptr(me, d, slot), cum - spp + 1,
-                                                comm.wait_ctx(FEP_NORMAL_PHASE_COMBINE_SEND, d));
+                const fep::WaitCtx ctx = comm.wait_ctx(FEP_NORMAL_PHASE_COMBINE_SEND, d);
+                ok = cum < spp ||
+                     (px ? fep::wait_geq(comm.px_arrivals(comm.px_credit_id(d, slot)), cum / spp,
+                                         ctx)
+                         : fep::wait_geq(comm.credit_ptr(me, d, slot), cum - spp + 1, ctx));
             }
             __syncthreads();
             if (!ok) break;
             const uint32_t rows = min(C, n - k * C);
-            uint8_t* dst = comm.slot_ptr(d, me, slot);
+            uint8_t* dst =
+                px ? comm.px_send(comm.px_data_off(d, slot)) : comm.slot_ptr(d, me, slot);
             for (uint32_t i = warp; i < rows; i += kWarps) {
                 const int64_t row = static_cast<int64_t>(row0) + k * C + i;
                 uint8_t* rec = dst + static_cast<uint64_t>(i) * p.record_bytes;
@@ -93,93 +112,157 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
                         w != nullptr ? w[row * K + lane] : 0.0f;
                 }
             }
+            if (px) __threadfence_system();  // staged rows visible to the proxy before the push
             __syncthreads();
-            if (threadIdx.x == 0) fep::st_release_sys(comm.flag_ptr(d, me, slot), cum + 1);
+            if (threadIdx.x == 0) {
+                if (px) {
+                    ok = pusher.push(static_cast<uint32_t>(d), comm.px_data_off(d, slot),
+                                     comm.px_data_off(me, slot), rows * p.record_bytes,
+                                     comm.px_imm(comm.px_data_id(me, slot), rows),
+                                     comm.wait_ctx(FEP_NORMAL_PHASE_COMBINE_SEND, d));
+                } else {
+                    fep::st_release_sys(comm.flag_ptr(d, me, slot), cum + 1);
+                }
+            }
         }
     } else {
-        // ---- receiver: one warp per token ----
-        const int j = blockIdx.x - num_send;
-        const int64_t num_warps = static_cast<int64_t>(num_recv) * kWarps;
-        const int32_t* send_pos = reinterpret_cast<const int32_t*>(p.handle.send_pos);
-        uint4* out = reinterpret_cast<uint4*>(p.combined_x);
-        float* out_w = reinterpret_cast<float*>(p.combined_weights);
-        bool alive = true;
-        for (int64_t t = static_cast<int64_t>(j) * kWarps + warp; t < T && alive; t += num_warps) {
-            // rec[r]: the token's row in r's chunk, or null; indexed only by unrolled constants.
-            const uint8_t* rec[kMaxRanks];
-#pragma unroll
-            for (int r = 0; r < kMaxRanks; ++r) {
-                rec[r] = nullptr;
-                if (r >= R) continue;
-                const int32_t pos = send_pos[t * R + r];
-                if (pos < 0) continue;
-                const uint64_t cum = comm.recv_base()[r] + static_cast<uint32_t>(pos) / C;
+        // Forwarders: for every peer on another node, the first receiver blocks (two per peer,
+        // one when blocks are few) move its arrived chunks from the proxy receive region (mapped
+        // host memory) into this rank's device slot of that peer and publish the device flag, as
+        // a same-node peer's stores would. The token warps then read device memory only and
+        // poll device flags: one host-memory poller per forwarder instead of one per token warp,
+        // and bulk PCIe reads with many loads in flight.
+        const uint32_t mask = p.comm.proxy.mask;
+        const int nprox = __popc(mask);
+        const int fpp = nprox == 0 ? 0 : (num_recv >= 4 * nprox + 1 ? 2 : 1);
+        const int num_fwd = nprox * fpp;  // < num_recv: num_recv >= R > nprox
+        const int jr = static_cast<int>(blockIdx.x) - num_send;
+        if (jr < num_fwd) {
+            uint32_t m = mask;
+            for (int i = 0; i < jr / fpp; ++i) m &= m - 1;
+            const int r = __ffs(m) - 1;
+            const uint32_t n = static_cast<uint32_t>(send_counts[r]);
+            const uint32_t chunks = div_ceil(n, C);
+            const uint64_t base = comm.recv_base()[r];
+            for (uint32_t k = static_cast<uint32_t>(jr % fpp); k < chunks; k += fpp) {
+                const uint64_t cum = base + k;
                 const uint32_t slot = static_cast<uint32_t>(cum % spp);
-                bool got = true;
-                if (lane == 0) {
-                    got = fep::wait_geq(comm.flag_ptr(me, r, slot), cum + 1,
-                                        comm.wait_ctx(FEP_NORMAL_PHASE_COMBINE_RECV, r));
+                if (threadIdx.x == 0) {
+                    ok = fep::wait_geq(comm.px_arrivals(comm.px_data_id(r, slot)), cum / spp + 1,
+                                       comm.wait_ctx(FEP_NORMAL_PHASE_COMBINE_RECV, r));
                 }
-                got = __shfl_sync(0xffffffffu, got, 0);
-                if (!got) alive = false;
-                rec[r] = comm.slot_ptr(me, r, slot) +
-                         static_cast<uint64_t>(static_cast<uint32_t>(pos) % C) * p.record_bytes;
-            }
-            if (!alive) break;
-            for (uint32_t i = lane; i < row16; i += 64) {
-                float a0[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-                float a1[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-                const bool two = i + 32 < row16;
-                uint4 v0[kMaxRanks], v1[kMaxRanks];
-#pragma unroll
-                for (int q = 0; q < kMaxRanks; ++q) {
-                    if (rec[q] != nullptr) {
-                        v0[q] = __ldcg(reinterpret_cast<const uint4*>(rec[q]) + i);
-                        if (two) v1[q] = __ldcg(reinterpret_cast<const uint4*>(rec[q]) + i + 32);
-                    }
-                }
-#pragma unroll
-                for (int q = 0; q < kMaxRanks; ++q) {
-                    if (rec[q] != nullptr) {
-                        combine_add_bf16x8(a0, v0[q]);
-                        if (two) combine_add_bf16x8(a1, v1[q]);
-                    }
-                }
-                out[t * row16 + i] = combine_pack(a0);
-                if (two) out[t * row16 + i + 32] = combine_pack(a1);
-            }
-            if (out_w != nullptr && lane < K) {
-                float a = 0.0f;
-#pragma unroll
-                for (int q = 0; q < kMaxRanks; ++q) {
-                    if (rec[q] != nullptr)
-                        a += __ldcg(reinterpret_cast<const float*>(rec[q] + p.topk_weights_offset) +
-                                    lane);
-                }
-                out_w[t * K + lane] = a;
-            }
-            __syncwarp();
-            if (lane == 0) {
-                // NOTES: every lane's reads of this token's rows are done (__syncwarp); the
-                // warp that brings a chunk's counter to its row count resets it and returns the
-                // credit (the slot's next chunk cannot arrive before that credit).
+                __syncthreads();
+                if (!ok) break;
+                const uint32_t rows = min(C, n - k * C);
+                const uint4* from =
+                    reinterpret_cast<const uint4*>(comm.px_recv(comm.px_data_off(r, slot)));
+                block_copy16_px(reinterpret_cast<uint4*>(comm.slot_ptr(me, r, slot)), from,
+                                rows * p.record_bytes / 16);
                 __threadfence();
-                for (int r = 0; r < R; ++r) {
+                __syncthreads();
+                if (threadIdx.x == 0) fep::st_release_sys(comm.flag_ptr(me, r, slot), cum + 1);
+            }
+        } else {
+            // ---- receiver: one warp per token ----
+            const int j = jr - num_fwd;
+            const int64_t num_warps = static_cast<int64_t>(num_recv - num_fwd) * kWarps;
+            const int32_t* send_pos = reinterpret_cast<const int32_t*>(p.handle.send_pos);
+            uint4* out = reinterpret_cast<uint4*>(p.combined_x);
+            float* out_w = reinterpret_cast<float*>(p.combined_weights);
+            bool alive = true;
+            for (int64_t t = static_cast<int64_t>(j) * kWarps + warp; t < T && alive;
+                 t += num_warps) {
+                // rec[r]: the token's row in r's chunk, or null; indexed only by unrolled constants.
+                const uint8_t* rec[kMaxRanks];
+#pragma unroll
+                for (int r = 0; r < kMaxRanks; ++r) {
+                    rec[r] = nullptr;
+                    if (r >= R) continue;
                     const int32_t pos = send_pos[t * R + r];
                     if (pos < 0) continue;
-                    const uint32_t k = static_cast<uint32_t>(pos) / C;
-                    const uint64_t cum = comm.recv_base()[r] + k;
+                    const uint64_t cum = comm.recv_base()[r] + static_cast<uint32_t>(pos) / C;
                     const uint32_t slot = static_cast<uint32_t>(cum % spp);
-                    const uint32_t rows = min(C, static_cast<uint32_t>(send_counts[r]) - k * C);
-                    uint32_t* cnt_ptr = comm.consumed(r, slot);
-                    if (atomicAdd(cnt_ptr, 1u) + 1u == rows) {
-                        atomicExch(cnt_ptr, 0u);
-                        __threadfence();
-                        fep::st_release_sys(comm.credit_ptr(r, me, slot), cum + 1);
+                    bool got = true;
+                    if (lane == 0) {
+                        // Same-node peers' stores, or a forwarder (peers on other nodes), set it.
+                        got = fep::wait_geq(comm.flag_ptr(me, r, slot), cum + 1,
+                                            comm.wait_ctx(FEP_NORMAL_PHASE_COMBINE_RECV, r));
+                    }
+                    got = __shfl_sync(0xffffffffu, got, 0);
+                    if (!got) alive = false;
+                    rec[r] = comm.slot_ptr(me, r, slot) +
+                             static_cast<uint64_t>(static_cast<uint32_t>(pos) % C) * p.record_bytes;
+                }
+                if (!alive) break;
+                for (uint32_t i = lane; i < row16; i += 64) {
+                    float a0[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                    float a1[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                    const bool two = i + 32 < row16;
+                    uint4 v0[kMaxRanks], v1[kMaxRanks];
+#pragma unroll
+                    for (int q = 0; q < kMaxRanks; ++q) {
+                        if (rec[q] != nullptr) {
+                            v0[q] = __ldcg(reinterpret_cast<const uint4*>(rec[q]) + i);
+                            if (two) v1[q] = __ldcg(reinterpret_cast<const uint4*>(rec[q]) + i + 32);
+                        }
+                    }
+#pragma unroll
+                    for (int q = 0; q < kMaxRanks; ++q) {
+                        if (rec[q] != nullptr) {
+                            combine_add_bf16x8(a0, v0[q]);
+                            if (two) combine_add_bf16x8(a1, v1[q]);
+                        }
+                    }
+                    out[t * row16 + i] = combine_pack(a0);
+                    if (two) out[t * row16 + i + 32] = combine_pack(a1);
+                }
+                if (out_w != nullptr && lane < K) {
+                    float a = 0.0f;
+#pragma unroll
+                    for (int q = 0; q < kMaxRanks; ++q) {
+                        if (rec[q] != nullptr)
+                            a += __ldcg(reinterpret_cast<const float*>(rec[q] + p.topk_weights_offset) +
+                                        lane);
+                    }
+                    out_w[t * K + lane] = a;
+                }
+                __syncwarp();
+                if (lane == 0) {
+                    // NOTES: every lane's reads of this token's rows are done (__syncwarp); the
+                    // warp that brings a chunk's counter to its row count resets it and returns the
+                    // credit (the slot's next chunk cannot arrive before that credit).
+                    __threadfence();
+                    for (int r = 0; r < R; ++r) {
+                        const int32_t pos = send_pos[t * R + r];
+                        if (pos < 0) continue;
+                        const uint32_t k = static_cast<uint32_t>(pos) / C;
+                        const uint64_t cum = comm.recv_base()[r] + k;
+                        const uint32_t slot = static_cast<uint32_t>(cum % spp);
+                        const uint32_t rows = min(C, static_cast<uint32_t>(send_counts[r]) - k * C);
+                        uint32_t* cnt_ptr = comm.consumed(r, slot);
+                        if (atomicAdd(cnt_ptr, 1u) + 1u == rows) {
+                            atomicExch(cnt_ptr, 0u);
+                            __threadfence();
+                            if (comm.via_proxy(r)) {
+                                // A zero-length write to r; the block's ring under its lock.
+                                while (atomicCAS(&px_lock, 0, 1) != 0) __nanosleep(32);
+                                __threadfence_block();
+                                volatile unsigned long long* h = &px_head;
+                                Pusher pu = Pusher::at(comm, blockIdx.x, *h);
+                                pu.push(static_cast<uint32_t>(r), 0, 0, 0,
+                                        comm.px_imm(comm.px_credit_id(me, slot), 1),
+                                        comm.wait_ctx(FEP_NORMAL_PHASE_COMBINE_RECV, r));
+                                *h = pu.head;
+                                __threadfence_block();
+                                atomicExch(&px_lock, 0);
+                            } else {
+                                fep::st_release_sys(comm.credit_ptr(r, me, slot), cum + 1);
+                            }
+                        }
                     }
                 }
+                __syncwarp();
             }
-            __syncwarp();
         }
     }
 

@@ -1,4 +1,6 @@
-// Normal-mode dispatch (intranode, peer stores), after notify (or with a cached handle).
+// Normal-mode dispatch, after notify (or with a cached handle). Peers on this node: peer stores;
+// peers on other nodes (comm.proxy.mask): staged chunks, one proxy command each, arrival
+// counters and zero-length credits (fep_abi.h fep_normal_proxy).
 // Grid: the rank's SM budget, FEP_NORMAL_THREADS threads. The first half of the blocks send, the
 // second half receive; block j of a half serves peer j % R (chunks j / R, j / R + n, ...), so each
 // peer's queue has its own senders and receivers and no block ever waits on two peers.
@@ -31,6 +33,13 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
     const int32_t* prefix = reinterpret_cast<const int32_t*>(p.handle.rank_prefix);
     const int32_t* send_counts = reinterpret_cast<const int32_t*>(p.handle.send_counts);
     __shared__ bool ok;
+    // Head of this block's proxy ring (thread 0 pushes; kept in shared memory, not registers).
+    __shared__ unsigned long long px_head;
+    if (threadIdx.x == 0)
+        px_head = p.comm.proxy.mask != 0u
+                      ? fep::ld_acquire_sys(&comm.px_ring(blockIdx.x)->head)
+                      : 0;
+    __syncthreads();
 
     if (static_cast<int>(blockIdx.x) < num_send) {
         // ---- sender ----
@@ -48,17 +57,22 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
         const float* topw = reinterpret_cast<const float*>(p.topk_weights);
         const int64_t lo = static_cast<int64_t>(d) * p.comm.num_local_experts;
         const int64_t hi = lo + p.comm.num_local_experts;
+        const bool px = comm.via_proxy(d);
         for (uint32_t k = j / R; k < chunks; k += nsub) {
             const uint64_t cum = base + k;
             const uint32_t slot = static_cast<uint32_t>(cum % spp);
             if (threadIdx.x == 0) {
-                ok = cum < spp || fep::wait_geq(comm.credit_ptr(me, d, slot), cum - spp + 1,
-                                                comm.wait_ctx(FEP_NORMAL_PHASE_DISPATCH_SEND, d));
+                const fep::WaitCtx ctx = comm.wait_ctx(FEP_NORMAL_PHASE_DISPATCH_SEND, d);
+                ok = cum < spp ||
+                     (px ? fep::wait_geq(comm.px_arrivals(comm.px_credit_id(d, slot)), cum / spp,
+                                         ctx)
+                         : fep::wait_geq(comm.credit_ptr(me, d, slot), cum - spp + 1, ctx));
             }
             __syncthreads();
             if (!ok) break;
             const uint32_t rows = min(C, n - k * C);
-            uint8_t* dst = comm.slot_ptr(d, me, slot);
+            uint8_t* dst =
+                px ? comm.px_send(comm.px_data_off(d, slot)) : comm.slot_ptr(d, me, slot);
             for (uint32_t i = warp; i < rows; i += kWarps) {
                 const int t = ids[k * C + i];
                 uint8_t* rec = dst + static_cast<uint64_t>(i) * p.record_bytes;
@@ -82,8 +96,20 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
                 }
                 if (lane == 0) reinterpret_cast<int32_t*>(rec + p.src_idx_offset)[0] = t;
             }
+            if (px) __threadfence_system();  // staged rows visible to the proxy before the push
             __syncthreads();
-            if (threadIdx.x == 0) fep::st_release_sys(comm.flag_ptr(d, me, slot), cum + 1);
+            if (threadIdx.x == 0) {
+                if (px) {
+                    Pusher pusher = Pusher::at(comm, blockIdx.x, px_head);
+                    ok = pusher.push(static_cast<uint32_t>(d), comm.px_data_off(d, slot),
+                                     comm.px_data_off(me, slot), rows * p.record_bytes,
+                                     comm.px_imm(comm.px_data_id(me, slot), rows),
+                                     comm.wait_ctx(FEP_NORMAL_PHASE_DISPATCH_SEND, d));
+                    px_head = pusher.head;
+                } else {
+                    fep::st_release_sys(comm.flag_ptr(d, me, slot), cum + 1);
+                }
+            }
         }
     } else {
         // ---- receiver ----
@@ -99,17 +125,21 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
         int64_t* rtopk = reinterpret_cast<int64_t*>(p.recv_topk_idx);
         float* rtopw = reinterpret_cast<float*>(p.recv_topk_weights);
         int32_t* rsrc = reinterpret_cast<int32_t*>(p.recv_src_idx);
+        const bool px = comm.via_proxy(s);
         for (uint32_t k = j / R; k < chunks; k += nsub) {
             const uint64_t cum = base + k;
             const uint32_t slot = static_cast<uint32_t>(cum % spp);
             if (threadIdx.x == 0) {
-                ok = fep::wait_geq(comm.flag_ptr(me, s, slot), cum + 1,
-                                   comm.wait_ctx(FEP_NORMAL_PHASE_DISPATCH_RECV, s));
+                const fep::WaitCtx ctx = comm.wait_ctx(FEP_NORMAL_PHASE_DISPATCH_RECV, s);
+                ok = px ? fep::wait_geq(comm.px_arrivals(comm.px_data_id(s, slot)), cum / spp + 1,
+                                        ctx)
+                        : fep::wait_geq(comm.flag_ptr(me, s, slot), cum + 1, ctx);
             }
             __syncthreads();
             if (!ok) break;
             const uint32_t rows = min(C, n - k * C);
-            const uint8_t* src = comm.slot_ptr(me, s, slot);
+            const uint8_t* src =
+                px ? comm.px_recv(comm.px_data_off(s, slot)) : comm.slot_ptr(me, s, slot);
             for (uint32_t i = warp; i < rows; i += kWarps) {
                 const int64_t out = static_cast<int64_t>(row0) + k * C + i;
                 if (out >= p.out_rows) {
@@ -122,24 +152,37 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
                     continue;
                 }
                 const uint8_t* rec = src + static_cast<uint64_t>(i) * p.record_bytes;
-                warp_copy16<true>(reinterpret_cast<uint4*>(rx + out * p.payload_bytes),
-                                  reinterpret_cast<const uint4*>(rec), p.payload_bytes / 16, lane);
+                uint4* row = reinterpret_cast<uint4*>(rx + out * p.payload_bytes);
+                const uint4* in = reinterpret_cast<const uint4*>(rec);
+                if (px) warp_copy16_px(row, in, p.payload_bytes / 16, lane);
+                else warp_copy16<true>(row, in, p.payload_bytes / 16, lane);
                 if (p.num_scales != 0) {
-                    warp_copy4<true>(reinterpret_cast<uint32_t*>(rxs + out * p.num_scales),
-                                     reinterpret_cast<const uint32_t*>(rec + p.scales_offset),
-                                     p.num_scales, lane);
+                    uint32_t* o = reinterpret_cast<uint32_t*>(rxs + out * p.num_scales);
+                    const uint32_t* a = reinterpret_cast<const uint32_t*>(rec + p.scales_offset);
+                    if (px) warp_copy4_px(o, a, p.num_scales, lane);
+                    else warp_copy4<true>(o, a, p.num_scales, lane);
                 }
+                const int32_t* ri = reinterpret_cast<const int32_t*>(rec + p.topk_idx_offset);
+                const float* rw = reinterpret_cast<const float*>(rec + p.topk_weights_offset);
+                const int32_t* rs = reinterpret_cast<const int32_t*>(rec + p.src_idx_offset);
                 if (lane < K) {
-                    rtopk[out * K + lane] =
-                        __ldcg(reinterpret_cast<const int32_t*>(rec + p.topk_idx_offset) + lane);
-                    rtopw[out * K + lane] =
-                        __ldcg(reinterpret_cast<const float*>(rec + p.topk_weights_offset) + lane);
+                    rtopk[out * K + lane] = px ? __ldcv(ri + lane) : __ldcg(ri + lane);
+                    rtopw[out * K + lane] = px ? __ldcv(rw + lane) : __ldcg(rw + lane);
                 }
-                if (lane == 0)
-                    rsrc[out] = __ldcg(reinterpret_cast<const int32_t*>(rec + p.src_idx_offset));
+                if (lane == 0) rsrc[out] = px ? __ldcv(rs) : __ldcg(rs);
             }
             __syncthreads();
-            if (threadIdx.x == 0) fep::st_release_sys(comm.credit_ptr(s, me, slot), cum + 1);
+            if (threadIdx.x == 0) {
+                if (px) {
+                    Pusher pusher = Pusher::at(comm, blockIdx.x, px_head);
+                    ok = pusher.push(static_cast<uint32_t>(s), 0, 0, 0,
+                                     comm.px_imm(comm.px_credit_id(me, slot), 1),
+                                     comm.wait_ctx(FEP_NORMAL_PHASE_DISPATCH_RECV, s));
+                    px_head = pusher.head;
+                } else {
+                    fep::st_release_sys(comm.credit_ptr(s, me, slot), cum + 1);
+                }
+            }
         }
         // Padding rows (num_worst_tokens): every receiver warp takes rows in turn.
         const int64_t first_pad = prefix[R];

@@ -1,4 +1,4 @@
-// Normal-mode notify (intranode, peer stores): one block per peer rank b.
+// Normal-mode notify: one block per peer rank b (peer stores, or the proxy for b on another node).
 //   1. the send plan towards b: tokens with is_token_in_rank[t][b], in token order
 //      (send_token_ids[b][*], send_pos[t][b], send_counts[b]) by a block-wide scan;
 //   2. this rank's notify record for b (token count, counts per b-local expert) into b's buffer,
@@ -77,47 +77,100 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_NOTIFY_THREADS)
     }
     if (threadIdx.x == 0) reinterpret_cast<int32_t*>(p.handle.send_counts)[b] = count;
 
-    // 2. Our record for b, once b has read the previous one.
-    if (threadIdx.x == 0 && ok) {
+    // 2. Our record for b. Peer store: once b has acknowledged the previous one. Proxy (b on
+    // another node): staged in the send region's two-deep notify area (the host backend's wire
+    // form [seq, tokens, per-expert]) and written with one command; no ack is needed, because b
+    // writes record slot seq % 2 again only at seq + 2, after this rank's notify seq + 1, which
+    // starts after this block has read record seq (stream order).
+    const bool px = comm.via_proxy(b);
+    const uint64_t seq = p.epoch - 1;
+    fep::normal::Pusher pusher{};
+    if (threadIdx.x == 0 && px) pusher = fep::normal::Pusher::open(comm, blockIdx.x);
+    if (threadIdx.x == 0 && ok && !px) {
         ok = fep::wait_geq(comm.ack_ptr(me, b), p.epoch - 1,
                            comm.wait_ctx(FEP_NORMAL_PHASE_NOTIFY, b));
     }
     __syncthreads();
-    uint8_t* out_rec = comm.notify_ptr(b, me);
-    if (ok) {
-        const int32_t* per_expert = reinterpret_cast<const int32_t*>(p.num_tokens_per_expert);
-        uint32_t* words = reinterpret_cast<uint32_t*>(out_rec + 16);
-        for (int e = threadIdx.x; e < L; e += kNotifyThreads) words[e] = per_expert[b * L + e];
-        if (threadIdx.x == 0) reinterpret_cast<uint32_t*>(out_rec + 8)[0] = count;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0 && ok)
-        fep::st_release_sys(reinterpret_cast<uint64_t*>(out_rec), p.epoch);
-
-    // 3. b's record for us.
-    const uint8_t* in_rec = comm.notify_ptr(me, b);
-    if (threadIdx.x == 0 && ok) {
-        ok = fep::wait_geq(reinterpret_cast<const uint64_t*>(in_rec), p.epoch,
-                           comm.wait_ctx(FEP_NORMAL_PHASE_NOTIFY, b));
+    const int32_t* per_expert_in = reinterpret_cast<const int32_t*>(p.num_tokens_per_expert);
+    if (px) {
+        uint32_t* words = reinterpret_cast<uint32_t*>(comm.px_send(comm.px_notify_off(b, seq)));
         if (ok) {
-            const uint64_t seen = fep::ld_acquire_sys(reinterpret_cast<const uint64_t*>(in_rec));
-            if (seen != p.epoch) {
-                fep::report_error(p.comm.dev_error, FEP_DEV_BAD_COUNT, me, FEP_NORMAL_PHASE_NOTIFY,
-                                  b, p.epoch, seen);
-                ok = false;
+            for (int e = threadIdx.x; e < L; e += kNotifyThreads) words[2 + e] = per_expert_in[b * L + e];
+            if (threadIdx.x == 0) {
+                words[0] = static_cast<uint32_t>(seq);
+                words[1] = static_cast<uint32_t>(count);
             }
         }
+        __threadfence_system();
+        __syncthreads();
+        if (threadIdx.x == 0 && ok) {
+            const uint32_t mask = (1u << p.comm.proxy.value_bits) - 1u;
+            ok = pusher.push(static_cast<uint32_t>(b), comm.px_notify_off(b, seq),
+                             comm.px_notify_off(me, seq), p.comm.proxy.notify_bytes,
+                             comm.px_imm(comm.px_notify_id(me), static_cast<uint32_t>(seq) & mask),
+                             comm.wait_ctx(FEP_NORMAL_PHASE_NOTIFY, b));
+        }
+    } else {
+        uint8_t* out_rec = comm.notify_ptr(b, me);
+        if (ok) {
+            uint32_t* words = reinterpret_cast<uint32_t*>(out_rec + 16);
+            for (int e = threadIdx.x; e < L; e += kNotifyThreads) words[e] = per_expert_in[b * L + e];
+            if (threadIdx.x == 0) reinterpret_cast<uint32_t*>(out_rec + 8)[0] = count;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0 && ok)
+            fep::st_release_sys(reinterpret_cast<uint64_t*>(out_rec), p.epoch);
     }
-    __syncthreads();
-    if (ok) {
-        const uint32_t* words = reinterpret_cast<const uint32_t*>(in_rec + 16);
-        uint32_t* keep = comm.notify_experts(b);
-        for (int e = threadIdx.x; e < L; e += kNotifyThreads) keep[e] = __ldcg(words + e);
-        if (threadIdx.x == 0)
-            comm.notify_tokens()[b] = __ldcg(reinterpret_cast<const uint32_t*>(in_rec + 8));
+
+    // 3. b's record for us.
+    if (px) {
+        const uint8_t* in_rec = comm.px_recv(comm.px_notify_off(b, seq));
+        if (threadIdx.x == 0 && ok) {
+            ok = fep::wait_geq(comm.px_arrivals(comm.px_notify_id(b)), p.epoch,
+                               comm.wait_ctx(FEP_NORMAL_PHASE_NOTIFY, b));
+            if (ok) {
+                const uint32_t seen = __ldcv(reinterpret_cast<const uint32_t*>(in_rec));
+                if (seen != static_cast<uint32_t>(seq)) {
+                    fep::report_error(p.comm.dev_error, FEP_DEV_BAD_COUNT, me,
+                                      FEP_NORMAL_PHASE_NOTIFY, b, seq, seen);
+                    ok = false;
+                }
+            }
+        }
+        __syncthreads();
+        if (ok) {
+            const uint32_t* words = reinterpret_cast<const uint32_t*>(in_rec);
+            uint32_t* keep = comm.notify_experts(b);
+            for (int e = threadIdx.x; e < L; e += kNotifyThreads) keep[e] = __ldcv(words + 2 + e);
+            if (threadIdx.x == 0) comm.notify_tokens()[b] = __ldcv(words + 1);
+        }
+        __syncthreads();
+    } else {
+        const uint8_t* in_rec = comm.notify_ptr(me, b);
+        if (threadIdx.x == 0 && ok) {
+            ok = fep::wait_geq(reinterpret_cast<const uint64_t*>(in_rec), p.epoch,
+                               comm.wait_ctx(FEP_NORMAL_PHASE_NOTIFY, b));
+            if (ok) {
+                const uint64_t seen =
+                    fep::ld_acquire_sys(reinterpret_cast<const uint64_t*>(in_rec));
+                if (seen != p.epoch) {
+                    fep::report_error(p.comm.dev_error, FEP_DEV_BAD_COUNT, me,
+                                      FEP_NORMAL_PHASE_NOTIFY, b, p.epoch, seen);
+                    ok = false;
+                }
+            }
+        }
+        __syncthreads();
+        if (ok) {
+            const uint32_t* words = reinterpret_cast<const uint32_t*>(in_rec + 16);
+            uint32_t* keep = comm.notify_experts(b);
+            for (int e = threadIdx.x; e < L; e += kNotifyThreads) keep[e] = __ldcg(words + e);
+            if (threadIdx.x == 0)
+                comm.notify_tokens()[b] = __ldcg(reinterpret_cast<const uint32_t*>(in_rec + 8));
+        }
+        __syncthreads();
+        if (threadIdx.x == 0 && ok) fep::st_release_sys(comm.ack_ptr(b, me), p.epoch);
     }
-    __syncthreads();
-    if (threadIdx.x == 0 && ok) fep::st_release_sys(comm.ack_ptr(b, me), p.epoch);
 
     // 4. Totals, in the last block.
     if (!fep::normal::last_block(comm.ticket(0))) return;

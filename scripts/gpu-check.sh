@@ -13,7 +13,7 @@
 #                                  comparison; logs under $OUT (default /tmp/fep-gpu-out); a short
 #                                  table at the end. Exit status non-zero if anything failed.
 #                                  FEP_GPU_SECTIONS (default "tests,memcheck,memcheck-proxy,layout,
-#                                  proxy,normal,epbench,python") picks what runs, FEP_GPU_TESTS
+#                                  proxy,normal,nproxy,epbench,python") picks what runs, FEP_GPU_TESTS
 #                                  (default all) which test binaries; "proxy" is the GPU proxy
 #                                  latency bench (with and without MPS) and the loopback proxy
 #                                  throughput bench; "python" the Python package's GPU tests
@@ -23,6 +23,7 @@
 #                                  ranks as threads, then starts the MPS control daemon, runs it
 #                                  with 4 ranks as processes (CUDA IPC) and tests/gpu_ipc.rs, and
 #                                  stops the daemon. The "tests" section leaves gpu_ipc to it.
+#                                  "nproxy": normal mode forced internode through the proxy (MPS).
 #
 # The bundle carries this machine's libfabric (lib/, with its dependencies) and fi_pingpong (bin/):
 # the GPU machine may have none, and fi_pingpong must use the same libfabric as the tests.
@@ -120,7 +121,7 @@ EOF
   [ "$size" -le 50 ] || { echo "gpu-check: bundle is ${size} MiB (> 50)" >&2; exit 1; }
 }
 
-has_section() { case ",${FEP_GPU_SECTIONS:-tests,memcheck,memcheck-proxy,layout,proxy,normal,epbench,python}," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+has_section() { case ",${FEP_GPU_SECTIONS:-tests,memcheck,memcheck-proxy,layout,proxy,normal,nproxy,epbench,python}," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 
 # GPU proxy latency (examples/gpu_proxy_bench.rs): first as the machine is (two processes on one
 # GPU time-slice it: few rounds), then under MPS if its control daemon is there (the daemon is
@@ -292,6 +293,87 @@ PYEOF
   return $fail
 }
 
+# Normal mode's forced-internode GPU path (tests/gpu_normal_proxy.rs, examples/
+# gpu_normal_proxy_bench.rs): the threads-as-ranks tests as the machine is, then under MPS (the
+# control daemon is started here and stopped at the end) the two-process test and the bench,
+# which runs fi_pingpong at the chunk write size in the same run. FEP_NPROXY_CHUNKS (default
+# 16,32,64), FEP_NPROXY_SLOTS (default 8), FEP_NPROXY_ITERS (default 20),
+# FEP_NPROXY_REGISTER_CHUNKS (default 16,32: the bench again with registered pages; empty: skip),
+# FEP_NPROXY_HOST (default 1: ep-bench fabric and the host backend on the same machine),
+# FEP_NPROXY_PROVIDERS (tests; default shm,tcp;ofi_rxm).
+run_nproxy_section() {
+  local b=$1 out=$2 log=$2/nproxy.log rc fail=0
+  : >"$log"
+  local t="$b/tests/gpu_normal_proxy" nb="$b/examples/gpu_normal_proxy_bench"
+  if [ -x "$t" ]; then
+    set +e
+    FEP_TEST_PROVIDERS=${FEP_NPROXY_PROVIDERS:-shm,tcp;ofi_rxm} timeout "${FEP_NPROXY_TEST_S:-150}" \
+      "$t" --include-ignored --test-threads=1 --nocapture --skip two_processes >>"$log" 2>&1
+    rc=$?
+    set -e
+    [ "$rc" -eq 0 ] || fail=1
+    printf '%-18s rc=%-3s %s\n' "nproxy-threads" "$rc" \
+      "$(grep -E '^test result:' "$log" | tail -1)" >>"$out/summary.txt"
+  fi
+  if command -v nvidia-cuda-mps-control >/dev/null; then
+    local mps=/tmp/fep-mps-np
+    mkdir -p "$mps/pipe" "$mps/log"
+    set +e
+    CUDA_MPS_PIPE_DIRECTORY=$mps/pipe CUDA_MPS_LOG_DIRECTORY=$mps/log nvidia-cuda-mps-control -d
+    rc=$?
+    if [ "$rc" -eq 0 ]; then
+      export CUDA_MPS_PIPE_DIRECTORY=$mps/pipe CUDA_MPS_LOG_DIRECTORY=$mps/log
+      if [ -x "$t" ]; then
+        FEP_GPU_MPS=1 timeout "${FEP_NPROXY_2P_S:-120}" "$t" --include-ignored --test-threads=1 --nocapture --exact \
+          two_processes_one_per_node_over_shm >>"$log" 2>&1
+        rc=$?
+        [ "$rc" -eq 0 ] || fail=1
+        printf '%-18s rc=%-3s %s\n' "nproxy-2procs" "$rc" "2 processes x 1 per node, shm, MPS" >>"$out/summary.txt"
+      fi
+      if [ -x "$nb" ]; then
+        timeout "${FEP_NPROXY_BENCH_S:-240}" "$nb" --chunks "${FEP_NPROXY_CHUNKS:-16,32,64}" \
+          --slots "${FEP_NPROXY_SLOTS:-8}" --iters "${FEP_NPROXY_ITERS:-20}" 2>&1 | tee -a "$log"
+        rc=${PIPESTATUS[0]}
+        [ "$rc" -eq 0 ] || fail=1
+        printf '%-18s rc=%-3s %s\n' "nproxy-bench" "$rc" "2 processes under MPS" >>"$out/summary.txt"
+      fi
+      if [ -x "$nb" ] && [ -n "${FEP_NPROXY_REGISTER_CHUNKS-16,32}" ]; then
+        # The same bench with the regions in registered anonymous pages (cuMemHostRegister)
+        # instead of cuMemHostAlloc memory.
+        FEP_GPU_PROXY_HOSTMEM=register timeout 90 "$nb" --chunks "${FEP_NPROXY_REGISTER_CHUNKS-16,32}" \
+          --slots 8 --iters "${FEP_NPROXY_ITERS:-20}" 2>&1 \
+          | sed 's/^NPROXY_RESULT /NPROXY_RESULT hostmem=register /' | tee -a "$log"
+      fi
+      echo quit | nvidia-cuda-mps-control
+      unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+      sleep 1
+    else
+      echo "MPS control daemon did not start (rc $rc)" | tee -a "$log"
+      fail=1
+    fi
+    tail -n 20 "$mps"/log/*.log >>"$log" 2>/dev/null
+    set -e
+  else
+    echo "no nvidia-cuda-mps-control: no two-process run" | tee -a "$log"
+  fi
+  # The CPU side alone on the same machine: our RMA-write stream vs fi_pingpong, and the host
+  # backend's normal mode (same wire protocol, same inputs) between 2 processes over shm.
+  if [ -x "$b/bin/ep-bench" ] && [ "${FEP_NPROXY_HOST:-1}" = 1 ]; then
+    set +e
+    echo "===== ep-bench fabric (CPU RMA writes, shm)" >>"$log"
+    timeout 60 "$b/bin/ep-bench" fabric --ranks 2 --sizes 119552,239104 --window 8 >>"$log" 2>&1
+    echo "===== ep-bench --backend host normal, 2 processes x 1 per node, shm" >>"$log"
+    timeout 90 "$b/bin/ep-bench" --backend host --ranks 2 --ranks-per-node 1 --mode normal \
+      --tokens 4096 --fp8 --iters 5 >>"$log" 2>&1
+    rc=$?
+    set -e
+    printf '%-18s rc=%-3s %s\n' "nproxy-host" "$rc" "ep-bench host backend, 2 procs, shm" >>"$out/summary.txt"
+  fi
+  grep -E "^ok:|timeout path|SKIP|panicked|FAILED|^\| |NPROXY_RESULT|steps checked|B \||^mode |^normal |rror" \
+    "$log" >>"$out/summary.txt" || true
+  return $fail
+}
+
 run() {
   local b out
   b=$(cd "$(dirname "$0")" && pwd)
@@ -394,6 +476,9 @@ run() {
   fi
   if has_section proxy; then
     run_proxy_section "$b" "$out" || fail=1
+  fi
+  if has_section nproxy; then
+    run_nproxy_section "$b" "$out" || fail=1
   fi
   if has_section normal && [ -x "$b/examples/gpu_normal_bench" ]; then
     set +e

@@ -32,12 +32,14 @@ const _: () = assert!(size_of::<fep_gather_rows_params>() == 32);
 const _: () = assert!(size_of::<fep_segment_sum_params>() == 40);
 const _: () = assert!(offset_of!(fep_ll_dispatch_params, epoch) == 120);
 const _: () = assert!(offset_of!(fep_ll_combine_params, record_bytes) == 120);
-const _: () = assert!(size_of::<fep_normal_comm>() == 176);
+const _: () = assert!(size_of::<fep_normal_comm>() == 256);
 const _: () = assert!(size_of::<fep_normal_handle>() == 48);
-const _: () = assert!(size_of::<fep_normal_notify_params>() == 256);
-const _: () = assert!(size_of::<fep_normal_dispatch_params>() == 336);
-const _: () = assert!(size_of::<fep_normal_combine_params>() == 272);
+const _: () = assert!(size_of::<fep_normal_notify_params>() == 336);
+const _: () = assert!(size_of::<fep_normal_dispatch_params>() == 416);
+const _: () = assert!(size_of::<fep_normal_combine_params>() == 352);
 const _: () = assert!(offset_of!(fep_normal_comm, dev_error) == 128);
+const _: () = assert!(size_of::<fep_normal_proxy>() == 80);
+const _: () = assert!(offset_of!(fep_normal_comm, proxy) == 176);
 
 /// Size of the ring header plus `capacity` commands: what a ring's mapped allocation holds.
 pub const fn ring_bytes(capacity: usize) -> usize {
@@ -71,6 +73,7 @@ mod tests {
             ("fep_normal_notify_params", size_of::<fep_normal_notify_params>()),
             ("fep_normal_dispatch_params", size_of::<fep_normal_dispatch_params>()),
             ("fep_normal_combine_params", size_of::<fep_normal_combine_params>()),
+            ("fep_normal_proxy", size_of::<fep_normal_proxy>()),
         ];
         let mut seen = 0;
         for line in HEADER.lines() {
@@ -94,7 +97,7 @@ mod tests {
 
     #[test]
     fn constants_and_pod() {
-        assert_eq!(FEP_ABI_VERSION, 2);
+        assert_eq!(FEP_ABI_VERSION, 3);
         assert_eq!(FEP_DEV_OK, 0);
         assert_eq!(FEP_LAYOUT_THREADS, 256);
         let cmd = fep_cmd { length: 7, seq: 9, ..Default::default() };

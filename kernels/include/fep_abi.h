@@ -11,7 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define FEP_ABI_VERSION 2
+#define FEP_ABI_VERSION 3
 
 /* ---- proxy command ring (GPU producer -> CPU proxy consumer) ---------------------------------
  * One single-producer/single-consumer ring per producing block. The producer fills entry
@@ -279,6 +279,36 @@ typedef struct fep_ll_combine_params {
 #define FEP_NORMAL_PHASE_COMBINE_SEND 4u
 #define FEP_NORMAL_PHASE_COMBINE_RECV 5u
 
+/* Normal mode through the proxy (peers on other nodes; src/ep/gpu/normal_proxy.rs). A peer whose
+ * bit is set in `mask` is never addressed through peer_base: the sender stages a chunk in its
+ * registered send region and pushes one ring command (RMA write + immediate); the receiver waits on
+ * the proxy's arrival counter (mapped host memory) and reads the registered receive region;
+ * credits go back as zero-length writes. Both regions share the host backend's geometry
+ * (src/ep/host/mod.rs Geometry: data slots and two-deep notify records packed per MR chunk of
+ * `stride` bytes). Immediate slot ids (value in the low `value_bits`):
+ *   data   [0, R*spp)           id = src * spp + slot           value = rows
+ *   notify [R*spp, +R)          id = R*spp + src                value = seq mod 2^value_bits
+ *   credit [R*spp + R, +R*spp)  id = R*spp + R + src * spp + slot, value 1 (zero-length write)
+ * Chunk c of a pair sits in slot c % spp (the numbering of the device queues): it has arrived
+ * when arrivals[data(src, slot)] >= c / spp + 1, and its slot is free for chunk c when
+ * arrivals[credit(dst, slot)] >= c / spp. */
+typedef struct fep_normal_proxy {
+    uint64_t ring;        /* GPU address: num_rings rings of ring_stride bytes (mapped host) */
+    uint64_t send;        /* GPU address of this rank's registered send (staging) region */
+    uint64_t recv;        /* GPU address of this rank's registered receive region */
+    uint64_t arrivals;    /* GPU address of the proxy's u64 arrivals[ids] (mapped host) */
+    uint64_t stride;      /* MR chunk of the provider: no slot or record crosses a multiple */
+    uint64_t notify_base; /* offset of the notify section in both regions */
+    uint32_t mask;        /* bit p: peer p is reached through the proxy */
+    uint32_t num_rings;   /* >= blocks of every normal kernel; block b pushes into ring b */
+    uint32_t ring_capacity;
+    uint32_t ring_stride; /* bytes from one ring header to the next */
+    uint32_t value_bits;  /* immediate split (14) */
+    uint32_t data_per_region;   /* data slots per MR chunk */
+    uint32_t notify_per_region; /* notify records per MR chunk */
+    uint32_t notify_bytes;      /* one record, plan.rs NotifyRecord wire form [seq, tokens, L] */
+} fep_normal_proxy; /* 80 bytes */
+
 typedef struct fep_normal_comm {
     uint64_t peer_base[FEP_NORMAL_MAX_RANKS]; /* comm buffer of each rank, as this rank sees it */
     uint64_t recv_offset;
@@ -297,7 +327,8 @@ typedef struct fep_normal_comm {
     uint32_t chunk_tokens;
     uint32_t num_local_experts;
     uint32_t _pad;
-} fep_normal_comm; /* 176 bytes */
+    fep_normal_proxy proxy;       /* peers on other nodes (ABI 3); mask 0: none */
+} fep_normal_comm; /* 256 bytes */
 
 /* What dispatch leaves for combine (and what a cached dispatch reuses), all device memory. */
 typedef struct fep_normal_handle {
@@ -318,7 +349,7 @@ typedef struct fep_normal_notify_params {
     uint64_t epoch;                 /* 1, 2, ... per fresh dispatch (same on every rank) */
     int32_t expert_alignment;       /* >= 1 */
     int32_t out_capacity;           /* rows the receive outputs hold: more is an error */
-} fep_normal_notify_params; /* 256 bytes */
+} fep_normal_notify_params; /* 336 bytes */
 
 typedef struct fep_normal_dispatch_params {
     fep_normal_comm comm;
@@ -342,7 +373,7 @@ typedef struct fep_normal_dispatch_params {
     uint32_t topk_weights_offset;
     uint32_t src_idx_offset;
     uint32_t _pad;
-} fep_normal_dispatch_params; /* 336 bytes */
+} fep_normal_dispatch_params; /* 416 bytes */
 
 typedef struct fep_normal_combine_params {
     fep_normal_comm comm;
@@ -355,7 +386,7 @@ typedef struct fep_normal_combine_params {
     int32_t num_topk;
     uint32_t record_bytes;      /* plan.rs RecordLayout::normal_combine */
     uint32_t topk_weights_offset;
-} fep_normal_combine_params; /* 272 bytes */
+} fep_normal_combine_params; /* 352 bytes */
 
 #ifdef __cplusplus
 static_assert(sizeof(fep_cmd) == 32, "fep_cmd layout");
@@ -379,12 +410,14 @@ static_assert(sizeof(fep_ll_dispatch_params) == 200, "fep_ll_dispatch_params lay
 static_assert(sizeof(fep_ll_combine_params) == 160, "fep_ll_combine_params layout");
 static_assert(offsetof(fep_ll_dispatch_params, epoch) == 120, "fep_ll_dispatch_params fields");
 static_assert(offsetof(fep_ll_combine_params, record_bytes) == 120, "fep_ll_combine_params fields");
-static_assert(sizeof(fep_normal_comm) == 176, "fep_normal_comm layout");
+static_assert(sizeof(fep_normal_comm) == 256, "fep_normal_comm layout");
 static_assert(sizeof(fep_normal_handle) == 48, "fep_normal_handle layout");
-static_assert(sizeof(fep_normal_notify_params) == 256, "fep_normal_notify_params layout");
-static_assert(sizeof(fep_normal_dispatch_params) == 336, "fep_normal_dispatch_params layout");
-static_assert(sizeof(fep_normal_combine_params) == 272, "fep_normal_combine_params layout");
+static_assert(sizeof(fep_normal_notify_params) == 336, "fep_normal_notify_params layout");
+static_assert(sizeof(fep_normal_dispatch_params) == 416, "fep_normal_dispatch_params layout");
+static_assert(sizeof(fep_normal_combine_params) == 352, "fep_normal_combine_params layout");
 static_assert(offsetof(fep_normal_comm, dev_error) == 128, "fep_normal_comm fields");
+static_assert(sizeof(fep_normal_proxy) == 80, "fep_normal_proxy layout");
+static_assert(offsetof(fep_normal_comm, proxy) == 176, "fep_normal_comm proxy");
 #endif
 
 #include "fep_baseline.h"

@@ -90,6 +90,96 @@ struct Comm {
     __device__ __forceinline__ WaitCtx wait_ctx(uint32_t phase, uint32_t peer) const {
         return WaitCtx{c.dev_error, c.budget_cycles, c.rank, phase, peer};
     }
+
+    // ---- peers through the proxy (fep_abi.h fep_normal_proxy) ----
+    __device__ __forceinline__ bool via_proxy(int peer) const {
+        return ((c.proxy.mask >> peer) & 1u) != 0u;
+    }
+    __device__ __forceinline__ uint64_t px_place(uint64_t unit, uint32_t per_region,
+                                                 uint64_t unit_bytes) const {
+        return (unit / per_region) * c.proxy.stride + (unit % per_region) * unit_bytes;
+    }
+    // Offset of data slot (peer, slot): the receive slot of source `peer`, or the staging slot
+    // for destination `peer` (host Geometry::data_offset).
+    __device__ __forceinline__ uint64_t px_data_off(int peer, uint32_t slot) const {
+        return px_place(static_cast<uint64_t>(peer) * c.slots_per_peer + slot,
+                        c.proxy.data_per_region, c.slot_bytes);
+    }
+    // Offset of peer's notify record with sequence number seq (host Geometry::notify_offset).
+    __device__ __forceinline__ uint64_t px_notify_off(int peer, uint64_t seq) const {
+        return c.proxy.notify_base + px_place((seq % 2) * c.num_ranks + peer,
+                                              c.proxy.notify_per_region, c.proxy.notify_bytes);
+    }
+    __device__ __forceinline__ uint8_t* px_send(uint64_t off) const {
+        return reinterpret_cast<uint8_t*>(c.proxy.send) + off;
+    }
+    __device__ __forceinline__ const uint8_t* px_recv(uint64_t off) const {
+        return reinterpret_cast<const uint8_t*>(c.proxy.recv) + off;
+    }
+    __device__ __forceinline__ uint32_t px_data_id(int src, uint32_t slot) const {
+        return static_cast<uint32_t>(src) * c.slots_per_peer + slot;
+    }
+    __device__ __forceinline__ uint32_t px_notify_id(int src) const {
+        return c.num_ranks * c.slots_per_peer + static_cast<uint32_t>(src);
+    }
+    __device__ __forceinline__ uint32_t px_credit_id(int src, uint32_t slot) const {
+        return c.num_ranks * c.slots_per_peer + c.num_ranks +
+               static_cast<uint32_t>(src) * c.slots_per_peer + slot;
+    }
+    __device__ __forceinline__ const uint64_t* px_arrivals(uint32_t id) const {
+        return reinterpret_cast<const uint64_t*>(c.proxy.arrivals) + id;
+    }
+    __device__ __forceinline__ uint32_t px_imm(uint32_t id, uint32_t value) const {
+        return (id << c.proxy.value_bits) | value;
+    }
+    __device__ __forceinline__ fep_ring_hdr* px_ring(uint32_t ring) const {
+        return reinterpret_cast<fep_ring_hdr*>(c.proxy.ring +
+                                               static_cast<uint64_t>(ring) * c.proxy.ring_stride);
+    }
+};
+
+// One block's producer side of its proxy ring (ring blockIdx.x). The kernels of one rank are
+// ordered by its stream and only this block of the running kernel pushes into the ring, so the
+// head is read back from the header at the start of every kernel.
+struct Pusher {
+    fep_ring_hdr* hdr;
+    fep_cmd* entries;
+    uint32_t capacity;
+    uint64_t head;
+
+    __device__ __forceinline__ static Pusher open(const Comm& comm, uint32_t ring) {
+        Pusher p{};
+        if (comm.c.proxy.mask == 0u) return p;
+        p.hdr = comm.px_ring(ring);
+        p.entries = reinterpret_cast<fep_cmd*>(p.hdr + 1);
+        p.capacity = comm.c.proxy.ring_capacity;
+        p.head = ld_acquire_sys(&p.hdr->head);
+        return p;
+    }
+    // The ring's producer side with a head the caller keeps (several warps of one block taking
+    // turns under a lock, see normal_combine.cu).
+    __device__ __forceinline__ static Pusher at(const Comm& comm, uint32_t ring, uint64_t head) {
+        Pusher p{};
+        p.hdr = comm.px_ring(ring);
+        p.entries = reinterpret_cast<fep_cmd*>(p.hdr + 1);
+        p.capacity = comm.c.proxy.ring_capacity;
+        p.head = head;
+        return p;
+    }
+    // One RMA write of `len` bytes from send-region offset `local` into `dst`'s receive region at
+    // `remote`, with immediate `imm` (len 0: a count-only message). The caller has fenced the
+    // payload (system scope) and passed a barrier before.
+    __device__ __forceinline__ bool push(uint32_t dst, uint64_t local, uint64_t remote,
+                                         uint32_t len, uint32_t imm, const WaitCtx& ctx) {
+        fep_cmd cmd;
+        cmd.local_offset = local;
+        cmd.remote_offset = remote;
+        cmd.length = len;
+        cmd.dst_rank = dst;
+        cmd.imm = imm;
+        cmd.seq = 0;
+        return ring_push(hdr, entries, capacity, head, cmd, ctx);
+    }
 };
 
 __device__ __forceinline__ uint4 ld_cg(const uint4* p) { return __ldcg(p); }
@@ -113,10 +203,49 @@ __device__ __forceinline__ void warp_copy16(uint4* __restrict__ dst, const uint4
     for (; i < n; i += kWarpSize) dst[i] = kFromQueue ? ld_cg(src + i) : ld_nc(src + i);
 }
 
+// A warp copies n 16-byte vectors out of a proxy receive region (mapped host memory written by
+// the CPU, or device memory written by the NIC): uncached loads, so no stale line of an earlier
+// chunk in the slot is ever used.
+__device__ __forceinline__ void warp_copy16_px(uint4* __restrict__ dst, const uint4* __restrict__ src,
+                                               int n, int lane) {
+    constexpr int kUnroll = 8;
+    int i = lane;
+    for (; i + (kUnroll - 1) * kWarpSize < n; i += kUnroll * kWarpSize) {
+        uint4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) v[u] = __ldcv(src + i + u * kWarpSize);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) dst[i + u * kWarpSize] = v[u];
+    }
+    for (; i < n; i += kWarpSize) dst[i] = __ldcv(src + i);
+}
+
 // A warp copies n 4-byte words.
 template <bool kFromQueue>
 __device__ __forceinline__ void warp_copy4(uint32_t* dst, const uint32_t* src, int n, int lane) {
     for (int i = lane; i < n; i += kWarpSize) dst[i] = kFromQueue ? __ldcg(src + i) : __ldg(src + i);
+}
+
+// A block copies n 16-byte vectors out of a proxy receive region (uncached loads, kUnroll in
+// flight per thread: a PCIe read is a round trip).
+__device__ __forceinline__ void block_copy16_px(uint4* __restrict__ dst,
+                                                const uint4* __restrict__ src, uint32_t n) {
+    constexpr uint32_t kUnroll = 8;
+    const uint32_t step = blockDim.x;
+    uint32_t i = threadIdx.x;
+    for (; i + (kUnroll - 1) * step < n; i += kUnroll * step) {
+        uint4 v[kUnroll];
+#pragma unroll
+        for (uint32_t u = 0; u < kUnroll; ++u) v[u] = __ldcv(src + i + u * step);
+#pragma unroll
+        for (uint32_t u = 0; u < kUnroll; ++u) dst[i + u * step] = v[u];
+    }
+    for (; i < n; i += step) dst[i] = __ldcv(src + i);
+}
+
+// A warp copies n 4-byte words out of a proxy receive region (uncached).
+__device__ __forceinline__ void warp_copy4_px(uint32_t* dst, const uint32_t* src, int n, int lane) {
+    for (int i = lane; i < n; i += kWarpSize) dst[i] = __ldcv(src + i);
 }
 
 __device__ __forceinline__ uint32_t div_ceil(uint32_t a, uint32_t b) { return (a + b - 1) / b; }

@@ -80,9 +80,13 @@ impl GpuBenchParams {
     }
 
     pub(crate) fn config(&self, rank: usize) -> Result<EpConfig> {
+        self.config_split(rank, self.num_ranks)
+    }
+
+    fn config_split(&self, rank: usize, ranks_per_node: usize) -> Result<EpConfig> {
         let mut s =
             EpSettings::new(rank, self.num_ranks, self.num_experts, self.hidden, self.num_topk);
-        s.ranks_per_node = self.num_ranks;
+        s.ranks_per_node = ranks_per_node;
         s.timeout = self.timeout;
         s.max_tokens_per_rank = self.num_tokens.max(1);
         if self.fp8 {
@@ -97,6 +101,35 @@ impl GpuBenchParams {
             normal,
             low_latency: !normal,
             ..GpuOptions::new(dev.clone())
+        }
+    }
+}
+
+/// Where the ranks of a normal-mode GPU run sit, and the queue shape.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuSplit {
+    /// Ranks per (simulated) node: peers on other nodes go through the proxy lane
+    /// (`ep::gpu::normal_proxy`), the others through device pointers.
+    pub ranks_per_node: usize,
+    /// The proxy lane's libfabric provider.
+    pub provider: String,
+    /// Records per chunk; `None`: `GpuOptions`' default.
+    pub chunk_tokens: Option<usize>,
+    /// Chunks in flight per pair; `None`: `GpuOptions`' default.
+    pub slots_per_peer: Option<usize>,
+    /// After the first step, dispatch with the cached handle (no layout, no notify).
+    pub cached: bool,
+}
+
+impl GpuSplit {
+    /// Every rank on one node (no proxy), the default queue shape.
+    pub fn one_node(num_ranks: usize) -> Self {
+        GpuSplit {
+            ranks_per_node: num_ranks,
+            provider: "shm".to_string(),
+            chunk_tokens: None,
+            slots_per_peer: None,
+            cached: false,
         }
     }
 }
@@ -229,20 +262,31 @@ fn check_normal_dispatch(
 /// Dispatch time: from before the layout to after the dispatch kernel (the host sync included),
 /// combine time: the combine kernel; both from CUDA events. Returns each rank's report.
 pub fn run_normal_gpu(dev: &Device, p: &GpuBenchParams) -> Result<GpuReport> {
-    let case = NormalCase::new(p)?;
-    on_threads(p.num_ranks, p.timeout, |rank, boot| normal_rank(dev, p, &case, rank, boot))
+    run_normal_gpu_split(dev, p, &GpuSplit::one_node(p.num_ranks))
 }
 
-/// One rank of [`run_normal_gpu`]'s job when the ranks are processes: `boot` is this rank's
-/// bootstrap (its world size must be `p.num_ranks`); `dev` this rank's GPU.
+/// [`run_normal_gpu`] with ranks split into nodes of `split.ranks_per_node` (threads of this
+/// process; other-node peers through the proxy lane) and the given queue shape.
+pub fn run_normal_gpu_split(
+    dev: &Device,
+    p: &GpuBenchParams,
+    split: &GpuSplit,
+) -> Result<GpuReport> {
+    let prep = NormalPrep::new(p, split)?;
+    on_threads(p.num_ranks, p.timeout, |rank, boot| normal_rank(dev, p, split, &prep, rank, boot))
+}
+
+/// One rank of [`run_normal_gpu_split`] in this process (one process per rank, e.g. under
+/// `LocalJob` with a `TcpStore`): the same inputs and checks, this rank's report.
 pub fn run_normal_gpu_rank(
     dev: &Device,
     p: &GpuBenchParams,
+    split: &GpuSplit,
     boot: Arc<dyn Bootstrap>,
 ) -> Result<NormalBenchReport> {
     check_world(p, &*boot)?;
-    let case = NormalCase::new(p)?;
-    normal_rank(dev, p, &case, boot.rank(), boot)
+    let prep = NormalPrep::new(p, split)?;
+    normal_rank(dev, p, split, &prep, boot.rank(), boot)
 }
 
 fn check_world(p: &GpuBenchParams, boot: &dyn Bootstrap) -> Result<()> {
@@ -255,17 +299,17 @@ fn check_world(p: &GpuBenchParams, boot: &dyn Bootstrap) -> Result<()> {
     Ok(())
 }
 
-/// Every rank's normal-mode inputs and expected outputs (the same in every process).
-struct NormalCase {
+/// Every rank's inputs and the reference outputs (the same in every process).
+struct NormalPrep {
     inputs: Vec<RankInputs>,
     want_d: Vec<NormalDispatchOut>,
     want_c: Vec<NormalCombineOut>,
     worst: Option<usize>,
 }
 
-impl NormalCase {
-    fn new(p: &GpuBenchParams) -> Result<Self> {
-        let cfg0 = p.config(0)?;
+impl NormalPrep {
+    fn new(p: &GpuBenchParams, split: &GpuSplit) -> Result<Self> {
+        let cfg0 = p.config_split(0, split.ranks_per_node)?;
         let hp = NormalBenchParams {
             num_tokens: p.num_tokens,
             seed: p.seed,
@@ -280,124 +324,136 @@ impl NormalCase {
         let total: usize = p.num_tokens * p.num_ranks;
         let worst = p.worst.then_some(total.max(1));
         let (want_d, want_c) = host_bench::reference(&cfg0, &inputs, 1, worst, true)?;
-        Ok(NormalCase { inputs, want_d, want_c, worst })
+        Ok(NormalPrep { inputs, want_d, want_c, worst })
     }
 }
 
-/// One rank's normal-mode run (a thread or a process), every step checked.
 fn normal_rank(
     dev: &Device,
     p: &GpuBenchParams,
-    case: &NormalCase,
+    split: &GpuSplit,
+    prep: &NormalPrep,
     rank: usize,
     boot: Arc<dyn Bootstrap>,
 ) -> Result<NormalBenchReport> {
-    let (inputs, want_d, want_c, worst) = (&case.inputs, &case.want_d, &case.want_c, case.worst);
-    let cfg = p.config(rank)?;
-    let (t, h, k) = (p.num_tokens, cfg.hidden, cfg.num_topk);
-    let mut buf =
-        Buffer::new(cfg.clone(), boot.clone(), BufferOptions::gpu(p.gpu_options(dev, true)))?;
-    let me = &inputs[rank];
-    let want = &want_d[rank];
-    let x = match &me.x_fp8 {
-        Some((q, _)) => upload(dev, q)?,
-        None => upload(dev, &me.x_bf16)?,
-    };
-    let xs = match &me.x_fp8 {
-        Some((_, s)) => Some(upload(dev, s)?),
-        None => None,
-    };
-    let ti = upload(dev, &me.topk_idx)?;
-    let tw = upload(dev, &me.topk_weights)?;
-    let cx = upload(dev, &host_bench::combine_input(&want.recv_x, h)?)?;
-    let cw = upload(dev, &want.recv_topk_weights)?;
-    let out_c = DeviceBuffer::new(dev, (t * h * 2).max(16))?;
-    let out_cw = DeviceBuffer::new(dev, (t * k * 4).max(16))?;
-    let stream = Stream::new(dev)?;
-    let ev: Vec<Event> = (0..3).map(|_| Event::new(dev)).collect::<std::result::Result<_, _>>()?;
-    let lay = dispatch_layout(&me.topk_idx, t, k, cfg.num_experts, cfg.num_ranks, cfg.num_ranks)?;
-    let sent: u64 = lay.num_tokens_per_rank.iter().map(|&c| c.max(0) as u64).sum();
-    let mut rep = NormalBenchReport {
-        dispatch_s: Vec::new(),
-        combine_s: Vec::new(),
-        dispatch_bytes: sent * cfg.dispatch_dtype.token_bytes(h as u64),
-        combine_bytes: sent * 2 * h as u64,
-    };
-    let gpu = buf.gpu()?;
-    let mut handle = gpu.new_handle(t)?;
-    // NOTES: every device allocation before the first barrier: with ranks as threads of
-    // one context, allocating or freeing while a peer's kernel spins on this rank can stall
-    // both until the timeout. At most `t` tokens come from each rank.
-    let outs: Option<GpuDispatchBuffers> =
-        Some(GpuDispatchBuffers::new(gpu, worst.unwrap_or(t * cfg.num_ranks).max(1))?);
-    for it in 0..p.warmup + p.iters {
-        boot.barrier()?;
-        if let Some(o) = &outs {
-            for b in [&o.recv_x, &o.recv_topk_idx, &o.recv_topk_weights, &o.recv_src_idx] {
-                b.memset_async(0xAB, &stream)?;
-            }
-            if let Some(b) = &o.recv_x_scales {
-                b.memset_async(0xAB, &stream)?;
-            }
-        }
-        out_c.memset_async(0xAB, &stream)?;
-        ev[0].record(&stream)?;
-        let notify = GpuNotifyArgs {
-            num_worst_tokens: worst,
-            ..GpuNotifyArgs::new(DevSlice::of(&ti), t, &stream)
+    let (inputs, want_d, want_c, worst) = (&prep.inputs, &prep.want_d, &prep.want_c, prep.worst);
+    {
+        let cfg = p.config_split(rank, split.ranks_per_node)?;
+        let (t, h, k) = (p.num_tokens, cfg.hidden, cfg.num_topk);
+        let mut opts =
+            GpuOptions { proxy_provider: split.provider.clone(), ..p.gpu_options(dev, true) };
+        opts.chunk_tokens = split.chunk_tokens.unwrap_or(opts.chunk_tokens);
+        opts.slots_per_peer = split.slots_per_peer.unwrap_or(opts.slots_per_peer);
+        let mut buf = Buffer::new(cfg.clone(), boot.clone(), BufferOptions::gpu(opts))?;
+        let me = &inputs[rank];
+        let want = &want_d[rank];
+        let x = match &me.x_fp8 {
+            Some((q, _)) => upload(dev, q)?,
+            None => upload(dev, &me.x_bf16)?,
         };
-        // SAFETY: every buffer lives until the stream synchronises at the end of the
-        // iteration (sync_gpu); all ranks run the same sequence of calls.
-        unsafe {
-            let info = gpu.notify_gpu(&notify, &mut handle)?;
-            let rows = info.map_or(worst.unwrap_or(0), |i| i.num_recv_tokens);
-            if outs.as_ref().is_none_or(|o| o.rows < rows) {
-                return Err(Error::Other(format!("rank {rank}: {rows} rows exceed the bound")));
+        let xs = match &me.x_fp8 {
+            Some((_, s)) => Some(upload(dev, s)?),
+            None => None,
+        };
+        let ti = upload(dev, &me.topk_idx)?;
+        let tw = upload(dev, &me.topk_weights)?;
+        let cx = upload(dev, &host_bench::combine_input(&want.recv_x, h)?)?;
+        let cw = upload(dev, &want.recv_topk_weights)?;
+        let out_c = DeviceBuffer::new(dev, (t * h * 2).max(16))?;
+        let out_cw = DeviceBuffer::new(dev, (t * k * 4).max(16))?;
+        let stream = Stream::new(dev)?;
+        let ev: Vec<Event> =
+            (0..3).map(|_| Event::new(dev)).collect::<std::result::Result<_, _>>()?;
+        let lay =
+            dispatch_layout(&me.topk_idx, t, k, cfg.num_experts, cfg.num_ranks, cfg.num_ranks)?;
+        let sent: u64 = lay.num_tokens_per_rank.iter().map(|&c| c.max(0) as u64).sum();
+        let mut rep = NormalBenchReport {
+            dispatch_s: Vec::new(),
+            combine_s: Vec::new(),
+            dispatch_bytes: sent * cfg.dispatch_dtype.token_bytes(h as u64),
+            combine_bytes: sent * 2 * h as u64,
+        };
+        let gpu = buf.gpu()?;
+        let mut handle = gpu.new_handle(t)?;
+        // NOTES: every device allocation before the first barrier: with ranks as threads of
+        // one context, allocating or freeing while a peer's kernel spins on this rank can stall
+        // both until the timeout. At most `t` tokens come from each rank.
+        let outs: Option<GpuDispatchBuffers> =
+            Some(GpuDispatchBuffers::new(gpu, worst.unwrap_or(t * cfg.num_ranks).max(1))?);
+        for it in 0..p.warmup + p.iters {
+            boot.barrier()?;
+            if let Some(o) = &outs {
+                for b in [&o.recv_x, &o.recv_topk_idx, &o.recv_topk_weights, &o.recv_src_idx] {
+                    b.memset_async(0xAB, &stream)?;
+                }
+                if let Some(b) = &o.recv_x_scales {
+                    b.memset_async(0xAB, &stream)?;
+                }
             }
-            let o = outs.as_ref().ok_or_else(|| Error::Other("no outputs".into()))?;
-            let args = GpuDispatchArgs {
-                x: DevSlice::of(&x),
-                x_scales: xs.as_ref().map(DevSlice::of),
-                topk_idx: DevSlice::of(&ti),
-                topk_weights: DevSlice::of(&tw),
-                stream: &stream,
+            out_c.memset_async(0xAB, &stream)?;
+            ev[0].record(&stream)?;
+            let notify = GpuNotifyArgs {
+                num_worst_tokens: worst,
+                ..GpuNotifyArgs::new(DevSlice::of(&ti), t, &stream)
             };
-            gpu.dispatch_gpu(&args, &handle, &o.out())?;
-            ev[1].record(&stream)?;
-            gpu.combine_gpu(
-                &GpuCombineArgs {
-                    x: DevSlice::of(&cx),
-                    topk_weights: Some(DevSlice::of(&cw)),
-                    combined_x: DevSlice::of(&out_c),
-                    combined_topk_weights: Some(DevSlice::of(&out_cw)),
+            // SAFETY: every buffer lives until the stream synchronises at the end of the
+            // iteration (sync_gpu); all ranks run the same sequence of calls.
+            unsafe {
+                let rows = if split.cached && it > 0 {
+                    // Same routing every iteration: the first notify's handle is reused.
+                    handle.num_out_rows().unwrap_or(0)
+                } else {
+                    let info = gpu.notify_gpu(&notify, &mut handle)?;
+                    info.map_or(worst.unwrap_or(0), |i| i.num_recv_tokens)
+                };
+                if outs.as_ref().is_none_or(|o| o.rows < rows) {
+                    return Err(Error::Other(format!("rank {rank}: {rows} rows exceed the bound")));
+                }
+                let o = outs.as_ref().ok_or_else(|| Error::Other("no outputs".into()))?;
+                let args = GpuDispatchArgs {
+                    x: DevSlice::of(&x),
+                    x_scales: xs.as_ref().map(DevSlice::of),
+                    topk_idx: DevSlice::of(&ti),
+                    topk_weights: DevSlice::of(&tw),
                     stream: &stream,
-                },
-                &handle,
-            )?;
-            ev[2].record(&stream)?;
+                };
+                gpu.dispatch_gpu(&args, &handle, &o.out())?;
+                ev[1].record(&stream)?;
+                gpu.combine_gpu(
+                    &GpuCombineArgs {
+                        x: DevSlice::of(&cx),
+                        topk_weights: Some(DevSlice::of(&cw)),
+                        combined_x: DevSlice::of(&out_c),
+                        combined_topk_weights: Some(DevSlice::of(&out_cw)),
+                        stream: &stream,
+                    },
+                    &handle,
+                )?;
+                ev[2].record(&stream)?;
+            }
+            gpu.sync_gpu(&stream)?;
+            let o = outs.as_ref().ok_or_else(|| Error::Other("no outputs".into()))?;
+            let prefix: Vec<i32> = handle.device().rank_prefix.to_vec()?;
+            let experts: Vec<i32> = handle.device().recv_expert_counts.to_vec()?;
+            check_normal_dispatch(rank, it, p.fp8, o, &prefix, &experts, want, h, k)?;
+            let got: Vec<u16> = out_c.to_vec()?;
+            if got[..t * h] != want_c[rank].combined_x[..] {
+                return Err(mismatch(rank, "combined_x", it));
+            }
+            let gw: Vec<f32> = out_cw.to_vec()?;
+            if Some(&gw[..t * k]) != want_c[rank].combined_topk_weights.as_deref() {
+                return Err(mismatch(rank, "combined_topk_weights", it));
+            }
+            if it >= p.warmup {
+                rep.dispatch_s.push(elapsed_s(&ev[0], &ev[1])?);
+                rep.combine_s.push(elapsed_s(&ev[1], &ev[2])?);
+            }
         }
-        gpu.sync_gpu(&stream)?;
-        let o = outs.as_ref().ok_or_else(|| Error::Other("no outputs".into()))?;
-        let prefix: Vec<i32> = handle.device().rank_prefix.to_vec()?;
-        let experts: Vec<i32> = handle.device().recv_expert_counts.to_vec()?;
-        check_normal_dispatch(rank, it, p.fp8, o, &prefix, &experts, want, h, k)?;
-        let got: Vec<u16> = out_c.to_vec()?;
-        if got[..t * h] != want_c[rank].combined_x[..] {
-            return Err(mismatch(rank, "combined_x", it));
-        }
-        let gw: Vec<f32> = out_cw.to_vec()?;
-        if Some(&gw[..t * k]) != want_c[rank].combined_topk_weights.as_deref() {
-            return Err(mismatch(rank, "combined_topk_weights", it));
-        }
-        if it >= p.warmup {
-            rep.dispatch_s.push(elapsed_s(&ev[0], &ev[1])?);
-            rep.combine_s.push(elapsed_s(&ev[1], &ev[2])?);
-        }
+        boot.barrier()?;
+        drop(outs);
+        buf.destroy()?;
+        Ok(rep)
     }
-    boot.barrier()?;
-    drop(outs);
-    buf.destroy()?;
-    Ok(rep)
 }
 
 /// One rank's low-latency inputs.

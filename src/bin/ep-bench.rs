@@ -787,7 +787,9 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
 /// rank's GPU is `LOCAL_RANK` modulo the visible GPUs, peers in other processes are reached
 /// through CUDA IPC; every result checked; rank 0 prints the rows for the launcher.
 fn run_gpu_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult<()> {
-    use fabric_ep::bench::ep_gpu::{run_ll_gpu_rank, run_normal_gpu_rank, GpuBenchParams};
+    use fabric_ep::bench::ep_gpu::{
+        run_ll_gpu_rank, run_normal_gpu_rank, GpuBenchParams, GpuSplit,
+    };
     let dev = fabric_ep::cuda::Device::from_env()?;
     let (rank, world, local) = (boot.rank(), boot.world_size(), boot.local_world_size());
     let gpus = fabric_ep::cuda::device_count()?;
@@ -820,7 +822,8 @@ fn run_gpu_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult<()
     let mut rows: Vec<EpRow> = Vec::new();
     if matches!(c.mode, Mode::Normal | Mode::Both) {
         let p = base(4096);
-        let r = run_normal_gpu_rank(&dev, &p, boot.clone()).map_err(hint)?;
+        let r = run_normal_gpu_rank(&dev, &p, &GpuSplit::one_node(world), boot.clone())
+            .map_err(hint)?;
         rows.extend(gpu_rows("normal", false, &p, &r));
     }
     if matches!(c.mode, Mode::LowLatency | Mode::Both) {

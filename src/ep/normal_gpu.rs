@@ -17,11 +17,13 @@
 //! Buffers stay bounded: a rank's comm buffer holds `num_ranks x slots_per_peer` slots of
 //! `chunk_tokens` records whatever the token count (see `fep_abi.h` for the map).
 //!
-//! NOTES: transports. Every peer is reached by stores through a peer pointer
-//! ([`PeerTransport::PeerStore`]). The queue protocol (a slot is written, then its flag is
-//! published; credits come back per slot) is the one a proxy can carry: a later internode path
-//! replaces the peer store of a chunk by a proxy command (RMA write with the flag as immediate
-//! data, counted on arrival), per peer. Only the peer-store path is built.
+//! NOTES: transports. Peers on this node are reached by stores through a peer pointer
+//! ([`PeerTransport::PeerStore`]); peers on other nodes, once a
+//! [`NormalProxyLane`](super::gpu::normal_proxy::NormalProxyLane) is attached
+//! ([`NormalGpuRank::attach_proxy`]), through the CPU proxy ([`PeerTransport::Proxy`]): the same
+//! queue protocol, with a chunk's peer stores replaced by staging plus one RMA write with
+//! immediate data, its flag by the slot's arrival counter, and its credit by a zero-length write
+//! (`fep_abi.h`, `fep_normal_proxy`).
 //!
 //! NOTES: after a device error (a bounded wait ran out, a count out of range) the protocol state
 //! of every rank is undefined: call [`NormalGpuRank::reset`] on every rank (no kernel running)
@@ -31,6 +33,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::config::DispatchDtype;
+use super::gpu::normal_proxy::NormalProxyLane;
 use super::layout::LayoutBuffers;
 use super::plan::NormalLayout;
 use crate::abi;
@@ -43,7 +46,7 @@ use crate::{Error, Result};
 pub enum PeerTransport {
     /// Kernels store into the peer's buffer (same GPU, NVLink peer, IPC mapping). Built.
     PeerStore,
-    /// Kernels push proxy commands; the proxy writes over libfabric. Not built yet.
+    /// Kernels push proxy commands; the proxy writes over libfabric (peers on other nodes).
     Proxy,
 }
 
@@ -274,6 +277,7 @@ pub struct NormalGpuRank {
     transports: Vec<PeerTransport>,
     err: DevErrorRecord,
     epoch: u64,
+    proxy: Option<NormalProxyLane>,
 }
 
 /// Assumed SM clock for turning the timeout into a cycle budget (an H200 boosts to 1.98 GHz;
@@ -313,6 +317,7 @@ impl NormalGpuRank {
                 transports: vec![PeerTransport::PeerStore; r],
                 err: DevErrorRecord::new(dev)?,
                 epoch: 0,
+                proxy: None,
             });
         }
         Ok(out)
@@ -370,6 +375,7 @@ impl NormalGpuRank {
             transports: vec![PeerTransport::PeerStore; r],
             err: DevErrorRecord::new(dev)?,
             epoch: 0,
+            proxy: None,
         })
     }
 
@@ -385,24 +391,68 @@ impl NormalGpuRank {
     pub fn device(&self) -> &Device {
         &self.dev
     }
-    /// How each peer is reached (all [`PeerTransport::PeerStore`] for now).
+    /// How each peer is reached.
     pub fn transports(&self) -> &[PeerTransport] {
         &self.transports
     }
 
-    /// Zeroes this rank's comm buffer and error record (after an error; every rank must do it,
-    /// with no kernel of the group running).
+    /// The proxy lane, if one is attached.
+    pub fn proxy_lane(&self) -> Option<&NormalProxyLane> {
+        self.proxy.as_ref()
+    }
+
+    /// Routes the lane's peers (its mask: the ranks on other nodes) through the proxy. Before
+    /// the first step; the lane must have a ring per block of this rank's kernels.
+    pub fn attach_proxy(&mut self, lane: NormalProxyLane) -> Result<()> {
+        let r = self.settings.num_ranks;
+        if (lane.num_rings() as usize) < self.settings.num_sms.max(r) {
+            return Err(Error::arg(
+                "lane",
+                format!(
+                    "{} rings for {} blocks per kernel",
+                    lane.num_rings(),
+                    self.settings.num_sms
+                ),
+            ));
+        }
+        let mask = lane.mask();
+        if mask >> self.rank & 1 == 1 || (r < 32 && mask >> r != 0) {
+            return Err(Error::arg(
+                "lane",
+                format!("mask {mask:#x} for rank {} of {r}", self.rank),
+            ));
+        }
+        for (p, t) in self.transports.iter_mut().enumerate() {
+            if mask >> p & 1 == 1 {
+                *t = PeerTransport::Proxy;
+                // Never dereferenced by the kernels (the mask routes this peer to the proxy).
+                self.peers[p] = 0;
+            }
+        }
+        self.proxy = Some(lane);
+        Ok(())
+    }
+
+    /// Zeroes this rank's comm buffer, error record and proxy counters (after an error; every
+    /// rank must do it, with no kernel of the group running and no proxy write in flight).
     pub fn reset(&mut self) -> Result<()> {
         self.buf.memset(0)?;
         self.err.reset()?;
+        if let Some(l) = &self.proxy {
+            l.reset_counters();
+        }
         self.epoch = 0;
         Ok(())
     }
 
     /// The typed device error recorded by this rank's kernels, if any (after its stream has
-    /// synchronised).
+    /// synchronised), else the proxy worker's error, if it stopped on one.
     pub fn check(&self) -> Result<()> {
-        self.err.check().map_err(Error::from)
+        self.err.check().map_err(Error::from)?;
+        match &self.proxy {
+            Some(l) => l.check(),
+            None => Ok(()),
+        }
     }
 
     /// Synchronises `stream` within the timeout (plus slack), then [`Self::check`].
@@ -431,12 +481,15 @@ impl NormalGpuRank {
             chunk_tokens: self.settings.chunk_tokens as u32,
             num_local_experts: self.map.layout.num_local_experts as u32,
             _pad: 0,
+            proxy: self.proxy.as_ref().map(|l| l.as_abi()).unwrap_or_default(),
         }
     }
 
     fn check_transports(&self) -> Result<()> {
-        if let Some(p) = self.transports.iter().position(|t| *t != PeerTransport::PeerStore) {
-            return Err(Error::arg("transport", format!("peer {p}: only PeerStore is built")));
+        if self.proxy.is_none() {
+            if let Some(p) = self.transports.iter().position(|t| *t == PeerTransport::Proxy) {
+                return Err(Error::arg("transport", format!("peer {p}: proxy without a lane")));
+            }
         }
         Ok(())
     }
@@ -638,8 +691,10 @@ mod tests {
             assert_eq!(o % 256, 0);
         }
         assert!(m.total_bytes > m.state_offset);
-        // Independent of the token count: 4 peers x 8 slots x 16 records of at most 14.4 KB.
-        assert!(m.total_bytes < 8 << 20, "{}", m.total_bytes);
+        // Independent of the token count: 4 peers x spp slots x 16 records of at most 14.4 KB
+        // (the record bytes plus the flag, credit, notify and state areas).
+        let data = 4 * s.slots_per_peer as u64 * 16 * 14_400;
+        assert!(m.total_bytes < data + (1 << 20), "{} for spp {}", m.total_bytes, s.slots_per_peer);
         assert!(CommMap::new(&NormalGpuSettings { num_ranks: 9, ..s.clone() }).is_err());
         assert!(CommMap::new(&NormalGpuSettings { num_topk: 33, ..s }).is_err());
     }
@@ -650,6 +705,8 @@ mod tests {
 /// (layout -> notify -> [recv_info] -> dispatch -> combine).
 pub mod harness {
     use super::*;
+    use crate::bootstrap::InProcGroup;
+    use crate::ep::gpu::normal_proxy::ProxyLaneSettings;
     use crate::ep::layout::{DispatchLayoutGpu, LayoutTuning};
 
     /// One rank's inputs, on the host.
@@ -760,6 +817,41 @@ pub mod harness {
             }
             Ok(())
         }
+    }
+
+    /// Attaches a proxy lane to every rank of a threads-as-ranks group (collective over an
+    /// in-process bootstrap, one thread per rank): ranks on different nodes
+    /// (`rank / lane.ranks_per_node`) reach each other through `lane.provider`; ranks of one
+    /// node keep their peer pointers.
+    pub fn attach_proxy_lanes(
+        ranks: &mut [NormalGpuRank],
+        lane: &ProxyLaneSettings,
+        timeout: Duration,
+    ) -> Result<()> {
+        let boots = InProcGroup::new(ranks.len(), lane.ranks_per_node, timeout)?;
+        let results: Vec<Result<()>> = std::thread::scope(|sc| {
+            let handles: Vec<_> = ranks
+                .iter_mut()
+                .zip(boots)
+                .map(|(rank, boot)| {
+                    sc.spawn(move || -> Result<()> {
+                        let dev = rank.device().clone();
+                        dev.bind()?;
+                        let s = rank.settings().clone();
+                        let rings = s.num_sms.max(s.num_ranks) as u32;
+                        let l = NormalProxyLane::connect(&dev, &boot, &s, lane, rings)?;
+                        rank.attach_proxy(l)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| Err(Error::Other("lane thread panicked".into())))
+                })
+                .collect()
+        });
+        results.into_iter().collect()
     }
 
     /// Options of one step.

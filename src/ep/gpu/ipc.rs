@@ -43,6 +43,8 @@ pub enum PeerPath {
         /// The peer uses this GPU too (else one this GPU can access).
         same_gpu: bool,
     },
+    /// On another node (`ranks_per_node`): no pointers; the proxy lane reaches it.
+    Remote,
 }
 
 /// Identity blob: token, pid, host, context, then the GPU UUID.
@@ -139,7 +141,14 @@ impl Peers {
     /// Sends this rank's identity to every rank (one all-gather) and decides the path to each
     /// peer; enables peer access for same-process peers on another GPU. Collective. A peer that
     /// cannot be reached is an [`Error::Protocol`] naming it.
-    pub fn exchange(boot: &dyn Bootstrap, dev: &Device, rank: usize) -> Result<Self> {
+    /// `remote(peer)`: the peer is on another node (the config's `ranks_per_node`), reached
+    /// through a proxy lane whatever machine it runs on.
+    pub fn exchange(
+        boot: &dyn Bootstrap,
+        dev: &Device,
+        rank: usize,
+        remote: &dyn Fn(usize) -> bool,
+    ) -> Result<Self> {
         let me = Identity::of(dev)?;
         let all = boot.all_gather(&me.to_bytes())?;
         let mut ids = Vec::with_capacity(all.len());
@@ -152,10 +161,13 @@ impl Peers {
             })?;
             let path = if peer == rank {
                 PeerPath::Local
+            } else if remote(peer) {
+                PeerPath::Remote
             } else if id.host != me.host {
                 return Err(unreachable(format!(
-                    "rank {peer} runs on another machine (process {}); the GPU backend of this \
-                     version reaches peers of this machine only (device pointers, CUDA IPC)",
+                    "rank {peer} runs on another machine (process {}) but in this rank's node \
+                     (ranks_per_node): same-node peers are reached through device pointers or \
+                     CUDA IPC, so they must share a machine",
                     id.pid
                 )));
             } else if id.same_process(&me) && id.ctx == me.ctx {
@@ -249,6 +261,9 @@ impl Peers {
         section: &[u8],
         maps: &mut PeerMaps,
     ) -> Result<Vec<u64>> {
+        if self.paths[peer] == PeerPath::Remote {
+            return Ok(vec![0; ptrs.len()]);
+        }
         if !matches!(self.paths[peer], PeerPath::Ipc { .. }) {
             return Ok(ptrs.to_vec());
         }

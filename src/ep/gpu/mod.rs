@@ -40,6 +40,9 @@
 //! another GPU the two must be able to access each other (`cuDeviceCanAccessPeer`); a peer that
 //! cannot be reached (another machine, no peer access) is an error naming it at connect time.
 //! [`GpuBuffer::peer_paths`] says which path each peer got.
+//! Ranks on other nodes (`ranks_per_node < num_ranks`, normal mode) are reached through the
+//! proxy lane instead ([`normal_proxy`]: libfabric RMA writes posted by the CPU proxy,
+//! `GpuOptions::proxy_provider`), wherever they run.
 //!
 //! NOTES (co-residency): receive kernels spin on other ranks' sends, so every rank's running
 //! kernel must be resident at once. Each rank launches at most `num_sms` blocks (default:
@@ -60,6 +63,8 @@
 //! after every stream that ran this buffer's kernels has synchronised; it then closes the IPC
 //! mappings and waits again before any rank frees its buffers. Dropping a `Buffer` without
 //! `destroy` (a failed rank) skips those waits.
+
+pub mod normal_proxy;
 
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
@@ -98,6 +103,9 @@ pub struct GpuOptions {
     /// Allocate the low-latency buffers (two sets, sized from `max_tokens_per_rank`; dispatch
     /// dtype = the config's `dispatch_dtype`).
     pub low_latency: bool,
+    /// Normal mode with `ranks_per_node < num_ranks`: the libfabric provider of the proxy lane
+    /// to the other nodes ([`normal_proxy`]; `efa` on EFA, `shm` / `tcp;ofi_rxm` on one box).
+    pub proxy_provider: String,
 }
 
 impl GpuOptions {
@@ -111,6 +119,7 @@ impl GpuOptions {
             slots_per_peer: 16,
             normal: true,
             low_latency: true,
+            proxy_provider: "shm".to_string(),
         }
     }
 }
@@ -394,7 +403,8 @@ impl GpuBuffer {
         dev.bind()?;
         let (rank, r) = (cfg.rank, cfg.num_ranks);
         // How each peer is reached (pointers, peer access, CUDA IPC): see ipc.rs.
-        let peers = ipc::Peers::exchange(&**boot, &dev, rank)?;
+        let remote = |peer: usize| cfg.node_of(peer) != cfg.node_of(rank);
+        let peers = ipc::Peers::exchange(&**boot, &dev, rank, &remote)?;
         let on_gpu = peers.ranks_on_this_gpu();
         let sms = dev.sm_count() as usize;
         // The cap is normal mode's (its kernels were tuned at 32 blocks); low latency alone
@@ -487,6 +497,17 @@ impl GpuBuffer {
             }
             let v = |i| read_u64(b, i).ok_or_else(bad);
             cfg.check_peer_hash(peer, v(0)?)?;
+            // Peers on other nodes are reached through the proxy lane (normal mode only).
+            if cfg.node_of(peer) != cfg.node_of(rank) && opts.low_latency {
+                return Err(Error::arg(
+                    "low_latency",
+                    format!(
+                        "rank {peer} is on another node (ranks_per_node {}): the GPU \
+                         low-latency mode has no internode path in this version",
+                        cfg.ranks_per_node
+                    ),
+                ));
+            }
             let theirs = (v(3)?, v(4)?, v(5)?);
             let ours = (
                 opts.chunk_tokens as u64,
@@ -512,10 +533,25 @@ impl GpuBuffer {
                 // SAFETY: every pointer addresses, in this context (directly, through peer access
                 // or an IPC mapping held in `maps`), a peer's zeroed comm buffer of this map that
                 // lives until its Buffer is destroyed (collectively, after every rank's last
-                // kernel; IPC mappings are closed before any rank frees its buffers).
-                let rank_n = unsafe {
+                // kernel; IPC mappings are closed before any rank frees its buffers); a peer on another
+                // node has no pointer (0) and is reached through the proxy lane attached below.
+                let mut rank_n = unsafe {
                     NormalGpuRank::from_peer_pointers(&dev, &settings, rank, buf, &normal_ptrs)?
                 };
+                if cfg.ranks_per_node < r {
+                    let l = normal_proxy::ProxyLaneSettings::new(
+                        &opts.proxy_provider,
+                        cfg.ranks_per_node,
+                    );
+                    let lane = normal_proxy::NormalProxyLane::connect(
+                        &dev,
+                        &**boot,
+                        &settings,
+                        &l,
+                        num_sms.max(r) as u32,
+                    )?;
+                    rank_n.attach_proxy(lane)?;
+                }
                 let layout_gpu = DispatchLayoutGpu::new(&dev, cfg.num_experts, r, r)?;
                 let layout = LayoutBuffers::new(&layout_gpu, 1)?;
                 Some(NormalPart { rank: rank_n, layout_gpu, layout, layout_cap: 1 })
