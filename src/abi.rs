@@ -26,10 +26,11 @@ const _: () = assert!(size_of::<fep_proxy_pingpong_params>() == 120);
 const _: () = assert!(offset_of!(fep_proxy_exchange_params, capacity) == 88);
 const _: () = assert!(offset_of!(fep_proxy_pingpong_params, cmd) == 64);
 const _: () = assert!(size_of::<fep_ll_peer>() == 32);
-const _: () = assert!(size_of::<fep_ll_dispatch_params>() == 200);
-const _: () = assert!(size_of::<fep_ll_combine_params>() == 160);
+const _: () = assert!(size_of::<fep_ll_dispatch_params>() == 256);
+const _: () = assert!(size_of::<fep_ll_combine_params>() == 216);
 const _: () = assert!(offset_of!(fep_ll_dispatch_params, epoch) == 120);
 const _: () = assert!(offset_of!(fep_ll_combine_params, record_bytes) == 120);
+const _: () = assert!(size_of::<fep_ll_proxy>() == 56);
 const _: () = assert!(size_of::<fep_normal_comm>() == 176);
 const _: () = assert!(size_of::<fep_normal_handle>() == 48);
 const _: () = assert!(size_of::<fep_normal_notify_params>() == 256);
@@ -64,6 +65,7 @@ mod tests {
             ("fep_ll_peer", size_of::<fep_ll_peer>()),
             ("fep_ll_dispatch_params", size_of::<fep_ll_dispatch_params>()),
             ("fep_ll_combine_params", size_of::<fep_ll_combine_params>()),
+            ("fep_ll_proxy", size_of::<fep_ll_proxy>()),
             ("fep_normal_comm", size_of::<fep_normal_comm>()),
             ("fep_normal_handle", size_of::<fep_normal_handle>()),
             ("fep_normal_notify_params", size_of::<fep_normal_notify_params>()),
@@ -92,7 +94,7 @@ mod tests {
 
     #[test]
     fn constants_and_pod() {
-        assert_eq!(FEP_ABI_VERSION, 2);
+        assert_eq!(FEP_ABI_VERSION, 3);
         assert_eq!(FEP_DEV_OK, 0);
         assert_eq!(FEP_LAYOUT_THREADS, 256);
         let cmd = fep_cmd { length: 7, seq: 9, ..Default::default() };

@@ -33,7 +33,9 @@
 //! process id and its CUDA context through the bootstrap; pointers are only valid in the same
 //! address space and context, so a rank in another process (or on another GPU) is refused at
 //! connect time with an error naming it (CUDA IPC of the comm buffers, for processes sharing a
-//! GPU, is not built in this version).
+//! GPU, is not built in this version). Exception: low-latency mode reaches peers on other nodes
+//! (`ranks_per_node < num_ranks`) through the CPU proxy ([`ll_proxy`]), from any process, so a
+//! low-latency-only buffer (`GpuOptions::normal = false`) accepts them.
 //!
 //! NOTES (co-residency): receive kernels spin on other ranks' sends, so every rank's running
 //! kernel must be resident at once. Each rank launches at most `num_sms` blocks (default:
@@ -42,6 +44,8 @@
 //! NOTES (lifetime): a rank's comm buffers are written by its peers' kernels. Tear down with
 //! [`Buffer::destroy`](super::buffer::Buffer::destroy) (collective: it waits for every rank)
 //! after every stream that ran this buffer's kernels has synchronised.
+
+pub mod ll_proxy;
 
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
@@ -76,6 +80,9 @@ pub struct GpuOptions {
     /// Allocate the low-latency buffers (two sets, sized from `max_tokens_per_rank`; dispatch
     /// dtype = the config's `dispatch_dtype`).
     pub low_latency: bool,
+    /// Low-latency mode, peers on other nodes (`ranks_per_node < num_ranks`): the libfabric
+    /// provider of the proxy path ([`ll_proxy`]); `None`: `FI_PROVIDER` or libfabric's first.
+    pub ll_provider: Option<String>,
 }
 
 impl GpuOptions {
@@ -88,6 +95,7 @@ impl GpuOptions {
             slots_per_peer: 8,
             normal: true,
             low_latency: true,
+            ll_provider: None,
         }
     }
 }
@@ -300,6 +308,9 @@ struct NormalPart {
 }
 
 struct LlPart {
+    // NOTES: field order is drop order: the proxy lane (which registered the rank's buffer)
+    // goes before the rank that owns the memory.
+    lane: Option<ll_proxy::LlProxyLane>,
     rank: LlGpuRank,
     enter: Event,
     leave: Event,
@@ -410,7 +421,16 @@ impl GpuBuffer {
                 sm_budget: Some(num_sms as u32),
                 timeout,
             };
-            Some(LlGpuRank::new_unconnected(&dev, lcfg, rank, num_sms as u32)?)
+            // Peers on other nodes: the proxy lane decides where the LL buffer lives.
+            let prep = if cfg.num_nodes() > 1 {
+                let bytes = lcfg.layout()?.total_bytes() as usize;
+                let p = opts.ll_provider.as_deref();
+                Some(ll_proxy::LlProxyPrep::open(&dev, p, r, bytes)?)
+            } else {
+                None
+            };
+            let mem = prep.as_ref().map(|p| p.mem());
+            Some((LlGpuRank::new_unconnected_in(&dev, lcfg, rank, num_sms as u32, mem)?, prep))
         } else {
             None
         };
@@ -430,7 +450,7 @@ impl GpuBuffer {
         ] {
             blob.extend_from_slice(&v.to_le_bytes());
         }
-        let entry = ll.as_ref().map(|l| l.peer_entry()).unwrap_or_default();
+        let entry = ll.as_ref().map(|(l, _)| l.peer_entry()).unwrap_or_default();
         blob.extend_from_slice(bytemuck::bytes_of(&entry));
         let all = boot.all_gather(&blob)?;
         let mut normal_ptrs = Vec::with_capacity(r);
@@ -447,7 +467,9 @@ impl GpuBuffer {
             }
             let v = |i| read_u64(b, i).ok_or_else(bad);
             cfg.check_peer_hash(peer, v(0)?)?;
-            if v(1)? != pid || v(2)? != ctx {
+            // A low-latency-only buffer reaches other nodes through the proxy (any process).
+            let via_proxy = !opts.normal && cfg.node_of(peer) != cfg.node_of(rank);
+            if !via_proxy && (v(1)? != pid || v(2)? != ctx) {
                 return Err(Error::arg(
                     "backend",
                     format!(
@@ -491,10 +513,16 @@ impl GpuBuffer {
             None => None,
         };
         let ll = match ll {
-            Some(mut l) => {
-                // SAFETY: as above, for the LL buffers and flags.
+            Some((mut l, prep)) => {
+                let lane = match prep {
+                    Some(p) => Some(p.connect(boot, cfg.ranks_per_node, &mut l, &mut table, timeout)?),
+                    None => None,
+                };
+                // SAFETY: as above, for the LL buffers and flags of same-node peers (proxy
+                // peers' entries carry no pointers).
                 unsafe { l.set_peers(&table)? };
                 Some(LlPart {
+                    lane,
                     rank: l,
                     enter: Event::new_untimed(&dev)?,
                     leave: Event::new_untimed(&dev)?,
@@ -503,6 +531,12 @@ impl GpuBuffer {
             None => None,
         };
         Ok(GpuBuffer { cfg, id, dev, num_sms, normal, ll, poisoned: None })
+    }
+
+    /// Low-latency proxy lane ([`ll_proxy`]): `None` when every peer is on this node, else
+    /// `Some(hmem)` (`true`: the LL buffer is GPU memory registered with `FI_HMEM`).
+    pub fn ll_proxy_hmem(&self) -> Option<bool> {
+        self.ll.as_ref().and_then(|l| l.lane.as_ref()).map(|lane| lane.hmem())
     }
 
     /// This rank's SM budget (blocks per kernel).
@@ -588,6 +622,9 @@ impl GpuBuffer {
         if res.is_ok() {
             if let Some(l) = &self.ll {
                 res = l.rank.finish();
+                if let (Ok(()), Some(lane)) = (&res, &l.lane) {
+                    res = lane.check();
+                }
             }
         }
         res.map_err(|e| self.device_error(e))
@@ -914,6 +951,9 @@ impl GpuBuffer {
             Error::arg("mode", "low-latency mode was not enabled (GpuOptions::low_latency)")
         })?;
         l.rank.clean()?;
+        if let Some(lane) = &l.lane {
+            lane.fence(&mut l.rank)?;
+        }
         if let Some(n) = self.normal.as_mut() {
             n.rank.reset()?;
         }
