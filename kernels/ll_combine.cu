@@ -57,9 +57,9 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
         const int e = u / R, dst = u % R;
         const size_t in_row = static_cast<size_t>(e) * S + range[2 * u] + i;
         const uint64_t out =
-            (is_proxy(peers, dst) ? p.local_buf + unit_offset(p.set, 0, E, u, p.unit_bytes)
+            (is_proxy(peers, dst) ? p.local_buf + unit_offset(p.set, 0, E, u, p.unit_bytes, p.proxy)
                                   : peers[dst].buf +
-                                        unit_offset(p.set, 1, E, p.rank * L + e, p.unit_bytes)) +
+                                        unit_offset(p.set, 1, E, p.rank * L + e, p.unit_bytes, p.proxy)) +
             static_cast<uint64_t>(i) * p.record_bytes;
         copy_seg(reinterpret_cast<const uint4*>(p.x) + in_row * n16, reinterpret_cast<uint4*>(out),
                  n16, seg, lane);
@@ -80,8 +80,8 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
         for (int u = tid; u < E; u += kThreads) {
             const int e = u / R, dst = u % R;
             if (!is_proxy(peers, dst)) continue;
-            const fep_cmd cmd = px_cmd(unit_offset(p.set, 0, E, u, p.unit_bytes),
-                                       unit_offset(p.set, 1, E, p.rank * L + e, p.unit_bytes),
+            const fep_cmd cmd = px_cmd(unit_offset(p.set, 0, E, u, p.unit_bytes, p.proxy),
+                                       unit_offset(p.set, 1, E, p.rank * L + e, p.unit_bytes, p.proxy),
                                        static_cast<uint32_t>(s_cnt[u]), p.record_bytes, dst,
                                        px_slot(1, p.set, E, p.rank * L + e), p.proxy.value_bits);
             px_put(p.proxy, head + peers[dst].proxy * L + e, cmd);
@@ -162,13 +162,14 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     }
 
     const uint64_t base = p.local_buf;
+    const bool sys = p.proxy.ring != 0;  // the buffer takes writes from outside the GPU (ld_recv)
     const int n8 = H / 8;  // one uint4 = 8 bf16 channels per thread and step
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
         for (int k = tid; k < K; k += kThreads) {
             const int64_t g = topk[t * K + k];
             uint64_t row = 0;
             if (g >= 0 && g < E) {
-                row = base + unit_offset(p.set, 1, E, static_cast<int>(g), p.unit_bytes) +
+                row = base + unit_offset(p.set, 1, E, static_cast<int>(g), p.unit_bytes, p.proxy) +
                       static_cast<uint64_t>(pos[t * K + k]) * p.record_bytes;
             }
             s_row[k] = row;
@@ -187,7 +188,7 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
                     const int k = k0 + j;
-                    if (k < K && s_row[k] != 0) v[j] = __ldcg(reinterpret_cast<const uint4*>(s_row[k]) + i);
+                    if (k < K && s_row[k] != 0) v[j] = ld_recv(reinterpret_cast<const uint4*>(s_row[k]) + i, sys);
                 }
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {

@@ -68,9 +68,9 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
                 if (g >= 0) {
                     const int dst = g / L, e = g % L;
                     addr = is_proxy(peers, dst)
-                               ? p.local_buf + unit_offset(p.set, 0, E, g, p.unit_bytes)
+                               ? p.local_buf + unit_offset(p.set, 0, E, g, p.unit_bytes, p.proxy)
                                : peers[dst].buf +
-                                     unit_offset(p.set, 1, E, e * R + p.rank, p.unit_bytes);
+                                     unit_offset(p.set, 1, E, e * R + p.rank, p.unit_bytes, p.proxy);
                     addr += static_cast<uint64_t>(c) * p.record_bytes;
                 }
                 s_dst[k] = addr;
@@ -157,8 +157,8 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
         for (int g = tid; g < E; g += kThreads) {
             const int dst = g / L, e = g % L;
             if (!is_proxy(peers, dst)) continue;
-            const fep_cmd cmd = px_cmd(unit_offset(p.set, 0, E, g, p.unit_bytes),
-                                       unit_offset(p.set, 1, E, e * R + p.rank, p.unit_bytes),
+            const fep_cmd cmd = px_cmd(unit_offset(p.set, 0, E, g, p.unit_bytes, p.proxy),
+                                       unit_offset(p.set, 1, E, e * R + p.rank, p.unit_bytes, p.proxy),
                                        static_cast<uint32_t>(s_count[g]), p.record_bytes, dst,
                                        px_slot(0, p.set, E, e * R + p.rank), p.proxy.value_bits);
             px_put(p.proxy, head + peers[dst].proxy * L + e, cmd);
@@ -257,6 +257,7 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     const int groups = H / 128;
     const int total = s_start[E] * segs;
     const unsigned char* recv = reinterpret_cast<const unsigned char*>(p.local_buf);
+    const bool sys = p.proxy.ring != 0;  // the buffer takes writes from outside the GPU
     for (int item = blockIdx.x * kWarps + warp; item < total; item += gridDim.x * kWarps) {
         const int n = item / segs, seg = item - n * segs;
         const int u = find_unit(s_start, E, n);
@@ -264,19 +265,19 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
         const int e = u / R, src = u % R;
         const size_t out_row = static_cast<size_t>(e) * S + (s_start[u] - s_start[e * R]) + i;
         const unsigned char* rec =
-            recv + unit_offset(p.set, 1, E, u, p.unit_bytes) + static_cast<size_t>(i) * p.record_bytes;
+            recv + unit_offset(p.set, 1, E, u, p.unit_bytes, p.proxy) + static_cast<size_t>(i) * p.record_bytes;
         copy_seg(reinterpret_cast<const uint4*>(rec),
-                 reinterpret_cast<uint4*>(p.recv_x) + out_row * n16, n16, seg, lane);
+                 reinterpret_cast<uint4*>(p.recv_x) + out_row * n16, n16, seg, lane, sys);
         if (seg == 0) {
             if (p.use_fp8) {
                 for (int gi = lane; gi < groups; gi += 32) {
                     reinterpret_cast<float*>(p.recv_scales)[out_row * groups + gi] =
-                        __ldcg(reinterpret_cast<const float*>(rec + p.scales_offset) + gi);
+                        ld_recv(reinterpret_cast<const float*>(rec + p.scales_offset) + gi, sys);
                 }
             }
             if (lane == 0) {
                 reinterpret_cast<int32_t*>(p.recv_src_idx)[out_row] =
-                    __ldcg(reinterpret_cast<const int*>(rec + p.src_idx_offset));
+                    ld_recv(reinterpret_cast<const int*>(rec + p.src_idx_offset), sys);
                 reinterpret_cast<int32_t*>(p.recv_src_rank)[out_row] = src;
             }
         }

@@ -12,7 +12,10 @@
 #                                  FEP_GPU_SECTIONS (default "tests,memcheck,memcheck-proxy,layout,
 #                                  proxy") picks what runs, FEP_GPU_TESTS (default all) which test
 #                                  binaries; "proxy" is the GPU proxy latency bench (with and
-#                                  without MPS) and the loopback proxy throughput bench.
+#                                  without MPS) and the loopback proxy throughput bench;
+#                                  "llproxy" (not in the default list) runs tests/gpu_ll_proxy and
+#                                  examples/gpu_ll_proxy_bench under MPS (started and stopped
+#                                  inside the section).
 #
 # The bundle carries this machine's libfabric (lib/, with its dependencies) and fi_pingpong (bin/):
 # the GPU machine may have none, and fi_pingpong must use the same libfabric as the tests.
@@ -158,6 +161,54 @@ run_proxy_section() {
   return $fail
 }
 
+# Low-latency mode through the proxy, forced internode on one GPU (tests/gpu_ll_proxy.rs,
+# examples/gpu_ll_proxy_bench.rs), all under MPS (two processes' kernels must be resident at once;
+# the daemon is stopped again at the end). FEP_LLPROXY_ITERS: timed pairs per bench case.
+run_llproxy_section() {
+  local b=$1 out=$2 log=$2/llproxy.log rc fail=0
+  : >"$log"
+  if ! command -v nvidia-cuda-mps-control >/dev/null; then
+    echo "no nvidia-cuda-mps-control: llproxy needs MPS" | tee -a "$log"
+    printf '%-18s rc=%-3s %s\n' "llproxy" "-" "no MPS control daemon" >>"$out/summary.txt"
+    return 1
+  fi
+  local mps=/tmp/fep-mps-llp
+  mkdir -p "$mps/pipe" "$mps/log"
+  export CUDA_MPS_PIPE_DIRECTORY=$mps/pipe CUDA_MPS_LOG_DIRECTORY=$mps/log
+  set +e
+  nvidia-cuda-mps-control -d
+  rc=$?
+  if [ "$rc" -ne 0 ]; then
+    echo "MPS control daemon did not start (rc $rc)" | tee -a "$log"
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    set -e
+    return 1
+  fi
+  if [ -x "$b/tests/gpu_ll_proxy" ]; then
+    echo "===== gpu_ll_proxy (MPS)" >>"$log"
+    timeout 400 "$b/tests/gpu_ll_proxy" --include-ignored --test-threads=1 --nocapture >>"$log" 2>&1
+    rc=$?
+    [ "$rc" -eq 0 ] || fail=1
+    printf '%-18s rc=%-3s %s\n' "gpu_ll_proxy" "$rc" "$(grep -E '^test result:' "$log" | tail -1)" >>"$out/summary.txt"
+  fi
+  local pb="$b/examples/gpu_ll_proxy_bench" it=${FEP_LLPROXY_ITERS:-2000}
+  if [ -x "$pb" ]; then
+    timeout 240 "$pb" --provider shm --iters "$it" 2>&1 | tee -a "$log"
+    rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || fail=1
+    printf '%-18s rc=%-3s %s\n' "ll-proxy-bench" "$rc" "shm, fp8, tiny/mid/standard" >>"$out/summary.txt"
+    timeout 120 "$pb" --provider 'tcp;ofi_rxm' --cases tiny,mid --iters "$it" 2>&1 | tee -a "$log"
+    rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || fail=1
+    printf '%-18s rc=%-3s %s\n' "ll-proxy-bench" "$rc" "tcp;ofi_rxm, fp8, tiny/mid" >>"$out/summary.txt"
+  fi
+  echo quit | nvidia-cuda-mps-control
+  sleep 1
+  tail -n 20 "$mps"/log/*.log >>"$log" 2>/dev/null
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  set -e
+  grep -E "^ok:|timeout path|checked in process|SKIP|^test .*(ok|FAILED)$|panicked|LLPROXY_RESULT|^\| " "$log" >>"$out/summary.txt" || true
+  return $fail
+}
+
 run() {
   local b out
   b=$(cd "$(dirname "$0")" && pwd)
@@ -253,6 +304,9 @@ run() {
   fi
   if has_section proxy; then
     run_proxy_section "$b" "$out" || fail=1
+  fi
+  if has_section llproxy; then
+    run_llproxy_section "$b" "$out" || fail=1
   fi
   if has_section normal && [ -x "$b/examples/gpu_normal_bench" ]; then
     set +e

@@ -162,7 +162,8 @@ typedef struct fep_proxy_pingpong_params {
 } fep_proxy_pingpong_params; /* 120 bytes */
 /* ---- low-latency dispatch / combine (kernels/ll_dispatch.cu, kernels/ll_combine.cu) ----------
  * Buffer: src/ep/plan.rs LlLayout (two sets x {send, recv} x E units of unit_bytes):
- *   unit_offset(set, area, unit) = ((set * 2 + area) * E + unit) * unit_bytes
+ *   unit_offset(set, area, unit) = ((set * 2 + area) * E + unit) * unit_bytes (with a proxy lane:
+ *   placed by fep_ll_proxy's units_per_region / region_stride)
  *   dispatch recv: unit e * R + src, row i = the i-th token of src that selected local expert e
  *   combine  recv: unit g = expert_rank * L + e, row i = answer to the i-th token of this rank
  *                  that selected g (the same `pos` the dispatch used)
@@ -217,8 +218,12 @@ typedef struct fep_ll_proxy {
     uint32_t capacity;        /* ring entries, >= E (one call's batch) */
     uint32_t value_bits;      /* imm = slot << value_bits | count */
     uint32_t num_proxy_peers;
-    uint32_t _pad;
-} fep_ll_proxy;               /* 56 bytes */
+    uint32_t units_per_region; /* 0: units are contiguous (unit u at u * unit_bytes); else unit u
+                                  at (u / units_per_region) * region_stride + (u % ..) *
+                                  unit_bytes, so no message crosses a registered chunk (the
+                                  host lane's LlGeometry); every rank of a job uses the same */
+    uint64_t region_stride;
+} fep_ll_proxy;               /* 64 bytes */
 
 typedef struct fep_ll_dispatch_params {
     uint64_t x;             /* const bf16 [num_tokens, hidden] */
@@ -255,7 +260,7 @@ typedef struct fep_ll_dispatch_params {
     int32_t round_scale;
     int32_t _pad;
     fep_ll_proxy proxy;     /* peers with FEP_LL_TRANSPORT_PROXY go through it */
-} fep_ll_dispatch_params;   /* 256 bytes */
+} fep_ll_dispatch_params;   /* 264 bytes */
 
 typedef struct fep_ll_combine_params {
     uint64_t x;             /* const bf16 [L, R * M, hidden]: expert outputs, rows as dispatched */
@@ -283,7 +288,7 @@ typedef struct fep_ll_combine_params {
     int32_t set;
     int32_t _pad;
     fep_ll_proxy proxy;     /* as in fep_ll_dispatch_params */
-} fep_ll_combine_params;    /* 216 bytes */
+} fep_ll_combine_params;    /* 224 bytes */
 
 /* ---- normal mode, intranode (kernels/normal_*.cu; Rust: src/ep/normal_gpu.rs) ----------------
  * Every rank owns one comm buffer (device memory, zeroed once). Peers write into it through
@@ -407,11 +412,11 @@ static_assert(sizeof(fep_proxy_pingpong_params) == 120, "fep_proxy_pingpong_para
 static_assert(offsetof(fep_proxy_exchange_params, capacity) == 88, "fep_proxy_exchange_params");
 static_assert(offsetof(fep_proxy_pingpong_params, cmd) == 64, "fep_proxy_pingpong_params fields");
 static_assert(sizeof(fep_ll_peer) == 32, "fep_ll_peer layout");
-static_assert(sizeof(fep_ll_dispatch_params) == 256, "fep_ll_dispatch_params layout");
-static_assert(sizeof(fep_ll_combine_params) == 216, "fep_ll_combine_params layout");
+static_assert(sizeof(fep_ll_dispatch_params) == 264, "fep_ll_dispatch_params layout");
+static_assert(sizeof(fep_ll_combine_params) == 224, "fep_ll_combine_params layout");
 static_assert(offsetof(fep_ll_dispatch_params, epoch) == 120, "fep_ll_dispatch_params fields");
 static_assert(offsetof(fep_ll_combine_params, record_bytes) == 120, "fep_ll_combine_params fields");
-static_assert(sizeof(fep_ll_proxy) == 56, "fep_ll_proxy layout");
+static_assert(sizeof(fep_ll_proxy) == 64, "fep_ll_proxy layout");
 static_assert(sizeof(fep_normal_comm) == 176, "fep_normal_comm layout");
 static_assert(sizeof(fep_normal_handle) == 48, "fep_normal_handle layout");
 static_assert(sizeof(fep_normal_notify_params) == 256, "fep_normal_notify_params layout");

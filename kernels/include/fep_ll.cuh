@@ -16,10 +16,13 @@ constexpr int kWarps = kThreads / 32;
 constexpr float kFp8Max = 448.0f;
 constexpr float kFp8AmaxMin = 1e-4f;  // src/ep/quant.rs FP8_AMAX_MIN (DeepEP's kFP8Margin)
 
-// LlLayout::unit_offset: ((set * 2 + area) * E + unit) * unit_bytes.
+// LlLayout::unit_offset: ((set * 2 + area) * E + unit) * unit_bytes, or with a proxy lane that
+// places units per registered chunk (fep_ll_proxy.units_per_region), the host's LlGeometry.
 __device__ __forceinline__ uint64_t unit_offset(int set, int area, int num_experts, int unit,
-                                                uint64_t unit_bytes) {
-    return (static_cast<uint64_t>(set * 2 + area) * num_experts + unit) * unit_bytes;
+                                                uint64_t unit_bytes, const fep_ll_proxy& px) {
+    const uint64_t u = static_cast<uint64_t>(set * 2 + area) * num_experts + unit;
+    if (px.units_per_region == 0) return u * unit_bytes;
+    return (u / px.units_per_region) * px.region_stride + (u % px.units_per_region) * unit_bytes;
 }
 
 // Flag slot: [set][phase][E].
@@ -141,15 +144,26 @@ __device__ __forceinline__ int find_unit(const int32_t* start, int n, int row) {
 constexpr int kSegChunks = 8;
 constexpr int kSegBytes = 32 * kSegChunks * 16;
 
-// One warp copies chunks [seg * 256, seg * 256 + 256) of a row of n16 chunks, src read via L2.
-__device__ __forceinline__ void copy_seg(const uint4* src, uint4* dst, int n16, int seg, int lane) {
+// Loads of received rows. `sys`: the rows may have been written by a NIC or the CPU (the proxy
+// path: mapped host memory, or GPU memory under FI_HMEM), which the GPU's L2 does not see:
+// ld.cv drops a matching L2 line of system memory and fetches again (PTX ISA, cache operators),
+// so a row read two calls ago at the same address is never returned stale.
+template <typename T>
+__device__ __forceinline__ T ld_recv(const T* p, bool sys) {
+    return sys ? __ldcv(p) : __ldcg(p);
+}
+
+// One warp copies chunks [seg * 256, seg * 256 + 256) of a row of n16 chunks, src read via L2
+// (`sys`: see ld_recv).
+__device__ __forceinline__ void copy_seg(const uint4* src, uint4* dst, int n16, int seg, int lane,
+                                         bool sys = false) {
     uint4 v[kSegChunks];
 #pragma unroll
     for (int j = 0; j < kSegChunks; ++j) v[j] = make_uint4(0, 0, 0, 0);
     const int c0 = seg * 32 * kSegChunks + lane;
 #pragma unroll
     for (int j = 0; j < kSegChunks; ++j) {
-        if (c0 + 32 * j < n16) v[j] = __ldcg(src + c0 + 32 * j);
+        if (c0 + 32 * j < n16) v[j] = ld_recv(src + c0 + 32 * j, sys);
     }
 #pragma unroll
     for (int j = 0; j < kSegChunks; ++j) {

@@ -430,116 +430,217 @@ fn check_ll_dispatch(
     Ok(())
 }
 
+/// Where the ranks of a low-latency run sit, and what runs beyond the checked iterations.
+#[derive(Clone, Debug)]
+pub struct LlRunOptions {
+    /// Ranks per node: peers on other nodes go through the proxy (`ep::gpu::ll_proxy`).
+    pub ranks_per_node: usize,
+    /// The proxy path's libfabric provider (`None`: libfabric's choice).
+    pub provider: Option<String>,
+    /// After the checked iterations: this many dispatch + combine pairs back to back on the
+    /// stream (no host barrier, no check, no poison), timed per phase; the report then holds
+    /// these instead of the checked ones.
+    pub timed_iters: usize,
+}
+
+impl LlRunOptions {
+    /// Every rank on one node.
+    pub fn one_node(num_ranks: usize) -> Self {
+        LlRunOptions { ranks_per_node: num_ranks.max(1), provider: None, timed_iters: 0 }
+    }
+}
+
+/// Inputs and reference outputs of every rank of a low-latency run (deterministic from the
+/// seed, so every process of a multi-process run computes the same).
+pub struct LlCase {
+    inputs: Vec<LlInput>,
+    ys: Vec<Vec<u16>>,
+    want_d: Vec<refm::LlDispatchOut>,
+    want_c: Vec<Vec<u16>>,
+}
+
+impl LlCase {
+    pub fn new(p: &GpuBenchParams) -> Result<Self> {
+        let inputs = ll_inputs(p)?;
+        let lp = ll_params(p);
+        let rin: Vec<refm::LlRankInput> =
+            inputs.iter().map(|i| refm::LlRankInput { x: &i.x, topk_idx: &i.topk_idx }).collect();
+        let want_d = refm::ll_dispatch(&lp, &rin)?;
+        let (nr, h, m) = (p.num_ranks, p.hidden, p.num_tokens);
+        let l = p.num_experts / nr;
+        let s = nr * m;
+        // Expert outputs: random bf16 on the rows each rank received (the rest is never read).
+        let ys: Vec<Vec<u16>> = want_d
+            .iter()
+            .enumerate()
+            .map(|(r, w)| {
+                let mut rng = SplitMix64(p.seed.wrapping_add(77 + r as u64));
+                let mut y = vec![0u16; l * s * h];
+                for e in 0..l {
+                    let n = w.recv_count[e] as usize;
+                    for v in &mut y[e * s * h..(e * s + n) * h] {
+                        *v = f32_to_bf16((rng.unit_f32() - 0.5) * 4.0 + 1e-3);
+                    }
+                }
+                y
+            })
+            .collect();
+        let cin: Vec<refm::LlCombineInput> = inputs
+            .iter()
+            .zip(&ys)
+            .map(|(i, y)| refm::LlCombineInput {
+                x: y,
+                topk_idx: &i.topk_idx,
+                topk_weights: &i.topk_weights,
+            })
+            .collect();
+        let want_c = refm::ll_combine(&lp, &want_d, &cin)?;
+        Ok(LlCase { inputs, ys, want_d, want_c })
+    }
+
+    /// Rows rank `src` sends rank `dst` in one dispatch, and the messages (one per local
+    /// expert of `dst`) that carry them.
+    pub fn rows_between(&self, p: &GpuBenchParams, src: usize, dst: usize) -> (usize, usize) {
+        let l = p.num_experts / p.num_ranks;
+        let rows =
+            self.inputs[src].topk_idx.iter().filter(|&&g| g >= 0 && g as usize / l == dst).count();
+        (rows, l)
+    }
+}
+
 /// Low-latency mode: `warmup + iters` dispatches and combines (`p.hook`: each as send, then the
 /// hook's receive), every one checked against the reference. Times from CUDA events around
 /// dispatch (send + receive) and combine (send + receive).
 pub fn run_ll_gpu(dev: &Device, p: &GpuBenchParams) -> Result<GpuReport> {
-    let inputs = ll_inputs(p)?;
-    let lp = ll_params(p);
-    let rin: Vec<refm::LlRankInput> =
-        inputs.iter().map(|i| refm::LlRankInput { x: &i.x, topk_idx: &i.topk_idx }).collect();
-    let want_d = refm::ll_dispatch(&lp, &rin)?;
-    let (nr, h, m) = (p.num_ranks, p.hidden, p.num_tokens);
-    let l = p.num_experts / nr;
-    let s = nr * m;
-    // Expert outputs: random bf16 on the rows each rank received (the rest is never read).
-    let ys: Vec<Vec<u16>> = want_d
-        .iter()
-        .enumerate()
-        .map(|(r, w)| {
-            let mut rng = SplitMix64(p.seed.wrapping_add(77 + r as u64));
-            let mut y = vec![0u16; l * s * h];
-            for e in 0..l {
-                let n = w.recv_count[e] as usize;
-                for v in &mut y[e * s * h..(e * s + n) * h] {
-                    *v = f32_to_bf16((rng.unit_f32() - 0.5) * 4.0 + 1e-3);
-                }
+    run_ll_gpu_on(dev, p, &LlRunOptions::one_node(p.num_ranks))
+}
+
+/// [`run_ll_gpu`] with `o.ranks_per_node` ranks per node (ranks are still threads of this
+/// process; peers on other "nodes" go through the proxy over `o.provider`).
+pub fn run_ll_gpu_on(dev: &Device, p: &GpuBenchParams, o: &LlRunOptions) -> Result<GpuReport> {
+    let case = LlCase::new(p)?;
+    on_threads(p.num_ranks, p.timeout, |rank, boot| run_ll_gpu_rank(dev, p, o, &case, rank, boot))
+}
+
+/// One rank of a low-latency run (the body [`run_ll_gpu_on`] runs per thread; a process of a
+/// multi-process run calls it with its own bootstrap). Collective over `boot`.
+pub fn run_ll_gpu_rank(
+    dev: &Device,
+    p: &GpuBenchParams,
+    o: &LlRunOptions,
+    case: &LlCase,
+    rank: usize,
+    boot: Arc<dyn Bootstrap>,
+) -> Result<NormalBenchReport> {
+    let (h, m) = (p.hidden, p.num_tokens);
+    let mut cfg = p.config(rank)?;
+    if o.ranks_per_node != cfg.ranks_per_node {
+        let mut s = cfg.settings().clone();
+        s.ranks_per_node = o.ranks_per_node;
+        cfg = EpConfig::new(s)?;
+    }
+    let me = &case.inputs[rank];
+    let t = m;
+    let opts = GpuOptions { ll_provider: o.provider.clone(), ..p.gpu_options(dev, false) };
+    let mut buf = Buffer::new(cfg, boot.clone(), BufferOptions::gpu(opts))?;
+    let x = upload(dev, &me.x)?;
+    let ti = upload(dev, &me.topk_idx)?;
+    let tw = upload(dev, &me.topk_weights)?;
+    let y = upload(dev, &case.ys[rank])?;
+    let out_c = DeviceBuffer::new(dev, (t * h * 2).max(16))?;
+    let stream = Stream::new(dev)?;
+    let n_ev = 2 * o.timed_iters + 3;
+    let ev: Vec<Event> =
+        (0..n_ev).map(|_| Event::new(dev)).collect::<std::result::Result<_, _>>()?;
+    let pairs = me.topk_idx.iter().filter(|&&e| e >= 0).count() as u64;
+    let tok_bytes = if p.fp8 { h + h / 128 * 4 } else { 2 * h } as u64;
+    let mut rep = NormalBenchReport {
+        dispatch_s: Vec::new(),
+        combine_s: Vec::new(),
+        dispatch_bytes: pairs * tok_bytes,
+        combine_bytes: pairs * 2 * h as u64,
+    };
+    let gpu = buf.gpu()?;
+    let out = gpu.new_ll_dispatch_out()?;
+    let da = GpuLlDispatchArgs {
+        x: DevSlice::of(&x),
+        topk_idx: DevSlice::of(&ti),
+        num_tokens: t,
+        use_fp8: p.fp8,
+        return_recv_hook: p.hook,
+        stream: &stream,
+    };
+    let ca = GpuLlCombineArgs {
+        x: DevSlice::of(&y),
+        topk_idx: DevSlice::of(&ti),
+        topk_weights: DevSlice::of(&tw),
+        num_tokens: t,
+        handle: &out,
+        out: DevSlice::of(&out_c),
+        return_recv_hook: p.hook,
+        stream: &stream,
+    };
+    for it in 0..p.warmup + p.iters {
+        boot.barrier()?;
+        out.recv_x.memset_async(0xAB, &stream)?;
+        out_c.memset_async(0xAB, &stream)?;
+        ev[0].record(&stream)?;
+        // SAFETY: every buffer lives until sync_gpu below; all ranks make the same calls.
+        unsafe {
+            if let Some(hook) = gpu.low_latency_dispatch_gpu(&da, &out)? {
+                gpu.low_latency_dispatch_recv_gpu(hook, &out, &stream)?;
             }
-            y
-        })
-        .collect();
-    let cin: Vec<refm::LlCombineInput> = inputs
-        .iter()
-        .zip(&ys)
-        .map(|(i, y)| refm::LlCombineInput {
-            x: y,
-            topk_idx: &i.topk_idx,
-            topk_weights: &i.topk_weights,
-        })
-        .collect();
-    let want_c = refm::ll_combine(&lp, &want_d, &cin)?;
-    on_threads(nr, p.timeout, |rank, boot| {
-        let cfg = p.config(rank)?;
-        let me = &inputs[rank];
-        let t = m;
-        let mut buf =
-            Buffer::new(cfg, boot.clone(), BufferOptions::gpu(p.gpu_options(dev, false)))?;
-        let x = upload(dev, &me.x)?;
-        let ti = upload(dev, &me.topk_idx)?;
-        let tw = upload(dev, &me.topk_weights)?;
-        let y = upload(dev, &ys[rank])?;
-        let out_c = DeviceBuffer::new(dev, (t * h * 2).max(16))?;
-        let stream = Stream::new(dev)?;
-        let ev: Vec<Event> =
-            (0..3).map(|_| Event::new(dev)).collect::<std::result::Result<_, _>>()?;
-        let pairs = me.topk_idx.iter().filter(|&&e| e >= 0).count() as u64;
-        let tok_bytes = if p.fp8 { h + h / 128 * 4 } else { 2 * h } as u64;
-        let mut rep = NormalBenchReport {
-            dispatch_s: Vec::new(),
-            combine_s: Vec::new(),
-            dispatch_bytes: pairs * tok_bytes,
-            combine_bytes: pairs * 2 * h as u64,
-        };
-        let gpu = buf.gpu()?;
-        let out = gpu.new_ll_dispatch_out()?;
-        for it in 0..p.warmup + p.iters {
-            boot.barrier()?;
-            out.recv_x.memset_async(0xAB, &stream)?;
-            out_c.memset_async(0xAB, &stream)?;
-            ev[0].record(&stream)?;
-            let da = GpuLlDispatchArgs {
-                x: DevSlice::of(&x),
-                topk_idx: DevSlice::of(&ti),
-                num_tokens: t,
-                use_fp8: p.fp8,
-                return_recv_hook: p.hook,
-                stream: &stream,
-            };
-            let ca = GpuLlCombineArgs {
-                x: DevSlice::of(&y),
-                topk_idx: DevSlice::of(&ti),
-                topk_weights: DevSlice::of(&tw),
-                num_tokens: t,
-                handle: &out,
-                out: DevSlice::of(&out_c),
-                return_recv_hook: p.hook,
-                stream: &stream,
-            };
-            // SAFETY: every buffer lives until sync_gpu below; all ranks make the same calls.
+            ev[1].record(&stream)?;
+            if let Some(hook) = gpu.low_latency_combine_gpu(&ca)? {
+                gpu.low_latency_combine_recv_gpu(hook, &ca)?;
+            }
+            ev[2].record(&stream)?;
+        }
+        gpu.sync_gpu(&stream)?;
+        check_ll_dispatch(rank, it, p, &out.to_host()?, &case.want_d[rank])?;
+        let got: Vec<u16> = out_c.to_vec()?;
+        if got[..t * h] != case.want_c[rank][..] {
+            return Err(mismatch(rank, "low-latency combine", it));
+        }
+        if it >= p.warmup {
+            rep.dispatch_s.push(elapsed_s(&ev[0], &ev[1])?);
+            rep.combine_s.push(elapsed_s(&ev[1], &ev[2])?);
+        }
+    }
+    if o.timed_iters > 0 {
+        boot.barrier()?;
+        ev[0].record(&stream)?;
+        for i in 0..o.timed_iters {
+            // SAFETY: as above; each rank's calls are ordered on its stream, so call N + 2 of
+            // any rank starts after its peers' call N receives (DeepEP's set contract).
             unsafe {
                 if let Some(hook) = gpu.low_latency_dispatch_gpu(&da, &out)? {
                     gpu.low_latency_dispatch_recv_gpu(hook, &out, &stream)?;
                 }
-                ev[1].record(&stream)?;
+                ev[2 * i + 1].record(&stream)?;
                 if let Some(hook) = gpu.low_latency_combine_gpu(&ca)? {
                     gpu.low_latency_combine_recv_gpu(hook, &ca)?;
                 }
-                ev[2].record(&stream)?;
-            }
-            gpu.sync_gpu(&stream)?;
-            check_ll_dispatch(rank, it, p, &out.to_host()?, &want_d[rank])?;
-            let got: Vec<u16> = out_c.to_vec()?;
-            if got[..t * h] != want_c[rank][..] {
-                return Err(mismatch(rank, "low-latency combine", it));
-            }
-            if it >= p.warmup {
-                rep.dispatch_s.push(elapsed_s(&ev[0], &ev[1])?);
-                rep.combine_s.push(elapsed_s(&ev[1], &ev[2])?);
+                ev[2 * i + 2].record(&stream)?;
             }
         }
-        boot.barrier()?;
-        drop(out);
-        buf.destroy()?;
-        Ok(rep)
-    })
+        gpu.sync_gpu(&stream)?;
+        // The last pair is still checked (the timed loop must not trade correctness).
+        let it = p.warmup + p.iters + o.timed_iters;
+        check_ll_dispatch(rank, it, p, &out.to_host()?, &case.want_d[rank])?;
+        let got: Vec<u16> = out_c.to_vec()?;
+        if got[..t * h] != case.want_c[rank][..] {
+            return Err(mismatch(rank, "low-latency combine (timed loop)", it));
+        }
+        rep.dispatch_s.clear();
+        rep.combine_s.clear();
+        for i in 0..o.timed_iters {
+            rep.dispatch_s.push(elapsed_s(&ev[2 * i], &ev[2 * i + 1])?);
+            rep.combine_s.push(elapsed_s(&ev[2 * i + 1], &ev[2 * i + 2])?);
+        }
+    }
+    boot.barrier()?;
+    drop(out);
+    buf.destroy()?;
+    Ok(rep)
 }

@@ -362,7 +362,10 @@ impl LlGpuRank {
         let flag_bytes = 2 * 2 * cfg.num_experts * 8;
         let buf = match mem {
             Some(m) if m.len() < total => {
-                return Err(Error::arg("mem", format!("{} bytes, the LL buffer needs {total}", m.len())))
+                return Err(Error::arg(
+                    "mem",
+                    format!("{} bytes, the LL buffer needs {total}", m.len()),
+                ))
             }
             Some(m) => m,
             None => LlMem::Device(Arc::new(DeviceBuffer::new(dev, total)?)),

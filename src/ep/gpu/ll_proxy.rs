@@ -27,9 +27,11 @@
 // what the sender pushed; then the device state is re-based on the counters (arr_base, sums_seen,
 // calls since clean = 0). A stale write can therefore never pass for a later call's message.
 //
-// NOTES (limits): one registered region (the whole LL buffer must fit the provider's region
-// size, `Info::max_region_bytes`), row counts in 14 bits (`max_tokens_per_rank <= 16383`), and a
-// ring of at least one call's commands (`2 E` entries here).
+// NOTES (layout): the buffer is registered in chunks of `Info::max_region_bytes` and an RMA
+// write must stay inside one, so with a proxy lane units are placed as the host lane's
+// `LlGeometry` places them (`fep_ll_proxy.units_per_region / region_stride`; every rank of the
+// job has a lane, so device-pointer peers agree on the placement). Limits: row counts in 14
+// bits (`max_tokens_per_rank <= 16383`), a ring of two calls' commands (`2 E` entries).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -37,8 +39,9 @@ use std::time::Duration;
 use crate::abi;
 use crate::bootstrap::Bootstrap;
 use crate::cuda::{Device, DeviceBuffer, HostMapped};
+use crate::ep::host::ll::LlGeometry;
 use crate::ep::ll_gpu::{LlGpuRank, LlMem};
-use crate::ep::plan::{IMM_VALUE_BITS, IMM_VALUE_MAX};
+use crate::ep::plan::{LlLayout, IMM_VALUE_BITS, IMM_VALUE_MAX};
 use crate::fabric::{find_first, InfoQuery, MemKind, MemoryRegion, Stack};
 use crate::proxy::{
     ArrivalWait, CounterLayout, CounterMemory, FabricTransport, Proxy, ProxyConfig, ProxyError,
@@ -108,51 +111,41 @@ pub(crate) struct LlProxyPrep {
     stack: Stack,
     mem: LlMem,
     kind: MemKind,
+    geo: LlGeometry,
 }
 
 impl LlProxyPrep {
-    /// Opens `provider` (with `FI_HMEM` when it has it) and allocates the `bytes`-byte LL buffer
-    /// where that provider can register it.
-    /// `provider` `None`: libfabric's choice (`FI_PROVIDER`, else the first match).
+    /// Opens `provider` (with `FI_HMEM` when it has it) and allocates the LL buffer of `layout`
+    /// where that provider can register it, its units placed per registered chunk
+    /// ([`LlGeometry`]: no message crosses a chunk). `provider` `None`: libfabric's choice
+    /// (`FI_PROVIDER`, else the first match).
     pub fn open(
         dev: &Device,
         provider: Option<&str>,
         num_ranks: usize,
-        bytes: usize,
+        layout: LlLayout,
     ) -> Result<Self> {
         let query = InfoQuery { provider: provider.map(str::to_string), ..Default::default() };
         let try_hmem = std::env::var("FEP_LL_HMEM").map_or(true, |v| v != "0");
         let hmem_info = if try_hmem {
-            find_first(&InfoQuery { hmem: true, ..query.clone() })
-                .ok()
-                .filter(|i| i.hmem())
+            find_first(&InfoQuery { hmem: true, ..query.clone() }).ok().filter(|i| i.hmem())
         } else {
             None
         };
-        let (stack, mem, kind) = match hmem_info {
-            Some(info) => {
-                let stack = Stack::open_info(info, num_ranks)?;
-                let b = Arc::new(DeviceBuffer::new(dev, bytes)?);
-                (stack, LlMem::Device(b), MemKind::Cuda { device: dev.ordinal() as i32 })
-            }
-            None => {
-                let stack = Stack::open(&query, num_ranks)?;
-                let m = Arc::new(HostMapped::new(dev, bytes)?);
-                (stack, LlMem::Host(m), MemKind::Host)
-            }
+        let stack = match hmem_info {
+            Some(info) => Stack::open_info(info, num_ranks)?,
+            None => Stack::open(&query, num_ranks)?,
         };
-        if bytes > stack.info.max_region_bytes() {
-            return Err(Error::arg(
-                "max_tokens_per_rank",
-                format!(
-                    "the LL buffer of {bytes} bytes exceeds one registered region on {} \
-                     ({} bytes; FEP_MR_MAX_BYTES): the proxy path needs it in one region",
-                    stack.info.provider(),
-                    stack.info.max_region_bytes()
-                ),
-            ));
-        }
-        Ok(LlProxyPrep { stack, mem, kind })
+        let geo = LlGeometry::new(layout, stack.info.max_region_bytes().max(4096) as u64)?;
+        let bytes = usize::try_from(geo.bytes)
+            .map_err(|_| Error::arg("max_tokens_per_rank", "LL buffer larger than memory"))?;
+        let (mem, kind) = if stack.info.hmem() {
+            let b = Arc::new(DeviceBuffer::new(dev, bytes)?);
+            (LlMem::Device(b), MemKind::Cuda { device: dev.ordinal() as i32 })
+        } else {
+            (LlMem::Host(Arc::new(HostMapped::new(dev, bytes)?)), MemKind::Host)
+        };
+        Ok(LlProxyPrep { stack, mem, kind, geo })
     }
 
     /// The LL buffer to build the rank with.
@@ -175,7 +168,7 @@ impl LlProxyPrep {
         let (me, nr, e) = (rank.rank(), cfg.num_ranks, cfg.num_experts);
         check_limits(cfg.max_tokens_per_rank, e)?;
         let dev = rank.stream().device().clone();
-        let bytes = rank.layout().total_bytes();
+        let bytes = self.geo.bytes;
         let base = match &self.mem {
             LlMem::Host(m) => m.as_ptr(),
             LlMem::Device(b) => b.device_ptr() as usize as *mut u8,
@@ -235,7 +228,9 @@ impl LlProxyPrep {
             capacity,
             value_bits: IMM_VALUE_BITS,
             num_proxy_peers: n_proxy,
-            _pad: 0,
+            units_per_region: u32::try_from(self.geo.plan.units_per_region)
+                .map_err(|_| Error::arg("num_experts", "too many LL units per region"))?,
+            region_stride: self.geo.stride,
         };
         let state = DeviceBuffer::zeroed(&dev, state_words(e) * 8)?;
         dev.synchronize()?; // the zeroing, before any launch reads the state
@@ -347,7 +342,10 @@ impl LlProxyLane {
                     rank: self.rank,
                     peer: w.peer as usize,
                     phase: PHASE,
-                    msg: format!("{arrived} writes arrived on slot {}, it sent {}", w.slot, w.expected),
+                    msg: format!(
+                        "{arrived} writes arrived on slot {}, it sent {}",
+                        w.slot, w.expected
+                    ),
                 });
             }
         }
@@ -383,12 +381,39 @@ mod tests {
                     let (id, v) = crate::ep::plan::imm_decode(d);
                     assert_eq!((id as usize, v), (slot(0, set, e, le * r + src), 3));
                     let c = imm.combine(set as u64, src as u64, le as u64, 0).unwrap();
-                    assert_eq!(crate::ep::plan::imm_decode(c).0 as usize, slot(1, set, e, src * l + le));
+                    assert_eq!(
+                        crate::ep::plan::imm_decode(c).0 as usize,
+                        slot(1, set, e, src * l + le)
+                    );
                 }
             }
         }
         assert_eq!(state_words(16), 12 + 128);
         assert!(ring_capacity(256) >= 256);
+    }
+
+    /// The kernels' `unit_offset` with a proxy lane (fep_ll.cuh) places every unit where the
+    /// host lane's `LlGeometry` does, and no unit crosses a registered chunk.
+    #[test]
+    fn kernel_placement_is_ll_geometry() {
+        use crate::ep::config::DispatchDtype;
+        use crate::ep::plan::LlArea;
+        let l = LlLayout::from_parts(4, 16, 256, DispatchDtype::Fp8E4m3, 8).unwrap();
+        for stride in [l.unit_bytes, l.unit_bytes * 3 + 16, 1 << 20] {
+            let g = LlGeometry::new(l, stride).unwrap();
+            let upr = g.plan.units_per_region;
+            for set in 0..2u64 {
+                for (ai, area) in [(0u64, LlArea::Send), (1, LlArea::Recv)] {
+                    for unit in 0..16u64 {
+                        let u = (set * 2 + ai) * 16 + unit;
+                        let kernel = (u / upr) * stride + (u % upr) * l.unit_bytes;
+                        assert_eq!(kernel, g.offset(set, area, unit).unwrap());
+                        assert_eq!(kernel / stride, (kernel + l.unit_bytes - 1) / stride);
+                        assert!(kernel + l.unit_bytes <= g.bytes);
+                    }
+                }
+            }
+        }
     }
 
     #[test]

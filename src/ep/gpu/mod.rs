@@ -423,9 +423,8 @@ impl GpuBuffer {
             };
             // Peers on other nodes: the proxy lane decides where the LL buffer lives.
             let prep = if cfg.num_nodes() > 1 {
-                let bytes = lcfg.layout()?.total_bytes() as usize;
                 let p = opts.ll_provider.as_deref();
-                Some(ll_proxy::LlProxyPrep::open(&dev, p, r, bytes)?)
+                Some(ll_proxy::LlProxyPrep::open(&dev, p, r, lcfg.layout()?)?)
             } else {
                 None
             };
@@ -515,7 +514,9 @@ impl GpuBuffer {
         let ll = match ll {
             Some((mut l, prep)) => {
                 let lane = match prep {
-                    Some(p) => Some(p.connect(boot, cfg.ranks_per_node, &mut l, &mut table, timeout)?),
+                    Some(p) => {
+                        Some(p.connect(boot, cfg.ranks_per_node, &mut l, &mut table, timeout)?)
+                    }
                     None => None,
                 };
                 // SAFETY: as above, for the LL buffers and flags of same-node peers (proxy
