@@ -90,9 +90,11 @@ fn stats(v: &[f64]) -> (f64, f64) {
     (pct(&s, 0.5), pct(&s, 0.99))
 }
 
-/// Mean bytes per message rank `src` writes rank `dst` in each phase, and the message count.
+/// Mean bytes per message rank `src` writes rank `dst` in each phase (dispatch: its tokens'
+/// rows; combine: the answers to `dst`'s tokens), and the message count per phase.
 fn msg_bytes(p: &GpuBenchParams, case: &LlCase, src: usize, dst: usize) -> (f64, f64, usize) {
     let (rows, msgs) = case.rows_between(p, src, dst);
+    let (back, _) = case.rows_between(p, dst, src);
     let lc = LlGpuConfig {
         num_ranks: p.num_ranks,
         num_experts: p.num_experts,
@@ -106,7 +108,7 @@ fn msg_bytes(p: &GpuBenchParams, case: &LlCase, src: usize, dst: usize) -> (f64,
     };
     let rec = lc.layout().map(|l| l.dispatch_record.bytes).unwrap_or(0) as f64;
     let d = rows as f64 * rec / msgs as f64;
-    let c = rows as f64 * 2.0 * p.hidden as f64 / msgs as f64; // the answers come back
+    let c = back as f64 * 2.0 * p.hidden as f64 / msgs as f64;
     (d, c, msgs)
 }
 
