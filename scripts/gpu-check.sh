@@ -186,17 +186,17 @@ run_llproxy_section() {
   fi
   if [ -x "$b/tests/gpu_ll_proxy" ]; then
     echo "===== gpu_ll_proxy (MPS)" >>"$log"
-    timeout 400 "$b/tests/gpu_ll_proxy" --include-ignored --test-threads=1 --nocapture >>"$log" 2>&1
+    timeout 240 "$b/tests/gpu_ll_proxy" --include-ignored --test-threads=1 --nocapture >>"$log" 2>&1
     rc=$?
     [ "$rc" -eq 0 ] || fail=1
     printf '%-18s rc=%-3s %s\n' "gpu_ll_proxy" "$rc" "$(grep -E '^test result:' "$log" | tail -1)" >>"$out/summary.txt"
   fi
   local pb="$b/examples/gpu_ll_proxy_bench" it=${FEP_LLPROXY_ITERS:-2000}
   if [ -x "$pb" ]; then
-    timeout 240 "$pb" --provider shm --iters "$it" 2>&1 | tee -a "$log"
+    timeout 150 "$pb" --provider shm --iters "$it" 2>&1 | tee -a "$log"
     rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || fail=1
     printf '%-18s rc=%-3s %s\n' "ll-proxy-bench" "$rc" "shm, fp8, tiny/mid/standard" >>"$out/summary.txt"
-    timeout 120 "$pb" --provider 'tcp;ofi_rxm' --cases tiny,mid --iters "$it" 2>&1 | tee -a "$log"
+    timeout 90 "$pb" --provider 'tcp;ofi_rxm' --cases tiny,mid --iters "$it" 2>&1 | tee -a "$log"
     rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || fail=1
     printf '%-18s rc=%-3s %s\n' "ll-proxy-bench" "$rc" "tcp;ofi_rxm, fp8, tiny/mid" >>"$out/summary.txt"
   fi
@@ -205,7 +205,7 @@ run_llproxy_section() {
   tail -n 20 "$mps"/log/*.log >>"$log" 2>/dev/null
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
   set -e
-  grep -E "^ok:|timeout path|checked in process|SKIP|^test .*(ok|FAILED)$|panicked|LLPROXY_RESULT|^\| " "$log" >>"$out/summary.txt" || true
+  grep -E "^ok:|timeout path|proxy lane over|checked in process|SKIP|^test .*(ok|FAILED)$|panicked|LLPROXY_RESULT|^\| " "$log" >>"$out/summary.txt" || true
   return $fail
 }
 

@@ -17,9 +17,11 @@
 //! Memory: where `fi_getinfo` with `FI_HMEM` answers for the provider (EFA on P5 with GPUDirect
 //! RDMA: `FI_EFA_USE_DEVICE_RDMA=1`, fi_efa(7)), the LL buffer stays in device memory and is
 //! registered with `FI_HMEM_CUDA` (fi_mr(3), `fi_mr_regattr` with `iface`/`device.cuda`);
-//! otherwise (shm, `tcp;ofi_rxm`, `udp;ofi_rxd`) it is pinned host memory mapped into the GPU
-//! (`cuMemHostAlloc`, DEVICEMAP) and registered as host memory. `FEP_LL_HMEM=0` forces the
-//! second. The HMEM branch cannot be exercised without such a NIC (not tested here).
+//! otherwise (`tcp;ofi_rxm`, `udp;ofi_rxd`, and shm where libfabric lacks CUDA support: it lists
+//! `FI_HMEM` but its CUDA registration fails with ENOSYS, so the registration is the probe) it is
+//! pinned host memory mapped into the GPU (`cuMemHostAlloc`, DEVICEMAP) registered as host
+//! memory. `FEP_LL_HMEM=0` forces the second. The HMEM branch has not run with a real HMEM
+//! provider here (no such NIC).
 //!
 // NOTES (clean): `clean_low_latency_gpu` ends with [`LlProxyLane::fence`], the host lane's exact
 // fence: every rank waits until its own writes completed, all-gathers how many push batches it
@@ -95,6 +97,11 @@ pub fn check_limits(max_tokens: usize, num_experts: usize) -> Result<()> {
     Ok(())
 }
 
+fn geo_bytes(geo: &LlGeometry) -> Result<usize> {
+    usize::try_from(geo.bytes)
+        .map_err(|_| Error::arg("max_tokens_per_rank", "LL buffer larger than memory"))
+}
+
 /// Mapped host memory as a proxy region, with its GPU address.
 fn mapped_region(dev: &Device, len: usize) -> Result<(SharedRegion, u64)> {
     let m = HostMapped::new(dev, len)?;
@@ -108,10 +115,14 @@ fn mapped_region(dev: &Device, len: usize) -> Result<(SharedRegion, u64)> {
 /// The first half of the lane, before the LL buffer exists: the provider is opened and decides
 /// where the buffer lives.
 pub(crate) struct LlProxyPrep {
+    // NOTES: field order is drop order: the registration before the stack and the memory.
+    mr: Arc<MemoryRegion>,
     stack: Stack,
     mem: LlMem,
     kind: MemKind,
     geo: LlGeometry,
+    /// Why `FI_HMEM` was not used although the provider offered it (its registration failed).
+    hmem_refused: Option<String>,
 }
 
 impl LlProxyPrep {
@@ -132,20 +143,48 @@ impl LlProxyPrep {
         } else {
             None
         };
-        let stack = match hmem_info {
-            Some(info) => Stack::open_info(info, num_ranks)?,
-            None => Stack::open(&query, num_ranks)?,
-        };
-        let geo = LlGeometry::new(layout, stack.info.max_region_bytes().max(4096) as u64)?;
-        let bytes = usize::try_from(geo.bytes)
-            .map_err(|_| Error::arg("max_tokens_per_rank", "LL buffer larger than memory"))?;
-        let (mem, kind) = if stack.info.hmem() {
-            let b = Arc::new(DeviceBuffer::new(dev, bytes)?);
-            (LlMem::Device(b), MemKind::Cuda { device: dev.ordinal() as i32 })
-        } else {
-            (LlMem::Host(Arc::new(HostMapped::new(dev, bytes)?)), MemKind::Host)
-        };
-        Ok(LlProxyPrep { stack, mem, kind, geo })
+        // NOTES: a provider may list FI_HMEM and still refuse CUDA memory at registration
+        // (a libfabric built without CUDA support answers ENOSYS, seen with Debian's shm on the
+        // H200 machine): the registration itself is the test, host memory the fallback.
+        let mut hmem_refused = None;
+        if let Some(info) = hmem_info {
+            let stack = Stack::open_info(info, num_ranks)?;
+            let geo = Self::geometry(&stack, layout)?;
+            let b = Arc::new(DeviceBuffer::new(dev, geo_bytes(&geo)?)?);
+            let kind = MemKind::Cuda { device: dev.ordinal() as i32 };
+            // SAFETY: `b` is device memory of `len` bytes, kept alive by the rank's `LlMem`
+            // (which outlives the lane holding this registration).
+            match unsafe { stack.register(b.device_ptr() as usize as *mut u8, b.len(), kind) } {
+                Ok(mr) => {
+                    return Ok(LlProxyPrep {
+                        mr: Arc::new(mr),
+                        stack,
+                        mem: LlMem::Device(b),
+                        kind,
+                        geo,
+                        hmem_refused: None,
+                    })
+                }
+                Err(e) => hmem_refused = Some(e.to_string()),
+            }
+        }
+        let stack = Stack::open(&query, num_ranks)?;
+        let geo = Self::geometry(&stack, layout)?;
+        let m = Arc::new(HostMapped::new(dev, geo_bytes(&geo)?)?);
+        // SAFETY: as above, for pinned host memory.
+        let mr = unsafe { stack.register(m.as_ptr(), m.len(), MemKind::Host)? };
+        Ok(LlProxyPrep {
+            mr: Arc::new(mr),
+            stack,
+            mem: LlMem::Host(m),
+            kind: MemKind::Host,
+            geo,
+            hmem_refused,
+        })
+    }
+
+    fn geometry(stack: &Stack, layout: LlLayout) -> Result<LlGeometry> {
+        LlGeometry::new(layout, stack.info.max_region_bytes().max(4096) as u64)
     }
 
     /// The LL buffer to build the rank with.
@@ -169,13 +208,7 @@ impl LlProxyPrep {
         check_limits(cfg.max_tokens_per_rank, e)?;
         let dev = rank.stream().device().clone();
         let bytes = self.geo.bytes;
-        let base = match &self.mem {
-            LlMem::Host(m) => m.as_ptr(),
-            LlMem::Device(b) => b.device_ptr() as usize as *mut u8,
-        };
-        // SAFETY: the buffer is kept alive by `rank` (LlPart drops the lane, hence this
-        // registration and the proxy that names it, before the rank).
-        let mr = Arc::new(unsafe { self.stack.register(base, self.mem.len(), self.kind)? });
+        let mr = self.mr.clone();
         let peers =
             crate::ep::connect::exchange_fabric(&**boot, &self.stack, &mr.remote(), &[], bytes)?;
         let remote: Vec<bool> = (0..nr).map(|p| is_remote(me, p, ranks_per_node)).collect();
@@ -245,6 +278,7 @@ impl LlProxyPrep {
             rank: me,
             remote,
             hmem: matches!(self.kind, MemKind::Cuda { .. }),
+            hmem_refused: self.hmem_refused,
             timeout,
         })
     }
@@ -264,10 +298,16 @@ pub(crate) struct LlProxyLane {
     /// `remote[p]`: rank `p` is reached through the proxy.
     remote: Vec<bool>,
     hmem: bool,
+    hmem_refused: Option<String>,
     timeout: Duration,
 }
 
 impl LlProxyLane {
+    /// Why the provider's `FI_HMEM` was not used (its CUDA registration failed), if so.
+    pub fn hmem_refused(&self) -> Option<&str> {
+        self.hmem_refused.as_deref()
+    }
+
     /// `Err` once the proxy worker stopped on an error (a peer unreachable, a bad immediate).
     pub fn check(&self) -> Result<()> {
         self.proxy.check().map_err(Error::Proxy)

@@ -540,6 +540,11 @@ impl GpuBuffer {
         self.ll.as_ref().and_then(|l| l.lane.as_ref()).map(|lane| lane.hmem())
     }
 
+    /// Why the proxy lane did not use the provider's `FI_HMEM` (its CUDA registration failed).
+    pub fn ll_proxy_hmem_refused(&self) -> Option<&str> {
+        self.ll.as_ref().and_then(|l| l.lane.as_ref()).and_then(|lane| lane.hmem_refused())
+    }
+
     /// This rank's SM budget (blocks per kernel).
     pub fn num_sms(&self) -> usize {
         self.num_sms
