@@ -127,9 +127,16 @@ fn child(a: &Args) {
         let case = LlCase::new(&p).expect("reference");
         let rep = run_ll_gpu_rank(&dev, &p, &o, &case, rank, boot.clone())
             .unwrap_or_else(|e| panic!("rank {rank} case {name}: {e}"));
-        let (dm, dp) = stats(&rep.dispatch_s);
-        let (cm, cp) = stats(&rep.combine_s);
-        println!("PHASES {name} {rank} {dm:.3} {dp:.3} {cm:.3} {cp:.3}");
+        let (dm, dp) = stats(&rep.report.dispatch_s);
+        let (cm, cp) = stats(&rep.report.combine_s);
+        let (ds, _) = stats(&rep.dispatch_send_s);
+        let (cs, _) = stats(&rep.combine_send_s);
+        println!("PHASES {name} {rank} {dm:.3} {dp:.3} {cm:.3} {cp:.3} {ds:.3} {cs:.3}");
+        println!(
+            "HOST {name} {rank}: host enqueue {:.2} us per pair (GPU median pair {:.2} us)",
+            rep.host_enqueue_s * 1e6,
+            dm + cm
+        );
     }
     boot.barrier().expect("barrier");
     println!("CHILD_OK");
@@ -171,6 +178,9 @@ fn main() {
          fi_pingpong us/xfer (same size) | added by the GPU path (median - pingpong) |"
     );
     println!("|---|---|---|---|---|---|---|---|---|");
+    for line in out.iter().flat_map(|o| o.stdout.lines()).filter(|l| l.starts_with("HOST ")) {
+        println!("{line}");
+    }
     let mut failed = false;
     for name in a.cases.split(',') {
         let Some(p) = params(name, &a) else { continue };
@@ -184,9 +194,16 @@ fn main() {
             };
             let f: Vec<f64> =
                 line.split_whitespace().skip(3).filter_map(|x| x.parse().ok()).collect();
-            if f.len() != 4 {
+            if f.len() != 6 {
                 failed = true;
                 continue;
+            }
+            if a.hook {
+                println!(
+                    "| {name} | (hook) send part of the phase, median | {rank} | dispatch {:.2} us | \
+                     combine {:.2} us | (the rest is the hook's receive) |",
+                    f[4], f[5]
+                );
             }
             let (d, c, msgs) = msg_bytes(&p, &case, rank, 1 - rank);
             for (phase, med, p99, bytes) in

@@ -199,13 +199,17 @@ run_llproxy_section() {
     timeout 90 "$pb" --provider 'tcp;ofi_rxm' --cases tiny,mid --iters "$it" 2>&1 | tee -a "$log"
     rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || fail=1
     printf '%-18s rc=%-3s %s\n' "ll-proxy-bench" "$rc" "tcp;ofi_rxm, fp8, tiny/mid" >>"$out/summary.txt"
+    # Hook mode splits each phase into its send part and the hook's receive.
+    timeout 60 "$pb" --provider shm --cases tiny,mid --hook --iters "$it" 2>&1 | tee -a "$log"
+    rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || fail=1
+    printf '%-18s rc=%-3s %s\n' "ll-proxy-bench" "$rc" "shm, fp8, hook, tiny/mid" >>"$out/summary.txt"
   fi
   echo quit | nvidia-cuda-mps-control
   sleep 1
   tail -n 20 "$mps"/log/*.log >>"$log" 2>/dev/null
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
   set -e
-  grep -E "^ok:|timeout path|proxy lane over|checked in process|SKIP|^test .*(ok|FAILED)$|panicked|LLPROXY_RESULT|^\| " "$log" >>"$out/summary.txt" || true
+  grep -E "^ok:|^FAILED:|^HOST|timeout path|proxy lane over|checked in process|SKIP|^test .*(ok|FAILED)$|panicked|LLPROXY_RESULT|^\| " "$log" >>"$out/summary.txt" || true
   return $fail
 }
 

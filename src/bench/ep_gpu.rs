@@ -519,11 +519,26 @@ pub fn run_ll_gpu(dev: &Device, p: &GpuBenchParams) -> Result<GpuReport> {
 /// process; peers on other "nodes" go through the proxy over `o.provider`).
 pub fn run_ll_gpu_on(dev: &Device, p: &GpuBenchParams, o: &LlRunOptions) -> Result<GpuReport> {
     let case = LlCase::new(p)?;
-    on_threads(p.num_ranks, p.timeout, |rank, boot| run_ll_gpu_rank(dev, p, o, &case, rank, boot))
+    on_threads(p.num_ranks, p.timeout, |rank, boot| {
+        run_ll_gpu_rank(dev, p, o, &case, rank, boot).map(|r| r.report)
+    })
+}
+
+/// What one rank of a low-latency run measured.
+pub struct LlRankReport {
+    pub report: NormalBenchReport,
+    /// Hook mode, timed loop only: per pair, the send part of each phase (from the phase's start
+    /// to after its send kernel; the rest of the phase is the hook's receive). Empty otherwise.
+    pub dispatch_send_s: Vec<f64>,
+    pub combine_send_s: Vec<f64>,
+    /// Timed loop: host seconds per pair spent enqueueing (launches, event records); when it
+    /// is near the pair's GPU time, the GPU waited for the host and the phases are host-bound.
+    pub host_enqueue_s: f64,
 }
 
 /// One rank of a low-latency run (the body [`run_ll_gpu_on`] runs per thread; a process of a
-/// multi-process run calls it with its own bootstrap). Collective over `boot`.
+/// multi-process run calls it with its own bootstrap). Collective over `boot`. An error of a
+/// rank with a proxy lane carries the lane's snapshot (`GpuBuffer::ll_proxy_snapshot`).
 pub fn run_ll_gpu_rank(
     dev: &Device,
     p: &GpuBenchParams,
@@ -531,7 +546,7 @@ pub fn run_ll_gpu_rank(
     case: &LlCase,
     rank: usize,
     boot: Arc<dyn Bootstrap>,
-) -> Result<NormalBenchReport> {
+) -> Result<LlRankReport> {
     let (h, m) = (p.hidden, p.num_tokens);
     let mut cfg = p.config(rank)?;
     if o.ranks_per_node != cfg.ranks_per_node {
@@ -549,16 +564,22 @@ pub fn run_ll_gpu_rank(
     let y = upload(dev, &case.ys[rank])?;
     let out_c = DeviceBuffer::new(dev, (t * h * 2).max(16))?;
     let stream = Stream::new(dev)?;
-    let n_ev = 2 * o.timed_iters + 3;
+    // Timed loop: 4 events per pair (after dispatch send, dispatch, combine send, combine).
+    let n_ev = 4 * o.timed_iters + 3;
     let ev: Vec<Event> =
         (0..n_ev).map(|_| Event::new(dev)).collect::<std::result::Result<_, _>>()?;
     let pairs = me.topk_idx.iter().filter(|&&e| e >= 0).count() as u64;
     let tok_bytes = if p.fp8 { h + h / 128 * 4 } else { 2 * h } as u64;
-    let mut rep = NormalBenchReport {
-        dispatch_s: Vec::new(),
-        combine_s: Vec::new(),
-        dispatch_bytes: pairs * tok_bytes,
-        combine_bytes: pairs * 2 * h as u64,
+    let mut rep = LlRankReport {
+        report: NormalBenchReport {
+            dispatch_s: Vec::new(),
+            combine_s: Vec::new(),
+            dispatch_bytes: pairs * tok_bytes,
+            combine_bytes: pairs * 2 * h as u64,
+        },
+        dispatch_send_s: Vec::new(),
+        combine_send_s: Vec::new(),
+        host_enqueue_s: 0.0,
     };
     let gpu = buf.gpu()?;
     let out = gpu.new_ll_dispatch_out()?;
@@ -580,50 +601,59 @@ pub fn run_ll_gpu_rank(
         return_recv_hook: p.hook,
         stream: &stream,
     };
-    for it in 0..p.warmup + p.iters {
-        boot.barrier()?;
-        out.recv_x.memset_async(0xAB, &stream)?;
-        out_c.memset_async(0xAB, &stream)?;
-        ev[0].record(&stream)?;
-        // SAFETY: every buffer lives until sync_gpu below; all ranks make the same calls.
-        unsafe {
-            if let Some(hook) = gpu.low_latency_dispatch_gpu(&da, &out)? {
-                gpu.low_latency_dispatch_recv_gpu(hook, &out, &stream)?;
-            }
-            ev[1].record(&stream)?;
-            if let Some(hook) = gpu.low_latency_combine_gpu(&ca)? {
-                gpu.low_latency_combine_recv_gpu(hook, &ca)?;
-            }
-            ev[2].record(&stream)?;
-        }
-        gpu.sync_gpu(&stream)?;
-        check_ll_dispatch(rank, it, p, &out.to_host()?, &case.want_d[rank])?;
-        let got: Vec<u16> = out_c.to_vec()?;
-        if got[..t * h] != case.want_c[rank][..] {
-            return Err(mismatch(rank, "low-latency combine", it));
-        }
-        if it >= p.warmup {
-            rep.dispatch_s.push(elapsed_s(&ev[0], &ev[1])?);
-            rep.combine_s.push(elapsed_s(&ev[1], &ev[2])?);
-        }
-    }
-    if o.timed_iters > 0 {
-        boot.barrier()?;
-        ev[0].record(&stream)?;
-        for i in 0..o.timed_iters {
-            // SAFETY: as above; each rank's calls are ordered on its stream, so call N + 2 of
-            // any rank starts after its peers' call N receives (DeepEP's set contract).
+    let res = (|| -> Result<()> {
+        let r = &mut rep.report;
+        for it in 0..p.warmup + p.iters {
+            boot.barrier()?;
+            out.recv_x.memset_async(0xAB, &stream)?;
+            out_c.memset_async(0xAB, &stream)?;
+            ev[0].record(&stream)?;
+            // SAFETY: every buffer lives until sync_gpu below; all ranks make the same calls.
             unsafe {
                 if let Some(hook) = gpu.low_latency_dispatch_gpu(&da, &out)? {
                     gpu.low_latency_dispatch_recv_gpu(hook, &out, &stream)?;
                 }
-                ev[2 * i + 1].record(&stream)?;
+                ev[1].record(&stream)?;
                 if let Some(hook) = gpu.low_latency_combine_gpu(&ca)? {
                     gpu.low_latency_combine_recv_gpu(hook, &ca)?;
                 }
-                ev[2 * i + 2].record(&stream)?;
+                ev[2].record(&stream)?;
+            }
+            gpu.sync_gpu(&stream)?;
+            check_ll_dispatch(rank, it, p, &out.to_host()?, &case.want_d[rank])?;
+            let got: Vec<u16> = out_c.to_vec()?;
+            if got[..t * h] != case.want_c[rank][..] {
+                return Err(mismatch(rank, "low-latency combine", it));
+            }
+            if it >= p.warmup {
+                r.dispatch_s.push(elapsed_s(&ev[0], &ev[1])?);
+                r.combine_s.push(elapsed_s(&ev[1], &ev[2])?);
             }
         }
+        if o.timed_iters == 0 {
+            return Ok(());
+        }
+        boot.barrier()?;
+        let t0 = std::time::Instant::now();
+        ev[0].record(&stream)?;
+        for i in 0..o.timed_iters {
+            let e = &ev[4 * i + 1..4 * i + 5];
+            // SAFETY: as above; each rank's calls are ordered on its stream, so call N + 2 of
+            // any rank starts after its peers' call N receives (DeepEP's set contract).
+            unsafe {
+                if let Some(hook) = gpu.low_latency_dispatch_gpu(&da, &out)? {
+                    e[0].record(&stream)?;
+                    gpu.low_latency_dispatch_recv_gpu(hook, &out, &stream)?;
+                }
+                e[1].record(&stream)?;
+                if let Some(hook) = gpu.low_latency_combine_gpu(&ca)? {
+                    e[2].record(&stream)?;
+                    gpu.low_latency_combine_recv_gpu(hook, &ca)?;
+                }
+                e[3].record(&stream)?;
+            }
+        }
+        rep.host_enqueue_s = t0.elapsed().as_secs_f64() / o.timed_iters as f64;
         gpu.sync_gpu(&stream)?;
         // The last pair is still checked (the timed loop must not trade correctness).
         let it = p.warmup + p.iters + o.timed_iters;
@@ -632,12 +662,25 @@ pub fn run_ll_gpu_rank(
         if got[..t * h] != case.want_c[rank][..] {
             return Err(mismatch(rank, "low-latency combine (timed loop)", it));
         }
-        rep.dispatch_s.clear();
-        rep.combine_s.clear();
+        r.dispatch_s.clear();
+        r.combine_s.clear();
         for i in 0..o.timed_iters {
-            rep.dispatch_s.push(elapsed_s(&ev[2 * i], &ev[2 * i + 1])?);
-            rep.combine_s.push(elapsed_s(&ev[2 * i + 1], &ev[2 * i + 2])?);
+            let start = if i == 0 { &ev[0] } else { &ev[4 * i] };
+            let e = &ev[4 * i + 1..4 * i + 5];
+            r.dispatch_s.push(elapsed_s(start, &e[1])?);
+            r.combine_s.push(elapsed_s(&e[1], &e[3])?);
+            if p.hook {
+                rep.dispatch_send_s.push(elapsed_s(start, &e[0])?);
+                rep.combine_send_s.push(elapsed_s(&e[1], &e[2])?);
+            }
         }
+        Ok(())
+    })();
+    if let Err(e) = res {
+        return Err(match gpu.ll_proxy_snapshot() {
+            Some(snap) => Error::Other(format!("{e} [{snap}]")),
+            None => e,
+        });
     }
     boot.barrier()?;
     drop(out);

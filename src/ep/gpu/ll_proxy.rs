@@ -330,6 +330,55 @@ impl LlProxyLane {
         }
     }
 
+    /// A one-line picture of the lane for error reports: the proxy's health, ring head/tail,
+    /// sends completed, the device state's counters, and every slot a remote peer writes whose
+    /// arrivals differ from what the next receive of its (phase, set) expects. Reads the device
+    /// state: call it only when this rank's stream is idle (after a failed sync).
+    pub fn snapshot(&self, rank: &LlGpuRank) -> String {
+        let mut out = format!("rank {} proxy lane: ", self.rank);
+        match self.proxy.check() {
+            Ok(()) => out.push_str("proxy ok"),
+            Err(e) => out.push_str(&format!("proxy FAILED: {e}")),
+        }
+        let ring = (self.rings.head(0), self.rings.tail(0), self.counters.sends_completed(0));
+        if let (Ok(h), Ok(t), Ok(c)) = ring {
+            out.push_str(&format!("; ring head {h} tail {t} sends completed {c}"));
+        }
+        let Some(Ok(st)) = rank.proxy_state().map(|b| b.to_vec::<u64>()) else {
+            return out + "; device state unreadable";
+        };
+        let cfg = rank.config();
+        let (nr, e) = (cfg.num_ranks, cfg.num_experts);
+        let l = e / nr;
+        out.push_str(&format!("; device state {:?}", &st[..STATE_HEAD_WORDS]));
+        let s = num_slots(e);
+        let mut odd = Vec::new();
+        for (src, _) in self.remote.iter().enumerate().filter(|(_, r)| **r) {
+            for phase in 0..2 {
+                for set in 0..2 {
+                    let calls = st[ST_CALLS + phase * 2 + set];
+                    for le in 0..l {
+                        let unit = if phase == 0 { le * nr + src } else { src * l + le };
+                        let sl = slot(phase, set, e, unit);
+                        let a = self.counters.arrivals(sl as u32).unwrap_or(u64::MAX);
+                        let base = st[STATE_HEAD_WORDS + sl];
+                        if a != base + calls {
+                            odd.push(format!(
+                                "src {src} phase {phase} set {set} unit {unit}: arrivals {a}, \
+                                 base {base} + calls {calls}, sums {} seen {}",
+                                self.counters.sums(sl as u32).unwrap_or(u64::MAX),
+                                st[STATE_HEAD_WORDS + s + sl]
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        let n = odd.len();
+        odd.truncate(8);
+        out + &format!("; {n} slots off: {}", odd.join(" | "))
+    }
+
     /// The collective fence of `clean_low_latency_gpu` (module NOTES). Every rank calls it after
     /// its stream drained (`LlGpuRank::clean`).
     pub fn fence(&self, rank: &mut LlGpuRank) -> Result<()> {

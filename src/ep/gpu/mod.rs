@@ -540,6 +540,14 @@ impl GpuBuffer {
         self.ll.as_ref().and_then(|l| l.lane.as_ref()).map(|lane| lane.hmem())
     }
 
+    /// Diagnostics of the low-latency proxy lane (`None` without one): see
+    /// [`ll_proxy`]'s `LlProxyLane::snapshot`. Only while no kernel of this rank runs (after
+    /// `sync_gpu` returned).
+    pub fn ll_proxy_snapshot(&self) -> Option<String> {
+        let l = self.ll.as_ref()?;
+        Some(l.lane.as_ref()?.snapshot(&l.rank))
+    }
+
     /// Why the proxy lane did not use the provider's `FI_HMEM` (its CUDA registration failed).
     pub fn ll_proxy_hmem_refused(&self) -> Option<&str> {
         self.ll.as_ref().and_then(|l| l.lane.as_ref()).and_then(|lane| lane.hmem_refused())
