@@ -636,8 +636,9 @@ impl GpuBuffer {
         if res.is_ok() {
             if let Some(l) = &self.ll {
                 res = l.rank.finish();
-                if let (Ok(()), Some(lane)) = (&res, &l.lane) {
-                    res = lane.check();
+                // A stopped proxy is the root cause of the kernel's timeout: report it instead.
+                if let Some(Err(e)) = l.lane.as_ref().map(|lane| lane.check()) {
+                    res = Err(e);
                 }
             }
         }
