@@ -46,6 +46,9 @@ struct Args {
     /// Hook mode (send, then the hook's receive) instead of one call per phase.
     #[arg(long)]
     hook: bool,
+    /// Timed loop as CUDA-graph replays of a captured pair (only whole pairs are timed).
+    #[arg(long)]
+    graph: bool,
     /// fi_pingpong iterations per size.
     #[arg(long, default_value_t = 20000)]
     pingpong_iters: usize,
@@ -121,6 +124,7 @@ fn child(a: &Args) {
         ranks_per_node: 1,
         provider: Some(a.provider.clone()),
         timed_iters: a.iters,
+        graph: a.graph,
     };
     for name in a.cases.split(',') {
         let Some(p) = params(name, a) else { panic!("unknown case {name}") };
@@ -131,11 +135,15 @@ fn child(a: &Args) {
         let (cm, cp) = stats(&rep.report.combine_s);
         let (ds, _) = stats(&rep.dispatch_send_s);
         let (cs, _) = stats(&rep.combine_send_s);
-        println!("PHASES {name} {rank} {dm:.3} {dp:.3} {cm:.3} {cp:.3} {ds:.3} {cs:.3}");
+        let (pm, pp) = stats(&rep.pair_s);
         println!(
-            "HOST {name} {rank}: host enqueue {:.2} us per pair (GPU median pair {:.2} us)",
+            "PHASES {name} {rank} {dm:.3} {dp:.3} {cm:.3} {cp:.3} {ds:.3} {cs:.3} {pm:.3} {pp:.3}"
+        );
+        println!(
+            "HOST {name} {rank}: host enqueue {:.2} us per pair (GPU median pair {:.2} us{})",
             rep.host_enqueue_s * 1e6,
-            dm + cm
+            if a.graph { pm } else { dm + cm },
+            if a.graph { format!(", graph replay, p99 {pp:.2} us") } else { String::new() }
         );
     }
     boot.barrier().expect("barrier");
@@ -194,8 +202,33 @@ fn main() {
             };
             let f: Vec<f64> =
                 line.split_whitespace().skip(3).filter_map(|x| x.parse().ok()).collect();
-            if f.len() != 6 {
+            if f.len() != 8 {
                 failed = true;
+                continue;
+            }
+            let (d, c, msgs) = msg_bytes(&p, &case, rank, 1 - rank);
+            if a.graph {
+                // Whole pairs only: half a pair against fi_pingpong at the dispatch size.
+                let size = (d.round() as usize).max(1);
+                let pp = fi_pingpong(&a.provider, size, a.pingpong_iters);
+                let (pp_s, added) = match &pp {
+                    Ok(r) => (
+                        format!("{:.2}", r.usec_per_xfer),
+                        format!("{:.2}", f[6] / 2.0 - r.usec_per_xfer),
+                    ),
+                    Err(e) => (format!("n/a ({e})"), "n/a".into()),
+                };
+                println!(
+                    "| {name} | pair (graph replay) | {rank} | {msgs} | {d:.0} | {:.2} | {:.2} | \
+                     {pp_s} | {added} (half a pair) |",
+                    f[6], f[7]
+                );
+                println!(
+                    "LLPROXY_RESULT provider={} case={name} phase=pair_graph rank={rank} \
+                     bytes={size} median_us={:.2} p99_us={:.2} fi_pingpong_us={pp_s} \
+                     added_half_pair_us={added}",
+                    a.provider, f[6], f[7]
+                );
                 continue;
             }
             if a.hook {
@@ -205,7 +238,6 @@ fn main() {
                     f[4], f[5]
                 );
             }
-            let (d, c, msgs) = msg_bytes(&p, &case, rank, 1 - rank);
             for (phase, med, p99, bytes) in
                 [("dispatch", f[0], f[1], d), ("combine", f[2], f[3], c)]
             {

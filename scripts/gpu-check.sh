@@ -203,6 +203,10 @@ run_llproxy_section() {
     timeout 60 "$pb" --provider shm --cases tiny,mid --hook --iters "$it" 2>&1 | tee -a "$log"
     rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || fail=1
     printf '%-18s rc=%-3s %s\n' "ll-proxy-bench" "$rc" "shm, fp8, hook, tiny/mid" >>"$out/summary.txt"
+    # CUDA-graph replay of a captured pair: one launch per pair (no per-kernel launch cost).
+    timeout 60 "$pb" --provider shm --cases tiny,mid --graph --iters "$it" 2>&1 | tee -a "$log"
+    rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || fail=1
+    printf '%-18s rc=%-3s %s\n' "ll-proxy-bench" "$rc" "shm, fp8, CUDA graph, tiny/mid" >>"$out/summary.txt"
   fi
   echo quit | nvidia-cuda-mps-control
   sleep 1

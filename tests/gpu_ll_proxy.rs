@@ -12,7 +12,8 @@
 //!   checked call on the same buffers.
 //! - two processes x 1 rank per node (no CUDA IPC: all traffic goes through the proxy); needs MPS
 //!   so both processes' kernels are resident (scripts/gpu-check.sh's `llproxy` section starts
-//!   it); without `CUDA_MPS_PIPE_DIRECTORY` it says SKIP.
+//!   it); without `CUDA_MPS_PIPE_DIRECTORY` it says SKIP. The same with the step captured into
+//!   a CUDA graph and replayed (the capturability claim: no host synchronisation in a step).
 //!
 //! Ignored without `--include-ignored` (CI has no GPU); without a GPU they say SKIP.
 //! Providers from `FEP_TEST_PROVIDERS` (comma list), default `shm,tcp;ofi_rxm`.
@@ -69,7 +70,12 @@ fn small(ranks: usize, fp8: bool, hook: bool) -> GpuBenchParams {
 }
 
 fn opts(ranks_per_node: usize, provider: &str) -> LlRunOptions {
-    LlRunOptions { ranks_per_node, provider: Some(provider.to_string()), timed_iters: 4 }
+    LlRunOptions {
+        ranks_per_node,
+        provider: Some(provider.to_string()),
+        timed_iters: 4,
+        graph: false,
+    }
 }
 
 #[test]
@@ -232,22 +238,33 @@ fn stalled_remote_peer_is_a_timeout_naming_it_then_clean() {
     assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
 }
 
-/// The body of a rank process (`FEP_GPU_LL_PROXY_ROLE=<provider>`); a normal run returns at once.
+/// The body of a rank process (`FEP_GPU_LL_PROXY_ROLE=<provider>` or `<provider>|graph`); a
+/// normal run returns at once.
 #[test]
 fn child_rank() {
-    let Ok(provider) = std::env::var(ROLE) else { return };
+    let Ok(role) = std::env::var(ROLE) else { return };
+    let (provider, graph) = match role.split_once('|') {
+        Some((p, "graph")) => (p.to_string(), true),
+        _ => (role.clone(), false),
+    };
     let store = TcpStore::from_env(Duration::from_secs(30)).expect("join the store");
     let rank = store.rank();
     assert_eq!(store.world_size(), 2, "two ranks");
     let boot: Arc<dyn Bootstrap> = Arc::new(store);
     let dev = Device::from_env().expect("open the GPU");
-    for fp8 in [true, false] {
+    let fp8s: &[bool] = if graph { &[true] } else { &[true, false] };
+    for &fp8 in fp8s {
         for hook in [false, true] {
             let p = small(2, fp8, hook);
             let case = LlCase::new(&p).expect("reference");
-            run_ll_gpu_rank(&dev, &p, &opts(1, &provider), &case, rank, boot.clone())
-                .unwrap_or_else(|e| panic!("rank {rank} {provider} fp8 {fp8} hook {hook}: {e}"));
-            println!("checked in process: rank {rank} {provider} fp8 {fp8} hook {hook}");
+            let o = LlRunOptions { graph, ..opts(1, &provider) };
+            let r = run_ll_gpu_rank(&dev, &p, &o, &case, rank, boot.clone()).unwrap_or_else(|e| {
+                panic!("rank {rank} {provider} fp8 {fp8} hook {hook} graph {graph}: {e}")
+            });
+            assert_eq!(r.pair_s.len(), if graph { 4 } else { 0 });
+            println!(
+                "checked in process: rank {rank} {provider} fp8 {fp8} hook {hook} graph {graph}"
+            );
         }
     }
     boot.barrier().expect("barrier");
@@ -257,6 +274,18 @@ fn child_rank() {
 #[test]
 #[ignore = "needs a GPU and MPS: scripts/gpu-check.sh's llproxy section runs it"]
 fn two_processes_one_rank_per_node_under_mps() {
+    two_processes(&providers(), "");
+}
+
+/// The step is capturable: each process captures one dispatch + combine pair (hook and not)
+/// into a CUDA graph and replays it; the last replay is checked against the reference.
+#[test]
+#[ignore = "needs a GPU and MPS: scripts/gpu-check.sh's llproxy section runs it"]
+fn two_processes_cuda_graph_replay_under_mps() {
+    two_processes(&["shm".to_string()], "|graph");
+}
+
+fn two_processes(providers: &[String], suffix: &str) {
     if gpu().is_none() {
         return;
     }
@@ -265,13 +294,13 @@ fn two_processes_one_rank_per_node_under_mps() {
         return;
     }
     let exe: PathBuf = std::env::current_exe().expect("current_exe");
-    for provider in providers() {
+    for provider in providers {
         let t0 = Instant::now();
         let args: Vec<String> = ["--exact", "child_rank", "--nocapture", "--test-threads=1"]
             .iter()
             .map(|s| s.to_string())
             .collect();
-        let env = [(ROLE.to_string(), provider.clone())];
+        let env = [(ROLE.to_string(), format!("{provider}{suffix}"))];
         let mut job = LocalJob::spawn(&exe, &args, 2, 2, &env).expect("spawn ranks");
         let out = job.wait(Duration::from_secs(150)).expect("wait for ranks");
         let all = out.iter().map(|o| o.to_string()).collect::<String>();

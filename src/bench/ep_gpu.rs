@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use super::ep::{self as host_bench, NormalBenchParams, NormalBenchReport, RankInputs};
 use crate::bootstrap::{Bootstrap, InProcGroup};
-use crate::cuda::{Device, DeviceBuffer, Event, Stream};
+use crate::cuda::{Device, DeviceBuffer, Event, GraphExec, Stream};
 use crate::ep::buffer::{Buffer, BufferOptions};
 use crate::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use crate::ep::gpu::{
@@ -441,12 +441,21 @@ pub struct LlRunOptions {
     /// stream (no host barrier, no check, no poison), timed per phase; the report then holds
     /// these instead of the checked ones.
     pub timed_iters: usize,
+    /// Timed loop as CUDA-graph replays: one dispatch + combine pair is captured once and
+    /// replayed `timed_iters` times (one launch per pair); only whole pairs are timed
+    /// ([`LlRankReport::pair_s`]).
+    pub graph: bool,
 }
 
 impl LlRunOptions {
     /// Every rank on one node.
     pub fn one_node(num_ranks: usize) -> Self {
-        LlRunOptions { ranks_per_node: num_ranks.max(1), provider: None, timed_iters: 0 }
+        LlRunOptions {
+            ranks_per_node: num_ranks.max(1),
+            provider: None,
+            timed_iters: 0,
+            graph: false,
+        }
     }
 }
 
@@ -534,6 +543,8 @@ pub struct LlRankReport {
     /// Timed loop: host seconds per pair spent enqueueing (launches, event records); when it
     /// is near the pair's GPU time, the GPU waited for the host and the phases are host-bound.
     pub host_enqueue_s: f64,
+    /// Graph mode: per replay, the whole pair (dispatch + combine).
+    pub pair_s: Vec<f64>,
 }
 
 /// One rank of a low-latency run (the body [`run_ll_gpu_on`] runs per thread; a process of a
@@ -580,6 +591,7 @@ pub fn run_ll_gpu_rank(
         dispatch_send_s: Vec::new(),
         combine_send_s: Vec::new(),
         host_enqueue_s: 0.0,
+        pair_s: Vec::new(),
     };
     let gpu = buf.gpu()?;
     let out = gpu.new_ll_dispatch_out()?;
@@ -634,6 +646,39 @@ pub fn run_ll_gpu_rank(
             return Ok(());
         }
         boot.barrier()?;
+        if o.graph {
+            // SAFETY: as above; the graph names the same buffers, alive until the sync below.
+            let (g, ()) = GraphExec::capture(&stream, || -> Result<()> {
+                unsafe {
+                    if let Some(hook) = gpu.low_latency_dispatch_gpu(&da, &out)? {
+                        gpu.low_latency_dispatch_recv_gpu(hook, &out, &stream)?;
+                    }
+                    if let Some(hook) = gpu.low_latency_combine_gpu(&ca)? {
+                        gpu.low_latency_combine_recv_gpu(hook, &ca)?;
+                    }
+                }
+                Ok(())
+            })?;
+            boot.barrier()?;
+            let t0 = std::time::Instant::now();
+            ev[0].record(&stream)?;
+            for i in 0..o.timed_iters {
+                g.launch(&stream)?;
+                ev[i + 1].record(&stream)?;
+            }
+            rep.host_enqueue_s = t0.elapsed().as_secs_f64() / o.timed_iters as f64;
+            gpu.sync_gpu(&stream)?;
+            let it = p.warmup + p.iters + o.timed_iters;
+            check_ll_dispatch(rank, it, p, &out.to_host()?, &case.want_d[rank])?;
+            let got: Vec<u16> = out_c.to_vec()?;
+            if got[..t * h] != case.want_c[rank][..] {
+                return Err(mismatch(rank, "low-latency combine (graph replay)", it));
+            }
+            for i in 0..o.timed_iters {
+                rep.pair_s.push(elapsed_s(&ev[i], &ev[i + 1])?);
+            }
+            return Ok(());
+        }
         let t0 = std::time::Instant::now();
         ev[0].record(&stream)?;
         for i in 0..o.timed_iters {

@@ -14,6 +14,7 @@
 mod dev_error;
 mod device;
 pub mod driver;
+mod graph;
 pub mod launch;
 mod memory;
 mod module;
@@ -21,6 +22,7 @@ mod stream;
 
 pub use dev_error::DevErrorRecord;
 pub use device::Device;
+pub use graph::GraphExec;
 pub use memory::{DeviceBuffer, HostMapped, IpcHandle, IpcMapping, PeerMemory};
 pub use module::{Kernel, FATBIN};
 pub use stream::{Event, Stream};
