@@ -8,6 +8,9 @@
 // fep_ll_combine_recv (the hook; any grid): bounded wait for all E flags (each count checked
 //   against this rank's own top-k), then per token t the weighted sum over its top-k in fp32,
 //   k ascending, one fma per step (acc = fma(y, w, acc)), rounded once to bf16 (RNE).
+// Proxy peers (fep_abi.h): rows for them are staged in this rank's send area (unit e * R + dst)
+//   and pushed as one command per (peer, local expert); the receive waits on the arrival counter
+//   of unit g and checks the count (sums) against its own top-k, as it does a flag's.
 #include "fep_abi.h"
 #include "fep_device.cuh"
 #include "fep_ll.cuh"
@@ -38,6 +41,11 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     __syncthreads();
     block_exclusive_scan(s_cnt, s_start, E);
 
+    if (p.proxy.ring != 0) {
+        const fep::WaitCtx ctx{p.dev_error, p.budget_cycles, static_cast<uint32_t>(p.rank),
+                               FEP_PHASE_LL_COMBINE_SEND, UINT32_MAX};
+        if (!px_staging_free(p.proxy, p.set, ctx)) return;  // block-uniform; nothing published
+    }
     const int row_bytes = 2 * H;
     const int n16 = row_bytes / 16;
     const int segs = (row_bytes + kSegBytes - 1) / kSegBytes;
@@ -48,9 +56,11 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
         const int i = n - s_start[u];
         const int e = u / R, dst = u % R;
         const size_t in_row = static_cast<size_t>(e) * S + range[2 * u] + i;
-        const uint64_t out = peers[dst].buf +
-                             unit_offset(p.set, 1, E, p.rank * L + e, p.unit_bytes) +
-                             static_cast<uint64_t>(i) * p.record_bytes;
+        const uint64_t out =
+            (is_proxy(peers, dst) ? p.local_buf + unit_offset(p.set, 0, E, u, p.unit_bytes, p.proxy)
+                                  : peers[dst].buf +
+                                        unit_offset(p.set, 1, E, p.rank * L + e, p.unit_bytes, p.proxy)) +
+            static_cast<uint64_t>(i) * p.record_bytes;
         copy_seg(reinterpret_cast<const uint4*>(p.x) + in_row * n16, reinterpret_cast<uint4*>(out),
                  n16, seg, lane);
     }
@@ -60,8 +70,27 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     uint64_t* epoch = reinterpret_cast<uint64_t*>(p.epoch) + p.set;
     if (tid == 0) s_tag = *epoch + 1;
     __syncthreads();
+    if (p.proxy.ring != 0) {
+        // One command per (proxy peer, local expert e): batch index proxy_index * L + e.
+        const fep::WaitCtx ctx{p.dev_error, p.budget_cycles, static_cast<uint32_t>(p.rank),
+                               FEP_PHASE_LL_COMBINE_SEND, UINT32_MAX};
+        const uint32_t n = p.proxy.num_proxy_peers * static_cast<uint32_t>(L);
+        const uint64_t head = px_reserve(p.proxy, n, ctx);
+        if (head == UINT64_MAX) return;  // recorded; no flag published either
+        for (int u = tid; u < E; u += kThreads) {
+            const int e = u / R, dst = u % R;
+            if (!is_proxy(peers, dst)) continue;
+            const fep_cmd cmd = px_cmd(unit_offset(p.set, 0, E, u, p.unit_bytes, p.proxy),
+                                       unit_offset(p.set, 1, E, p.rank * L + e, p.unit_bytes, p.proxy),
+                                       static_cast<uint32_t>(s_cnt[u]), p.record_bytes, dst,
+                                       px_slot(1, p.set, E, p.rank * L + e), p.proxy.value_bits);
+            px_put(p.proxy, head + peers[dst].proxy * L + e, cmd);
+        }
+        px_publish(p.proxy, head, n, 1, p.set);
+    }
     for (int u = tid; u < E; u += kThreads) {
         const int e = u / R, dst = u % R;
+        if (is_proxy(peers, dst)) continue;
         fep::st_release_sys(flag_ptr(peers[dst].flags, p.set, 1, E, p.rank * L + e),
                             flag_value(s_tag, static_cast<uint32_t>(s_cnt[u])));
     }
@@ -94,11 +123,21 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
         if (g >= 0 && g < E) atomicAdd(&s_hist[g], 1);
     }
     __syncthreads();
+    const fep_ll_peer* peers = reinterpret_cast<const fep_ll_peer*>(p.peers);
     for (int g = tid; g < E; g += kThreads) {
         const fep::WaitCtx ctx{p.dev_error, p.budget_cycles, static_cast<uint32_t>(p.rank),
                                FEP_PHASE_LL_COMBINE_RECV, static_cast<uint32_t>(g / L)};
         const uint64_t* f = flag_ptr(p.local_flags, p.set, 1, E, g);
-        if (!fep::wait_geq(f, flag_value(tag, 0), ctx)) {
+        if (p.proxy.ring != 0 && is_proxy(peers, g / L)) {
+            uint64_t n = 0;
+            if (!px_count(p.proxy, 1, p.set, px_slot(1, p.set, E, g), 4u * E, ctx, &n)) {
+                s_fail = 1;
+            } else if (n != static_cast<uint64_t>(s_hist[g])) {
+                fep::report_error(p.dev_error, FEP_DEV_BAD_COUNT, p.rank, FEP_PHASE_LL_COMBINE_RECV,
+                                  g / L, s_hist[g], n);
+                s_fail = 1;
+            }
+        } else if (!fep::wait_geq(f, flag_value(tag, 0), ctx)) {
             s_fail = 1;
         } else {
             const uint64_t v = fep::ld_acquire_sys(f);
@@ -111,15 +150,26 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     }
     __syncthreads();
     if (s_fail) return;  // block-uniform
+    if (p.proxy.ring != 0) {
+        // As in the dispatch receive: the last block advances sums_seen (after every block read
+        // it), and the ticket's system fences order the proxy-written rows before the reads.
+        uint64_t* st = px_state(p.proxy);
+        if (last_block_ticket(reinterpret_cast<uint32_t*>(st + kStRecvTicket))) {
+            for (int g = tid; g < E; g += kThreads) {
+                if (is_proxy(peers, g / L)) st[kStBase + 4 * E + px_slot(1, p.set, E, g)] += s_hist[g];
+            }
+        }
+    }
 
     const uint64_t base = p.local_buf;
+    const bool sys = p.proxy.ring != 0;  // the buffer takes writes from outside the GPU (ld_recv)
     const int n8 = H / 8;  // one uint4 = 8 bf16 channels per thread and step
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
         for (int k = tid; k < K; k += kThreads) {
             const int64_t g = topk[t * K + k];
             uint64_t row = 0;
             if (g >= 0 && g < E) {
-                row = base + unit_offset(p.set, 1, E, static_cast<int>(g), p.unit_bytes) +
+                row = base + unit_offset(p.set, 1, E, static_cast<int>(g), p.unit_bytes, p.proxy) +
                       static_cast<uint64_t>(pos[t * K + k]) * p.record_bytes;
             }
             s_row[k] = row;
@@ -138,7 +188,7 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
                     const int k = k0 + j;
-                    if (k < K && s_row[k] != 0) v[j] = __ldcg(reinterpret_cast<const uint4*>(s_row[k]) + i);
+                    if (k < K && s_row[k] != 0) v[j] = ld_recv(reinterpret_cast<const uint4*>(s_row[k]) + i, sys);
                 }
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {

@@ -10,6 +10,11 @@
 //   the flags of sources 0..src of expert e, prefix of their counts = begin, then the rows are
 //   copied into the packed output at [e][begin + i] with their source info; unit (e, R-1) writes
 //   recv_count[e]. Rows past recv_count are not written (DeepEP: undefined).
+// Proxy peers (FEP_LL_TRANSPORT_PROXY, another node; fep_abi.h): the send stages their rows in
+//   this rank's send area (unit g) and its last block pushes one command per (peer, local expert)
+//   with the count in the immediate; the receive waits on the proxy's arrival counter of the
+//   unit instead of its flag and reads the count from the sums. Rows land in the same receive
+//   unit either way, so the copy is shared.
 #include "fep_abi.h"
 #include "fep_device.cuh"
 #include "fep_ll.cuh"
@@ -44,6 +49,11 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
 
     const fep_ll_peer* peers = reinterpret_cast<const fep_ll_peer*>(p.peers);
     int32_t* pos_out = reinterpret_cast<int32_t*>(p.pos);
+    if (p.proxy.ring != 0) {
+        const fep::WaitCtx ctx{p.dev_error, p.budget_cycles, static_cast<uint32_t>(p.rank),
+                               FEP_PHASE_LL_DISPATCH_SEND, UINT32_MAX};
+        if (!px_staging_free(p.proxy, p.set, ctx)) return;  // block-uniform; nothing published
+    }
     const int n_items = H / 16;  // 16 channels per thread and step (H % 128 == 0 for fp8, % 16 else)
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
         for (int k = warp; k < K; k += kWarps) {
@@ -57,9 +67,11 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
                 uint64_t addr = 0;
                 if (g >= 0) {
                     const int dst = g / L, e = g % L;
-                    addr = peers[dst].buf +
-                           unit_offset(p.set, 1, E, e * R + p.rank, p.unit_bytes) +
-                           static_cast<uint64_t>(c) * p.record_bytes;
+                    addr = is_proxy(peers, dst)
+                               ? p.local_buf + unit_offset(p.set, 0, E, g, p.unit_bytes, p.proxy)
+                               : peers[dst].buf +
+                                     unit_offset(p.set, 1, E, e * R + p.rank, p.unit_bytes, p.proxy);
+                    addr += static_cast<uint64_t>(c) * p.record_bytes;
                 }
                 s_dst[k] = addr;
                 pos_out[t * K + k] = g >= 0 ? c : -1;
@@ -135,8 +147,27 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     uint64_t* epoch = reinterpret_cast<uint64_t*>(p.epoch) + p.set;
     if (tid == 0) s_tag = *epoch + 1;
     __syncthreads();
+    if (p.proxy.ring != 0) {
+        // One command per (proxy peer, its local expert): batch index proxy_index * L + e.
+        const fep::WaitCtx ctx{p.dev_error, p.budget_cycles, static_cast<uint32_t>(p.rank),
+                               FEP_PHASE_LL_DISPATCH_SEND, UINT32_MAX};
+        const uint32_t n = p.proxy.num_proxy_peers * static_cast<uint32_t>(L);
+        const uint64_t head = px_reserve(p.proxy, n, ctx);
+        if (head == UINT64_MAX) return;  // recorded; no flag published either
+        for (int g = tid; g < E; g += kThreads) {
+            const int dst = g / L, e = g % L;
+            if (!is_proxy(peers, dst)) continue;
+            const fep_cmd cmd = px_cmd(unit_offset(p.set, 0, E, g, p.unit_bytes, p.proxy),
+                                       unit_offset(p.set, 1, E, e * R + p.rank, p.unit_bytes, p.proxy),
+                                       static_cast<uint32_t>(s_count[g]), p.record_bytes, dst,
+                                       px_slot(0, p.set, E, e * R + p.rank), p.proxy.value_bits);
+            px_put(p.proxy, head + peers[dst].proxy * L + e, cmd);
+        }
+        px_publish(p.proxy, head, n, 0, p.set);
+    }
     for (int g = tid; g < E; g += kThreads) {
         const int dst = g / L, e = g % L;
+        if (is_proxy(peers, dst)) continue;
         fep::st_release_sys(flag_ptr(peers[dst].flags, p.set, 0, E, e * R + p.rank),
                             flag_value(s_tag, static_cast<uint32_t>(s_count[g])));
     }
@@ -163,12 +194,24 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     __syncthreads();
     // Every block waits for all E flags (one thread each, in parallel): it needs every count for
     // the prefix. The flag of unit (e, src) comes from rank src.
+    const fep_ll_peer* peers = reinterpret_cast<const fep_ll_peer*>(p.peers);
     for (int u = tid; u < E; u += kThreads) {
         const fep::WaitCtx ctx{p.dev_error, p.budget_cycles, static_cast<uint32_t>(p.rank),
                                FEP_PHASE_LL_DISPATCH_RECV, static_cast<uint32_t>(u % R)};
         const uint64_t* f = flag_ptr(p.local_flags, p.set, 0, E, u);
         int c = 0;
-        if (!fep::wait_geq(f, flag_value(tag, 0), ctx)) {
+        if (p.proxy.ring != 0 && is_proxy(peers, u % R)) {
+            uint64_t n = 0;
+            if (!px_count(p.proxy, 0, p.set, px_slot(0, p.set, E, u), 4u * E, ctx, &n)) {
+                s_fail = 1;
+            } else if (n > static_cast<uint64_t>(M)) {
+                fep::report_error(p.dev_error, FEP_DEV_BAD_COUNT, p.rank,
+                                  FEP_PHASE_LL_DISPATCH_RECV, u % R, M, n);
+                s_fail = 1;
+            } else {
+                c = static_cast<int>(n);
+            }
+        } else if (!fep::wait_geq(f, flag_value(tag, 0), ctx)) {
             s_fail = 1;
         } else {
             const uint64_t v = fep::ld_acquire_sys(f);
@@ -184,6 +227,16 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     }
     __syncthreads();
     if (s_fail) return;  // block-uniform
+    if (p.proxy.ring != 0) {
+        // Every block has read sums_seen once all have taken a ticket: the last one advances it
+        // (the ticket's system fences also order the rows the proxy's NIC wrote before the copy).
+        uint64_t* st = px_state(p.proxy);
+        if (last_block_ticket(reinterpret_cast<uint32_t*>(st + kStRecvTicket))) {
+            for (int u = tid; u < E; u += kThreads) {
+                if (is_proxy(peers, u % R)) st[kStBase + 4 * E + px_slot(0, p.set, E, u)] += s_cnt[u];
+            }
+        }
+    }
     block_exclusive_scan(s_cnt, s_start, E);
 
     if (blockIdx.x == 0) {
@@ -204,6 +257,7 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     const int groups = H / 128;
     const int total = s_start[E] * segs;
     const unsigned char* recv = reinterpret_cast<const unsigned char*>(p.local_buf);
+    const bool sys = p.proxy.ring != 0;  // the buffer takes writes from outside the GPU
     for (int item = blockIdx.x * kWarps + warp; item < total; item += gridDim.x * kWarps) {
         const int n = item / segs, seg = item - n * segs;
         const int u = find_unit(s_start, E, n);
@@ -211,19 +265,19 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
         const int e = u / R, src = u % R;
         const size_t out_row = static_cast<size_t>(e) * S + (s_start[u] - s_start[e * R]) + i;
         const unsigned char* rec =
-            recv + unit_offset(p.set, 1, E, u, p.unit_bytes) + static_cast<size_t>(i) * p.record_bytes;
+            recv + unit_offset(p.set, 1, E, u, p.unit_bytes, p.proxy) + static_cast<size_t>(i) * p.record_bytes;
         copy_seg(reinterpret_cast<const uint4*>(rec),
-                 reinterpret_cast<uint4*>(p.recv_x) + out_row * n16, n16, seg, lane);
+                 reinterpret_cast<uint4*>(p.recv_x) + out_row * n16, n16, seg, lane, sys);
         if (seg == 0) {
             if (p.use_fp8) {
                 for (int gi = lane; gi < groups; gi += 32) {
                     reinterpret_cast<float*>(p.recv_scales)[out_row * groups + gi] =
-                        __ldcg(reinterpret_cast<const float*>(rec + p.scales_offset) + gi);
+                        ld_recv(reinterpret_cast<const float*>(rec + p.scales_offset) + gi, sys);
                 }
             }
             if (lane == 0) {
                 reinterpret_cast<int32_t*>(p.recv_src_idx)[out_row] =
-                    __ldcg(reinterpret_cast<const int*>(rec + p.src_idx_offset));
+                    ld_recv(reinterpret_cast<const int*>(rec + p.src_idx_offset), sys);
                 reinterpret_cast<int32_t*>(p.recv_src_rank)[out_row] = src;
             }
         }

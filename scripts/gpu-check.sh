@@ -24,6 +24,9 @@
 #                                  with 4 ranks as processes (CUDA IPC) and tests/gpu_ipc.rs, and
 #                                  stops the daemon. The "tests" section leaves gpu_ipc to it.
 #                                  "nproxy": normal mode forced internode through the proxy (MPS).
+#                                  "llproxy" (not in the default list): tests/gpu_ll_proxy and
+#                                  examples/gpu_ll_proxy_bench under MPS (started and stopped
+#                                  inside the section).
 #
 # The bundle carries this machine's libfabric (lib/, with its dependencies) and fi_pingpong (bin/):
 # the GPU machine may have none, and fi_pingpong must use the same libfabric as the tests.
@@ -293,6 +296,62 @@ PYEOF
   return $fail
 }
 
+# Low-latency mode through the proxy, forced internode on one GPU (tests/gpu_ll_proxy.rs,
+# examples/gpu_ll_proxy_bench.rs), all under MPS (two processes' kernels must be resident at once;
+# the daemon is stopped again at the end). FEP_LLPROXY_ITERS: timed pairs per bench case.
+run_llproxy_section() {
+  local b=$1 out=$2 log=$2/llproxy.log rc fail=0
+  : >"$log"
+  if ! command -v nvidia-cuda-mps-control >/dev/null; then
+    echo "no nvidia-cuda-mps-control: llproxy needs MPS" | tee -a "$log"
+    printf '%-18s rc=%-3s %s\n' "llproxy" "-" "no MPS control daemon" >>"$out/summary.txt"
+    return 1
+  fi
+  local mps=/tmp/fep-mps-llp
+  mkdir -p "$mps/pipe" "$mps/log"
+  export CUDA_MPS_PIPE_DIRECTORY=$mps/pipe CUDA_MPS_LOG_DIRECTORY=$mps/log
+  set +e
+  nvidia-cuda-mps-control -d
+  rc=$?
+  if [ "$rc" -ne 0 ]; then
+    echo "MPS control daemon did not start (rc $rc)" | tee -a "$log"
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    set -e
+    return 1
+  fi
+  if [ -x "$b/tests/gpu_ll_proxy" ]; then
+    echo "===== gpu_ll_proxy (MPS)" >>"$log"
+    timeout 240 "$b/tests/gpu_ll_proxy" --include-ignored --test-threads=1 --nocapture >>"$log" 2>&1
+    rc=$?
+    [ "$rc" -eq 0 ] || fail=1
+    printf '%-18s rc=%-3s %s\n' "gpu_ll_proxy" "$rc" "$(grep -E '^test result:' "$log" | tail -1)" >>"$out/summary.txt"
+  fi
+  local pb="$b/examples/gpu_ll_proxy_bench" it=${FEP_LLPROXY_ITERS:-2000}
+  if [ -x "$pb" ]; then
+    timeout 150 "$pb" --provider shm --iters "$it" 2>&1 | tee -a "$log"
+    rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || fail=1
+    printf '%-18s rc=%-3s %s\n' "ll-proxy-bench" "$rc" "shm, fp8, tiny/mid/standard" >>"$out/summary.txt"
+    timeout 90 "$pb" --provider 'tcp;ofi_rxm' --cases tiny,mid --iters "$it" 2>&1 | tee -a "$log"
+    rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || fail=1
+    printf '%-18s rc=%-3s %s\n' "ll-proxy-bench" "$rc" "tcp;ofi_rxm, fp8, tiny/mid" >>"$out/summary.txt"
+    # Hook mode splits each phase into its send part and the hook's receive.
+    timeout 60 "$pb" --provider shm --cases tiny,mid --hook --iters "$it" 2>&1 | tee -a "$log"
+    rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || fail=1
+    printf '%-18s rc=%-3s %s\n' "ll-proxy-bench" "$rc" "shm, fp8, hook, tiny/mid" >>"$out/summary.txt"
+    # CUDA-graph replay of a captured pair: one launch per pair (no per-kernel launch cost).
+    timeout 60 "$pb" --provider shm --cases tiny,mid --graph --iters "$it" 2>&1 | tee -a "$log"
+    rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || fail=1
+    printf '%-18s rc=%-3s %s\n' "ll-proxy-bench" "$rc" "shm, fp8, CUDA graph, tiny/mid" >>"$out/summary.txt"
+  fi
+  echo quit | nvidia-cuda-mps-control
+  sleep 1
+  tail -n 20 "$mps"/log/*.log >>"$log" 2>/dev/null
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  set -e
+  grep -E "^ok:|^FAILED:|^HOST|timeout path|proxy lane over|checked in process|SKIP|^test .*(ok|FAILED)$|panicked|LLPROXY_RESULT|^\| " "$log" >>"$out/summary.txt" || true
+  return $fail
+}
+
 # Normal mode's forced-internode GPU path (tests/gpu_normal_proxy.rs, examples/
 # gpu_normal_proxy_bench.rs): the threads-as-ranks tests as the machine is, then under MPS (the
 # control daemon is started here and stopped at the end) the two-process test and the bench,
@@ -498,6 +557,9 @@ run() {
     [ "$rc" -eq 0 ] || fail=1
     printf '%-18s rc=%-3s %s\n' "ep-bench-gpu" "$rc" "ep-bench --backend gpu --ranks 4" >>"$sum"
     grep -E "^ep-bench \(GPU|^mode |^normal |^low-latency|error" "$bench_log" >>"$sum" || true
+  fi
+  if has_section llproxy; then
+    run_llproxy_section "$b" "$out" || fail=1
   fi
   if has_section ipc; then
     run_ipc_section "$b" "$out" || fail=1

@@ -26,12 +26,13 @@ const _: () = assert!(size_of::<fep_proxy_pingpong_params>() == 120);
 const _: () = assert!(offset_of!(fep_proxy_exchange_params, capacity) == 88);
 const _: () = assert!(offset_of!(fep_proxy_pingpong_params, cmd) == 64);
 const _: () = assert!(size_of::<fep_ll_peer>() == 32);
-const _: () = assert!(size_of::<fep_ll_dispatch_params>() == 200);
-const _: () = assert!(size_of::<fep_ll_combine_params>() == 160);
+const _: () = assert!(size_of::<fep_ll_dispatch_params>() == 264);
+const _: () = assert!(size_of::<fep_ll_combine_params>() == 224);
 const _: () = assert!(size_of::<fep_gather_rows_params>() == 32);
 const _: () = assert!(size_of::<fep_segment_sum_params>() == 40);
 const _: () = assert!(offset_of!(fep_ll_dispatch_params, epoch) == 120);
 const _: () = assert!(offset_of!(fep_ll_combine_params, record_bytes) == 120);
+const _: () = assert!(size_of::<fep_ll_proxy>() == 64);
 const _: () = assert!(size_of::<fep_normal_comm>() == 256);
 const _: () = assert!(size_of::<fep_normal_handle>() == 48);
 const _: () = assert!(size_of::<fep_normal_notify_params>() == 336);
@@ -68,6 +69,7 @@ mod tests {
             ("fep_ll_peer", size_of::<fep_ll_peer>()),
             ("fep_ll_dispatch_params", size_of::<fep_ll_dispatch_params>()),
             ("fep_ll_combine_params", size_of::<fep_ll_combine_params>()),
+            ("fep_ll_proxy", size_of::<fep_ll_proxy>()),
             ("fep_normal_comm", size_of::<fep_normal_comm>()),
             ("fep_normal_handle", size_of::<fep_normal_handle>()),
             ("fep_normal_notify_params", size_of::<fep_normal_notify_params>()),

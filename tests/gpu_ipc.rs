@@ -18,7 +18,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fabric_ep::bench::ep_gpu::{run_ll_gpu_rank, run_normal_gpu_rank, GpuBenchParams, GpuSplit};
+use fabric_ep::bench::ep_gpu::{run_ll_gpu_process, run_normal_gpu_rank, GpuBenchParams, GpuSplit};
 use fabric_ep::bootstrap::{Bootstrap, LocalJob, RankOutcome, TcpStore};
 use fabric_ep::cuda::{device_count, gpu_available, Device, DeviceBuffer, Stream};
 use fabric_ep::ep::buffer::{Buffer, BufferOptions};
@@ -121,7 +121,7 @@ fn run_cases(dev: &Device, boot: &Arc<dyn Bootstrap>, list: &str) {
         let res = if normal {
             run_normal_gpu_rank(dev, &p, &GpuSplit::one_node(p.num_ranks), boot.clone())
         } else {
-            run_ll_gpu_rank(dev, &p, boot.clone())
+            run_ll_gpu_process(dev, &p, boot.clone())
         };
         let rep = res.unwrap_or_else(|e| panic!("rank {rank}: {case}: {e}"));
         assert_eq!(rep.dispatch_s.len(), p.iters);

@@ -162,7 +162,8 @@ typedef struct fep_proxy_pingpong_params {
 } fep_proxy_pingpong_params; /* 120 bytes */
 /* ---- low-latency dispatch / combine (kernels/ll_dispatch.cu, kernels/ll_combine.cu) ----------
  * Buffer: src/ep/plan.rs LlLayout (two sets x {send, recv} x E units of unit_bytes):
- *   unit_offset(set, area, unit) = ((set * 2 + area) * E + unit) * unit_bytes
+ *   unit_offset(set, area, unit) = ((set * 2 + area) * E + unit) * unit_bytes (with a proxy lane:
+ *   placed by fep_ll_proxy's units_per_region / region_stride)
  *   dispatch recv: unit e * R + src, row i = the i-th token of src that selected local expert e
  *   combine  recv: unit g = expert_rank * L + e, row i = answer to the i-th token of this rank
  *                  that selected g (the same `pos` the dispatch used)
@@ -172,8 +173,17 @@ typedef struct fep_proxy_pingpong_params {
  *   per LL call on every rank), so no reset pass is needed and a stale value is never mistaken
  *   for a fresh one.
  * Transport per peer: FEP_LL_TRANSPORT_PEER = stores through a device pointer (same GPU, NVLink
- *   or an IPC mapping). FEP_LL_TRANSPORT_PROXY is reserved for staging the rows in the send area
- *   and pushing one fep_cmd per (peer, expert) instead (not built yet: launchers refuse it). */
+ *   or an IPC mapping). FEP_LL_TRANSPORT_PROXY (a peer on another node): the rows are staged in
+ *   THIS rank's send area (area 0 of the set; dispatch unit = global expert g, combine unit =
+ *   e * R + dst) and the send's last block pushes one fep_cmd per (peer, expert) through the CPU
+ *   proxy (fep_ll_proxy below): an RMA write of all rows into the peer's receive unit with
+ *   imm = slot << value_bits | count (an empty write when count is 0). Slots are src/ep/plan.rs
+ *   LlImm's, as the receiver sees them: dispatch set * E + (e * R + src), combine
+ *   (2 + set) * E + (src * L + e) - i.e. (phase * 2 + set) * E + the receive unit. For a PROXY
+ *   entry `buf` and `flags` are unused and `proxy` is the peer's index among the proxy peers
+ *   (the order of its commands in a push batch). The receiver waits (bounded) until
+ *   arrivals[slot] >= arr_base[slot] + calls of (phase, set) since the last clean, and the count
+ *   is sums[slot] - sums_seen[slot]. */
 #define FEP_LL_THREADS 512
 #define FEP_LL_TRANSPORT_PEER 0u
 #define FEP_LL_TRANSPORT_PROXY 1u
@@ -187,8 +197,33 @@ typedef struct fep_ll_peer {
     uint64_t flags;     /* the peer's flag array (see above) */
     uint32_t transport; /* FEP_LL_TRANSPORT_* */
     uint32_t _pad;
-    uint64_t proxy;     /* reserved for the proxy transport (ring), 0 */
+    uint64_t proxy;     /* PROXY transport: index among this rank's proxy peers; else 0 */
 } fep_ll_peer;          /* 32 bytes */
+
+/* The proxy lane of one rank (all zero: no proxy peers). Counters and the ring are mapped host
+ * memory (src/proxy: CounterMemory, RingMemory); `state` is device memory, u64 words:
+ *   [0] ring head (the producer's copy)   [1 + set] head after the last push batch on the set
+ *   [3 + phase * 2 + set] push batches ever made (cumulative: the clean fence compares them)
+ *   [7 + phase * 2 + set] calls since the last clean (receives expect arr_base + this)
+ *   [12 + slot] arr_base   [12 + num_slots + slot] sums_seen   (num_slots = 4 * E)
+ * NOTES: a send kernel first waits (bounded) until sends_completed >= state[1 + set] (the NIC
+ * has read the staging of the set's previous use), stages, then its last block pushes the whole
+ * batch (entries written by many threads, one system fence, one release store of head). */
+typedef struct fep_ll_proxy {
+    uint64_t ring;            /* fep_ring_hdr* + capacity fep_cmd (mapped host), 0 = none */
+    uint64_t arrivals;        /* const uint64_t [num_slots] (mapped host) */
+    uint64_t sums;            /* const uint64_t [num_slots] (mapped host) */
+    uint64_t sends_completed; /* const uint64_t* of the ring (mapped host) */
+    uint64_t state;           /* uint64_t [12 + 2 * num_slots] (device), see above */
+    uint32_t capacity;        /* ring entries, >= E (one call's batch) */
+    uint32_t value_bits;      /* imm = slot << value_bits | count */
+    uint32_t num_proxy_peers;
+    uint32_t units_per_region; /* 0: units are contiguous (unit u at u * unit_bytes); else unit u
+                                  at (u / units_per_region) * region_stride + (u % ..) *
+                                  unit_bytes, so no message crosses a registered chunk (the
+                                  host lane's LlGeometry); every rank of a job uses the same */
+    uint64_t region_stride;
+} fep_ll_proxy;               /* 64 bytes */
 
 typedef struct fep_ll_dispatch_params {
     uint64_t x;             /* const bf16 [num_tokens, hidden] */
@@ -224,7 +259,8 @@ typedef struct fep_ll_dispatch_params {
     int32_t use_fp8;
     int32_t round_scale;
     int32_t _pad;
-} fep_ll_dispatch_params;   /* 200 bytes */
+    fep_ll_proxy proxy;     /* peers with FEP_LL_TRANSPORT_PROXY go through it */
+} fep_ll_dispatch_params;   /* 264 bytes */
 
 typedef struct fep_ll_combine_params {
     uint64_t x;             /* const bf16 [L, R * M, hidden]: expert outputs, rows as dispatched */
@@ -251,7 +287,8 @@ typedef struct fep_ll_combine_params {
     int32_t rank;
     int32_t set;
     int32_t _pad;
-} fep_ll_combine_params;    /* 160 bytes */
+    fep_ll_proxy proxy;     /* as in fep_ll_dispatch_params */
+} fep_ll_combine_params;    /* 224 bytes */
 
 /* ---- normal mode, intranode (kernels/normal_*.cu; Rust: src/ep/normal_gpu.rs) ----------------
  * Every rank owns one comm buffer (device memory, zeroed once). Peers write into it through
@@ -406,10 +443,11 @@ static_assert(sizeof(fep_proxy_pingpong_params) == 120, "fep_proxy_pingpong_para
 static_assert(offsetof(fep_proxy_exchange_params, capacity) == 88, "fep_proxy_exchange_params");
 static_assert(offsetof(fep_proxy_pingpong_params, cmd) == 64, "fep_proxy_pingpong_params fields");
 static_assert(sizeof(fep_ll_peer) == 32, "fep_ll_peer layout");
-static_assert(sizeof(fep_ll_dispatch_params) == 200, "fep_ll_dispatch_params layout");
-static_assert(sizeof(fep_ll_combine_params) == 160, "fep_ll_combine_params layout");
+static_assert(sizeof(fep_ll_dispatch_params) == 264, "fep_ll_dispatch_params layout");
+static_assert(sizeof(fep_ll_combine_params) == 224, "fep_ll_combine_params layout");
 static_assert(offsetof(fep_ll_dispatch_params, epoch) == 120, "fep_ll_dispatch_params fields");
 static_assert(offsetof(fep_ll_combine_params, record_bytes) == 120, "fep_ll_combine_params fields");
+static_assert(sizeof(fep_ll_proxy) == 64, "fep_ll_proxy layout");
 static_assert(sizeof(fep_normal_comm) == 256, "fep_normal_comm layout");
 static_assert(sizeof(fep_normal_handle) == 48, "fep_normal_handle layout");
 static_assert(sizeof(fep_normal_notify_params) == 336, "fep_normal_notify_params layout");

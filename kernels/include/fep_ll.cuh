@@ -16,10 +16,13 @@ constexpr int kWarps = kThreads / 32;
 constexpr float kFp8Max = 448.0f;
 constexpr float kFp8AmaxMin = 1e-4f;  // src/ep/quant.rs FP8_AMAX_MIN (DeepEP's kFP8Margin)
 
-// LlLayout::unit_offset: ((set * 2 + area) * E + unit) * unit_bytes.
+// LlLayout::unit_offset: ((set * 2 + area) * E + unit) * unit_bytes, or with a proxy lane that
+// places units per registered chunk (fep_ll_proxy.units_per_region), the host's LlGeometry.
 __device__ __forceinline__ uint64_t unit_offset(int set, int area, int num_experts, int unit,
-                                                uint64_t unit_bytes) {
-    return (static_cast<uint64_t>(set * 2 + area) * num_experts + unit) * unit_bytes;
+                                                uint64_t unit_bytes, const fep_ll_proxy& px) {
+    const uint64_t u = static_cast<uint64_t>(set * 2 + area) * num_experts + unit;
+    if (px.units_per_region == 0) return u * unit_bytes;
+    return (u / px.units_per_region) * px.region_stride + (u % px.units_per_region) * unit_bytes;
 }
 
 // Flag slot: [set][phase][E].
@@ -141,20 +144,146 @@ __device__ __forceinline__ int find_unit(const int32_t* start, int n, int row) {
 constexpr int kSegChunks = 8;
 constexpr int kSegBytes = 32 * kSegChunks * 16;
 
-// One warp copies chunks [seg * 256, seg * 256 + 256) of a row of n16 chunks, src read via L2.
-__device__ __forceinline__ void copy_seg(const uint4* src, uint4* dst, int n16, int seg, int lane) {
+// Loads of received rows. `sys`: the rows may have been written by a NIC or the CPU (the proxy
+// path: mapped host memory, or GPU memory under FI_HMEM), which the GPU's L2 does not see:
+// ld.cv drops a matching L2 line of system memory and fetches again (PTX ISA, cache operators),
+// so a row read two calls ago at the same address is never returned stale.
+template <typename T>
+__device__ __forceinline__ T ld_recv(const T* p, bool sys) {
+    return sys ? __ldcv(p) : __ldcg(p);
+}
+
+// One warp copies chunks [seg * 256, seg * 256 + 256) of a row of n16 chunks, src read via L2
+// (`sys`: see ld_recv).
+__device__ __forceinline__ void copy_seg(const uint4* src, uint4* dst, int n16, int seg, int lane,
+                                         bool sys = false) {
     uint4 v[kSegChunks];
 #pragma unroll
     for (int j = 0; j < kSegChunks; ++j) v[j] = make_uint4(0, 0, 0, 0);
     const int c0 = seg * 32 * kSegChunks + lane;
 #pragma unroll
     for (int j = 0; j < kSegChunks; ++j) {
-        if (c0 + 32 * j < n16) v[j] = __ldcg(src + c0 + 32 * j);
+        if (c0 + 32 * j < n16) v[j] = ld_recv(src + c0 + 32 * j, sys);
     }
 #pragma unroll
     for (int j = 0; j < kSegChunks; ++j) {
         if (c0 + 32 * j < n16) dst[c0 + 32 * j] = v[j];
     }
+}
+
+// ---- proxy transport (fep_abi.h fep_ll_proxy) ----------------------------------------------
+constexpr int kStHead = 0;        // ring head, the producer's copy
+constexpr int kStSetHead = 1;     // + set: head after the set's last push batch
+constexpr int kStPushed = 3;      // + phase * 2 + set: push batches ever made
+constexpr int kStCalls = 7;       // + phase * 2 + set: calls since the last clean
+constexpr int kStRecvTicket = 11; // u32 ticket of the receive kernels (low half of the word)
+constexpr int kStBase = 12;       // arr_base[num_slots], then sums_seen[num_slots]
+
+__device__ __forceinline__ uint64_t* px_state(const fep_ll_proxy& px) {
+    return reinterpret_cast<uint64_t*>(px.state);
+}
+
+__device__ __forceinline__ bool is_proxy(const fep_ll_peer* peers, int r) {
+    return peers[r].transport == FEP_LL_TRANSPORT_PROXY;
+}
+
+// Counter slot of a message as its receiver names it: (phase * 2 + set) * E + receive unit.
+__device__ __forceinline__ uint32_t px_slot(int phase, int set, int num_experts, int unit) {
+    return static_cast<uint32_t>((phase * 2 + set) * num_experts + unit);
+}
+
+// All threads of every send block, before staging rows in the set's send area: thread 0 waits
+// (bounded) until the NIC has read the staging of the set's previous use. Block-uniform result.
+__device__ __forceinline__ bool px_staging_free(const fep_ll_proxy& px, int set,
+                                                const fep::WaitCtx& ctx) {
+    __shared__ int s_ok;
+    if (threadIdx.x == 0) {
+        const uint64_t need = px_state(px)[kStSetHead + set];
+        s_ok = fep::wait_geq(reinterpret_cast<const uint64_t*>(px.sends_completed), need, ctx);
+    }
+    __syncthreads();
+    return s_ok != 0;
+}
+
+// All threads of the publishing block: reserves `n` ring entries (thread 0 waits, bounded, for
+// space). Returns the first ticket, or UINT64_MAX (block-uniform) when the wait ran out.
+__device__ __forceinline__ uint64_t px_reserve(const fep_ll_proxy& px, uint32_t n,
+                                               const fep::WaitCtx& ctx) {
+    __shared__ uint64_t s_head;
+    if (threadIdx.x == 0) {
+        fep_ring_hdr* hdr = reinterpret_cast<fep_ring_hdr*>(px.ring);
+        uint64_t head = px_state(px)[kStHead];
+        if (head + n - fep::ld_acquire_sys(&hdr->tail) > px.capacity &&
+            !fep::wait_geq(&hdr->tail, head + n - px.capacity, ctx)) {
+            head = UINT64_MAX;
+        }
+        s_head = head;
+    }
+    __syncthreads();
+    return s_head;
+}
+
+// Writes command `cmd` as ring ticket `ticket` (any thread; the publish fences).
+__device__ __forceinline__ void px_put(const fep_ll_proxy& px, uint64_t ticket, fep_cmd cmd) {
+    cmd.seq = static_cast<uint32_t>(ticket);
+    fep_cmd* entries = reinterpret_cast<fep_cmd*>(px.ring + sizeof(fep_ring_hdr));
+    uint4 lo, hi;
+    memcpy(&lo, &cmd, sizeof(lo));
+    memcpy(&hi, reinterpret_cast<const char*>(&cmd) + sizeof(lo), sizeof(hi));
+    uint4* dst = reinterpret_cast<uint4*>(entries + ticket % px.capacity);
+    dst[0] = lo;
+    dst[1] = hi;
+}
+
+// All threads of the publishing block, after px_put of tickets [head, head + n): one system fence
+// per thread, a barrier, then thread 0 publishes head + n and counts the call.
+__device__ __forceinline__ void px_publish(const fep_ll_proxy& px, uint64_t head, uint32_t n,
+                                           int phase, int set) {
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        fep_ring_hdr* hdr = reinterpret_cast<fep_ring_hdr*>(px.ring);
+        uint64_t* st = px_state(px);
+        fep::st_release_sys(&hdr->head, head + n);
+        st[kStHead] = head + n;
+        st[kStSetHead + set] = head + n;
+        st[kStPushed + phase * 2 + set] += 1;
+        st[kStCalls + phase * 2 + set] += 1;
+    }
+}
+
+// The command of one message: rows at `local` (this rank's staging) to `remote` (the peer's
+// receive unit), `count` rows of `record_bytes`; an empty write when count is 0.
+__device__ __forceinline__ fep_cmd px_cmd(uint64_t local, uint64_t remote, uint32_t count,
+                                          uint32_t record_bytes, int dst, uint32_t slot,
+                                          uint32_t value_bits) {
+    fep_cmd c;
+    c.local_offset = count ? local : 0;
+    c.remote_offset = count ? remote : 0;
+    c.length = count * record_bytes;
+    c.dst_rank = static_cast<uint32_t>(dst);
+    c.imm = (slot << value_bits) | count;
+    c.seq = 0;
+    return c;
+}
+
+// One thread: waits (bounded) for this call's message on `slot` and returns its row count
+// (sums - sums_seen); false after a timeout or an overrun (recorded, naming ctx.peer).
+__device__ __forceinline__ bool px_count(const fep_ll_proxy& px, int phase, int set, uint32_t slot,
+                                         uint32_t num_slots, const fep::WaitCtx& ctx,
+                                         uint64_t* count) {
+    const uint64_t* st = px_state(px);
+    const uint64_t expected = st[kStBase + slot] + st[kStCalls + phase * 2 + set];
+    const uint64_t* arr = reinterpret_cast<const uint64_t*>(px.arrivals) + slot;
+    if (!fep::wait_geq(arr, expected, ctx)) return false;
+    const uint64_t seen = fep::ld_acquire_sys(arr);
+    if (seen != expected) {  // a peer two calls ahead on this set: contract violation
+        fep::report_error(ctx.err, FEP_DEV_BAD_COUNT, ctx.rank, ctx.phase, ctx.peer, expected, seen);
+        return false;
+    }
+    const uint64_t sum = fep::ld_acquire_sys(reinterpret_cast<const uint64_t*>(px.sums) + slot);
+    *count = sum - st[kStBase + num_slots + slot];
+    return true;
 }
 
 }  // namespace ll

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use super::ep::{self as host_bench, NormalBenchParams, NormalBenchReport, RankInputs};
 use crate::bootstrap::{Bootstrap, InProcGroup};
-use crate::cuda::{Device, DeviceBuffer, Event, Graph, Stream};
+use crate::cuda::{Device, DeviceBuffer, Event, GraphExec, Stream};
 use crate::ep::buffer::{Buffer, BufferOptions};
 use crate::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use crate::ep::gpu::{
@@ -538,45 +538,57 @@ fn check_ll_dispatch(
     Ok(())
 }
 
-/// Low-latency mode: `warmup + iters` dispatches and combines (`p.hook`: each as send, then the
-/// hook's receive), every one checked against the reference. Times from CUDA events around
-/// dispatch (send + receive) and combine (send + receive).
-pub fn run_ll_gpu(dev: &Device, p: &GpuBenchParams) -> Result<GpuReport> {
-    let cases = LlCase::for_params(p)?;
-    on_threads(p.num_ranks, p.timeout, |rank, boot| ll_rank(dev, p, &cases, rank, boot))
+/// Where the ranks of a low-latency run sit, and what runs beyond the checked iterations.
+#[derive(Clone, Debug)]
+pub struct LlRunOptions {
+    /// Ranks per node: peers on other nodes go through the proxy (`ep::gpu::ll_proxy`).
+    pub ranks_per_node: usize,
+    /// The proxy path's libfabric provider (`None`: libfabric's choice).
+    pub provider: Option<String>,
+    /// After the checked iterations: this many dispatch + combine pairs back to back on the
+    /// stream (no host barrier, no check, no poison), timed per phase; the report then holds
+    /// these instead of the checked ones.
+    pub timed_iters: usize,
+    /// Timed loop as CUDA-graph replays: one dispatch + combine pair is captured once and
+    /// replayed `timed_iters` times (one launch per pair); only whole pairs are timed
+    /// ([`LlRankReport::pair_s`]).
+    pub graph: bool,
 }
 
-/// One rank of [`run_ll_gpu`]'s job when the ranks are processes (as [`run_normal_gpu_rank`]).
-pub fn run_ll_gpu_rank(
-    dev: &Device,
-    p: &GpuBenchParams,
-    boot: Arc<dyn Bootstrap>,
-) -> Result<NormalBenchReport> {
-    check_world(p, &*boot)?;
-    let cases = LlCase::for_params(p)?;
-    ll_rank(dev, p, &cases, boot.rank(), boot)
+impl LlRunOptions {
+    /// Every rank on one node.
+    pub fn one_node(num_ranks: usize) -> Self {
+        LlRunOptions {
+            ranks_per_node: num_ranks.max(1),
+            provider: None,
+            timed_iters: 0,
+            graph: false,
+        }
+    }
 }
 
-/// Every rank's low-latency inputs, expert outputs and expected results.
-struct LlCase {
+/// Inputs and reference outputs of every rank of a low-latency run (deterministic from the
+/// seed, so every process of a multi-process run computes the same).
+pub struct LlCase {
     inputs: Vec<LlInput>,
     ys: Vec<Vec<u16>>,
     want_d: Vec<refm::LlDispatchOut>,
     want_c: Vec<Vec<u16>>,
+    /// With `GpuBenchParams::graph`: a second case (other routing and data) that the checked
+    /// steps alternate with, so a replayed graph must follow what its buffers hold.
+    alt: Option<Box<LlCase>>,
 }
 
 impl LlCase {
-    /// One case, or two (different routing and data) with `p.graph`: a replayed graph must
-    /// follow whatever routing its buffers hold.
-    fn for_params(p: &GpuBenchParams) -> Result<Vec<Self>> {
-        let mut v = vec![LlCase::new(p, p.seed)?];
+    pub fn new(p: &GpuBenchParams) -> Result<Self> {
+        let mut c = Self::with_seed(p, p.seed)?;
         if p.graph {
-            v.push(LlCase::new(p, p.seed ^ 0x6a09_e667_f3bc_c908)?);
+            c.alt = Some(Box::new(Self::with_seed(p, p.seed ^ 0x6a09_e667_f3bc_c908)?));
         }
-        Ok(v)
+        Ok(c)
     }
 
-    fn new(p: &GpuBenchParams, seed: u64) -> Result<Self> {
+    fn with_seed(p: &GpuBenchParams, seed: u64) -> Result<Self> {
         let inputs = ll_inputs(p, seed)?;
         let lp = ll_params(p);
         let rin: Vec<refm::LlRankInput> =
@@ -611,39 +623,107 @@ impl LlCase {
             })
             .collect();
         let want_c = refm::ll_combine(&lp, &want_d, &cin)?;
-        drop(cin);
-        Ok(LlCase { inputs, ys, want_d, want_c })
+        Ok(LlCase { inputs, ys, want_d, want_c, alt: None })
+    }
+
+    /// Rows rank `src` sends rank `dst` in one dispatch, and the messages (one per local
+    /// expert of `dst`) that carry them.
+    pub fn rows_between(&self, p: &GpuBenchParams, src: usize, dst: usize) -> (usize, usize) {
+        let l = p.num_experts / p.num_ranks;
+        let rows =
+            self.inputs[src].topk_idx.iter().filter(|&&g| g >= 0 && g as usize / l == dst).count();
+        (rows, l)
     }
 }
 
-/// One rank's low-latency run (a thread or a process), every step checked. With `p.graph`,
-/// step 0 runs eagerly and every later step replays the captured phases, the cases alternating.
-fn ll_rank(
+/// Low-latency mode: `warmup + iters` dispatches and combines (`p.hook`: each as send, then the
+/// hook's receive), every one checked against the reference. Times from CUDA events around
+/// dispatch (send + receive) and combine (send + receive).
+pub fn run_ll_gpu(dev: &Device, p: &GpuBenchParams) -> Result<GpuReport> {
+    run_ll_gpu_on(dev, p, &LlRunOptions::one_node(p.num_ranks))
+}
+
+/// [`run_ll_gpu`] with `o.ranks_per_node` ranks per node (ranks are still threads of this
+/// process; peers on other "nodes" go through the proxy over `o.provider`).
+pub fn run_ll_gpu_on(dev: &Device, p: &GpuBenchParams, o: &LlRunOptions) -> Result<GpuReport> {
+    let case = LlCase::new(p)?;
+    on_threads(p.num_ranks, p.timeout, |rank, boot| {
+        run_ll_gpu_rank(dev, p, o, &case, rank, boot).map(|r| r.report)
+    })
+}
+
+/// One rank of [`run_ll_gpu`]'s job when the ranks are processes of one node (`boot` is this
+/// rank's bootstrap; its world size must be `p.num_ranks`; `dev` this rank's GPU).
+pub fn run_ll_gpu_process(
     dev: &Device,
     p: &GpuBenchParams,
-    cases: &[LlCase],
-    rank: usize,
     boot: Arc<dyn Bootstrap>,
 ) -> Result<NormalBenchReport> {
+    check_world(p, &*boot)?;
+    let case = LlCase::new(p)?;
+    let rank = boot.rank();
+    Ok(run_ll_gpu_rank(dev, p, &LlRunOptions::one_node(p.num_ranks), &case, rank, boot)?.report)
+}
+
+/// What one rank of a low-latency run measured.
+pub struct LlRankReport {
+    pub report: NormalBenchReport,
+    /// Hook mode, timed loop only: per pair, the send part of each phase (from the phase's start
+    /// to after its send kernel; the rest of the phase is the hook's receive). Empty otherwise.
+    pub dispatch_send_s: Vec<f64>,
+    pub combine_send_s: Vec<f64>,
+    /// Timed loop: host seconds per pair spent enqueueing (launches, event records); when it
+    /// is near the pair's GPU time, the GPU waited for the host and the phases are host-bound.
+    pub host_enqueue_s: f64,
+    /// Graph mode: per replay, the whole pair (dispatch + combine).
+    pub pair_s: Vec<f64>,
+}
+
+/// One rank of a low-latency run (the body [`run_ll_gpu_on`] runs per thread; a process of a
+/// multi-process run calls it with its own bootstrap). Collective over `boot`. An error of a
+/// rank with a proxy lane carries the lane's snapshot (`GpuBuffer::ll_proxy_snapshot`).
+pub fn run_ll_gpu_rank(
+    dev: &Device,
+    p: &GpuBenchParams,
+    o: &LlRunOptions,
+    case: &LlCase,
+    rank: usize,
+    boot: Arc<dyn Bootstrap>,
+) -> Result<LlRankReport> {
     let (h, m) = (p.hidden, p.num_tokens);
-    let cfg = p.config(rank)?;
-    let me = &cases[0].inputs[rank];
+    let mut cfg = p.config(rank)?;
+    if o.ranks_per_node != cfg.ranks_per_node {
+        let mut s = cfg.settings().clone();
+        s.ranks_per_node = o.ranks_per_node;
+        cfg = EpConfig::new(s)?;
+    }
+    let me = &case.inputs[rank];
     let t = m;
-    let mut buf = Buffer::new(cfg, boot.clone(), BufferOptions::gpu(p.gpu_options(dev, false)))?;
+    let opts = GpuOptions { ll_provider: o.provider.clone(), ..p.gpu_options(dev, false) };
+    let mut buf = Buffer::new(cfg, boot.clone(), BufferOptions::gpu(opts))?;
     let mut x = upload(dev, &me.x)?;
     let mut ti = upload(dev, &me.topk_idx)?;
     let mut tw = upload(dev, &me.topk_weights)?;
-    let mut y = upload(dev, &cases[0].ys[rank])?;
+    let mut y = upload(dev, &case.ys[rank])?;
     let out_c = DeviceBuffer::new(dev, (t * h * 2).max(16))?;
     let stream = Stream::new(dev)?;
-    let ev: Vec<Event> = (0..3).map(|_| Event::new(dev)).collect::<std::result::Result<_, _>>()?;
+    // Timed loop: 4 events per pair (after dispatch send, dispatch, combine send, combine).
+    let n_ev = 4 * o.timed_iters + 3;
+    let ev: Vec<Event> =
+        (0..n_ev).map(|_| Event::new(dev)).collect::<std::result::Result<_, _>>()?;
     let pairs = me.topk_idx.iter().filter(|&&e| e >= 0).count() as u64;
     let tok_bytes = if p.fp8 { h + h / 128 * 4 } else { 2 * h } as u64;
-    let mut rep = NormalBenchReport {
-        dispatch_s: Vec::new(),
-        combine_s: Vec::new(),
-        dispatch_bytes: pairs * tok_bytes,
-        combine_bytes: pairs * 2 * h as u64,
+    let mut rep = LlRankReport {
+        report: NormalBenchReport {
+            dispatch_s: Vec::new(),
+            combine_s: Vec::new(),
+            dispatch_bytes: pairs * tok_bytes,
+            combine_bytes: pairs * 2 * h as u64,
+        },
+        dispatch_send_s: Vec::new(),
+        combine_send_s: Vec::new(),
+        host_enqueue_s: 0.0,
+        pair_s: Vec::new(),
     };
     let gpu = buf.gpu()?;
     let out = gpu.new_ll_dispatch_out()?;
@@ -665,73 +745,158 @@ fn ll_rank(
         return_recv_hook: p.hook,
         stream: &stream,
     };
-    // The two phases of a step (each: send, then the hook's receive when hooked).
-    // SAFETY (all uses): every buffer lives until the stream is synchronised below, and all
-    // ranks make the same sequence of calls.
-    let dispatch = |gpu: &mut crate::ep::gpu::GpuBuffer| -> Result<()> {
-        unsafe {
-            if let Some(hook) = gpu.low_latency_dispatch_gpu(&da, &out)? {
-                gpu.low_latency_dispatch_recv_gpu(hook, &out, &stream)?;
+    let res = (|| -> Result<()> {
+        let r = &mut rep.report;
+        // The phases of a checked step (each: send, then the hook's receive when hooked).
+        // SAFETY (all uses): every buffer lives until sync_gpu below; all ranks make the same
+        // calls.
+        let dispatch = |gpu: &mut crate::ep::gpu::GpuBuffer| -> Result<()> {
+            unsafe {
+                if let Some(hook) = gpu.low_latency_dispatch_gpu(&da, &out)? {
+                    gpu.low_latency_dispatch_recv_gpu(hook, &out, &stream)?;
+                }
+            }
+            Ok(())
+        };
+        let combine = |gpu: &mut crate::ep::gpu::GpuBuffer| -> Result<()> {
+            unsafe {
+                if let Some(hook) = gpu.low_latency_combine_gpu(&ca)? {
+                    gpu.low_latency_combine_recv_gpu(hook, &ca)?;
+                }
+            }
+            Ok(())
+        };
+        // `p.graph`: step 0 eager, then each phase captured once in its own graph (events
+        // between the launches time each phase) and replayed, the two cases alternating.
+        let cases: Vec<&LlCase> = std::iter::once(case).chain(case.alt.as_deref()).collect();
+        let mut graphs: Option<(GraphExec, GraphExec)> = None;
+        for it in 0..p.warmup + p.iters {
+            let c = cases[it % cases.len()];
+            if cases.len() > 1 {
+                // Host copies on the legacy stream, outside any step (no kernel of this rank in
+                // flight; peers' kernels wait for this rank's sends, not for these copies).
+                let i = &c.inputs[rank];
+                x.copy_from_host(&i.x)?;
+                ti.copy_from_host(&i.topk_idx)?;
+                tw.copy_from_host(&i.topk_weights)?;
+                y.copy_from_host(&c.ys[rank])?;
+            }
+            if p.graph && it == 1 {
+                let (gd, ()) = GraphExec::capture(&stream, || dispatch(gpu))?;
+                let (gc, ()) = GraphExec::capture(&stream, || combine(gpu))?;
+                graphs = Some((gd, gc));
+            }
+            boot.barrier()?;
+            out.recv_x.memset_async(0xAB, &stream)?;
+            out_c.memset_async(0xAB, &stream)?;
+            ev[0].record(&stream)?;
+            match &graphs {
+                Some((gd, _)) => gd.launch(&stream)?,
+                None => dispatch(gpu)?,
+            }
+            ev[1].record(&stream)?;
+            match &graphs {
+                Some((_, gc)) => gc.launch(&stream)?,
+                None => combine(gpu)?,
+            }
+            ev[2].record(&stream)?;
+            gpu.sync_gpu(&stream)?;
+            check_ll_dispatch(rank, it, p, &out.to_host()?, &c.want_d[rank])?;
+            let got: Vec<u16> = out_c.to_vec()?;
+            if got[..t * h] != c.want_c[rank][..] {
+                return Err(mismatch(rank, "low-latency combine", it));
+            }
+            if it >= p.warmup {
+                r.dispatch_s.push(elapsed_s(&ev[0], &ev[1])?);
+                r.combine_s.push(elapsed_s(&ev[1], &ev[2])?);
             }
         }
-        Ok(())
-    };
-    let combine = |gpu: &mut crate::ep::gpu::GpuBuffer| -> Result<()> {
-        unsafe {
-            if let Some(hook) = gpu.low_latency_combine_gpu(&ca)? {
-                gpu.low_latency_combine_recv_gpu(hook, &ca)?;
-            }
-        }
-        Ok(())
-    };
-    // Each phase in its own graph, so CUDA events between the launches time each phase.
-    let mut graphs: Option<(Graph, Graph)> = None;
-    for it in 0..p.warmup + p.iters {
-        let case = &cases[it % cases.len()];
-        if cases.len() > 1 {
-            // Host copies on the legacy stream, outside any step (no kernel of this rank in
-            // flight; peers' kernels wait for this rank's sends, not for these copies).
-            let c = &case.inputs[rank];
-            x.copy_from_host(&c.x)?;
-            ti.copy_from_host(&c.topk_idx)?;
-            tw.copy_from_host(&c.topk_weights)?;
-            y.copy_from_host(&case.ys[rank])?;
-        }
-        if p.graph && it == 1 {
-            let cap = Graph::begin_capture(&stream)?;
-            dispatch(gpu)?;
-            let gd = cap.end()?;
-            let cap = Graph::begin_capture(&stream)?;
-            combine(gpu)?;
-            graphs = Some((gd, cap.end()?));
+        if o.timed_iters == 0 {
+            return Ok(());
         }
         boot.barrier()?;
-        out.recv_x.memset_async(0xAB, &stream)?;
-        out_c.memset_async(0xAB, &stream)?;
+        if o.graph {
+            // SAFETY: as above; the graph names the same buffers, alive until the sync below.
+            let (g, ()) = GraphExec::capture(&stream, || -> Result<()> {
+                unsafe {
+                    if let Some(hook) = gpu.low_latency_dispatch_gpu(&da, &out)? {
+                        gpu.low_latency_dispatch_recv_gpu(hook, &out, &stream)?;
+                    }
+                    if let Some(hook) = gpu.low_latency_combine_gpu(&ca)? {
+                        gpu.low_latency_combine_recv_gpu(hook, &ca)?;
+                    }
+                }
+                Ok(())
+            })?;
+            boot.barrier()?;
+            let t0 = std::time::Instant::now();
+            ev[0].record(&stream)?;
+            for i in 0..o.timed_iters {
+                g.launch(&stream)?;
+                ev[i + 1].record(&stream)?;
+            }
+            rep.host_enqueue_s = t0.elapsed().as_secs_f64() / o.timed_iters as f64;
+            gpu.sync_gpu(&stream)?;
+            let it = p.warmup + p.iters + o.timed_iters;
+            check_ll_dispatch(rank, it, p, &out.to_host()?, &case.want_d[rank])?;
+            let got: Vec<u16> = out_c.to_vec()?;
+            if got[..t * h] != case.want_c[rank][..] {
+                return Err(mismatch(rank, "low-latency combine (graph replay)", it));
+            }
+            for i in 0..o.timed_iters {
+                rep.pair_s.push(elapsed_s(&ev[i], &ev[i + 1])?);
+            }
+            return Ok(());
+        }
+        let t0 = std::time::Instant::now();
         ev[0].record(&stream)?;
-        match &graphs {
-            Some((gd, _)) => gd.launch(&stream)?,
-            None => dispatch(gpu)?,
+        for i in 0..o.timed_iters {
+            let e = &ev[4 * i + 1..4 * i + 5];
+            // SAFETY: as above; each rank's calls are ordered on its stream, so call N + 2 of
+            // any rank starts after its peers' call N receives (DeepEP's set contract).
+            unsafe {
+                if let Some(hook) = gpu.low_latency_dispatch_gpu(&da, &out)? {
+                    e[0].record(&stream)?;
+                    gpu.low_latency_dispatch_recv_gpu(hook, &out, &stream)?;
+                }
+                e[1].record(&stream)?;
+                if let Some(hook) = gpu.low_latency_combine_gpu(&ca)? {
+                    e[2].record(&stream)?;
+                    gpu.low_latency_combine_recv_gpu(hook, &ca)?;
+                }
+                e[3].record(&stream)?;
+            }
         }
-        ev[1].record(&stream)?;
-        match &graphs {
-            Some((_, gc)) => gc.launch(&stream)?,
-            None => combine(gpu)?,
-        }
-        ev[2].record(&stream)?;
+        rep.host_enqueue_s = t0.elapsed().as_secs_f64() / o.timed_iters as f64;
         gpu.sync_gpu(&stream)?;
+        // The last pair is still checked (the timed loop must not trade correctness).
+        let it = p.warmup + p.iters + o.timed_iters;
         check_ll_dispatch(rank, it, p, &out.to_host()?, &case.want_d[rank])?;
         let got: Vec<u16> = out_c.to_vec()?;
         if got[..t * h] != case.want_c[rank][..] {
-            return Err(mismatch(rank, "low-latency combine", it));
+            return Err(mismatch(rank, "low-latency combine (timed loop)", it));
         }
-        if it >= p.warmup {
-            rep.dispatch_s.push(elapsed_s(&ev[0], &ev[1])?);
-            rep.combine_s.push(elapsed_s(&ev[1], &ev[2])?);
+        r.dispatch_s.clear();
+        r.combine_s.clear();
+        for i in 0..o.timed_iters {
+            let start = if i == 0 { &ev[0] } else { &ev[4 * i] };
+            let e = &ev[4 * i + 1..4 * i + 5];
+            r.dispatch_s.push(elapsed_s(start, &e[1])?);
+            r.combine_s.push(elapsed_s(&e[1], &e[3])?);
+            if p.hook {
+                rep.dispatch_send_s.push(elapsed_s(start, &e[0])?);
+                rep.combine_send_s.push(elapsed_s(&e[1], &e[2])?);
+            }
         }
+        Ok(())
+    })();
+    if let Err(e) = res {
+        return Err(match gpu.ll_proxy_snapshot() {
+            Some(snap) => Error::Other(format!("{e} [{snap}]")),
+            None => e,
+        });
     }
     boot.barrier()?;
-    drop(graphs);
     drop(out);
     buf.destroy()?;
     Ok(rep)

@@ -788,7 +788,7 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
 /// through CUDA IPC; every result checked; rank 0 prints the rows for the launcher.
 fn run_gpu_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult<()> {
     use fabric_ep::bench::ep_gpu::{
-        run_ll_gpu_rank, run_normal_gpu_rank, GpuBenchParams, GpuSplit,
+        run_ll_gpu_process, run_normal_gpu_rank, GpuBenchParams, GpuSplit,
     };
     let dev = fabric_ep::cuda::Device::from_env()?;
     let (rank, world, local) = (boot.rank(), boot.world_size(), boot.local_world_size());
@@ -829,7 +829,7 @@ fn run_gpu_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult<()
     if matches!(c.mode, Mode::LowLatency | Mode::Both) {
         for hook in [false, true] {
             let p = GpuBenchParams { hook, ..base(128) };
-            let r = run_ll_gpu_rank(&dev, &p, boot.clone()).map_err(hint)?;
+            let r = run_ll_gpu_process(&dev, &p, boot.clone()).map_err(hint)?;
             rows.extend(gpu_rows("low-latency", hook, &p, &r));
         }
     }

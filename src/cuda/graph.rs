@@ -1,115 +1,84 @@
-//! CUDA graph capture and replay of a stream's work (the low-latency step is built to be
-//! captured: no host synchronisation, device-side epochs).
-//!
-//! ```no_run
-//! # use fabric_ep::cuda::{Device, Stream, Graph};
-//! # fn f(dev: &Device, s: &Stream) -> fabric_ep::cuda::CudaResult<()> {
-//! let capture = Graph::begin_capture(s)?;
-//! // ... launches on `s` (and on streams joined to it through events) ...
-//! let graph = capture.end()?;
-//! graph.launch(s)?; // replays every captured launch, in the captured order
-//! # Ok(()) }
-//! ```
+//! CUDA graphs: capture what a closure enqueues on a stream, instantiate it once, replay it.
+//! The low-latency steps are built to be captured (no host synchronisation, device-side epochs
+//! and proxy state), so a replay runs a whole step with one launch.
 
 use super::device::Device;
 use super::driver::call;
 use super::stream::Stream;
-use super::CudaResult;
+use super::{CudaError, CudaResult};
 use cudarc::driver::sys;
 
-/// An open capture on a stream: launches on it are recorded, not run. End it with
-/// [`Capture::end`]; dropping it ends the capture and discards what was recorded.
-#[must_use = "a capture records nothing useful until ended"]
-pub struct Capture<'a> {
-    stream: &'a Stream,
-    open: bool,
-}
-
-/// An instantiated graph: replay with [`Graph::launch`].
-pub struct Graph {
+/// An instantiated graph (and the graph it came from), destroyed on drop.
+pub struct GraphExec {
     dev: Device,
     graph: sys::CUgraph,
     exec: sys::CUgraphExec,
 }
 
-// SAFETY: graph handles may be used from any thread (launches on one stream are serialised by
-// the driver).
-unsafe impl Send for Graph {}
+// SAFETY: graph handles may be used from any thread; launches are ordered by their stream.
+unsafe impl Send for GraphExec {}
 
-impl Graph {
-    /// Starts capturing `stream` in thread-local mode: other threads (peer ranks that are
-    /// threads of this process) may keep making ordinary CUDA calls meanwhile.
-    pub fn begin_capture(stream: &Stream) -> CudaResult<Capture<'_>> {
-        stream.device().bind()?;
-        // SAFETY: stream valid, context bound.
-        unsafe {
-            call!(cuStreamBeginCapture_v2(
-                stream.as_raw(),
-                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
-            ))?
+impl GraphExec {
+    /// Captures everything `f` enqueues on `stream` (and on streams it joins through events)
+    /// into a graph, instantiates it and returns it with `f`'s value. Thread-local capture mode:
+    /// CUDA calls of other threads (other ranks of this process) are not affected. When `f`
+    /// fails, the capture is ended and discarded, and `f`'s error is returned.
+    pub fn capture<T, E: From<CudaError>>(
+        stream: &Stream,
+        f: impl FnOnce() -> Result<T, E>,
+    ) -> Result<(GraphExec, T), E> {
+        let dev = stream.device().clone();
+        dev.bind()?;
+        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        // SAFETY: a valid stream of the bound context.
+        unsafe { call!(cuStreamBeginCapture_v2(stream.as_raw(), mode)) }?;
+        let res = f();
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: the capture began on this stream above; `graph` is an out-pointer.
+        let end = unsafe { call!(cuStreamEndCapture(stream.as_raw(), &mut graph)) };
+        let value = match (res, end) {
+            (Ok(v), Ok(())) => v,
+            (res, end) => {
+                if !graph.is_null() {
+                    // SAFETY: a graph the capture returned, not used elsewhere.
+                    unsafe { sys::cuGraphDestroy(graph) };
+                }
+                return Err(match (res, end) {
+                    (Err(e), _) => e,
+                    (Ok(_), Err(e)) => e.into(),
+                    (Ok(_), Ok(())) => CudaError::InvalidArgument {
+                        arg: "capture",
+                        msg: "stream capture failed".into(),
+                    }
+                    .into(),
+                });
+            }
         };
-        Ok(Capture { stream, open: true })
+        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+        // SAFETY: `graph` is a complete captured graph; `exec` is an out-pointer.
+        if let Err(e) = unsafe { call!(cuGraphInstantiateWithFlags(&mut exec, graph, 0)) } {
+            // SAFETY: as above.
+            unsafe { sys::cuGraphDestroy(graph) };
+            return Err(e.into());
+        }
+        Ok((GraphExec { dev, graph, exec }, value))
     }
 
-    /// Replays the graph on `stream` (asynchronous, like any launch).
+    /// Launches the whole graph on `stream` (asynchronous).
     pub fn launch(&self, stream: &Stream) -> CudaResult<()> {
         self.dev.bind()?;
-        // SAFETY: exec and stream valid in this context.
+        // SAFETY: an instantiated graph of this context and a valid stream.
         unsafe { call!(cuGraphLaunch(self.exec, stream.as_raw())) }
     }
 }
 
-impl Capture<'_> {
-    /// Ends the capture and instantiates the graph.
-    pub fn end(mut self) -> CudaResult<Graph> {
-        self.open = false;
-        let dev = self.stream.device().clone();
-        dev.bind()?;
-        let mut graph: sys::CUgraph = std::ptr::null_mut();
-        // SAFETY: the stream is capturing (begin_capture); out-pointer valid.
-        unsafe { call!(cuStreamEndCapture(self.stream.as_raw(), &mut graph))? };
-        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
-        // SAFETY: graph valid (just captured); out-pointer valid.
-        if let Err(e) = unsafe { call!(cuGraphInstantiateWithFlags(&mut exec, graph, 0)) } {
-            // SAFETY: graph came from cuStreamEndCapture and is not used again.
-            unsafe {
-                let _ = sys::cuGraphDestroy(graph);
-            }
-            return Err(e);
-        }
-        Ok(Graph { dev, graph, exec })
-    }
-}
-
-impl Drop for Capture<'_> {
+impl Drop for GraphExec {
     fn drop(&mut self) {
-        if !self.open {
-            return;
-        }
-        // SAFETY: the stream is capturing; whatever was recorded is destroyed at once.
+        // SAFETY: both handles were created by `capture` and are destroyed once; a launch in
+        // flight keeps its own reference in the driver.
         unsafe {
-            if self.stream.device().bind().is_ok() {
-                let mut g: sys::CUgraph = std::ptr::null_mut();
-                if sys::cuStreamEndCapture(self.stream.as_raw(), &mut g)
-                    == sys::CUresult::CUDA_SUCCESS
-                    && !g.is_null()
-                {
-                    let _ = sys::cuGraphDestroy(g);
-                }
-            }
-        }
-    }
-}
-
-impl Drop for Graph {
-    fn drop(&mut self) {
-        // SAFETY: both made by `Capture::end`; a launched graph may be destroyed while it runs
-        // (the driver keeps what the launch needs).
-        unsafe {
-            if self.dev.bind().is_ok() {
-                let _ = sys::cuGraphExecDestroy(self.exec);
-                let _ = sys::cuGraphDestroy(self.graph);
-            }
+            sys::cuGraphExecDestroy(self.exec);
+            sys::cuGraphDestroy(self.graph);
         }
     }
 }

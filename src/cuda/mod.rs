@@ -22,7 +22,7 @@ mod stream;
 
 pub use dev_error::DevErrorRecord;
 pub use device::Device;
-pub use graph::{Capture, Graph};
+pub use graph::GraphExec;
 pub use memory::{ipc_export, DeviceBuffer, HostMapped, IpcHandle, IpcMapping, PeerMemory};
 pub use module::{Kernel, FATBIN};
 pub use stream::{Event, Stream};

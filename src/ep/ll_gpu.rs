@@ -41,7 +41,7 @@
 
 use crate::abi;
 use crate::cuda::launch::{self, LaunchConfig};
-use crate::cuda::{CudaError, DevErrorRecord, Device, DeviceBuffer, Stream};
+use crate::cuda::{CudaError, DevErrorRecord, Device, DeviceBuffer, HostMapped, Stream};
 use crate::ep::config::DispatchDtype;
 use crate::ep::plan::LlLayout;
 use crate::{Error, Result};
@@ -262,15 +262,47 @@ pub struct LlTicket {
     pub num_tokens: usize,
 }
 
+/// Where a rank's LL buffer lives: device memory (peers on this node only, or a provider with
+/// `FI_HMEM` that registers GPU memory), or pinned host memory mapped into the GPU (peers on
+/// other nodes over a provider without `FI_HMEM`: libfabric registers it as host memory).
+#[derive(Clone)]
+pub enum LlMem {
+    Device(Arc<DeviceBuffer>),
+    Host(Arc<HostMapped>),
+}
+
+impl LlMem {
+    /// The address the kernels use.
+    pub fn device_ptr(&self) -> u64 {
+        match self {
+            LlMem::Device(b) => b.device_ptr(),
+            LlMem::Host(m) => m.device_ptr(),
+        }
+    }
+    pub fn len(&self) -> usize {
+        match self {
+            LlMem::Device(b) => b.len(),
+            LlMem::Host(m) => m.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// One rank: its LL buffer, flags, peer table, stream and error record.
 pub struct LlGpuRank {
     rank: usize,
     cfg: LlGpuConfig,
     layout: LlLayout,
     stream: Stream,
-    buf: Arc<DeviceBuffer>,
+    buf: LlMem,
     flags: Arc<DeviceBuffer>,
     peers: DeviceBuffer,
+    /// The proxy lane's kernel view (all zero: no proxy peers) and its device state
+    /// (`fep_ll_proxy.state`, see fep_abi.h); set by `ep::gpu::ll_proxy`.
+    proxy: abi::fep_ll_proxy,
+    proxy_state: Option<DeviceBuffer>,
     /// u32 [2] dispatch-send and combine-send tickets (kernels leave them zero), then u64 [2]
     /// per-set epochs (device memory, advanced by the send kernels).
     workspace: DeviceBuffer,
@@ -302,6 +334,18 @@ impl LlGpuRank {
     /// built one by one (a `Buffer` per thread): exchange [`Self::peer_entry`] of every rank,
     /// then [`Self::set_peers`]. `grid` is the rank's SM budget (blocks per launch).
     pub fn new_unconnected(dev: &Device, cfg: LlGpuConfig, rank: usize, grid: u32) -> Result<Self> {
+        Self::new_unconnected_in(dev, cfg, rank, grid, None)
+    }
+
+    /// As [`Self::new_unconnected`], with the LL buffer `mem` (at least
+    /// `LlLayout::total_bytes`) instead of a fresh device buffer.
+    pub fn new_unconnected_in(
+        dev: &Device,
+        cfg: LlGpuConfig,
+        rank: usize,
+        grid: u32,
+        mem: Option<LlMem>,
+    ) -> Result<Self> {
         let layout = cfg.layout()?;
         if rank >= cfg.num_ranks || grid == 0 || grid > dev.sm_count() {
             return Err(Error::arg(
@@ -316,11 +360,23 @@ impl LlGpuRank {
         let total = usize::try_from(layout.total_bytes())
             .map_err(|_| Error::arg("max_tokens_per_rank", "LL buffer larger than memory"))?;
         let flag_bytes = 2 * 2 * cfg.num_experts * 8;
+        let buf = match mem {
+            Some(m) if m.len() < total => {
+                return Err(Error::arg(
+                    "mem",
+                    format!("{} bytes, the LL buffer needs {total}", m.len()),
+                ))
+            }
+            Some(m) => m,
+            None => LlMem::Device(Arc::new(DeviceBuffer::new(dev, total)?)),
+        };
         let r = LlGpuRank {
             rank,
             layout,
             stream: Stream::new(dev)?,
-            buf: Arc::new(DeviceBuffer::new(dev, total)?),
+            buf,
+            proxy: abi::fep_ll_proxy::default(),
+            proxy_state: None,
             flags: Arc::new(DeviceBuffer::zeroed(dev, flag_bytes)?),
             peers: DeviceBuffer::zeroed(
                 dev,
@@ -361,6 +417,34 @@ impl LlGpuRank {
         }
         self.peers.copy_from_host(table)?;
         Ok(())
+    }
+
+    /// Installs the proxy lane's kernel view and its device state (zeroed, `12 + 8 E` u64).
+    pub(crate) fn set_proxy(&mut self, px: abi::fep_ll_proxy, state: DeviceBuffer) {
+        self.proxy = abi::fep_ll_proxy { state: state.device_ptr(), ..px };
+        self.proxy_state = Some(state);
+    }
+
+    /// The proxy lane's device state, if any.
+    pub(crate) fn proxy_state(&self) -> Option<&DeviceBuffer> {
+        self.proxy_state.as_ref()
+    }
+
+    /// Overwrites the proxy lane's device state (the clean fence re-bases it); no kernel of this
+    /// rank may run.
+    pub(crate) fn upload_proxy_state(&mut self, words: &[u64]) -> Result<()> {
+        let st = self
+            .proxy_state
+            .as_mut()
+            .ok_or_else(|| Error::Other(format!("rank {}: no proxy lane", self.rank)))?;
+        st.copy_from_host(words)?;
+        self.stream.device().synchronize()?;
+        Ok(())
+    }
+
+    /// The LL buffer.
+    pub fn mem(&self) -> &LlMem {
+        &self.buf
     }
 
     /// After a failed call (a timeout) on every rank: waits for this rank's stream (bounded),
@@ -452,6 +536,7 @@ impl LlGpuRank {
             use_fp8: c.use_fp8 as i32,
             round_scale: c.round_scale as i32,
             _pad: 0,
+            proxy: self.proxy,
         })
     }
 
@@ -540,6 +625,7 @@ impl LlGpuRank {
             rank: self.rank as i32,
             set: t.set as i32,
             _pad: 0,
+            proxy: self.proxy,
         })
     }
 
@@ -652,7 +738,9 @@ impl LlGpuGroup {
                 cfg: cfg.clone(),
                 layout,
                 stream: Stream::new(dev)?,
-                buf: Arc::new(DeviceBuffer::new(dev, total)?),
+                buf: LlMem::Device(Arc::new(DeviceBuffer::new(dev, total)?)),
+                proxy: abi::fep_ll_proxy::default(),
+                proxy_state: None,
                 flags: Arc::new(DeviceBuffer::zeroed(dev, flag_bytes)?),
                 peers: DeviceBuffer::new(
                     dev,

@@ -40,9 +40,9 @@
 //! another GPU the two must be able to access each other (`cuDeviceCanAccessPeer`); a peer that
 //! cannot be reached (another machine, no peer access) is an error naming it at connect time.
 //! [`GpuBuffer::peer_paths`] says which path each peer got.
-//! Ranks on other nodes (`ranks_per_node < num_ranks`, normal mode) are reached through the
-//! proxy lane instead ([`normal_proxy`]: libfabric RMA writes posted by the CPU proxy,
-//! `GpuOptions::proxy_provider`), wherever they run.
+//! Ranks on other nodes (`ranks_per_node < num_ranks`) are reached through proxy lanes
+//! instead, wherever they run: libfabric RMA writes posted by a CPU proxy, one lane per mode
+//! ([`normal_proxy`], `GpuOptions::proxy_provider`; [`ll_proxy`], `GpuOptions::ll_provider`).
 //!
 //! NOTES (co-residency): receive kernels spin on other ranks' sends, so every rank's running
 //! kernel must be resident at once. Each rank launches at most `num_sms` blocks (default:
@@ -65,6 +65,8 @@
 //! `destroy` (a failed rank) skips those waits.
 
 pub mod normal_proxy;
+
+pub mod ll_proxy;
 
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
@@ -106,6 +108,9 @@ pub struct GpuOptions {
     /// Normal mode with `ranks_per_node < num_ranks`: the libfabric provider of the proxy lane
     /// to the other nodes ([`normal_proxy`]; `efa` on EFA, `shm` / `tcp;ofi_rxm` on one box).
     pub proxy_provider: String,
+    /// Low-latency mode, peers on other nodes (`ranks_per_node < num_ranks`): the libfabric
+    /// provider of the proxy path ([`ll_proxy`]); `None`: `FI_PROVIDER` or libfabric's first.
+    pub ll_provider: Option<String>,
 }
 
 impl GpuOptions {
@@ -120,6 +125,7 @@ impl GpuOptions {
             normal: true,
             low_latency: true,
             proxy_provider: "shm".to_string(),
+            ll_provider: None,
         }
     }
 }
@@ -332,6 +338,9 @@ struct NormalPart {
 }
 
 struct LlPart {
+    // NOTES: field order is drop order: the proxy lane (which registered the rank's buffer)
+    // goes before the rank that owns the memory.
+    lane: Option<ll_proxy::LlProxyLane>,
     rank: LlGpuRank,
     enter: Event,
     leave: Event,
@@ -457,7 +466,15 @@ impl GpuBuffer {
                 sm_budget: Some(num_sms as u32),
                 timeout,
             };
-            Some(LlGpuRank::new_unconnected(&dev, lcfg, rank, num_sms as u32)?)
+            // Peers on other nodes: the proxy lane decides where the LL buffer lives.
+            let prep = if cfg.num_nodes() > 1 {
+                let p = opts.ll_provider.as_deref();
+                Some(ll_proxy::LlProxyPrep::open(&dev, p, r, lcfg.layout()?)?)
+            } else {
+                None
+            };
+            let mem = prep.as_ref().map(|p| p.mem());
+            Some((LlGpuRank::new_unconnected_in(&dev, lcfg, rank, num_sms as u32, mem)?, prep))
         } else {
             None
         };
@@ -477,7 +494,7 @@ impl GpuBuffer {
         ] {
             blob.extend_from_slice(&v.to_le_bytes());
         }
-        let entry = ll.as_ref().map(|l| l.peer_entry()).unwrap_or_default();
+        let entry = ll.as_ref().map(|(l, _)| l.peer_entry()).unwrap_or_default();
         blob.extend_from_slice(bytemuck::bytes_of(&entry));
         let exported = [normal.as_ref().map_or(0, |(_, b)| b.device_ptr()), entry.buf, entry.flags];
         blob.extend_from_slice(&peers.export(&dev, &exported)?);
@@ -497,17 +514,8 @@ impl GpuBuffer {
             }
             let v = |i| read_u64(b, i).ok_or_else(bad);
             cfg.check_peer_hash(peer, v(0)?)?;
-            // Peers on other nodes are reached through the proxy lane (normal mode only).
-            if cfg.node_of(peer) != cfg.node_of(rank) && opts.low_latency {
-                return Err(Error::arg(
-                    "low_latency",
-                    format!(
-                        "rank {peer} is on another node (ranks_per_node {}): the GPU \
-                         low-latency mode has no internode path in this version",
-                        cfg.ranks_per_node
-                    ),
-                ));
-            }
+            // Peers on other nodes need no check here: both modes reach them through their
+            // proxy lanes (attached below), from any process.
             let theirs = (v(3)?, v(4)?, v(5)?);
             let ours = (
                 opts.chunk_tokens as u64,
@@ -559,10 +567,18 @@ impl GpuBuffer {
             None => None,
         };
         let ll = match ll {
-            Some(mut l) => {
-                // SAFETY: as above, for the LL buffers and flags.
+            Some((mut l, prep)) => {
+                let lane = match prep {
+                    Some(p) => {
+                        Some(p.connect(boot, cfg.ranks_per_node, &mut l, &mut table, timeout)?)
+                    }
+                    None => None,
+                };
+                // SAFETY: as above, for the LL buffers and flags of same-node peers (proxy
+                // peers' entries carry no pointers).
                 unsafe { l.set_peers(&table)? };
                 Some(LlPart {
+                    lane,
                     rank: l,
                     enter: Event::new_untimed(&dev)?,
                     leave: Event::new_untimed(&dev)?,
@@ -590,6 +606,25 @@ impl GpuBuffer {
     /// How this rank reaches each rank's buffers (pointers, peer access or CUDA IPC).
     pub fn peer_paths(&self) -> &[PeerPath] {
         &self.paths
+    }
+
+    /// Low-latency proxy lane ([`ll_proxy`]): `None` when every peer is on this node, else
+    /// `Some(hmem)` (`true`: the LL buffer is GPU memory registered with `FI_HMEM`).
+    pub fn ll_proxy_hmem(&self) -> Option<bool> {
+        self.ll.as_ref().and_then(|l| l.lane.as_ref()).map(|lane| lane.hmem())
+    }
+
+    /// Diagnostics of the low-latency proxy lane (`None` without one): see
+    /// [`ll_proxy`]'s `LlProxyLane::snapshot`. Only while no kernel of this rank runs (after
+    /// `sync_gpu` returned).
+    pub fn ll_proxy_snapshot(&self) -> Option<String> {
+        let l = self.ll.as_ref()?;
+        Some(l.lane.as_ref()?.snapshot(&l.rank))
+    }
+
+    /// Why the proxy lane did not use the provider's `FI_HMEM` (its CUDA registration failed).
+    pub fn ll_proxy_hmem_refused(&self) -> Option<&str> {
+        self.ll.as_ref().and_then(|l| l.lane.as_ref()).and_then(|lane| lane.hmem_refused())
     }
 
     /// This rank's SM budget (blocks per kernel).
@@ -675,6 +710,10 @@ impl GpuBuffer {
         if res.is_ok() {
             if let Some(l) = &self.ll {
                 res = l.rank.finish();
+                // A stopped proxy is the root cause of the kernel's timeout: report it instead.
+                if let Some(Err(e)) = l.lane.as_ref().map(|lane| lane.check()) {
+                    res = Err(e);
+                }
             }
         }
         res.map_err(|e| self.device_error(e))
@@ -1001,6 +1040,9 @@ impl GpuBuffer {
             Error::arg("mode", "low-latency mode was not enabled (GpuOptions::low_latency)")
         })?;
         l.rank.clean()?;
+        if let Some(lane) = &l.lane {
+            lane.fence(&mut l.rank)?;
+        }
         if let Some(n) = self.normal.as_mut() {
             n.rank.reset()?;
         }

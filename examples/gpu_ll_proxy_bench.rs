@@ -1,0 +1,268 @@
+//! Low-latency dispatch and combine through the CPU proxy, forced internode on one GPU: two
+//! processes x 1 rank per node (`ranks_per_node = 1`), so every message to the other rank is an
+//! RMA write posted by the sender's proxy (libfabric, `--provider`), counted by the receiver's
+//! proxy and polled by the receiving kernel (`ep::gpu::ll_proxy`). Run it under MPS (both
+//! processes' kernels must be resident at once; scripts/gpu-check.sh's `llproxy` section starts
+//! the daemon). Every case is checked against the reference first (`--checked` iterations), then
+//! timed: `--iters` dispatch + combine pairs back to back on each rank's stream (no host barrier
+//! or check in between; the last pair is checked), per phase = CUDA events around the send +
+//! receive of that phase, on each rank. In the same run, `fi_pingpong` (the bundle's, same
+//! provider) at the mean message size of each phase gives the fabric's own one-way latency;
+//! the difference is what the GPU path (kernel -> ring -> proxy, counters -> kernel, staging
+//! through mapped host memory) adds per phase.
+//!
+//! `gpu_ll_proxy_bench [--provider shm] [--cases tiny,mid,standard] [--iters 2000] [--bf16]`
+//! Cases: tiny = 1 token, hidden 128, top-1 of 2 experts (one message each way per phase);
+//! mid = 16 tokens, hidden 2048, top-4 of 16; standard = 128 tokens, hidden 7168, top-8 of 256.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use fabric_ep::bench::ep_gpu::{run_ll_gpu_rank, GpuBenchParams, LlCase, LlRunOptions};
+use fabric_ep::bench::fabric::fi_pingpong;
+use fabric_ep::bootstrap::{Bootstrap, LocalJob, TcpStore};
+use fabric_ep::cuda::{gpu_available, Device};
+use fabric_ep::ep::ll_gpu::LlGpuConfig;
+
+const ROLE: &str = "FEP_LL_PROXY_BENCH_ROLE";
+
+#[derive(Parser, Debug, Clone)]
+struct Args {
+    #[arg(long, default_value = "shm")]
+    provider: String,
+    #[arg(long, default_value = "tiny,mid,standard")]
+    cases: String,
+    /// Timed dispatch + combine pairs per case.
+    #[arg(long, default_value_t = 2000)]
+    iters: usize,
+    /// Checked iterations before the timed loop.
+    #[arg(long, default_value_t = 3)]
+    checked: usize,
+    /// bf16 dispatch instead of fp8.
+    #[arg(long)]
+    bf16: bool,
+    /// Hook mode (send, then the hook's receive) instead of one call per phase.
+    #[arg(long)]
+    hook: bool,
+    /// Timed loop as CUDA-graph replays of a captured pair (only whole pairs are timed).
+    #[arg(long)]
+    graph: bool,
+    /// fi_pingpong iterations per size.
+    #[arg(long, default_value_t = 20000)]
+    pingpong_iters: usize,
+}
+
+fn params(case: &str, a: &Args) -> Option<GpuBenchParams> {
+    let (tokens, hidden, topk, experts) = match case {
+        "tiny" => (1, 128, 1, 2),
+        "mid" => (16, 2048, 4, 16),
+        "standard" => (128, 7168, 8, 256),
+        _ => return None,
+    };
+    Some(GpuBenchParams {
+        num_ranks: 2,
+        num_tokens: tokens,
+        hidden,
+        num_topk: topk,
+        num_experts: experts,
+        fp8: !a.bf16,
+        iters: a.checked,
+        warmup: 0,
+        seed: 0x11b0,
+        drop_pct: 0,
+        timeout: Duration::from_secs(20),
+        num_sms: None,
+        worst: false,
+        hook: a.hook,
+        graph: false,
+    })
+}
+
+fn pct(sorted: &[f64], p: f64) -> f64 {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+fn stats(v: &[f64]) -> (f64, f64) {
+    let mut s: Vec<f64> = v.iter().map(|x| x * 1e6).collect();
+    s.sort_by(f64::total_cmp);
+    if s.is_empty() {
+        return (f64::NAN, f64::NAN);
+    }
+    (pct(&s, 0.5), pct(&s, 0.99))
+}
+
+/// Mean bytes per message rank `src` writes rank `dst` in each phase (dispatch: its tokens'
+/// rows; combine: the answers to `dst`'s tokens), and the message count per phase.
+fn msg_bytes(p: &GpuBenchParams, case: &LlCase, src: usize, dst: usize) -> (f64, f64, usize) {
+    let (rows, msgs) = case.rows_between(p, src, dst);
+    let (back, _) = case.rows_between(p, dst, src);
+    let lc = LlGpuConfig {
+        num_ranks: p.num_ranks,
+        num_experts: p.num_experts,
+        hidden: p.hidden,
+        num_topk: p.num_topk,
+        max_tokens_per_rank: p.num_tokens,
+        use_fp8: p.fp8,
+        round_scale: false,
+        sm_budget: None,
+        timeout: p.timeout,
+    };
+    let rec = lc.layout().map(|l| l.dispatch_record.bytes).unwrap_or(0) as f64;
+    let d = rows as f64 * rec / msgs as f64;
+    let c = back as f64 * 2.0 * p.hidden as f64 / msgs as f64;
+    (d, c, msgs)
+}
+
+fn child(a: &Args) {
+    let store = TcpStore::from_env(Duration::from_secs(60)).expect("join the store");
+    let rank = store.rank();
+    let boot: Arc<dyn Bootstrap> = Arc::new(store);
+    let dev = Device::from_env().expect("open the GPU");
+    let o = LlRunOptions {
+        ranks_per_node: 1,
+        provider: Some(a.provider.clone()),
+        timed_iters: a.iters,
+        graph: a.graph,
+    };
+    for name in a.cases.split(',') {
+        let Some(p) = params(name, a) else { panic!("unknown case {name}") };
+        let case = LlCase::new(&p).expect("reference");
+        let rep = run_ll_gpu_rank(&dev, &p, &o, &case, rank, boot.clone())
+            .unwrap_or_else(|e| panic!("rank {rank} case {name}: {e}"));
+        let (dm, dp) = stats(&rep.report.dispatch_s);
+        let (cm, cp) = stats(&rep.report.combine_s);
+        let (ds, _) = stats(&rep.dispatch_send_s);
+        let (cs, _) = stats(&rep.combine_send_s);
+        let (pm, pp) = stats(&rep.pair_s);
+        println!(
+            "PHASES {name} {rank} {dm:.3} {dp:.3} {cm:.3} {cp:.3} {ds:.3} {cs:.3} {pm:.3} {pp:.3}"
+        );
+        println!(
+            "HOST {name} {rank}: host enqueue {:.2} us per pair (GPU median pair {:.2} us{})",
+            rep.host_enqueue_s * 1e6,
+            if a.graph { pm } else { dm + cm },
+            if a.graph { format!(", graph replay, p99 {pp:.2} us") } else { String::new() }
+        );
+    }
+    boot.barrier().expect("barrier");
+    println!("CHILD_OK");
+}
+
+fn main() {
+    let a = Args::parse();
+    if std::env::var_os(ROLE).is_some() {
+        child(&a);
+        return;
+    }
+    if !gpu_available() {
+        println!("SKIP: no GPU visible");
+        return;
+    }
+    let mps = std::env::var_os("CUDA_MPS_PIPE_DIRECTORY").is_some();
+    println!(
+        "gpu_ll_proxy_bench: 2 processes x 1 rank per node on one GPU, provider {}, {} dispatch, \
+         hook {}, {} timed pairs per case after {} checked, MPS env {}",
+        a.provider,
+        if a.bf16 { "bf16" } else { "fp8" },
+        a.hook,
+        a.iters,
+        a.checked,
+        if mps { "set" } else { "NOT set (kernels of the two processes time-slice)" }
+    );
+    let exe: PathBuf = std::env::current_exe().expect("current_exe");
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let env = [(ROLE.to_string(), "1".to_string())];
+    let mut job = LocalJob::spawn(&exe, &args, 2, 2, &env).expect("spawn ranks");
+    let out = job.wait(Duration::from_secs(300)).expect("wait for ranks");
+    let all = out.iter().map(|o| o.to_string()).collect::<String>();
+    if !out.iter().all(|o| o.success() && o.stdout.contains("CHILD_OK")) {
+        eprintln!("ranks failed:\n{all}");
+        std::process::exit(1);
+    }
+    println!(
+        "| case | phase | rank | msgs to peer | mean bytes/msg | median us | p99 us | \
+         fi_pingpong us/xfer (same size) | added by the GPU path (median - pingpong) |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for line in out.iter().flat_map(|o| o.stdout.lines()).filter(|l| l.starts_with("HOST ")) {
+        println!("{line}");
+    }
+    let mut failed = false;
+    for name in a.cases.split(',') {
+        let Some(p) = params(name, &a) else { continue };
+        let case = LlCase::new(&p).expect("reference");
+        for (rank, o) in out.iter().enumerate() {
+            let Some(line) =
+                o.stdout.lines().find(|l| l.starts_with(&format!("PHASES {name} {rank} ")))
+            else {
+                failed = true;
+                continue;
+            };
+            let f: Vec<f64> =
+                line.split_whitespace().skip(3).filter_map(|x| x.parse().ok()).collect();
+            if f.len() != 8 {
+                failed = true;
+                continue;
+            }
+            let (d, c, msgs) = msg_bytes(&p, &case, rank, 1 - rank);
+            if a.graph {
+                // Whole pairs only: half a pair against fi_pingpong at the dispatch size.
+                let size = (d.round() as usize).max(1);
+                let pp = fi_pingpong(&a.provider, size, a.pingpong_iters);
+                let (pp_s, added) = match &pp {
+                    Ok(r) => (
+                        format!("{:.2}", r.usec_per_xfer),
+                        format!("{:.2}", f[6] / 2.0 - r.usec_per_xfer),
+                    ),
+                    Err(e) => (format!("n/a ({e})"), "n/a".into()),
+                };
+                println!(
+                    "| {name} | pair (graph replay) | {rank} | {msgs} | {d:.0} | {:.2} | {:.2} | \
+                     {pp_s} | {added} (half a pair) |",
+                    f[6], f[7]
+                );
+                println!(
+                    "LLPROXY_RESULT provider={} case={name} phase=pair_graph rank={rank} \
+                     bytes={size} median_us={:.2} p99_us={:.2} fi_pingpong_us={pp_s} \
+                     added_half_pair_us={added}",
+                    a.provider, f[6], f[7]
+                );
+                continue;
+            }
+            if a.hook {
+                println!(
+                    "| {name} | (hook) send part of the phase, median | {rank} | dispatch {:.2} us | \
+                     combine {:.2} us | (the rest is the hook's receive) |",
+                    f[4], f[5]
+                );
+            }
+            for (phase, med, p99, bytes) in
+                [("dispatch", f[0], f[1], d), ("combine", f[2], f[3], c)]
+            {
+                let size = (bytes.round() as usize).max(1);
+                let pp = fi_pingpong(&a.provider, size, a.pingpong_iters);
+                let (pp_s, added) = match &pp {
+                    Ok(r) => {
+                        (format!("{:.2}", r.usec_per_xfer), format!("{:.2}", med - r.usec_per_xfer))
+                    }
+                    Err(e) => (format!("n/a ({e})"), "n/a".into()),
+                };
+                println!(
+                    "| {name} | {phase} | {rank} | {msgs} | {bytes:.0} | {med:.2} | {p99:.2} | {pp_s} | {added} |"
+                );
+                println!(
+                    "LLPROXY_RESULT provider={} case={name} phase={phase} rank={rank} bytes={size} \
+                     median_us={med:.2} p99_us={p99:.2} fi_pingpong_us={pp_s} added_us={added}",
+                    a.provider
+                );
+            }
+        }
+    }
+    if failed {
+        eprintln!("missing PHASES lines:\n{all}");
+        std::process::exit(1);
+    }
+}

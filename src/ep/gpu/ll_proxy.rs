@@ -1,0 +1,519 @@
+//! The low-latency GPU path to peers on other nodes (`ranks_per_node < num_ranks`): the LL
+//! kernels stage those peers' rows in this rank's send area and push one command per
+//! (destination rank, destination local expert) into a ring in mapped host memory; this rank's
+//! CPU proxy ([`crate::proxy`], a worker thread polling the ring) posts one libfabric RMA write
+//! per command with `imm = slot << 14 | row count` (an empty write when the count is 0); the
+//! receiving proxy adds the count to `sums[slot]` and bumps `arrivals[slot]`, which the
+//! receiving kernel polls (bounded). Same-node peers keep the device-pointer path (mixed tables).
+//! No host synchronisation anywhere in a step, so a step stays capturable in a CUDA graph.
+//!
+//! Wire protocol = the host backend's (`ep::host::ll`): LlImm's counter slots (dispatch
+//! `set * E + e * R + src`, combine `(2 + set) * E + src * L + e`), one message per
+//! (phase, set, source, unit) per call, order-agnostic (only counters are read), two buffer sets
+//! alternating by call parity. Unlike the host lane there are no per-call acks: the GPU path
+//! keeps DeepEP's contract (every rank completes call N's receive before any rank starts call
+//! N + 2), as its device-pointer path does.
+//!
+//! Memory: where `fi_getinfo` with `FI_HMEM` answers for the provider (EFA on P5 with GPUDirect
+//! RDMA: `FI_EFA_USE_DEVICE_RDMA=1`, fi_efa(7)), the LL buffer stays in device memory and is
+//! registered with `FI_HMEM_CUDA` (fi_mr(3), `fi_mr_regattr` with `iface`/`device.cuda`);
+//! otherwise (`tcp;ofi_rxm`, `udp;ofi_rxd`, and shm where libfabric lacks CUDA support: it lists
+//! `FI_HMEM` but its CUDA registration fails with ENOSYS, so the registration is the probe) it is
+//! pinned host memory mapped into the GPU (`cuMemHostAlloc`, DEVICEMAP) registered as host
+//! memory. `FEP_LL_HMEM=0` forces the second. The HMEM branch has not run with a real HMEM
+//! provider here (no such NIC).
+//!
+// NOTES (clean): `clean_low_latency_gpu` ends with [`LlProxyLane::fence`], the host lane's exact
+// fence: every rank waits until its own writes completed, all-gathers how many push batches it
+// ever made per (phase, set), and every receiver waits (bounded) until each slot's arrivals equal
+// what the sender pushed; then the device state is re-based on the counters (arr_base, sums_seen,
+// calls since clean = 0). A stale write can therefore never pass for a later call's message.
+//
+// NOTES (layout): the buffer is registered in chunks of `Info::max_region_bytes` and an RMA
+// write must stay inside one, so with a proxy lane units are placed as the host lane's
+// `LlGeometry` places them (`fep_ll_proxy.units_per_region / region_stride`; every rank of the
+// job has a lane, so device-pointer peers agree on the placement). Limits: row counts in 14
+// bits (`max_tokens_per_rank <= 16383`), a ring of two calls' commands (`2 E` entries).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::abi;
+use crate::bootstrap::Bootstrap;
+use crate::cuda::{Device, DeviceBuffer, HostMapped};
+use crate::ep::host::ll::LlGeometry;
+use crate::ep::ll_gpu::{LlGpuRank, LlMem};
+use crate::ep::plan::{LlLayout, IMM_VALUE_BITS, IMM_VALUE_MAX};
+use crate::fabric::{find_first, InfoQuery, MemKind, MemoryRegion, Stack};
+use crate::proxy::{
+    ArrivalWait, CounterLayout, CounterMemory, FabricTransport, Proxy, ProxyConfig, ProxyError,
+    RingLayout, RingMemory, SharedRegion,
+};
+use crate::{Error, Result};
+
+/// u64 words of the device state before the per-slot arrays (fep_abi.h `fep_ll_proxy`).
+const STATE_HEAD_WORDS: usize = 12;
+const ST_PUSHED: usize = 3;
+const ST_CALLS: usize = 7;
+
+/// Counter slots of the lane: LlImm's `4 E`.
+pub fn num_slots(num_experts: usize) -> usize {
+    4 * num_experts
+}
+
+/// u64 words of the device state for `num_experts`.
+pub fn state_words(num_experts: usize) -> usize {
+    STATE_HEAD_WORDS + 2 * num_slots(num_experts)
+}
+
+/// Counter slot of a message as the receiver names it: `(phase * 2 + set) * E + receive unit`
+/// (dispatch unit `e * R + src`, combine unit `src * L + e`): LlImm's ids.
+pub fn slot(phase: usize, set: usize, num_experts: usize, unit: usize) -> usize {
+    (phase * 2 + set) * num_experts + unit
+}
+
+/// Ring entries: two calls' worth of commands (one call pushes at most `E`).
+pub fn ring_capacity(num_experts: usize) -> u32 {
+    (2 * num_experts).max(64) as u32
+}
+
+/// Whether rank `peer` is reached through the proxy from `rank` (another node).
+pub fn is_remote(rank: usize, peer: usize, ranks_per_node: usize) -> bool {
+    rank / ranks_per_node != peer / ranks_per_node
+}
+
+/// Checks the settings the proxy path adds to the kernels' own.
+pub fn check_limits(max_tokens: usize, num_experts: usize) -> Result<()> {
+    if max_tokens > IMM_VALUE_MAX as usize {
+        return Err(Error::arg(
+            "max_tokens_per_rank",
+            format!(
+                "{max_tokens}: a row count travels in the {IMM_VALUE_BITS}-bit immediate \
+                 (at most {IMM_VALUE_MAX})"
+            ),
+        ));
+    }
+    crate::ep::plan::imm_encode(num_slots(num_experts) as u64 - 1, 0)?;
+    Ok(())
+}
+
+fn geo_bytes(geo: &LlGeometry) -> Result<usize> {
+    usize::try_from(geo.bytes)
+        .map_err(|_| Error::arg("max_tokens_per_rank", "LL buffer larger than memory"))
+}
+
+/// Mapped host memory as a proxy region, with its GPU address.
+fn mapped_region(dev: &Device, len: usize) -> Result<(SharedRegion, u64)> {
+    let m = HostMapped::new(dev, len)?;
+    let (ptr, dptr) = (m.as_ptr(), m.device_ptr());
+    // SAFETY: `m` is `len` bytes of pinned memory, valid from any thread until dropped, which
+    // happens when the region (its keepalive owner) drops.
+    let region = unsafe { SharedRegion::from_raw(ptr, len, Box::new(m)) }?;
+    Ok((region, dptr))
+}
+
+/// The first half of the lane, before the LL buffer exists: the provider is opened and decides
+/// where the buffer lives.
+pub(crate) struct LlProxyPrep {
+    // NOTES: field order is drop order: the registration before the stack and the memory.
+    mr: Arc<MemoryRegion>,
+    stack: Stack,
+    mem: LlMem,
+    kind: MemKind,
+    geo: LlGeometry,
+    /// Why `FI_HMEM` was not used although the provider offered it (its registration failed).
+    hmem_refused: Option<String>,
+}
+
+impl LlProxyPrep {
+    /// Opens `provider` (with `FI_HMEM` when it has it) and allocates the LL buffer of `layout`
+    /// where that provider can register it, its units placed per registered chunk
+    /// ([`LlGeometry`]: no message crosses a chunk). `provider` `None`: libfabric's choice
+    /// (`FI_PROVIDER`, else the first match).
+    pub fn open(
+        dev: &Device,
+        provider: Option<&str>,
+        num_ranks: usize,
+        layout: LlLayout,
+    ) -> Result<Self> {
+        let query = InfoQuery { provider: provider.map(str::to_string), ..Default::default() };
+        let try_hmem = std::env::var("FEP_LL_HMEM").map_or(true, |v| v != "0");
+        let hmem_info = if try_hmem {
+            find_first(&InfoQuery { hmem: true, ..query.clone() }).ok().filter(|i| i.hmem())
+        } else {
+            None
+        };
+        // NOTES: a provider may list FI_HMEM and still refuse CUDA memory at registration
+        // (a libfabric built without CUDA support answers ENOSYS, seen with Debian's shm on the
+        // H200 machine): the registration itself is the test, host memory the fallback.
+        let mut hmem_refused = None;
+        if let Some(info) = hmem_info {
+            let stack = Stack::open_info(info, num_ranks)?;
+            let geo = Self::geometry(&stack, layout)?;
+            let b = Arc::new(DeviceBuffer::new(dev, geo_bytes(&geo)?)?);
+            let kind = MemKind::Cuda { device: dev.ordinal() as i32 };
+            // SAFETY: `b` is device memory of `len` bytes, kept alive by the rank's `LlMem`
+            // (which outlives the lane holding this registration).
+            match unsafe { stack.register(b.device_ptr() as usize as *mut u8, b.len(), kind) } {
+                Ok(mr) => {
+                    return Ok(LlProxyPrep {
+                        mr: Arc::new(mr),
+                        stack,
+                        mem: LlMem::Device(b),
+                        kind,
+                        geo,
+                        hmem_refused: None,
+                    })
+                }
+                Err(e) => hmem_refused = Some(e.to_string()),
+            }
+        }
+        let stack = Stack::open(&query, num_ranks)?;
+        let geo = Self::geometry(&stack, layout)?;
+        let m = Arc::new(HostMapped::new(dev, geo_bytes(&geo)?)?);
+        // SAFETY: as above, for pinned host memory.
+        let mr = unsafe { stack.register(m.as_ptr(), m.len(), MemKind::Host)? };
+        Ok(LlProxyPrep {
+            mr: Arc::new(mr),
+            stack,
+            mem: LlMem::Host(m),
+            kind: MemKind::Host,
+            geo,
+            hmem_refused,
+        })
+    }
+
+    fn geometry(stack: &Stack, layout: LlLayout) -> Result<LlGeometry> {
+        LlGeometry::new(layout, stack.info.max_region_bytes().max(4096) as u64)
+    }
+
+    /// The LL buffer to build the rank with.
+    pub fn mem(&self) -> LlMem {
+        self.mem.clone()
+    }
+
+    /// Registers the buffer, exchanges regions and endpoint names with every rank (collective),
+    /// starts the proxy, rewrites the proxy peers' entries of `table` and installs the lane's
+    /// kernel view into `rank`.
+    pub fn connect(
+        self,
+        boot: &Arc<dyn Bootstrap>,
+        ranks_per_node: usize,
+        rank: &mut LlGpuRank,
+        table: &mut [abi::fep_ll_peer],
+        timeout: Duration,
+    ) -> Result<LlProxyLane> {
+        let cfg = rank.config().clone();
+        let (me, nr, e) = (rank.rank(), cfg.num_ranks, cfg.num_experts);
+        check_limits(cfg.max_tokens_per_rank, e)?;
+        let dev = rank.stream().device().clone();
+        let bytes = self.geo.bytes;
+        let mr = self.mr.clone();
+        let peers =
+            crate::ep::connect::exchange_fabric(&**boot, &self.stack, &mr.remote(), &[], bytes)?;
+        let remote: Vec<bool> = (0..nr).map(|p| is_remote(me, p, ranks_per_node)).collect();
+        let peers = peers
+            .into_proxy_peers()
+            .into_iter()
+            .zip(&remote)
+            .map(|(p, &r)| if r { p } else { None })
+            .collect();
+        let transport = FabricTransport::new(me as u32, self.stack.ep.clone(), mr.clone(), peers)?;
+        let capacity = ring_capacity(e);
+        let ring_layout = RingLayout::new(1, capacity)?;
+        let (ring_region, ring_dptr) = mapped_region(&dev, ring_layout.bytes())?;
+        let rings = RingMemory::new(ring_region, ring_layout)?;
+        let counter_layout = CounterLayout { num_slots: num_slots(e) as u32, num_rings: 1 };
+        let (counter_region, counters_dptr) = mapped_region(&dev, counter_layout.bytes())?;
+        let counters = CounterMemory::new(counter_region, counter_layout)?;
+        // NOTES: the worker spins for a while after each command before it backs off: a
+        // kernel's next push often follows a round trip of several microseconds.
+        let spin = Duration::from_millis(50);
+        let pcfg = ProxyConfig {
+            rank: me as u32,
+            value_bits: IMM_VALUE_BITS,
+            idle_spin: spin,
+            idle_yield: spin + Duration::from_millis(5),
+            ..ProxyConfig::default()
+        };
+        let proxy = Proxy::start(pcfg, rings.clone(), counters.clone(), vec![transport])?;
+        // Every rank's proxy runs and every region is registered before anyone writes.
+        boot.barrier()?;
+        let mut n_proxy = 0u32;
+        for (p, entry) in table.iter_mut().enumerate() {
+            if remote[p] {
+                *entry = abi::fep_ll_peer {
+                    buf: 0,
+                    flags: 0,
+                    transport: abi::FEP_LL_TRANSPORT_PROXY,
+                    _pad: 0,
+                    proxy: u64::from(n_proxy),
+                };
+                n_proxy += 1;
+            }
+        }
+        let px = abi::fep_ll_proxy {
+            ring: ring_dptr,
+            arrivals: counters_dptr + counter_layout.arrivals_offset() as u64,
+            sums: counters_dptr + counter_layout.sums_offset() as u64,
+            sends_completed: counters_dptr + counter_layout.sends_completed_offset() as u64,
+            state: 0,
+            capacity,
+            value_bits: IMM_VALUE_BITS,
+            num_proxy_peers: n_proxy,
+            units_per_region: u32::try_from(self.geo.plan.units_per_region)
+                .map_err(|_| Error::arg("num_experts", "too many LL units per region"))?,
+            region_stride: self.geo.stride,
+        };
+        let state = DeviceBuffer::zeroed(&dev, state_words(e) * 8)?;
+        dev.synchronize()?; // the zeroing, before any launch reads the state
+        rank.set_proxy(px, state);
+        Ok(LlProxyLane {
+            proxy,
+            rings,
+            counters,
+            _mr: mr,
+            _stack: self.stack,
+            boot: boot.clone(),
+            rank: me,
+            remote,
+            hmem: matches!(self.kind, MemKind::Cuda { .. }),
+            hmem_refused: self.hmem_refused,
+            timeout,
+        })
+    }
+}
+
+/// The proxy lane of one GPU rank.
+pub(crate) struct LlProxyLane {
+    // NOTES: field order is drop order: the proxy (its workers and the transport holding the
+    // registration) stops first, then the registration, then the endpoint.
+    proxy: Proxy,
+    rings: RingMemory,
+    counters: CounterMemory,
+    _mr: Arc<MemoryRegion>,
+    _stack: Stack,
+    boot: Arc<dyn Bootstrap>,
+    rank: usize,
+    /// `remote[p]`: rank `p` is reached through the proxy.
+    remote: Vec<bool>,
+    hmem: bool,
+    hmem_refused: Option<String>,
+    timeout: Duration,
+}
+
+impl LlProxyLane {
+    /// Why the provider's `FI_HMEM` was not used (its CUDA registration failed), if so.
+    pub fn hmem_refused(&self) -> Option<&str> {
+        self.hmem_refused.as_deref()
+    }
+
+    /// `Err` once the proxy worker stopped on an error (a peer unreachable, a bad immediate).
+    pub fn check(&self) -> Result<()> {
+        self.proxy.check().map_err(Error::Proxy)
+    }
+
+    /// Whether the LL buffer is GPU memory registered with `FI_HMEM`.
+    pub fn hmem(&self) -> bool {
+        self.hmem
+    }
+
+    fn proxy_err(&self, phase: &'static str, e: ProxyError) -> Error {
+        match e {
+            ProxyError::ArrivalTimeout { waited, lagging, .. } => {
+                let mut peers: Vec<usize> = lagging.iter().map(|l| l.peer as usize).collect();
+                peers.sort_unstable();
+                peers.dedup();
+                Error::Timeout { rank: self.rank, phase, peers, waited }
+            }
+            other => Error::Proxy(other),
+        }
+    }
+
+    /// A one-line picture of the lane for error reports: the proxy's health, ring head/tail,
+    /// sends completed, the device state's counters, and every slot a remote peer writes whose
+    /// arrivals differ from what the next receive of its (phase, set) expects. Reads the device
+    /// state: call it only when this rank's stream is idle (after a failed sync).
+    pub fn snapshot(&self, rank: &LlGpuRank) -> String {
+        let mut out = format!("rank {} proxy lane: ", self.rank);
+        match self.proxy.check() {
+            Ok(()) => out.push_str("proxy ok"),
+            Err(e) => out.push_str(&format!("proxy FAILED: {e}")),
+        }
+        let ring = (self.rings.head(0), self.rings.tail(0), self.counters.sends_completed(0));
+        if let (Ok(h), Ok(t), Ok(c)) = ring {
+            out.push_str(&format!("; ring head {h} tail {t} sends completed {c}"));
+        }
+        let Some(Ok(st)) = rank.proxy_state().map(|b| b.to_vec::<u64>()) else {
+            return out + "; device state unreadable";
+        };
+        let cfg = rank.config();
+        let (nr, e) = (cfg.num_ranks, cfg.num_experts);
+        let l = e / nr;
+        out.push_str(&format!("; device state {:?}", &st[..STATE_HEAD_WORDS]));
+        let s = num_slots(e);
+        let mut odd = Vec::new();
+        for (src, _) in self.remote.iter().enumerate().filter(|(_, r)| **r) {
+            for phase in 0..2 {
+                for set in 0..2 {
+                    let calls = st[ST_CALLS + phase * 2 + set];
+                    for le in 0..l {
+                        let unit = if phase == 0 { le * nr + src } else { src * l + le };
+                        let sl = slot(phase, set, e, unit);
+                        let a = self.counters.arrivals(sl as u32).unwrap_or(u64::MAX);
+                        let base = st[STATE_HEAD_WORDS + sl];
+                        if a != base + calls {
+                            odd.push(format!(
+                                "src {src} phase {phase} set {set} unit {unit}: arrivals {a}, \
+                                 base {base} + calls {calls}, sums {} seen {}",
+                                self.counters.sums(sl as u32).unwrap_or(u64::MAX),
+                                st[STATE_HEAD_WORDS + s + sl]
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        let n = odd.len();
+        odd.truncate(8);
+        out + &format!("; {n} slots off: {}", odd.join(" | "))
+    }
+
+    /// The collective fence of `clean_low_latency_gpu` (module NOTES). Every rank calls it after
+    /// its stream drained (`LlGpuRank::clean`).
+    pub fn fence(&self, rank: &mut LlGpuRank) -> Result<()> {
+        const PHASE: &str = "clean_low_latency_buffer";
+        self.check()?;
+        let head = self.rings.head(0)?;
+        self.proxy.wait_sends(0, head, self.timeout).map_err(|e| self.proxy_err(PHASE, e))?;
+        let cfg = rank.config().clone();
+        let (nr, e) = (cfg.num_ranks, cfg.num_experts);
+        let l = e / nr;
+        let state =
+            rank.proxy_state().ok_or_else(|| Error::Other("no proxy state on this rank".into()))?;
+        let mut st: Vec<u64> = state.to_vec()?;
+        let pushed = &st[ST_PUSHED..ST_PUSHED + 4];
+        let blob: Vec<u8> = pushed.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let all = self.boot.all_gather(&blob)?;
+        let mut waits = Vec::new();
+        for (src, b) in all.iter().enumerate() {
+            if b.len() != blob.len() {
+                return Err(Error::Protocol {
+                    rank: self.rank,
+                    peer: src,
+                    phase: PHASE,
+                    msg: format!("{} bytes of push counts, expected {}", b.len(), blob.len()),
+                });
+            }
+            if !self.remote[src] {
+                continue;
+            }
+            for phase in 0..2 {
+                for set in 0..2 {
+                    let i = (phase * 2 + set) * 8;
+                    let n = u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or([0; 8]));
+                    for le in 0..l {
+                        let unit = if phase == 0 { le * nr + src } else { src * l + le };
+                        waits.push(ArrivalWait {
+                            slot: slot(phase, set, e, unit) as u32,
+                            expected: n,
+                            peer: src as u32,
+                        });
+                    }
+                }
+            }
+        }
+        self.proxy.wait_all(&waits, self.timeout).map_err(|e| self.proxy_err(PHASE, e))?;
+        for w in &waits {
+            let arrived = self.counters.arrivals(w.slot)?;
+            if arrived != w.expected {
+                return Err(Error::Protocol {
+                    rank: self.rank,
+                    peer: w.peer as usize,
+                    phase: PHASE,
+                    msg: format!(
+                        "{arrived} writes arrived on slot {}, it sent {}",
+                        w.slot, w.expected
+                    ),
+                });
+            }
+        }
+        let s = num_slots(e);
+        st[0] = head;
+        st[1] = head;
+        st[2] = head;
+        for w in &mut st[ST_CALLS..STATE_HEAD_WORDS] {
+            *w = 0;
+        }
+        for i in 0..s {
+            st[STATE_HEAD_WORDS + i] = self.counters.arrivals(i as u32)?;
+            st[STATE_HEAD_WORDS + s + i] = self.counters.sums(i as u32)?;
+        }
+        rank.upload_proxy_state(&st)?;
+        self.boot.barrier()?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_are_llimm_ids() {
+        let imm = crate::ep::plan::LlImm::new(4, 16).unwrap();
+        let (r, e, l) = (4usize, 16usize, 4usize);
+        for set in 0..2 {
+            for le in 0..l {
+                for src in 0..r {
+                    let d = imm.dispatch(set as u64, le as u64, src as u64, 3).unwrap();
+                    let (id, v) = crate::ep::plan::imm_decode(d);
+                    assert_eq!((id as usize, v), (slot(0, set, e, le * r + src), 3));
+                    let c = imm.combine(set as u64, src as u64, le as u64, 0).unwrap();
+                    assert_eq!(
+                        crate::ep::plan::imm_decode(c).0 as usize,
+                        slot(1, set, e, src * l + le)
+                    );
+                }
+            }
+        }
+        assert_eq!(state_words(16), 12 + 128);
+        assert!(ring_capacity(256) >= 256);
+    }
+
+    /// The kernels' `unit_offset` with a proxy lane (fep_ll.cuh) places every unit where the
+    /// host lane's `LlGeometry` does, and no unit crosses a registered chunk.
+    #[test]
+    fn kernel_placement_is_ll_geometry() {
+        use crate::ep::config::DispatchDtype;
+        use crate::ep::plan::LlArea;
+        let l = LlLayout::from_parts(4, 16, 256, DispatchDtype::Fp8E4m3, 8).unwrap();
+        for stride in [l.unit_bytes, l.unit_bytes * 3 + 16, 1 << 20] {
+            let g = LlGeometry::new(l, stride).unwrap();
+            let upr = g.plan.units_per_region;
+            for set in 0..2u64 {
+                for (ai, area) in [(0u64, LlArea::Send), (1, LlArea::Recv)] {
+                    for unit in 0..16u64 {
+                        let u = (set * 2 + ai) * 16 + unit;
+                        let kernel = (u / upr) * stride + (u % upr) * l.unit_bytes;
+                        assert_eq!(kernel, g.offset(set, area, unit).unwrap());
+                        assert_eq!(kernel / stride, (kernel + l.unit_bytes - 1) / stride);
+                        assert!(kernel + l.unit_bytes <= g.bytes);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn node_split_and_limits() {
+        assert!(!is_remote(0, 1, 2));
+        assert!(is_remote(1, 2, 2));
+        assert!(is_remote(0, 1, 1));
+        assert!(check_limits(16383, 256).is_ok());
+        assert!(matches!(
+            check_limits(16384, 256),
+            Err(Error::InvalidArgument { arg: "max_tokens_per_rank", .. })
+        ));
+    }
+}
