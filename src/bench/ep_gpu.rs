@@ -202,6 +202,18 @@ fn elapsed_s(a: &Event, b: &Event) -> Result<f64> {
     Ok(a.elapsed_ms(b)? as f64 * 1e-3)
 }
 
+/// A rank's normal-mode input tokens on the device: `x` (e4m3 bytes or bf16) and, for fp8, the
+/// scales.
+pub(crate) fn upload_tokens(
+    dev: &Device,
+    me: &RankInputs,
+) -> Result<(DeviceBuffer, Option<DeviceBuffer>)> {
+    Ok(match &me.x_fp8 {
+        Some((q, s)) => (upload(dev, q)?, Some(upload(dev, s)?)),
+        None => (upload(dev, &me.x_bf16)?, None),
+    })
+}
+
 /// Checks one rank's normal dispatch outputs (device) against the reference.
 #[allow(clippy::too_many_arguments)]
 fn check_normal_dispatch(
@@ -347,14 +359,7 @@ fn normal_rank(
         let mut buf = Buffer::new(cfg.clone(), boot.clone(), BufferOptions::gpu(opts))?;
         let me = &inputs[rank];
         let want = &want_d[rank];
-        let x = match &me.x_fp8 {
-            Some((q, _)) => upload(dev, q)?,
-            None => upload(dev, &me.x_bf16)?,
-        };
-        let xs = match &me.x_fp8 {
-            Some((_, s)) => Some(upload(dev, s)?),
-            None => None,
-        };
+        let (x, xs) = upload_tokens(dev, me)?;
         let ti = upload(dev, &me.topk_idx)?;
         let tw = upload(dev, &me.topk_weights)?;
         let cx = upload(dev, &host_bench::combine_input(&want.recv_x, h)?)?;

@@ -19,7 +19,7 @@ use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::sync::OnceLock;
 
 use super::ep::{self as host_bench, NormalBenchParams, NormalBenchReport, RankInputs};
-use super::ep_gpu::{on_threads, upload, GpuBenchParams, GpuReport};
+use super::ep_gpu::{on_threads, upload, upload_tokens, GpuBenchParams, GpuReport};
 use crate::abi;
 use crate::cuda::launch;
 use crate::cuda::{Device, DeviceBuffer, Event, Stream};
@@ -276,14 +276,7 @@ pub fn run_nccl_baseline(devices: &[Device], p: &GpuBenchParams) -> Result<GpuRe
         };
         let rows_out = ro.send_index.len();
         let rows_in = want.num_recv_tokens;
-        let x = match &me.x_fp8 {
-            Some((q, _)) => upload(dev, q)?,
-            None => upload(dev, &me.x_bf16)?,
-        };
-        let xs = match &me.x_fp8 {
-            Some((_, s)) => Some(upload(dev, s)?),
-            None => None,
-        };
+        let (x, xs) = upload_tokens(dev, me)?;
         let index = upload(dev, &ro.send_index)?;
         let offsets = upload(dev, &ro.offsets)?;
         let back_rows = upload(dev, &ro.rows)?;
