@@ -541,8 +541,8 @@ impl GpuBuffer {
                 // SAFETY: every pointer addresses, in this context (directly, through peer access
                 // or an IPC mapping held in `maps`), a peer's zeroed comm buffer of this map that
                 // lives until its Buffer is destroyed (collectively, after every rank's last
-                // kernel; IPC mappings are closed before any rank frees its buffers); a peer on another
-                // node has no pointer (0) and is reached through the proxy lane attached below.
+                // kernel; IPC mappings are closed before any rank frees its buffers); a peer on
+                // another node has no pointer (0) and is reached through the proxy lane below.
                 let mut rank_n = unsafe {
                     NormalGpuRank::from_peer_pointers(&dev, &settings, rank, buf, &normal_ptrs)?
                 };
