@@ -18,13 +18,17 @@
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::sync::OnceLock;
 
+use std::sync::Arc;
+
 use super::ep::{self as host_bench, NormalBenchParams, NormalBenchReport, RankInputs};
 use super::ep_gpu::{on_threads, upload, upload_tokens, GpuBenchParams, GpuReport};
 use crate::abi;
+use crate::bootstrap::Bootstrap;
 use crate::cuda::launch;
 use crate::cuda::{Device, DeviceBuffer, Event, Stream};
 use crate::ep::layout::dispatch_layout;
 use crate::ep::reference::Tokens;
+use crate::ep::reference::{NormalCombineOut, NormalDispatchOut};
 use crate::{Error, Result};
 
 #[repr(C)]
@@ -216,10 +220,47 @@ fn routing(topk_idx: &[i64], t: usize, k: usize, experts: usize, ranks: usize) -
     Ok(Routing { send_index, send_counts, offsets, rows })
 }
 
-/// The standard stack on `devices` (rank r on `devices[r]`, one rank per GPU): `warmup + iters`
-/// dispatches and combines at `p`'s normal-mode setting, each checked against the reference.
-/// Times from CUDA events: dispatch = permute + count exchange + host sync + row all-to-all;
-/// combine = return all-to-all + un-permute.
+/// Every rank's inputs, routing and expected outputs (the same in every process).
+struct BaselinePrep {
+    inputs: Vec<RankInputs>,
+    routes: Vec<Routing>,
+    want_d: Vec<NormalDispatchOut>,
+    want_c: Vec<NormalCombineOut>,
+}
+
+impl BaselinePrep {
+    fn new(p: &GpuBenchParams) -> Result<Self> {
+        let cfg0 = p.config(0)?;
+        let (t, h, k, nr) = (p.num_tokens, p.hidden, p.num_topk, p.num_ranks);
+        if p.fp8 && (h / 128 * 4) % 16 != 0 {
+            return Err(Error::arg(
+                "hidden",
+                format!("{h}: the baseline needs hidden % 512 == 0 in fp8"),
+            ));
+        }
+        let hp = NormalBenchParams {
+            num_tokens: t,
+            seed: p.seed,
+            drop_pct: p.drop_pct,
+            iters: p.iters,
+            warmup: p.warmup,
+            combine_weights: true,
+        };
+        let inputs: Vec<RankInputs> =
+            (0..nr).map(|r| host_bench::rank_inputs(&cfg0, &hp, r)).collect::<Result<_>>()?;
+        let (want_d, want_c) = host_bench::reference(&cfg0, &inputs, 1, None, true)?;
+        let routes: Vec<Routing> = inputs
+            .iter()
+            .map(|i| routing(&i.topk_idx, t, k, p.num_experts, nr))
+            .collect::<Result<_>>()?;
+        Ok(BaselinePrep { inputs, routes, want_d, want_c })
+    }
+}
+
+/// The standard stack on `devices` (rank r on `devices[r]`, one rank per GPU, ranks as threads
+/// of this process): `warmup + iters` dispatches and combines at `p`'s normal-mode setting, each
+/// checked against the reference. Times from CUDA events: dispatch = permute + count exchange +
+/// host sync + row all-to-all; combine = return all-to-all + un-permute.
 pub fn run_nccl_baseline(devices: &[Device], p: &GpuBenchParams) -> Result<GpuReport> {
     if devices.len() < p.num_ranks {
         return Err(Error::arg(
@@ -232,206 +273,223 @@ pub fn run_nccl_baseline(devices: &[Device], p: &GpuBenchParams) -> Result<GpuRe
         ));
     }
     let n = nccl()?;
-    let cfg0 = p.config(0)?;
-    let (t, h, k, nr) = (p.num_tokens, p.hidden, p.num_topk, p.num_ranks);
-    if p.fp8 && (h / 128 * 4) % 16 != 0 {
-        return Err(Error::arg(
-            "hidden",
-            format!("{h}: the baseline needs hidden % 512 == 0 in fp8"),
-        ));
-    }
-    let hp = NormalBenchParams {
-        num_tokens: t,
-        seed: p.seed,
-        drop_pct: p.drop_pct,
-        iters: p.iters,
-        warmup: p.warmup,
-        combine_weights: true,
-    };
-    let inputs: Vec<RankInputs> =
-        (0..nr).map(|r| host_bench::rank_inputs(&cfg0, &hp, r)).collect::<Result<_>>()?;
-    let (want_d, want_c) = host_bench::reference(&cfg0, &inputs, 1, None, true)?;
-    let routes: Vec<Routing> = inputs
-        .iter()
-        .map(|i| routing(&i.topk_idx, t, k, p.num_experts, nr))
-        .collect::<Result<_>>()?;
+    let prep = BaselinePrep::new(p)?;
     let mut id = UniqueId { internal: [0; 128] };
     // SAFETY: out-pointer valid.
     check(n, "ncclGetUniqueId", unsafe { (n.get_unique_id)(&mut id) })?;
-    on_threads(nr, p.timeout, |rank, boot| {
-        let dev = &devices[rank];
-        dev.bind()?;
-        let mut comm: Comm = std::ptr::null_mut();
-        // SAFETY: every rank calls this concurrently (threads), context bound.
-        check(n, "ncclCommInitRank", unsafe {
-            (n.comm_init_rank)(&mut comm, nr as c_int, id, rank as c_int)
-        })?;
-        let comm = RankComm { n, comm };
-        let me = &inputs[rank];
-        let ro = &routes[rank];
-        let want = &want_d[rank];
-        let (pay, sc) = match &me.x_fp8 {
-            Some(_) => (h, h / 128 * 4),
-            None => (2 * h, 0),
-        };
-        let rows_out = ro.send_index.len();
-        let rows_in = want.num_recv_tokens;
-        let (x, xs) = upload_tokens(dev, me)?;
-        let index = upload(dev, &ro.send_index)?;
-        let offsets = upload(dev, &ro.offsets)?;
-        let back_rows = upload(dev, &ro.rows)?;
-        let send_x = DeviceBuffer::new(dev, (rows_out * pay).max(16))?;
-        let send_s = DeviceBuffer::new(dev, (rows_out * sc).max(16))?;
-        // Receive buffers sized for the worst case, allocated before any step.
-        let cap = t * nr;
-        let recv_x = DeviceBuffer::new(dev, (cap * pay).max(16))?;
-        let recv_s = DeviceBuffer::new(dev, (cap * sc).max(16))?;
-        let counts_out: Vec<u32> = ro.send_counts.iter().map(|&c| c as u32).collect();
-        let counts_dev = upload(dev, &counts_out)?;
-        let counts_in = DeviceBuffer::zeroed(dev, 4 * nr)?;
-        let cx = upload(dev, &host_bench::combine_input(&want.recv_x, h)?)?;
-        let back = DeviceBuffer::new(dev, (rows_out * 2 * h).max(16))?;
-        let out = DeviceBuffer::new(dev, (t * 2 * h).max(16))?;
-        let stream = Stream::new(dev)?;
-        let ev: Vec<Event> =
-            (0..3).map(|_| Event::new(dev)).collect::<std::result::Result<_, _>>()?;
-        let sent = rows_out as u64;
-        let mut rep = NormalBenchReport {
-            dispatch_s: Vec::new(),
-            combine_s: Vec::new(),
-            dispatch_bytes: sent * cfg0.dispatch_dtype.token_bytes(h as u64),
-            combine_bytes: sent * 2 * h as u64,
-        };
-        let grid = 264u32;
-        let limit = p.timeout;
-        let offs = |counts: &[usize]| -> Vec<usize> {
-            let mut o = vec![0usize; counts.len() + 1];
-            for (i, c) in counts.iter().enumerate() {
-                o[i + 1] = o[i] + c;
-            }
-            o
-        };
-        let so = offs(&ro.send_counts);
-        for it in 0..p.warmup + p.iters {
-            boot.barrier()?;
-            recv_x.memset_async(0xAB, &stream)?;
-            out.memset_async(0xAB, &stream)?;
-            ev[0].record(&stream)?;
-            // SAFETY: every address below is a live buffer of this rank sized for what the
-            // kernel or NCCL touches (rows_out send rows, at most t * nr receive rows).
-            unsafe {
+    on_threads(p.num_ranks, p.timeout, |rank, boot| {
+        baseline_rank(&devices[rank], p, &prep, id, rank, boot)
+    })
+}
+
+/// One rank of the baseline when the ranks are processes, one per GPU (`boot`: this rank's
+/// bootstrap, world size `p.num_ranks`; `dev`: this rank's GPU). Rank 0 makes NCCL's unique
+/// id and the bootstrap carries it to the others. Collective.
+pub fn run_nccl_baseline_rank(
+    dev: &Device,
+    p: &GpuBenchParams,
+    boot: Arc<dyn Bootstrap>,
+) -> Result<NormalBenchReport> {
+    if boot.world_size() != p.num_ranks {
+        return Err(Error::arg(
+            "num_ranks",
+            format!("{} in the parameters, the job has {}", p.num_ranks, boot.world_size()),
+        ));
+    }
+    let n = nccl()?;
+    let prep = BaselinePrep::new(p)?;
+    let mut id = UniqueId { internal: [0; 128] };
+    if boot.rank() == 0 {
+        // SAFETY: out-pointer valid.
+        check(n, "ncclGetUniqueId", unsafe { (n.get_unique_id)(&mut id) })?;
+    }
+    let bytes: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
+    let all = boot.all_gather(&bytes)?;
+    let root = all.first().filter(|b| b.len() == 128).ok_or_else(|| Error::Protocol {
+        rank: boot.rank(),
+        peer: 0,
+        phase: "NCCL unique id",
+        msg: "malformed id".into(),
+    })?;
+    for (i, b) in root.iter().enumerate() {
+        id.internal[i] = *b as c_char;
+    }
+    baseline_rank(dev, p, &prep, id, boot.rank(), boot)
+}
+
+/// One rank's baseline run (a thread or a process), every step checked.
+fn baseline_rank(
+    dev: &Device,
+    p: &GpuBenchParams,
+    prep: &BaselinePrep,
+    id: UniqueId,
+    rank: usize,
+    boot: Arc<dyn Bootstrap>,
+) -> Result<NormalBenchReport> {
+    let n = nccl()?;
+    let cfg0 = p.config(0)?;
+    let (t, h, nr) = (p.num_tokens, p.hidden, p.num_ranks);
+    let (inputs, routes, want_d, want_c) = (&prep.inputs, &prep.routes, &prep.want_d, &prep.want_c);
+    dev.bind()?;
+    let mut comm: Comm = std::ptr::null_mut();
+    // SAFETY: every rank calls this concurrently (threads or processes), context bound.
+    check(n, "ncclCommInitRank", unsafe {
+        (n.comm_init_rank)(&mut comm, nr as c_int, id, rank as c_int)
+    })?;
+    let comm = RankComm { n, comm };
+    let me = &inputs[rank];
+    let ro = &routes[rank];
+    let want = &want_d[rank];
+    let (pay, sc) = match &me.x_fp8 {
+        Some(_) => (h, h / 128 * 4),
+        None => (2 * h, 0),
+    };
+    let rows_out = ro.send_index.len();
+    let rows_in = want.num_recv_tokens;
+    let (x, xs) = upload_tokens(dev, me)?;
+    let index = upload(dev, &ro.send_index)?;
+    let offsets = upload(dev, &ro.offsets)?;
+    let back_rows = upload(dev, &ro.rows)?;
+    let send_x = DeviceBuffer::new(dev, (rows_out * pay).max(16))?;
+    let send_s = DeviceBuffer::new(dev, (rows_out * sc).max(16))?;
+    // Receive buffers sized for the worst case, allocated before any step.
+    let cap = t * nr;
+    let recv_x = DeviceBuffer::new(dev, (cap * pay).max(16))?;
+    let recv_s = DeviceBuffer::new(dev, (cap * sc).max(16))?;
+    let counts_out: Vec<u32> = ro.send_counts.iter().map(|&c| c as u32).collect();
+    let counts_dev = upload(dev, &counts_out)?;
+    let counts_in = DeviceBuffer::zeroed(dev, 4 * nr)?;
+    let cx = upload(dev, &host_bench::combine_input(&want.recv_x, h)?)?;
+    let back = DeviceBuffer::new(dev, (rows_out * 2 * h).max(16))?;
+    let out = DeviceBuffer::new(dev, (t * 2 * h).max(16))?;
+    let stream = Stream::new(dev)?;
+    let ev: Vec<Event> = (0..3).map(|_| Event::new(dev)).collect::<std::result::Result<_, _>>()?;
+    let sent = rows_out as u64;
+    let mut rep = NormalBenchReport {
+        dispatch_s: Vec::new(),
+        combine_s: Vec::new(),
+        dispatch_bytes: sent * cfg0.dispatch_dtype.token_bytes(h as u64),
+        combine_bytes: sent * 2 * h as u64,
+    };
+    let grid = 264u32;
+    let limit = p.timeout;
+    let offs = |counts: &[usize]| -> Vec<usize> {
+        let mut o = vec![0usize; counts.len() + 1];
+        for (i, c) in counts.iter().enumerate() {
+            o[i + 1] = o[i] + c;
+        }
+        o
+    };
+    let so = offs(&ro.send_counts);
+    for it in 0..p.warmup + p.iters {
+        boot.barrier()?;
+        recv_x.memset_async(0xAB, &stream)?;
+        out.memset_async(0xAB, &stream)?;
+        ev[0].record(&stream)?;
+        // SAFETY: every address below is a live buffer of this rank sized for what the
+        // kernel or NCCL touches (rows_out send rows, at most t * nr receive rows).
+        unsafe {
+            launch::gather_rows(
+                &stream,
+                grid,
+                abi::fep_gather_rows_params {
+                    src: x.device_ptr(),
+                    index: index.device_ptr(),
+                    dst: send_x.device_ptr(),
+                    row_bytes: pay as u32,
+                    num_rows: rows_out as i32,
+                },
+            )?;
+            if let Some(xs) = &xs {
                 launch::gather_rows(
                     &stream,
                     grid,
                     abi::fep_gather_rows_params {
-                        src: x.device_ptr(),
+                        src: xs.device_ptr(),
                         index: index.device_ptr(),
-                        dst: send_x.device_ptr(),
-                        row_bytes: pay as u32,
+                        dst: send_s.device_ptr(),
+                        row_bytes: sc as u32,
                         num_rows: rows_out as i32,
                     },
                 )?;
-                if let Some(xs) = &xs {
-                    launch::gather_rows(
-                        &stream,
-                        grid,
-                        abi::fep_gather_rows_params {
-                            src: xs.device_ptr(),
-                            index: index.device_ptr(),
-                            dst: send_s.device_ptr(),
-                            row_bytes: sc as u32,
-                            num_rows: rows_out as i32,
-                        },
-                    )?;
-                }
-            }
-            let one: Vec<(u64, usize)> =
-                (0..nr).map(|d| (counts_dev.device_ptr() + 4 * d as u64, 4)).collect();
-            let one_in: Vec<(u64, usize)> =
-                (0..nr).map(|s| (counts_in.device_ptr() + 4 * s as u64, 4)).collect();
-            exchange(&comm, &stream, &one, &one_in)?;
-            stream.synchronize_within(limit)?;
-            let rc: Vec<u32> = counts_in.to_vec()?;
-            let rc: Vec<usize> = rc.iter().map(|&c| c as usize).collect();
-            let total: usize = rc.iter().sum();
-            if total > cap {
-                return Err(Error::Other(format!("rank {rank}: {total} rows exceed {cap}")));
-            }
-            let ro_in = offs(&rc);
-            let snd = |base: u64, w: usize| -> Vec<(u64, usize)> {
-                (0..nr).map(|d| (base + (so[d] * w) as u64, ro.send_counts[d] * w)).collect()
-            };
-            let rcv = |base: u64, w: usize| -> Vec<(u64, usize)> {
-                (0..nr).map(|s| (base + (ro_in[s] * w) as u64, rc[s] * w)).collect()
-            };
-            exchange(
-                &comm,
-                &stream,
-                &snd(send_x.device_ptr(), pay),
-                &rcv(recv_x.device_ptr(), pay),
-            )?;
-            if sc > 0 {
-                exchange(
-                    &comm,
-                    &stream,
-                    &snd(send_s.device_ptr(), sc),
-                    &rcv(recv_s.device_ptr(), sc),
-                )?;
-            }
-            ev[1].record(&stream)?;
-            // Combine: the expert outputs (rows as received) go back to their sources.
-            exchange(&comm, &stream, &rcv(cx.device_ptr(), 2 * h), &snd(back.device_ptr(), 2 * h))?;
-            // SAFETY: as above; offsets/rows index rows_out rows of `back`.
-            unsafe {
-                launch::segment_sum(
-                    &stream,
-                    grid,
-                    abi::fep_segment_sum_params {
-                        src: back.device_ptr(),
-                        offsets: offsets.device_ptr(),
-                        rows: back_rows.device_ptr(),
-                        out: out.device_ptr(),
-                        hidden: h as i32,
-                        num_tokens: t as i32,
-                    },
-                )?;
-            }
-            ev[2].record(&stream)?;
-            stream.synchronize_within(limit)?;
-            if total != rows_in {
-                return Err(Error::Other(format!(
-                    "rank {rank}: NCCL baseline received {total} rows, the reference {rows_in}"
-                )));
-            }
-            let got: Vec<u8> = recv_x.to_vec()?;
-            let same = match &want.recv_x {
-                Tokens::Bf16(v) => {
-                    got[..rows_in * pay] == *bytemuck::cast_slice::<u16, u8>(&v[..rows_in * h])
-                }
-                Tokens::Fp8 { x, scales } => {
-                    let s: Vec<f32> = recv_s.to_vec()?;
-                    got[..rows_in * h] == x[..rows_in * h]
-                        && s[..rows_in * (h / 128)] == scales[..rows_in * (h / 128)]
-                }
-            };
-            if !same {
-                return Err(Error::Other(format!(
-                    "rank {rank}: NCCL baseline dispatch differs from the reference (iteration {it})"
-                )));
-            }
-            let got: Vec<u16> = out.to_vec()?;
-            if got[..t * h] != want_c[rank].combined_x[..] {
-                return Err(Error::Other(format!(
-                    "rank {rank}: NCCL baseline combine differs from the reference (iteration {it})"
-                )));
-            }
-            if it >= p.warmup {
-                rep.dispatch_s.push(ev[0].elapsed_ms(&ev[1])? as f64 * 1e-3);
-                rep.combine_s.push(ev[1].elapsed_ms(&ev[2])? as f64 * 1e-3);
             }
         }
-        boot.barrier()?;
-        drop(comm);
-        Ok(rep)
-    })
+        let one: Vec<(u64, usize)> =
+            (0..nr).map(|d| (counts_dev.device_ptr() + 4 * d as u64, 4)).collect();
+        let one_in: Vec<(u64, usize)> =
+            (0..nr).map(|s| (counts_in.device_ptr() + 4 * s as u64, 4)).collect();
+        exchange(&comm, &stream, &one, &one_in)?;
+        stream.synchronize_within(limit)?;
+        let rc: Vec<u32> = counts_in.to_vec()?;
+        let rc: Vec<usize> = rc.iter().map(|&c| c as usize).collect();
+        let total: usize = rc.iter().sum();
+        if total > cap {
+            return Err(Error::Other(format!("rank {rank}: {total} rows exceed {cap}")));
+        }
+        let ro_in = offs(&rc);
+        let snd = |base: u64, w: usize| -> Vec<(u64, usize)> {
+            (0..nr).map(|d| (base + (so[d] * w) as u64, ro.send_counts[d] * w)).collect()
+        };
+        let rcv = |base: u64, w: usize| -> Vec<(u64, usize)> {
+            (0..nr).map(|s| (base + (ro_in[s] * w) as u64, rc[s] * w)).collect()
+        };
+        exchange(&comm, &stream, &snd(send_x.device_ptr(), pay), &rcv(recv_x.device_ptr(), pay))?;
+        if sc > 0 {
+            exchange(&comm, &stream, &snd(send_s.device_ptr(), sc), &rcv(recv_s.device_ptr(), sc))?;
+        }
+        ev[1].record(&stream)?;
+        // Combine: the expert outputs (rows as received) go back to their sources.
+        exchange(&comm, &stream, &rcv(cx.device_ptr(), 2 * h), &snd(back.device_ptr(), 2 * h))?;
+        // SAFETY: as above; offsets/rows index rows_out rows of `back`.
+        unsafe {
+            launch::segment_sum(
+                &stream,
+                grid,
+                abi::fep_segment_sum_params {
+                    src: back.device_ptr(),
+                    offsets: offsets.device_ptr(),
+                    rows: back_rows.device_ptr(),
+                    out: out.device_ptr(),
+                    hidden: h as i32,
+                    num_tokens: t as i32,
+                },
+            )?;
+        }
+        ev[2].record(&stream)?;
+        stream.synchronize_within(limit)?;
+        if total != rows_in {
+            return Err(Error::Other(format!(
+                "rank {rank}: NCCL baseline received {total} rows, the reference {rows_in}"
+            )));
+        }
+        let got: Vec<u8> = recv_x.to_vec()?;
+        let same = match &want.recv_x {
+            Tokens::Bf16(v) => {
+                got[..rows_in * pay] == *bytemuck::cast_slice::<u16, u8>(&v[..rows_in * h])
+            }
+            Tokens::Fp8 { x, scales } => {
+                let s: Vec<f32> = recv_s.to_vec()?;
+                got[..rows_in * h] == x[..rows_in * h]
+                    && s[..rows_in * (h / 128)] == scales[..rows_in * (h / 128)]
+            }
+        };
+        if !same {
+            return Err(Error::Other(format!(
+                "rank {rank}: NCCL baseline dispatch differs from the reference (iteration {it})"
+            )));
+        }
+        let got: Vec<u16> = out.to_vec()?;
+        if got[..t * h] != want_c[rank].combined_x[..] {
+            return Err(Error::Other(format!(
+                "rank {rank}: NCCL baseline combine differs from the reference (iteration {it})"
+            )));
+        }
+        if it >= p.warmup {
+            rep.dispatch_s.push(ev[0].elapsed_ms(&ev[1])? as f64 * 1e-3);
+            rep.combine_s.push(ev[1].elapsed_ms(&ev[2])? as f64 * 1e-3);
+        }
+    }
+    boot.barrier()?;
+    drop(comm);
+    Ok(rep)
 }

@@ -66,16 +66,19 @@ impl EpRow {
 
 /// The human table.
 pub fn table(rows: &[EpRow]) -> String {
+    // Column widths follow the longest entry ("dispatch (graph)", "nccl+permute").
+    let op = rows.iter().map(|r| r.op.len()).max().unwrap_or(0).max(14);
+    let back = rows.iter().map(|r| r.backend.len()).max().unwrap_or(0).max(5);
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{:<12} {:<14} {:<5} {:>5} {:>6} {:>6} | {:>9} {:>12} {:>12}",
+        "{:<12} {:<op$} {:<back$} {:>5} {:>6} {:>6} | {:>9} {:>12} {:>12}",
         "mode", "op", "back", "ranks", "tokens", "hidden", "GB/s", "median us", "p99 us"
     );
     for r in rows {
         let _ = writeln!(
             s,
-            "{:<12} {:<14} {:<5} {:>5} {:>6} {:>6} | {:>9.3} {:>12.1} {:>12.1}",
+            "{:<12} {:<op$} {:<back$} {:>5} {:>6} {:>6} | {:>9.3} {:>12.1} {:>12.1}",
             r.mode, r.op, r.backend, r.ranks, r.tokens, r.hidden, r.gbps, r.median_us, r.p99_us
         );
     }

@@ -265,6 +265,28 @@ fn print_ep_output(out: &str) -> Vec<EpRow> {
     rows
 }
 
+/// For every normal-mode row of ours with an NCCL + permute row of the same op and rank count,
+/// the ratio of the medians (above 1: ours is faster).
+fn print_nccl_ratios(rows: &[EpRow]) {
+    for t in rows.iter().filter(|r| r.backend == "nccl+permute") {
+        let ours = rows
+            .iter()
+            .find(|o| o.backend == "gpu" && o.mode == t.mode && o.op == t.op && o.ranks == t.ranks);
+        if let Some(o) = ours {
+            println!(
+                "vs NCCL all-to-all + permute, {} {} at {} rank(s): {:.2}x (their median / ours: \
+                 {:.1} / {:.1} us; above 1: ours faster)",
+                t.mode,
+                t.op,
+                t.ranks,
+                t.median_us / o.median_us,
+                t.median_us,
+                o.median_us
+            );
+        }
+    }
+}
+
 /// The one table, then JSON/CSV when asked.
 fn print_rows(c: &Common, rows: &[EpRow]) {
     print!("{}", report::table(rows));
@@ -679,7 +701,6 @@ const MPS_HINT: &str = "ranks as processes sharing one GPU need the MPS control 
 /// `Buffer` (GPU backend), every result checked against the reference, CUDA-event timings.
 /// With `--procs` the ranks are local processes instead ([`run_gpu_rank`] in each).
 fn run_gpu(cli: &Cli) -> AnyResult<()> {
-    use fabric_ep::bench::ep::NormalBenchReport;
     use fabric_ep::bench::ep_gpu::{run_ll_gpu, run_normal_gpu, GpuBenchParams};
     let c = &cli.common;
     if c.ranks == 0 {
@@ -693,6 +714,7 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
             .map_err(|e| format!("{e} (if a rank timed out: {MPS_HINT})"))?;
         let rows = print_ep_output(&out);
         print_rows(c, &rows);
+        print_nccl_ratios(&rows);
         println!("{GPU_LEGEND}");
         return Ok(());
     }
@@ -719,7 +741,6 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
     // NCCL's all-to-all with the permute around it, on the same inputs: one rank per GPU (NCCL
     // refuses two ranks on one GPU), so at min(ranks, GPUs) ranks, with our figure at that
     // world size beside it when it differs from --ranks.
-    let mut nccl_pairs: Vec<(usize, NormalBenchReport, NormalBenchReport)> = Vec::new();
     if matches!(c.mode, Mode::Normal | Mode::Both) {
         let p = base(4096);
         let r = run_normal_gpu(&dev, &p)?;
@@ -746,7 +767,6 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
                             rows.extend(gpu_rows("normal", false, &pn, o));
                         }
                         rows.extend(labelled_rows("normal", "", "nccl+permute", &pn, t));
-                        nccl_pairs.push((world, o.clone(), t.clone()));
                     }
                 }
             }
@@ -769,16 +789,7 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
         }
     }
     print_rows(c, &rows);
-    for (world, o, t) in &nccl_pairs {
-        let (od, oc) = (o.dispatch_figures().1, o.combine_figures().1);
-        let (td, tc) = (t.dispatch_figures().1, t.combine_figures().1);
-        println!(
-            "vs NCCL all-to-all + permute at {world} rank(s): dispatch {:.2}x, combine {:.2}x \
-             (their median / ours: {td:.1} / {od:.1} us, {tc:.1} / {oc:.1} us; above 1: ours faster)",
-            td / od,
-            tc / oc
-        );
-    }
+    print_nccl_ratios(&rows);
     println!("{GPU_LEGEND}");
     Ok(())
 }
@@ -825,6 +836,24 @@ fn run_gpu_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult<()
         let r = run_normal_gpu_rank(&dev, &p, &GpuSplit::one_node(world), boot.clone())
             .map_err(hint)?;
         rows.extend(gpu_rows("normal", false, &p, &r));
+        // NCCL's all-to-all + permute on the same inputs, when every process has its own GPU
+        // (NCCL refuses two ranks on one GPU).
+        if !c.no_nccl {
+            match (on_gpu, fabric_ep::bench::nccl::nccl_library()) {
+                (1, Ok(lib)) => {
+                    let t = fabric_ep::bench::nccl::run_nccl_baseline_rank(&dev, &p, boot.clone())?;
+                    rows.extend(labelled_rows("normal", "", "nccl+permute", &p, &t));
+                    if rank == 0 {
+                        println!("NCCL comparison: {lib}, {world} processes, one GPU each");
+                    }
+                }
+                (1, Err(why)) if rank == 0 => println!("NCCL comparison skipped: {why}"),
+                (k, _) if k > 1 && rank == 0 => println!(
+                    "NCCL comparison skipped: {k} ranks per GPU (NCCL needs one GPU per rank)"
+                ),
+                _ => {}
+            }
+        }
     }
     if matches!(c.mode, Mode::LowLatency | Mode::Both) {
         for hook in [false, true] {
