@@ -271,6 +271,10 @@ impl Proxy {
     fn check_running(&self) -> Result<(), ProxyError> {
         self.check()?;
         if self.shared.stop.load(Ordering::Acquire) {
+            // NOTES: a failing worker records its error, then sets `failed`, then `stop`
+            // (release stores); a waiter that read `failed` unset before the failure and `stop`
+            // set after it must look again, or it reports "stopped" instead of the cause.
+            self.check()?;
             return Err(ProxyError::WorkerStopped { rank: self.rank });
         }
         Ok(())
