@@ -36,4 +36,19 @@ impl Error {
     pub fn arg(arg: &'static str, msg: impl Into<String>) -> Self {
         Error::InvalidArgument { arg, msg: msg.into() }
     }
+
+    /// A proxy error of rank `rank` in `phase`: an arrival wait that ran out becomes
+    /// [`Error::Timeout`] naming the lagging peers (each once, ascending); the rest stay
+    /// [`Error::Proxy`].
+    pub fn from_proxy(rank: usize, phase: &'static str, e: crate::proxy::ProxyError) -> Self {
+        match e {
+            crate::proxy::ProxyError::ArrivalTimeout { waited, lagging, .. } => {
+                let mut peers: Vec<usize> = lagging.iter().map(|l| l.peer as usize).collect();
+                peers.sort_unstable();
+                peers.dedup();
+                Error::Timeout { rank, phase, peers, waited }
+            }
+            other => Error::Proxy(other),
+        }
+    }
 }

@@ -1,4 +1,4 @@
-//! Small shared helpers: deterministic test data, deadlines.
+//! Small shared helpers: deterministic test data, deadlines, the host-side wait back-off.
 
 use std::time::{Duration, Instant};
 
@@ -46,5 +46,34 @@ impl Deadline {
     }
     pub fn remaining(&self) -> Duration {
         self.limit.saturating_sub(self.start.elapsed())
+    }
+}
+
+/// The host-side idle policy of a polling wait: spin, then yield, then sleep 20 us per round
+/// (many ranks may share few cores). `Backoff::new(spins, yields)`: the round counts at which it
+/// moves to the next regime; `reset` after progress.
+#[derive(Clone, Debug)]
+pub struct Backoff {
+    rounds: u32,
+    spins: u32,
+    yields: u32,
+}
+
+impl Backoff {
+    pub fn new(spins: u32, yields: u32) -> Self {
+        Backoff { rounds: 0, spins, yields: yields.max(spins) }
+    }
+    pub fn reset(&mut self) {
+        self.rounds = 0;
+    }
+    pub fn snooze(&mut self) {
+        self.rounds = self.rounds.saturating_add(1);
+        if self.rounds < self.spins {
+            std::hint::spin_loop();
+        } else if self.rounds < self.yields {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(20));
+        }
     }
 }

@@ -14,6 +14,11 @@
 //! PyTorch wheels ship it under `site-packages/nvidia/nccl/lib`). NCCL needs one GPU per rank:
 //! it refuses two ranks on one device ("Duplicate GPU detected", NCCL 2.28.9 on the H200
 //! machine, docs/results/), so this runs at most as many ranks as there are GPUs.
+//!
+//! NOTES (bounds): our waits here are bounded (the bootstrap's, and stream synchronisation
+//! within the run's timeout), but NCCL's own `ncclCommInitRank` has no deadline: a rank that
+//! dies between the id exchange and its init leaves the others inside NCCL. Acceptable for a
+//! benchmark baseline; nothing of the library calls NCCL.
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::sync::OnceLock;

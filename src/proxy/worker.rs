@@ -12,6 +12,7 @@ use super::imm::ImmCodec;
 use super::memory::{CounterMemory, RingConsumer, RingMemory};
 use super::transport::{Transport, TransportEvent, WriteOp};
 use super::ProxyError;
+use crate::util::Backoff;
 
 /// Settings for [`Proxy::start`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -299,7 +300,7 @@ impl Proxy {
             self.counters.arrivals(w.slot)?;
         }
         let start = Instant::now();
-        let mut backoff = Backoff::default();
+        let mut backoff = Backoff::new(128, 4096);
         let mut first_pending = 0;
         loop {
             while first_pending < waits.len() {
@@ -346,7 +347,7 @@ impl Proxy {
     ) -> Result<(), ProxyError> {
         self.counters.sends_completed(ring)?;
         let start = Instant::now();
-        let mut backoff = Backoff::default();
+        let mut backoff = Backoff::new(128, 4096);
         loop {
             let observed = self.counters.sends_atomic(ring).load(Ordering::Acquire);
             if observed >= expected {
@@ -388,23 +389,6 @@ impl Proxy {
 impl Drop for Proxy {
     fn drop(&mut self) {
         self.stop_and_join();
-    }
-}
-
-/// Spin, then yield, for host-side waits.
-#[derive(Default)]
-struct Backoff(u32);
-
-impl Backoff {
-    fn snooze(&mut self) {
-        self.0 = self.0.saturating_add(1);
-        if self.0 < 128 {
-            std::hint::spin_loop();
-        } else if self.0 < 4096 {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros(20));
-        }
     }
 }
 

@@ -257,7 +257,7 @@ class GpuPath:
     def dispatch(self, x: Any, handle: Any, topk_idx: Any, topk_weights: Any,
                  expert_alignment: int, num_worst_tokens: int, previous_event: Any,
                  async_finish: bool, allocate_on_comm_stream: bool) -> Tuple[Any, ...]:
-        from .buffer import DispatchHandle
+        from .buffer import DispatchHandle, _check_cached_handle
 
         b = self.buf
         p = b._ptr
@@ -289,17 +289,7 @@ class GpuPath:
         ts = self.slots
         a = ts.addr
         if handle is not None:
-            if type(handle) is not DispatchHandle:
-                raise TypeError(f"handle: expected a fabric_ep DispatchHandle, got {type(handle).__name__}")
-            if handle._buffer_id != id(b) or not handle._ptr:
-                raise ValueError("handle: made by another Buffer (or already freed)")
-            if topk_idx is not None or topk_weights is not None:
-                raise ValueError(
-                    "topk_idx/topk_weights: must be None with a cached handle (the handle holds "
-                    "the routing)"
-                )
-            if t != handle.num_tokens:
-                raise ValueError(f"x: {t} tokens, the handle was made for {handle.num_tokens}")
+            _check_cached_handle(handle, b, topk_idx, topk_weights, t)
             idx_t, w_t = handle._keep[0], handle._keep[1]
             ip, wp = idx_t.data_ptr(), w_t.data_ptr()
             hp, rows, order = handle._ptr, handle.num_recv_tokens, self._order0

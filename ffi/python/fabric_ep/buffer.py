@@ -619,19 +619,7 @@ class Buffer:
 
         # ---- routing
         if handle is not None:
-            if type(handle) is not DispatchHandle:
-                raise TypeError(
-                    f"handle: expected a fabric_ep DispatchHandle, got {type(handle).__name__}"
-                )
-            if handle._buffer_id != id(self) or not handle._ptr:
-                raise ValueError("handle: made by another Buffer (or already freed)")
-            if topk_idx is not None or topk_weights is not None:
-                raise ValueError(
-                    "topk_idx/topk_weights: must be None with a cached handle (the handle holds "
-                    "the routing)"
-                )
-            if t != handle.num_tokens:
-                raise ValueError(f"x: {t} tokens, the handle was made for {handle.num_tokens}")
+            _check_cached_handle(handle, self, topk_idx, topk_weights, t)
             ip = wp = 0
             cached = handle._ptr
         else:
@@ -1072,6 +1060,23 @@ class Buffer:
 
 
 _addr = ctypes.addressof
+
+
+def _check_cached_handle(handle: Any, buf: Any, topk_idx: Any, topk_weights: Any, t: int) -> None:
+    """A cached-handle dispatch's arguments (host and GPU backends alike)."""
+    if type(handle) is not DispatchHandle:
+        raise TypeError(
+            f"handle: expected a fabric_ep DispatchHandle, got {type(handle).__name__}"
+        )
+    if handle._buffer_id != id(buf) or not handle._ptr:
+        raise ValueError("handle: made by another Buffer (or already freed)")
+    if topk_idx is not None or topk_weights is not None:
+        raise ValueError(
+            "topk_idx/topk_weights: must be None with a cached handle (the handle holds "
+            "the routing)"
+        )
+    if t != handle.num_tokens:
+        raise ValueError(f"x: {t} tokens, the handle was made for {handle.num_tokens}")
 
 
 def _auto_backend(group: Any) -> str:

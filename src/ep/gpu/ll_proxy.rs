@@ -319,15 +319,7 @@ impl LlProxyLane {
     }
 
     fn proxy_err(&self, phase: &'static str, e: ProxyError) -> Error {
-        match e {
-            ProxyError::ArrivalTimeout { waited, lagging, .. } => {
-                let mut peers: Vec<usize> = lagging.iter().map(|l| l.peer as usize).collect();
-                peers.sort_unstable();
-                peers.dedup();
-                Error::Timeout { rank: self.rank, phase, peers, waited }
-            }
-            other => Error::Proxy(other),
-        }
+        Error::from_proxy(self.rank, phase, e)
     }
 
     /// A one-line picture of the lane for error reports: the proxy's health, ring head/tail,

@@ -178,15 +178,7 @@ impl LlComm {
     }
 
     fn proxy_err(&self, phase: &'static str, e: ProxyError) -> Error {
-        match e {
-            ProxyError::ArrivalTimeout { waited, lagging, .. } => {
-                let mut peers: Vec<usize> = lagging.iter().map(|l| l.peer as usize).collect();
-                peers.sort_unstable();
-                peers.dedup();
-                Error::Timeout { rank: self.rank, phase, peers, waited }
-            }
-            other => Error::Proxy(other),
-        }
+        Error::from_proxy(self.rank, phase, e)
     }
 
     /// Counter id of the message `(phase, set)` from `peer` for unit `(local_expert)`, seen by

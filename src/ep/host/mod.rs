@@ -15,6 +15,7 @@ use super::plan::{
     imm_decode, NormalLayout, NotifyRecord, Phase, RegionPlan, IMM_VALUE_MAX, NOTIFY_SLOTS,
 };
 use crate::proxy::{ArrivalWait, Command, Proxy, ProxyError, RingProducer, SharedRegion};
+use crate::util::Backoff;
 use crate::{Error, Result};
 
 /// Where the normal-mode slots sit inside one registered buffer (send staging and receive area
@@ -113,26 +114,6 @@ pub(crate) struct HostComm {
     notify_seq: u64,
 }
 
-/// Spin, then yield, then sleep: the event loop's idle policy (many ranks may share few cores).
-#[derive(Default)]
-struct Backoff(u32);
-
-impl Backoff {
-    fn reset(&mut self) {
-        self.0 = 0;
-    }
-    fn snooze(&mut self) {
-        self.0 = self.0.saturating_add(1);
-        if self.0 < 64 {
-            std::hint::spin_loop();
-        } else if self.0 < 2048 {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros(20));
-        }
-    }
-}
-
 impl HostComm {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
@@ -168,14 +149,7 @@ impl HostComm {
     }
 
     fn proxy_err(&self, phase: &'static str, e: ProxyError) -> Error {
-        match e {
-            ProxyError::ArrivalTimeout { waited, lagging, .. } => {
-                let mut peers: Vec<usize> = lagging.iter().map(|l| l.peer as usize).collect();
-                peers.dedup();
-                Error::Timeout { rank: self.rank, phase, peers, waited }
-            }
-            other => Error::Proxy(other),
-        }
+        Error::from_proxy(self.rank, phase, e)
     }
 
     /// Stage and publish one command; `false` when the ring is full (retry later).
@@ -300,7 +274,8 @@ impl HostComm {
             (0..r).map(|d| self.sent_chunks[d] + send_chunks[d]).collect();
         let counters = self.proxy.counters().clone();
         let start = Instant::now();
-        let mut backoff = Backoff::default();
+        // The event loop's idle policy (many ranks may share few cores).
+        let mut backoff = Backoff::new(64, 2048);
         let mut passes = 0u32;
         loop {
             let mut progress = false;
