@@ -11,6 +11,11 @@
 //! the difference is what the GPU path (kernel -> ring -> proxy, counters -> kernel, staging
 //! through mapped host memory) adds per phase.
 //!
+//! `--trace N`: before the timed loop, N pairs with the event trace on (`fabric_ep::trace`):
+//! kernel points and both proxies' points on one clock, printed as a per-interval table
+//! (`bench::trace`) and the timeline of one pair. `--threads`: the two ranks as threads of this
+//! process instead (no MPS needed), same path through the proxies.
+//!
 //! `gpu_ll_proxy_bench [--provider shm] [--cases tiny,mid,standard] [--iters 2000] [--bf16]`
 //! Cases: tiny = 1 token, hidden 128, top-1 of 2 experts (one message each way per phase);
 //! mid = 16 tokens, hidden 2048, top-4 of 16; standard = 128 tokens, hidden 7168, top-8 of 256.
@@ -52,6 +57,38 @@ struct Args {
     /// fi_pingpong iterations per size.
     #[arg(long, default_value_t = 20000)]
     pingpong_iters: usize,
+    /// Traced pairs before the timed loop (0: none).
+    #[arg(long, default_value_t = 0)]
+    trace: usize,
+    /// Both ranks as threads of this process (no child processes, no MPS).
+    #[arg(long)]
+    threads: bool,
+}
+
+/// Messages a rank receives per phase and call from its one peer: one per local expert.
+fn msgs_per_call(p: &GpuBenchParams) -> usize {
+    p.num_experts / p.num_ranks
+}
+
+/// Prints the trace's per-interval table and the timeline of the middle traced pair.
+fn print_trace(name: &str, p: &GpuBenchParams, recs: &[fabric_ep::trace::TraceRecord]) {
+    use fabric_ep::bench::trace::{breakdown, table, timeline};
+    if recs.is_empty() {
+        println!("TRACE {name}: no records");
+        return;
+    }
+    println!("TRACE {name}: {} records", recs.len());
+    print!("{}", table(&breakdown(recs, p.num_experts, msgs_per_call(p))));
+    let begins: Vec<i64> = recs
+        .iter()
+        .filter(|r| r.rank == 0 && u32::from(r.kind) == fabric_ep::abi::FEP_TRACE_LL_SEND_BEGIN)
+        .map(|r| r.t_ns)
+        .collect();
+    if begins.len() >= 3 {
+        let mid = begins.len() / 2;
+        println!("TRACE {name}: timeline of traced pair {mid} (from rank 0's dispatch send begin)");
+        print!("{}", timeline(recs, begins[mid], begins[mid + 1] - begins[mid]));
+    }
 }
 
 fn params(case: &str, a: &Args) -> Option<GpuBenchParams> {
@@ -126,12 +163,17 @@ fn child(a: &Args) {
         provider: Some(a.provider.clone()),
         timed_iters: a.iters,
         graph: a.graph,
+        trace_pairs: a.trace,
+        ranks_share_process: false,
     };
     for name in a.cases.split(',') {
         let Some(p) = params(name, a) else { panic!("unknown case {name}") };
         let case = LlCase::new(&p).expect("reference");
         let rep = run_ll_gpu_rank(&dev, &p, &o, &case, rank, boot.clone())
             .unwrap_or_else(|e| panic!("rank {rank} case {name}: {e}"));
+        for r in &rep.trace {
+            println!("TRACEREC {name} {} {} {} {}", r.rank, r.t_ns, r.kind, r.arg);
+        }
         let (dm, dp) = stats(&rep.report.dispatch_s);
         let (cm, cp) = stats(&rep.report.combine_s);
         let (ds, _) = stats(&rep.dispatch_send_s);
@@ -159,6 +201,10 @@ fn main() {
     }
     if !gpu_available() {
         println!("SKIP: no GPU visible");
+        return;
+    }
+    if a.threads {
+        threads(&a);
         return;
     }
     let mps = std::env::var_os("CUDA_MPS_PIPE_DIRECTORY").is_some();
@@ -264,5 +310,60 @@ fn main() {
     if failed {
         eprintln!("missing PHASES lines:\n{all}");
         std::process::exit(1);
+    }
+    if a.trace > 0 {
+        for name in a.cases.split(',') {
+            let Some(p) = params(name, &a) else { continue };
+            let tag = format!("TRACEREC {name} ");
+            let mut recs: Vec<fabric_ep::trace::TraceRecord> = out
+                .iter()
+                .flat_map(|o| o.stdout.lines())
+                .filter_map(|l| l.strip_prefix(&tag))
+                .filter_map(|l| {
+                    let f: Vec<i64> = l.split_whitespace().filter_map(|x| x.parse().ok()).collect();
+                    (f.len() == 4).then(|| fabric_ep::trace::TraceRecord {
+                        t_ns: f[1],
+                        kind: f[2] as u16,
+                        rank: f[0] as u16,
+                        arg: f[3] as u32,
+                    })
+                })
+                .collect();
+            recs.sort_by_key(|r| r.t_ns);
+            print_trace(name, &p, &recs);
+        }
+    }
+}
+
+/// `--threads`: both ranks in this process (no MPS), same options; rank 0's CUDA-event
+/// medians and, with `--trace`, the trace.
+fn threads(a: &Args) {
+    let dev = Device::from_env().expect("open the GPU");
+    let o = LlRunOptions {
+        ranks_per_node: 1,
+        provider: Some(a.provider.clone()),
+        timed_iters: a.iters,
+        graph: a.graph,
+        trace_pairs: a.trace,
+        ranks_share_process: true,
+    };
+    println!(
+        "gpu_ll_proxy_bench --threads: 2 ranks as threads x 1 rank per node, provider {}, hook {}",
+        a.provider, a.hook
+    );
+    for name in a.cases.split(',') {
+        let Some(p) = params(name, a) else { panic!("unknown case {name}") };
+        let reps = fabric_ep::bench::ep_gpu::run_ll_gpu_threads(&dev, &p, &o)
+            .unwrap_or_else(|e| panic!("case {name}: {e}"));
+        for (rank, rep) in reps.iter().enumerate() {
+            let (dm, dp) = stats(&rep.report.dispatch_s);
+            let (cm, cp) = stats(&rep.report.combine_s);
+            println!(
+                "THREADS {name} rank {rank}: dispatch {dm:.2} us (p99 {dp:.2}), combine {cm:.2} us \
+                 (p99 {cp:.2}), host enqueue {:.2} us per pair",
+                rep.host_enqueue_s * 1e6
+            );
+        }
+        print_trace(name, &p, &reps[0].trace);
     }
 }

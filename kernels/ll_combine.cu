@@ -14,6 +14,7 @@
 #include "fep_abi.h"
 #include "fep_device.cuh"
 #include "fep_ll.cuh"
+#include "fep_trace.cuh"
 
 extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     fep_ll_combine_send(const fep_ll_combine_params p) {
@@ -28,6 +29,8 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int32_t* range = reinterpret_cast<const int32_t*>(p.layout_range);
     const fep_ll_peer* peers = reinterpret_cast<const fep_ll_peer*>(p.peers);
+    const bool marker = blockIdx.x == 0 && tid == 0;  // the thread that marks trace points
+    if (marker) fep::trace(FEP_TRACE_PHASE_STRIDE + FEP_TRACE_LL_SEND_BEGIN, p.rank, p.set);
 
     for (int u = tid; u < E; u += kThreads) {
         int c = range[2 * u + 1];
@@ -45,6 +48,7 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
         const fep::WaitCtx ctx{p.dev_error, p.budget_cycles, static_cast<uint32_t>(p.rank),
                                FEP_PHASE_LL_COMBINE_SEND, UINT32_MAX};
         if (!px_staging_free(p.proxy, p.set, ctx)) return;  // block-uniform; nothing published
+        if (marker) fep::trace(FEP_TRACE_PHASE_STRIDE + FEP_TRACE_LL_SEND_STAGED, p.rank, p.set);
     }
     const int row_bytes = 2 * H;
     const int n16 = row_bytes / 16;
@@ -94,7 +98,10 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
         fep::st_release_sys(flag_ptr(peers[dst].flags, p.set, 1, E, p.rank * L + e),
                             flag_value(s_tag, static_cast<uint32_t>(s_cnt[u])));
     }
-    if (tid == 0) *epoch = s_tag;
+    if (tid == 0) {
+        *epoch = s_tag;
+        fep::trace(FEP_TRACE_PHASE_STRIDE + FEP_TRACE_LL_SEND_PUBLISHED, p.rank, p.set);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
@@ -115,6 +122,8 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     const int32_t* pos = reinterpret_cast<const int32_t*>(p.pos);
 
     const uint64_t tag = reinterpret_cast<const uint64_t*>(p.epoch)[p.set];
+    const bool marker = blockIdx.x == 0 && tid == 0;
+    if (marker) fep::trace(FEP_TRACE_PHASE_STRIDE + FEP_TRACE_LL_RECV_BEGIN, p.rank, p.set);
     if (tid == 0) s_fail = 0;
     for (int g = tid; g < E; g += kThreads) s_hist[g] = 0;
     __syncthreads();
@@ -150,6 +159,7 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     }
     __syncthreads();
     if (s_fail) return;  // block-uniform
+    if (marker) fep::trace(FEP_TRACE_PHASE_STRIDE + FEP_TRACE_LL_RECV_COUNTS, p.rank, p.set);
     if (p.proxy.ring != 0) {
         // As in the dispatch receive: the last block advances sums_seen (after every block read
         // it), and the ticket's system fences order the proxy-written rows before the reads.
@@ -209,4 +219,5 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
         }
         __syncthreads();  // s_row / s_w are rewritten for the next token
     }
+    if (marker) fep::trace(FEP_TRACE_PHASE_STRIDE + FEP_TRACE_LL_RECV_END, p.rank, p.set);
 }

@@ -18,6 +18,7 @@
 #include "fep_abi.h"
 #include "fep_device.cuh"
 #include "fep_ll.cuh"
+#include "fep_trace.cuh"
 
 
 extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
@@ -34,6 +35,8 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     int32_t* s_topk = reinterpret_cast<int32_t*>(smem + static_cast<size_t>(K) * 8);
     int32_t* s_count = s_topk + TK;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const bool marker = blockIdx.x == 0 && tid == 0;  // the thread that marks trace points
+    if (marker) fep::trace(FEP_TRACE_LL_SEND_BEGIN, p.rank, p.set);
 
     const int64_t* topk = reinterpret_cast<const int64_t*>(p.topk_idx);
     for (int i = tid; i < TK; i += kThreads) {
@@ -53,6 +56,7 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
         const fep::WaitCtx ctx{p.dev_error, p.budget_cycles, static_cast<uint32_t>(p.rank),
                                FEP_PHASE_LL_DISPATCH_SEND, UINT32_MAX};
         if (!px_staging_free(p.proxy, p.set, ctx)) return;  // block-uniform; nothing published
+        if (marker) fep::trace(FEP_TRACE_LL_SEND_STAGED, p.rank, p.set);
     }
     const int n_items = H / 16;  // 16 channels per thread and step (H % 128 == 0 for fp8, % 16 else)
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
@@ -171,7 +175,10 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
         fep::st_release_sys(flag_ptr(peers[dst].flags, p.set, 0, E, e * R + p.rank),
                             flag_value(s_tag, static_cast<uint32_t>(s_count[g])));
     }
-    if (tid == 0) *epoch = s_tag;  // the receive (same stream, next) expects this tag
+    if (tid == 0) {
+        *epoch = s_tag;  // the receive (same stream, next) expects this tag
+        fep::trace(FEP_TRACE_LL_SEND_PUBLISHED, p.rank, p.set);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
@@ -190,6 +197,8 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
 
     // Written by this rank's send (earlier on the same stream).
     const uint64_t tag = reinterpret_cast<const uint64_t*>(p.epoch)[p.set];
+    const bool marker = blockIdx.x == 0 && tid == 0;
+    if (marker) fep::trace(FEP_TRACE_LL_RECV_BEGIN, p.rank, p.set);
     if (tid == 0) s_fail = 0;
     __syncthreads();
     // Every block waits for all E flags (one thread each, in parallel): it needs every count for
@@ -227,6 +236,7 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     }
     __syncthreads();
     if (s_fail) return;  // block-uniform
+    if (marker) fep::trace(FEP_TRACE_LL_RECV_COUNTS, p.rank, p.set);
     if (p.proxy.ring != 0) {
         // Every block has read sums_seen once all have taken a ticket: the last one advances it
         // (the ticket's system fences also order the rows the proxy's NIC wrote before the copy).
@@ -282,4 +292,5 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
             }
         }
     }
+    if (marker) fep::trace(FEP_TRACE_LL_RECV_END, p.rank, p.set);
 }

@@ -468,7 +468,10 @@ run() {
     echo "===== $name" >>"$tests_log"
     set +e
     # --nocapture: the tests' own lines (timeout paths, what each rank checked) reach the log.
-    timeout 300 "$t" --include-ignored --test-threads=1 --nocapture >>"$tests_log" 2>&1
+    # Ranks as threads of one context: a hardware work queue per stream (GpuBuffer's
+    # check_work_queues refuses fewer).
+    CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32} \
+      timeout 300 "$t" --include-ignored --test-threads=1 --nocapture >>"$tests_log" 2>&1
     rc=$?
     set -e
     line=$(awk -v n="===== $name" '$0==n{f=1} f && /^test result:/{print; exit}' "$tests_log")

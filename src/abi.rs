@@ -26,6 +26,7 @@ const _: () = assert!(size_of::<fep_proxy_pingpong_params>() == 120);
 const _: () = assert!(offset_of!(fep_proxy_exchange_params, capacity) == 88);
 const _: () = assert!(offset_of!(fep_proxy_pingpong_params, cmd) == 64);
 const _: () = assert!(size_of::<fep_ll_peer>() == 32);
+const _: () = assert!(size_of::<fep_trace_clock_params>() == 16);
 const _: () = assert!(size_of::<fep_ll_dispatch_params>() == 264);
 const _: () = assert!(size_of::<fep_ll_combine_params>() == 224);
 const _: () = assert!(size_of::<fep_gather_rows_params>() == 32);

@@ -12,6 +12,7 @@ pub mod error;
 pub mod fabric;
 pub mod ffi;
 pub mod proxy;
+pub mod trace;
 pub mod util;
 
 pub use error::{Error, Result};

@@ -76,6 +76,8 @@ fn opts(ranks_per_node: usize, provider: &str) -> LlRunOptions {
         provider: Some(provider.to_string()),
         timed_iters: 4,
         graph: false,
+        trace_pairs: 0,
+        ranks_share_process: false,
     }
 }
 

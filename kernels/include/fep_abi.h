@@ -192,6 +192,30 @@ typedef struct fep_proxy_pingpong_params {
 #define FEP_PHASE_LL_COMBINE_SEND 18u
 #define FEP_PHASE_LL_COMBINE_RECV 19u
 
+/* Event trace (diagnosis; kernels/include/fep_trace.cuh, src/trace.rs). When the host has set
+ * the module global `fep_trace_words` (FEP_TRACE), marked points of the kernels append a record:
+ * words[0] = records taken (atomic), record i = words[1 + 2i] %globaltimer ns, words[2 + 2i] =
+ * kind << 48 | rank << 32 | arg. Host-side points (the proxy) use the same kinds. */
+#define FEP_TRACE_LL_SEND_BEGIN 1u     /* + 16 * phase (0 dispatch, 1 combine); block 0 enters */
+#define FEP_TRACE_LL_SEND_STAGED 2u    /* block 0: the staging area is free (proxy lane) */
+#define FEP_TRACE_LL_SEND_PUBLISHED 3u /* last block: commands and flags published; arg = set */
+#define FEP_TRACE_LL_RECV_BEGIN 4u     /* block 0 enters */
+#define FEP_TRACE_LL_RECV_COUNTS 5u    /* block 0: every count seen */
+#define FEP_TRACE_LL_RECV_END 6u       /* block 0 done */
+#define FEP_TRACE_PHASE_STRIDE 16u
+#define FEP_TRACE_PROXY_POSTED 64u     /* proxy: a batch of writes posted; arg = writes */
+#define FEP_TRACE_PROXY_ARRIVAL 65u    /* proxy: a write arrived; arg = counter slot */
+#define FEP_TRACE_PROXY_SEND_DONE 66u  /* proxy: local write completions; arg = count */
+#define FEP_TRACE_PROXY_RING_SEEN 67u  /* proxy: new ring entries seen; arg = entries */
+
+/* fep_trace_clock (kernels/trace.cu): one thread stores %globaltimer into out[0] (mapped host
+ * memory) `iters` times, then out[1] = 1. */
+typedef struct fep_trace_clock_params {
+    uint64_t out;
+    uint32_t iters;
+    uint32_t _pad;
+} fep_trace_clock_params;
+
 typedef struct fep_ll_peer {
     uint64_t buf;       /* the peer's LL buffer base, as this rank's kernels address it */
     uint64_t flags;     /* the peer's flag array (see above) */
@@ -443,6 +467,7 @@ static_assert(sizeof(fep_proxy_pingpong_params) == 120, "fep_proxy_pingpong_para
 static_assert(offsetof(fep_proxy_exchange_params, capacity) == 88, "fep_proxy_exchange_params");
 static_assert(offsetof(fep_proxy_pingpong_params, cmd) == 64, "fep_proxy_pingpong_params fields");
 static_assert(sizeof(fep_ll_peer) == 32, "fep_ll_peer layout");
+static_assert(sizeof(fep_trace_clock_params) == 16, "fep_trace_clock_params layout");
 static_assert(sizeof(fep_ll_dispatch_params) == 264, "fep_ll_dispatch_params layout");
 static_assert(sizeof(fep_ll_combine_params) == 224, "fep_ll_combine_params layout");
 static_assert(offsetof(fep_ll_dispatch_params, epoch) == 120, "fep_ll_dispatch_params fields");

@@ -558,6 +558,12 @@ pub struct LlRunOptions {
     /// replayed `timed_iters` times (one launch per pair); only whole pairs are timed
     /// ([`LlRankReport::pair_s`]).
     pub graph: bool,
+    /// After the checked iterations, before the timed loop: this many pairs back to back with
+    /// the event trace on ([`crate::trace`]: kernel points and proxy points on one clock), in
+    /// [`LlRankReport::trace`]. 0: no trace.
+    pub trace_pairs: usize,
+    /// The ranks are threads of this process (set by [`run_ll_gpu_on`]).
+    pub ranks_share_process: bool,
 }
 
 impl LlRunOptions {
@@ -568,6 +574,8 @@ impl LlRunOptions {
             provider: None,
             timed_iters: 0,
             graph: false,
+            trace_pairs: 0,
+            ranks_share_process: false,
         }
     }
 }
@@ -651,10 +659,18 @@ pub fn run_ll_gpu(dev: &Device, p: &GpuBenchParams) -> Result<GpuReport> {
 /// [`run_ll_gpu`] with `o.ranks_per_node` ranks per node (ranks are still threads of this
 /// process; peers on other "nodes" go through the proxy over `o.provider`).
 pub fn run_ll_gpu_on(dev: &Device, p: &GpuBenchParams, o: &LlRunOptions) -> Result<GpuReport> {
+    Ok(run_ll_gpu_threads(dev, p, o)?.into_iter().map(|r| r.report).collect())
+}
+
+/// [`run_ll_gpu_on`] with every rank's full report (rank order).
+pub fn run_ll_gpu_threads(
+    dev: &Device,
+    p: &GpuBenchParams,
+    o: &LlRunOptions,
+) -> Result<Vec<LlRankReport>> {
     let case = LlCase::new(p)?;
-    on_threads(p.num_ranks, p.timeout, |rank, boot| {
-        run_ll_gpu_rank(dev, p, o, &case, rank, boot).map(|r| r.report)
-    })
+    let o = LlRunOptions { ranks_share_process: true, ..o.clone() };
+    on_threads(p.num_ranks, p.timeout, |rank, boot| run_ll_gpu_rank(dev, p, &o, &case, rank, boot))
 }
 
 /// One rank of [`run_ll_gpu`]'s job when the ranks are processes of one node (`boot` is this
@@ -682,6 +698,8 @@ pub struct LlRankReport {
     pub host_enqueue_s: f64,
     /// Graph mode: per replay, the whole pair (dispatch + combine).
     pub pair_s: Vec<f64>,
+    /// `LlRunOptions::trace_pairs`: the kernels' and this process's proxy points, host clock.
+    pub trace: Vec<crate::trace::TraceRecord>,
 }
 
 /// One rank of a low-latency run (the body [`run_ll_gpu_on`] runs per thread; a process of a
@@ -729,6 +747,7 @@ pub fn run_ll_gpu_rank(
         combine_send_s: Vec::new(),
         host_enqueue_s: 0.0,
         pair_s: Vec::new(),
+        trace: Vec::new(),
     };
     let gpu = buf.gpu()?;
     let out = gpu.new_ll_dispatch_out()?;
@@ -814,6 +833,37 @@ pub fn run_ll_gpu_rank(
             if it >= p.warmup {
                 r.dispatch_s.push(elapsed_s(&ev[0], &ev[1])?);
                 r.combine_s.push(elapsed_s(&ev[1], &ev[2])?);
+            }
+        }
+        if o.trace_pairs > 0 {
+            // The trace is per process (a module global, a process-wide host list): with ranks
+            // as threads rank 0 installs and reads it for all. Installed and removed between
+            // barriers, when no rank's kernel runs.
+            let owner = !o.ranks_share_process || rank == 0;
+            let cap = (64 * o.trace_pairs * p.num_ranks).max(1024) as u32;
+            let tr = if owner { Some(crate::cuda::DeviceTrace::install(dev, cap)?) } else { None };
+            if owner {
+                crate::trace::enable_host();
+            }
+            boot.barrier()?;
+            for _ in 0..o.trace_pairs {
+                dispatch(gpu)?;
+                combine(gpu)?;
+            }
+            gpu.sync_gpu(&stream)?;
+            boot.barrier()?;
+            if let Some(tr) = tr {
+                let host = crate::trace::take_host();
+                rep.trace = tr.read()?;
+                rep.trace.extend(host);
+                rep.trace.sort_by_key(|r| r.t_ns);
+            }
+            boot.barrier()?;
+            let it = p.warmup + p.iters + o.trace_pairs;
+            check_ll_dispatch(rank, it, p, &out.to_host()?, &case.want_d[rank])?;
+            let got: Vec<u16> = out_c.to_vec()?;
+            if got[..t * h] != case.want_c[rank][..] {
+                return Err(mismatch(rank, "low-latency combine (traced pairs)", it));
             }
         }
         if o.timed_iters == 0 {

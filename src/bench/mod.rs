@@ -7,3 +7,4 @@ pub mod nccl;
 pub mod plan;
 pub mod report;
 pub mod stats;
+pub mod trace;

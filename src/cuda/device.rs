@@ -210,12 +210,22 @@ impl Device {
 
     /// The kernel's function handle, loading the embedded module on first use.
     pub(crate) fn function(&self, kernel: Kernel) -> CudaResult<CUfunction> {
+        self.with_module(|m| Ok(m.function(kernel)))
+    }
+
+    /// Device address and size of a module global (`extern "C" __device__`), loading the module
+    /// on first use.
+    pub(crate) fn module_global(&self, name: &str) -> CudaResult<(u64, usize)> {
+        self.with_module(|m| m.global(name))
+    }
+
+    fn with_module<T>(&self, f: impl FnOnce(&Module) -> CudaResult<T>) -> CudaResult<T> {
         let mut m = self.inner.module.lock();
         if m.is_none() {
             self.bind()?;
             *m = Some(Module::load(self.inner.max_dynamic_smem)?);
         }
-        Ok(m.as_ref().expect("loaded above").function(kernel))
+        f(m.as_ref().expect("loaded above"))
     }
 }
 

@@ -165,6 +165,14 @@ pub unsafe fn proxy_pingpong(stream: &Stream, p: abi::fep_proxy_pingpong_params)
     launch(stream, Kernel::ProxyPingpong, LaunchConfig { grid: 1, block: 32, shared_bytes: 0 }, &p)
 }
 
+/// `fep_trace_clock` (kernels/trace.cu): one block of 32 threads.
+///
+/// # Safety
+/// `p.out` is 16 bytes of mapped host memory that stays valid until the launch completes.
+pub unsafe fn trace_clock(stream: &Stream, p: abi::fep_trace_clock_params) -> CudaResult<()> {
+    launch(stream, Kernel::TraceClock, LaunchConfig { grid: 1, block: 32, shared_bytes: 0 }, &p)
+}
+
 fn ll_cfg_check(cfg: LaunchConfig, what: &'static str) -> CudaResult<()> {
     if cfg.block != abi::FEP_LL_THREADS || cfg.shared_bytes > 48 * 1024 {
         return Err(CudaError::InvalidArgument {

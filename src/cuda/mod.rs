@@ -19,6 +19,7 @@ pub mod launch;
 mod memory;
 mod module;
 mod stream;
+mod trace;
 
 pub use dev_error::DevErrorRecord;
 pub use device::Device;
@@ -26,6 +27,7 @@ pub use graph::GraphExec;
 pub use memory::{ipc_export, DeviceBuffer, HostMapped, IpcHandle, IpcMapping, PeerMemory};
 pub use module::{Kernel, FATBIN};
 pub use stream::{Event, Stream};
+pub use trace::DeviceTrace;
 
 use std::time::Duration;
 

@@ -33,10 +33,11 @@ pub enum Kernel {
     NormalCombine,
     GatherRows,
     SegmentSum,
+    TraceClock,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 15] = [
+    pub const ALL: [Kernel; 16] = [
         Kernel::DispatchLayout,
         Kernel::DispatchLayoutCluster,
         Kernel::WaitTest,
@@ -52,6 +53,7 @@ impl Kernel {
         Kernel::NormalCombine,
         Kernel::GatherRows,
         Kernel::SegmentSum,
+        Kernel::TraceClock,
     ];
 
     /// The `extern "C"` symbol in kernels/*.cu.
@@ -72,6 +74,7 @@ impl Kernel {
             Kernel::NormalCombine => "fep_normal_combine",
             Kernel::GatherRows => "fep_gather_rows",
             Kernel::SegmentSum => "fep_segment_sum",
+            Kernel::TraceClock => "fep_trace_clock",
         }
     }
 }
@@ -112,6 +115,15 @@ impl Module {
             }
         }
         Ok(m)
+    }
+
+    /// Address and size of the module global `name` (an `extern "C" __device__` variable).
+    pub(crate) fn global(&self, name: &str) -> CudaResult<(u64, usize)> {
+        let c = std::ffi::CString::new(name).expect("no NUL in a symbol");
+        let (mut ptr, mut bytes) = (0, 0usize);
+        // SAFETY: module loaded; out-pointers valid.
+        unsafe { call!(cuModuleGetGlobal_v2(&mut ptr, &mut bytes, self.raw, c.as_ptr()))? };
+        Ok((ptr, bytes))
     }
 
     pub(crate) fn function(&self, k: Kernel) -> CUfunction {

@@ -12,7 +12,9 @@ use super::imm::ImmCodec;
 use super::memory::{CounterMemory, RingConsumer, RingMemory};
 use super::transport::{Transport, TransportEvent, WriteOp};
 use super::ProxyError;
+use crate::trace::host_event;
 use crate::util::Backoff;
+use crate::abi;
 
 /// Settings for [`Proxy::start`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -512,6 +514,7 @@ impl<T: Transport> Worker<T> {
             match *ev {
                 TransportEvent::Arrival { imm, .. } => {
                     let (slot, value) = self.codec.decode(imm);
+                    host_event(abi::FEP_TRACE_PROXY_ARRIVAL, self.rank, slot);
                     if slot < self.num_slots {
                         self.counters.record_arrival(slot, value);
                     } else if failed.is_none() {
@@ -524,6 +527,7 @@ impl<T: Transport> Worker<T> {
                     }
                 }
                 TransportEvent::SendDone { ring, count } => {
+                    host_event(abi::FEP_TRACE_PROXY_SEND_DONE, self.rank, count);
                     if ring < self.num_rings {
                         self.counters.record_sends(ring, count);
                         self.completed += u64::from(count);
@@ -553,6 +557,7 @@ impl<T: Transport> Worker<T> {
             if avail == 0 {
                 return Ok((0, false));
             }
+            host_event(abi::FEP_TRACE_PROXY_RING_SEEN, self.rank, avail as u32);
         }
         if avail > c.capacity {
             return Err(ProxyError::BadHead {
@@ -607,6 +612,7 @@ impl<T: Transport> Worker<T> {
             // transport makes producers wait instead of growing memory here.
             c.publish_tail();
             self.posted += posted;
+            host_event(abi::FEP_TRACE_PROXY_POSTED, self.rank, posted as u32);
         }
         match failed {
             Some(e) => Err(e),

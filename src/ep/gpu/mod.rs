@@ -397,6 +397,49 @@ pub fn phase_name(phase: u32) -> &'static str {
     }
 }
 
+/// Streams per rank that may carry its kernels or the events they wait on: the caller's, the
+/// normal and low-latency rank streams, and the C ABI's comm stream.
+const STREAMS_PER_RANK: usize = 4;
+/// The most hardware work queues a CUDA context gets (`CUDA_DEVICE_MAX_CONNECTIONS`'s range).
+const MAX_WORK_QUEUES: usize = 32;
+/// What a context gets when `CUDA_DEVICE_MAX_CONNECTIONS` is unset.
+const DEFAULT_WORK_QUEUES: usize = 8;
+
+/// Refuses `in_ctx` ranks as threads of one CUDA context when the context's hardware work queues
+/// (`max_connections`, the variable's value) are too few for their streams.
+///
+/// NOTES: a context maps its streams onto `CUDA_DEVICE_MAX_CONNECTIONS` hardware queues (8 by
+/// default, fewer per client under MPS). When two ranks' streams share a queue, one rank's
+/// spinning receive kernel can sit in front of the very launch it waits for: a deadlock until the
+/// timeout (seen on the H200: 4 ranks as threads through the C ABI, ranks 1 and 3 timing out on 0
+/// and 2). Ranks in their own processes (the real deployment) are not affected. The variable is
+/// read when the context is created, so it must be set before CUDA starts (before torch
+/// initialises CUDA, for Python callers).
+fn check_work_queues(in_ctx: usize, max_connections: Option<&str>) -> Result<()> {
+    if in_ctx <= 1 {
+        return Ok(());
+    }
+    let have = match max_connections {
+        None => DEFAULT_WORK_QUEUES,
+        Some(v) => v.trim().parse::<usize>().map_err(|_| {
+            Error::arg("CUDA_DEVICE_MAX_CONNECTIONS", format!("{v:?} is not a number"))
+        })?,
+    };
+    let need = (in_ctx * STREAMS_PER_RANK).min(MAX_WORK_QUEUES);
+    if have < need {
+        return Err(Error::arg(
+            "CUDA_DEVICE_MAX_CONNECTIONS",
+            format!(
+                "{have} hardware work queues for {in_ctx} ranks as threads of one CUDA context: \
+                 their spinning kernels can queue behind each other until the timeout; set \
+                 CUDA_DEVICE_MAX_CONNECTIONS={need} (or 32) in the environment before CUDA starts, \
+                 or run one process per rank"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 impl GpuBuffer {
     /// Allocates this rank's buffers, exchanges their device pointers (and IPC handles for peers
     /// in other processes) through `boot`, checks that every rank has the same config and can be
@@ -415,6 +458,8 @@ impl GpuBuffer {
         let remote = |peer: usize| cfg.node_of(peer) != cfg.node_of(rank);
         let peers = ipc::Peers::exchange(&**boot, &dev, rank, &remote)?;
         let on_gpu = peers.ranks_on_this_gpu();
+        let in_ctx = 1 + peers.paths().iter().filter(|p| **p == ipc::PeerPath::Direct).count();
+        check_work_queues(in_ctx, std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok().as_deref())?;
         let sms = dev.sm_count() as usize;
         // The cap is normal mode's (its kernels were tuned at 32 blocks); low latency alone
         // takes its whole share of the GPU (more blocks, more rows in flight).
@@ -1049,5 +1094,26 @@ impl GpuBuffer {
         self.dev.synchronize()?;
         self.poisoned = None;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn work_queue_check_names_the_variable() {
+        assert!(check_work_queues(1, None).is_ok());
+        assert!(check_work_queues(2, None).is_ok());
+        assert!(check_work_queues(4, Some("32")).is_ok());
+        assert!(check_work_queues(16, Some("32")).is_ok());
+        for (n, v) in [(4, None), (4, Some("8")), (8, Some("16")), (2, Some("x"))] {
+            match check_work_queues(n, v) {
+                Err(Error::InvalidArgument { arg, msg }) => {
+                    assert_eq!(arg, "CUDA_DEVICE_MAX_CONNECTIONS", "{msg}")
+                }
+                other => panic!("{n} ranks, {v:?}: {other:?}"),
+            }
+        }
     }
 }
