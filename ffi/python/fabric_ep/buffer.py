@@ -370,7 +370,8 @@ class Buffer:
             _lib.check("fep_gpu_info", lib.fep_gpu_info(self._ptr, ctypes.byref(d), ctypes.byref(sms),
                                                         ctypes.byref(comm)))
             self.num_sms = sms.value
-            self._g = GpuPath(self, torch_mod, int(cfg.device), threads, comm.value or 0)
+            self._g = GpuPath(self, torch_mod, int(cfg.device), threads, comm.value or 0,
+                              reserve_tokens=gpu_reserve_tokens)
 
     # ---------------------------------------------------------------- lifetime
 
@@ -583,8 +584,10 @@ class Buffer:
         if config is not None:
             self._check_config(config)
         if self._g is not None:
-            self._layout_args(None, num_tokens_per_rank, num_tokens_per_rdma_rank,
-                              is_token_in_rank, num_tokens_per_expert)
+            if num_tokens_per_rank is not None or num_tokens_per_rdma_rank is not None \
+                    or is_token_in_rank is not None or num_tokens_per_expert is not None:
+                self._layout_args(None, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                                  is_token_in_rank, num_tokens_per_expert)
             return self._g.dispatch(x, handle, topk_idx, topk_weights, expert_alignment,
                                     num_worst_tokens, previous_event, async_finish,
                                     allocate_on_comm_stream)
