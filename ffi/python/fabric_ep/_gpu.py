@@ -22,7 +22,11 @@ is shared by all threads and would serialise the ranks' spinning kernels, so a B
 with more than one thread refuses it with a message. And CUDA's lazy module loading may
 synchronise the context when a kernel is first used, which waits for a peer's spinning kernel:
 run such processes with ``CUDA_MODULE_LOADING=EAGER`` (set before CUDA initialises; a Buffer of
-a threads group warns once otherwise).
+a threads group warns once otherwise). Likewise ``CUDA_DEVICE_MAX_CONNECTIONS=32``: the context
+maps all the ranks' streams onto that many hardware work queues (8 by default), and a rank's
+spinning kernel queued in front of a peer's launch waits for it until the timeout; the library
+refuses to connect several ranks of one context when it is too low. Thread mode is for tests;
+real jobs run one process per GPU.
 """
 
 from __future__ import annotations
