@@ -22,7 +22,11 @@ is shared by all threads and would serialise the ranks' spinning kernels, so a B
 with more than one thread refuses it with a message. And CUDA's lazy module loading may
 synchronise the context when a kernel is first used, which waits for a peer's spinning kernel:
 run such processes with ``CUDA_MODULE_LOADING=EAGER`` (set before CUDA initialises; a Buffer of
-a threads group warns once otherwise).
+a threads group warns once otherwise). Likewise ``CUDA_DEVICE_MAX_CONNECTIONS=32``: the context
+maps all the ranks' streams onto that many hardware work queues (8 by default), and a rank's
+spinning kernel queued in front of a peer's launch waits for it until the timeout; the library
+refuses to connect several ranks of one context when it is too low. Thread mode is for tests;
+real jobs run one process per GPU.
 """
 
 from __future__ import annotations
@@ -52,6 +56,30 @@ _ORDER = struct.Struct("<4Q")
 _CU_STREAM_LEGACY = 0x1
 _addr = ctypes.addressof
 
+# NOTES: the normal-mode calls fill their stream orders and ``fep_tensor`` descriptors with one
+# ``struct.pack_into`` each (a single C call; the descriptors live in a per-Buffer block whose
+# addresses are computed once), instead of building ctypes objects or packing slot by slot.
+# A descriptor is ``fep_tensor``: data, dtype, ndim, shape[4] (48 bytes).
+_DESC = "qii4q"
+_DESC_SIZE = struct.calcsize("<" + _DESC)
+# dispatch, before the notify: order [0] (before-and-after) and [1] (after only), then x,
+# x_scales, topk_idx, topk_weights.
+_DISPATCH_IN = struct.Struct("<8Q" + _DESC * 4)
+# dispatch, after the allocation: recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
+# recv_src_idx.
+_DISPATCH_OUT = struct.Struct("<" + _DESC * 5)
+# combine: order [0], then x, topk_weights, combined_x, combined_topk_weights.
+_COMBINE = struct.Struct("<4Q" + _DESC * 4)
+assert _DESC_SIZE == 48 and _DISPATCH_IN.size == 64 + 4 * 48 and _COMBINE.size == 32 + 4 * 48
+
+
+def _legacy_stream_error() -> ValueError:
+    return ValueError(
+        "stream: the current stream is the legacy default stream, shared by every thread; "
+        "with ranks as threads of one process each rank must run on its own stream "
+        "(with torch.cuda.stream(torch.cuda.Stream()): ...)"
+    )
+
 
 def warm_allocator(torch: Any, device: int, large_bytes: int = 256 << 20,
                    small_blocks: int = 32) -> None:
@@ -66,7 +94,8 @@ def warm_allocator(torch: Any, device: int, large_bytes: int = 256 << 20,
 class GpuPath:
     """The GPU half of one Buffer (created by ``Buffer.__init__`` for ``backend="gpu"``)."""
 
-    def __init__(self, buf: Any, torch: Any, device: int, threads: bool, comm_ptr: int):
+    def __init__(self, buf: Any, torch: Any, device: int, threads: bool, comm_ptr: int,
+                 reserve_tokens: int = 0):
         self.buf = buf
         self.torch = torch
         self.dev = device
@@ -95,6 +124,41 @@ class GpuPath:
         self._ll_slots = TensorSlots(8)  # 7 fep_tensors of fep_gpu_ll_buffers (+1: pack4)
         self._per_expert = np.zeros(buf.num_local_experts, dtype=np.int32)
         self._per_expert_ptr = self._per_expert.ctypes.data
+        from .buffer import DispatchHandle, _check_cached_handle
+
+        self._Handle = DispatchHandle
+        self._check_cached = _check_cached_handle
+        self._buf_id = id(buf)
+        self.h, self.k, self.g = buf.hidden, buf.num_topk, buf.hidden // FP8_GROUP
+        self.i64s, self.f32s = (self.i64,), (self.f32,)
+        if self._raw_stream is None:  # an older torch: the Stream object's handle
+            cur = self.current_stream
+            self._raw_stream = lambda d: cur(d).cuda_stream
+        # Zero-element tensors on this GPU (no device memory): ``like.new_empty(shape)`` of one of
+        # them allocates an output of its dtype and device without a dtype/device argument to
+        # parse (the cheapest allocation from Python).
+        self._like_i64 = torch.empty(0, dtype=self.i64, device=device)
+        self._like_f32 = torch.empty(0, dtype=self.f32, device=device)
+        self._like_i32 = torch.empty(0, dtype=self.i32, device=device)
+        # Normal-mode descriptor blocks (see _DISPATCH_IN/_DISPATCH_OUT/_COMBINE).
+        self._nblock = ctypes.create_string_buffer(_DISPATCH_IN.size + _DISPATCH_OUT.size)
+        self._cblock = ctypes.create_string_buffer(_COMBINE.size)
+        nb, cb = _addr(self._nblock), _addr(self._cblock)
+        d = _DESC_SIZE
+        # (order0, order1, x, x_scales, topk_idx, topk_weights, recv_x, recv_x_scales,
+        #  recv_topk_idx, recv_topk_weights, recv_src_idx)
+        self._naddr = (nb, nb + 32) + tuple(nb + 64 + d * i for i in range(9))
+        self._nout_off = _DISPATCH_IN.size
+        # (order0, x, topk_weights, combined_x, combined_topk_weights)
+        self._caddr = (cb,) + tuple(cb + 32 + d * i for i in range(4))
+        self._pack_in = _DISPATCH_IN.pack_into
+        self._pack_out = _DISPATCH_OUT.pack_into
+        self._pack_comb = _COMBINE.pack_into
+        # recv_src_idx scratch (see _src_scratch).
+        self._src: Any = None
+        self._src_cap = 0
+        self._src_ptr = 0
+        self._src_scratch(max(0, reserve_tokens) * buf.num_ranks)
         if threads and os.environ.get("CUDA_MODULE_LOADING", "").upper() != "EAGER":
             warnings.warn(
                 "fabric_ep: ranks as threads of one process with lazy CUDA module loading: the "
@@ -120,9 +184,27 @@ class GpuPath:
 
     def t2(self, name: str, a: Any, dts: Tuple[Any, ...], d0: Optional[int], d1: int) -> Tuple[int, int]:
         """A 2-D CUDA tensor ``[d0 (None: any), d1]`` of one of ``dts``: (data_ptr, rows)."""
-        if type(a) is not self.Tensor or a.get_device() != self.dev:
-            if not isinstance(a, self.Tensor) or a.get_device() != self.dev:
-                raise self._bad(name, a, "")
+        # NOTES: the common case is one conjunction (each accessor is one C call); the checks
+        # are made again one by one, in order, only to name what is wrong (_t2_slow), which
+        # also accepts Tensor subclasses.
+        if type(a) is self.Tensor and a.dtype in dts and a.get_device() == self.dev \
+                and a.is_contiguous():
+            shp = a.shape
+            if len(shp) == 2 and shp[1] == d1 and (d0 is None or shp[0] == d0):
+                return a.data_ptr(), shp[0]
+        return self._t2_slow(name, a, dts, d0, d1)
+
+    def t2n(self, name: str, a: Any, dts: Tuple[Any, ...], d0: int, d1: int) -> int:
+        """A 2-D CUDA tensor of exactly ``[d0, d1]`` of one of ``dts``: its data_ptr."""
+        if type(a) is self.Tensor and a.dtype in dts and a.shape == (d0, d1) \
+                and a.get_device() == self.dev and a.is_contiguous():
+            return a.data_ptr()
+        return self._t2_slow(name, a, dts, d0, d1)[0]
+
+    def _t2_slow(self, name: str, a: Any, dts: Tuple[Any, ...], d0: Optional[int],
+                 d1: int) -> Tuple[int, int]:
+        if not isinstance(a, self.Tensor) or a.get_device() != self.dev:
+            raise self._bad(name, a, "")
         if a.dtype not in dts:
             raise TypeError(f"{name}: dtype {a.dtype}, expected {' or '.join(map(str, dts))}")
         shp = a.shape
@@ -149,14 +231,9 @@ class GpuPath:
 
     def compute(self) -> int:
         """The current stream's raw handle (0: the legacy default stream)."""
-        raw = self._raw_stream
-        s = raw(self.dev) if raw is not None else self.current_stream(self.dev).cuda_stream
+        s = self._raw_stream(self.dev)
         if self.threads and s == 0:
-            raise ValueError(
-                "stream: the current stream is the legacy default stream, shared by every thread; "
-                "with ranks as threads of one process each rank must run on its own stream "
-                "(with torch.cuda.stream(torch.cuda.Stream()): ...)"
-            )
+            raise _legacy_stream_error()
         return s
 
     @staticmethod
@@ -257,141 +334,183 @@ class GpuPath:
     def dispatch(self, x: Any, handle: Any, topk_idx: Any, topk_weights: Any,
                  expert_alignment: int, num_worst_tokens: int, previous_event: Any,
                  async_finish: bool, allocate_on_comm_stream: bool) -> Tuple[Any, ...]:
-        from .buffer import DispatchHandle, _check_cached_handle
-
+        # NOTES (per-call cost): this is the hot path, kept flat on purpose. Per call it makes
+        # 5 accessor calls per input tensor (dtype, get_device, is_contiguous, shape, data_ptr),
+        # one raw stream lookup, one allocation per returned tensor (alloc_dispatch), one
+        # data_ptr per output, and two struct packs that fill every descriptor and stream order.
         b = self.buf
-        p = b._ptr
-        h, k = b.hidden, b.num_topk
-        g = h // FP8_GROUP
+        h, k, g = self.h, self.k, self.g
         if type(x) is tuple:
             if len(x) != 2:
                 raise ValueError(f"x: a tuple must be (x, x_scales), got {len(x)} elements")
             xo, so = x
             xp, t = self.t2("x", xo, self.fp8, None, h)
-            sp = self.t2("x_scales", so, (self.f32,), t, g)[0]
+            sp = self.t2n("x_scales", so, self.f32s, t, g)
             xc = FEP_DTYPE_FP8_E4M3
         else:
             xo, so = x, None
             xp, t = self.t2("x", xo, self.bf16, None, h)
             sp = 0
             xc = FEP_DTYPE_BF16
+        fp8 = so is not None
         if xc != b._dispatch_code:
             raise TypeError(
-                f"x: {'fp8' if so is not None else 'bf16'} tokens on a Buffer built with "
+                f"x: {'fp8' if fp8 else 'bf16'} tokens on a Buffer built with "
                 f"dispatch_dtype={b.dispatch_dtype!r} (fabric-ep sizes its buffer for one token "
                 "format: build it with the other dispatch_dtype)"
             )
+        ev = 0
         if previous_event is not None or allocate_on_comm_stream:
             self.check_async(previous_event, async_finish, allocate_on_comm_stream)
-        compute = self.compute()
-        ev = self.event_ptr(previous_event) if previous_event is not None else 0
-        self.orders(compute, ev, async_finish)
-        ts = self.slots
-        a = ts.addr
+            ev = self.event_ptr(previous_event)
+        compute = self._raw_stream(self.dev)
+        if compute == 0:
+            if self.threads:
+                raise _legacy_stream_error()
+            # NOTES: NULL means "no stream" in a fep_gpu_order; torch's legacy default stream
+            # is named by the driver's CU_STREAM_LEGACY handle.
+            compute = _CU_STREAM_LEGACY
         if handle is not None:
-            _check_cached_handle(handle, b, topk_idx, topk_weights, t)
-            idx_t, w_t = handle._keep[0], handle._keep[1]
+            self._check_cached(handle, b, topk_idx, topk_weights, t)
+            idx_t, w_t = handle._keep
             ip, wp = idx_t.data_ptr(), w_t.data_ptr()
-            hp, rows, order = handle._ptr, handle.num_recv_tokens, self._order0
-            new_handle = None
         else:
             if topk_idx is None:
                 raise ValueError("topk_idx: required unless a cached handle is given")
             if topk_weights is None:
                 raise ValueError("topk_weights: required when topk_idx is given")
-            ip = self.t2("topk_idx", topk_idx, (self.i64,), t, k)[0]
-            wp = self.t2("topk_weights", topk_weights, (self.f32,), t, k)[0]
+            ip = self.t2n("topk_idx", topk_idx, self.i64s, t, k)
+            wp = self.t2n("topk_weights", topk_weights, self.f32s, t, k)
             if type(expert_alignment) is not int or expert_alignment < 1:
                 raise ValueError(f"expert_alignment: {expert_alignment!r} must be an int >= 1")
             if type(num_worst_tokens) is not int or num_worst_tokens < 0:
                 raise ValueError(f"num_worst_tokens: {num_worst_tokens!r} must be an int >= 0")
-            ts.set2(2, ip, FEP_DTYPE_I64, t, k)
-            st = lib.fep_gpu_notify(p, a[2], expert_alignment, num_worst_tokens, self._order0,
+        a_o0, a_o1, a_x, a_xs, a_i, a_w, a_rx, a_rxs, a_ri, a_rw, a_src = self._naddr
+        comm = self.comm_ptr
+        then = 0 if async_finish else compute
+        # Orders: [0] waits for the compute stream (or the event), [1] (the dispatch after a
+        # notify) does not; both make the compute stream wait afterwards unless async_finish.
+        self._pack_in(self._nblock, 0, comm, 0 if ev else compute, ev, then, comm, 0, 0, then,
+                      xp, xc, 2, t, h, 0, 0, sp, FEP_DTYPE_F32, 2, t, g, 0, 0,
+                      ip, FEP_DTYPE_I64, 2, t, k, 0, 0, wp, FEP_DTYPE_F32, 2, t, k, 0, 0)
+        p = b._ptr
+        if handle is not None:
+            hp, rows, order = handle._ptr, handle.num_recv_tokens, a_o0
+            new_handle = None
+        else:
+            st = lib.fep_gpu_notify(p, a_i, expert_alignment, num_worst_tokens, a_o0,
                                     b._out_handle_addr, b._out_rows_addr, self._per_expert_ptr)
             if st:
                 raise _lib.error("fep_gpu_notify", st)
             hp = b._out_handle.value
             rows = b._out_rows.value
-            new_handle = DispatchHandle(hp, id(b), t, rows)  # owns hp from here on
-            order = self._order1
+            new_handle = self._Handle(hp, self._buf_id, t, rows)  # owns hp from here on
+            order = a_o1
         if allocate_on_comm_stream:
             with self.torch.cuda.stream(self.comm):
-                outs = self._dispatch_outputs(rows, xo, so is not None)
+                recv_x, recv_s, recv_idx, recv_w = self.alloc_dispatch(rows, xo, fp8)
         else:
-            outs = self._dispatch_outputs(rows, xo, so is not None)
-        recv_x, recv_s, recv_idx, recv_w, src = outs
-        ts.pack4(0, xp, xc, 2, t, h, 0, 0, sp, FEP_DTYPE_F32, 2, t, g, 0, 0,
-                 ip, FEP_DTYPE_I64, 2, t, k, 0, 0, wp, FEP_DTYPE_F32, 2, t, k, 0, 0)
-        ts.pack4(192, recv_x.data_ptr(), xc, 2, rows, h, 0, 0,
-                 recv_s.data_ptr() if recv_s is not None else 0, FEP_DTYPE_F32, 2, rows, g, 0, 0,
-                 recv_idx.data_ptr(), FEP_DTYPE_I64, 2, rows, k, 0, 0,
-                 recv_w.data_ptr(), FEP_DTYPE_F32, 2, rows, k, 0, 0)
-        ts.set1(8, src.data_ptr(), FEP_DTYPE_I32, rows)
-        fp8 = so is not None
-        st = lib.fep_gpu_dispatch(p, hp, a[0], a[1] if fp8 else None, a[2], a[3], a[4],
-                                  a[5] if fp8 else None, a[6], a[7], a[8], order)
+            recv_x, recv_s, recv_idx, recv_w = self.alloc_dispatch(rows, xo, fp8)
+        if rows > self._src_cap:
+            self._src_scratch(rows)
+        self._pack_out(self._nblock, self._nout_off,
+                       recv_x.data_ptr(), xc, 2, rows, h, 0, 0,
+                       recv_s.data_ptr() if fp8 else 0, FEP_DTYPE_F32, 2, rows, g, 0, 0,
+                       recv_idx.data_ptr(), FEP_DTYPE_I64, 2, rows, k, 0, 0,
+                       recv_w.data_ptr(), FEP_DTYPE_F32, 2, rows, k, 0, 0,
+                       self._src_ptr, FEP_DTYPE_I32, 1, rows, 0, 0, 0)
+        st = lib.fep_gpu_dispatch(p, hp, a_x, a_xs if fp8 else None, a_i, a_w, a_rx,
+                                  a_rxs if fp8 else None, a_ri, a_rw, a_src, order)
         if st:
             raise _lib.error("fep_gpu_dispatch", st)
-        out_x = recv_x if so is None else (recv_x, recv_s)
+        out_x = (recv_x, recv_s) if fp8 else recv_x
         if new_handle is None:
-            event = self.finish(async_finish, (xo, so, recv_x, recv_s)) if async_finish else EventOverlap(None)
+            event = self.finish(True, (xo, so, recv_x, recv_s)) if async_finish else EventOverlap(None)
             return out_x, None, None, None, None, event
-        new_handle._keep = (topk_idx, topk_weights, src)
+        new_handle._keep = (topk_idx, topk_weights)
         counts = [] if num_worst_tokens > 0 else self._per_expert.tolist()
         if async_finish:
             event = self.finish(True, (xo, so, topk_idx, topk_weights, recv_x, recv_s, recv_idx,
-                                       recv_w, src))
+                                       recv_w))
         else:
             event = EventOverlap(None)
         return out_x, recv_idx, recv_w, counts, new_handle, event
 
-    def _dispatch_outputs(self, rows: int, like: Any, fp8: bool) -> Tuple[Any, ...]:
-        # NOTES: Tensor.new_empty (device and dtype from ``like``) parses fewer arguments than
-        # torch.empty(..., device=...): it is the cheaper allocation from Python.
-        h, k, new = self.buf.hidden, self.buf.num_topk, like.new_empty
-        return (
-            new((rows, h)),
-            new((rows, h // FP8_GROUP), dtype=self.f32) if fp8 else None,
-            new((rows, k), dtype=self.i64),
-            new((rows, k), dtype=self.f32),
-            new((rows,), dtype=self.i32),
-        )
+    def alloc_dispatch(self, rows: int, like: Any, fp8: bool) -> Tuple[Any, ...]:
+        """The tensors a dispatch returns: recv_x (``like``'s dtype), recv_x_scales (fp8 only,
+        else None), recv_topk_idx, recv_topk_weights; each its own allocation, so the caller may
+        keep any of them alone (bench_overhead_gpu.py replaces this method to time the rest).
+
+        NOTES: one allocation carved into typed views was considered and not taken: from Python
+        every view (a slice, ``.view(dtype)``, ``.view(shape)``) is a dispatcher call about as
+        costly as a cached ``new_empty``, a carved output needs one or two of them, and every
+        carved output would keep the whole block (recv_x included) alive. The bench measures
+        both (``alloc_separate_us`` vs ``alloc_one_block_us``)."""
+        h, k = self.h, self.k
+        f32 = self._like_f32
+        return (like.new_empty((rows, h)),
+                f32.new_empty((rows, self.g)) if fp8 else None,
+                self._like_i64.new_empty((rows, k)),
+                f32.new_empty((rows, k)))
+
+    def _src_scratch(self, rows: int) -> None:
+        """(Re)allocates the recv_src_idx scratch for at least ``rows`` int32.
+
+        NOTES: ``fep_gpu_dispatch`` writes recv_src_idx and nothing reads it afterwards (the
+        native handle holds the route that ``fep_gpu_combine`` uses; DeepEP returns it inside
+        its handle, ours is opaque), so one scratch per Buffer serves every dispatch instead of
+        one allocation per call: the dispatches all run on this Buffer's communication stream,
+        in order. It is allocated on that stream, so dropping it (on growth, or with the Buffer)
+        returns it to that stream's pool, reused only after the kernels queued there (no event,
+        no ``record_stream``). The first one is sized at construction for ``gpu_reserve_tokens``
+        per rank, so steps within the reservation allocate nothing here. If the combine ever
+        reads recv_src_idx, each handle needs its own again."""
+        cap = max(rows, 2 * self._src_cap, 1024)
+        with self.torch.cuda.stream(self.comm):
+            src = self._like_i32.new_empty((cap,))
+        self._src, self._src_cap, self._src_ptr = src, cap, src.data_ptr()
 
     def combine(self, x: Any, handle: Any, topk_weights: Any, previous_event: Any,
                 async_finish: bool, allocate_on_comm_stream: bool) -> Tuple[Any, ...]:
         b = self.buf
-        p = b._ptr
-        h, k = b.hidden, b.num_topk
+        h, k = self.h, self.k
         rows, t = handle.num_recv_tokens, handle.num_tokens
-        xp = self.t2("x", x, self.bf16, rows, h)[0]
+        xp = self.t2n("x", x, self.bf16, rows, h)
+        with_w = topk_weights is not None
+        wp = self.t2n("topk_weights", topk_weights, self.f32s, rows, k) if with_w else 0
+        ev = 0
         if previous_event is not None or allocate_on_comm_stream:
             self.check_async(previous_event, async_finish, allocate_on_comm_stream)
-        compute = self.compute()
-        ev = self.event_ptr(previous_event) if previous_event is not None else 0
-        self.orders(compute, ev, async_finish)
-        new = x.new_empty
+            ev = self.event_ptr(previous_event)
+        compute = self._raw_stream(self.dev)
+        if compute == 0:
+            if self.threads:
+                raise _legacy_stream_error()
+            compute = _CU_STREAM_LEGACY  # see dispatch
         if allocate_on_comm_stream:
             with self.torch.cuda.stream(self.comm):
-                out = new((t, h))
-                cw = new((t, k), dtype=self.f32) if topk_weights is not None else None
+                out, cw = self.alloc_combine(t, x, with_w)
         else:
-            out = new((t, h))
-            cw = new((t, k), dtype=self.f32) if topk_weights is not None else None
-        ts = self.slots
-        a = ts.addr
-        if topk_weights is not None:
-            wp = self.t2("topk_weights", topk_weights, (self.f32,), rows, k)[0]
-            cwp = cw.data_ptr()
-        else:
-            wp = cwp = 0
-        ts.pack4(0, xp, FEP_DTYPE_BF16, 2, rows, h, 0, 0, wp, FEP_DTYPE_F32, 2, rows, k, 0, 0,
-                 out.data_ptr(), FEP_DTYPE_BF16, 2, t, h, 0, 0, cwp, FEP_DTYPE_F32, 2, t, k, 0, 0)
-        st = lib.fep_gpu_combine(p, handle._ptr, a[0], None if cw is None else a[1], a[2],
-                                 None if cw is None else a[3], self._order0)
+            out, cw = self.alloc_combine(t, x, with_w)
+        a_o, a_x, a_w, a_out, a_cw = self._caddr
+        comm = self.comm_ptr
+        self._pack_comb(self._cblock, 0, comm, 0 if ev else compute, ev,
+                        0 if async_finish else compute,
+                        xp, FEP_DTYPE_BF16, 2, rows, h, 0, 0, wp, FEP_DTYPE_F32, 2, rows, k, 0, 0,
+                        out.data_ptr(), FEP_DTYPE_BF16, 2, t, h, 0, 0,
+                        cw.data_ptr() if with_w else 0, FEP_DTYPE_F32, 2, t, k, 0, 0)
+        st = lib.fep_gpu_combine(b._ptr, handle._ptr, a_x, a_w if with_w else None, a_out,
+                                 a_cw if with_w else None, a_o)
         if st:
             raise _lib.error("fep_gpu_combine", st)
         event = self.finish(True, (x, topk_weights, out, cw)) if async_finish else EventOverlap(None)
         return out, cw, event
+
+    def alloc_combine(self, t: int, like: Any, with_w: bool) -> Tuple[Any, Any]:
+        """The tensors a combine returns: combined_x (``like``'s dtype) and, with weights,
+        combined_topk_weights (else None); see alloc_dispatch."""
+        return (like.new_empty((t, self.h)),
+                self._like_f32.new_empty((t, self.k)) if with_w else None)
 
     # ------------------------------------------------------------------ low latency
 

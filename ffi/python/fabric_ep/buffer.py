@@ -181,7 +181,9 @@ class Buffer:
             device and ``group`` is an NCCL process group or an ``all_gather_bytes`` group (a
             :class:`fabric_ep.ThreadGroup`), else ``"host"``. The GPU backend of this version runs
             ranks as threads of one process on one GPU (the current CUDA device); ranks in other
-            processes are refused when the buffer connects.
+            processes are refused when the buffer connects. Thread mode is for tests (real jobs
+            run one process per GPU) and needs ``CUDA_DEVICE_MAX_CONNECTIONS=32`` and
+            ``CUDA_MODULE_LOADING=EAGER`` set before CUDA initialises (see ThreadGroup).
         gpu_reserve_tokens: GPU backend: dispatch handles for up to this many input tokens are
             reserved at construction (4 of them; 0: none), so steps allocate no device memory; a
             larger dispatch allocates one when it runs (which, with ranks as threads, can stall
@@ -370,7 +372,8 @@ class Buffer:
             _lib.check("fep_gpu_info", lib.fep_gpu_info(self._ptr, ctypes.byref(d), ctypes.byref(sms),
                                                         ctypes.byref(comm)))
             self.num_sms = sms.value
-            self._g = GpuPath(self, torch_mod, int(cfg.device), threads, comm.value or 0)
+            self._g = GpuPath(self, torch_mod, int(cfg.device), threads, comm.value or 0,
+                              reserve_tokens=gpu_reserve_tokens)
 
     # ---------------------------------------------------------------- lifetime
 
@@ -583,8 +586,10 @@ class Buffer:
         if config is not None:
             self._check_config(config)
         if self._g is not None:
-            self._layout_args(None, num_tokens_per_rank, num_tokens_per_rdma_rank,
-                              is_token_in_rank, num_tokens_per_expert)
+            if num_tokens_per_rank is not None or num_tokens_per_rdma_rank is not None \
+                    or is_token_in_rank is not None or num_tokens_per_expert is not None:
+                self._layout_args(None, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                                  is_token_in_rank, num_tokens_per_expert)
             return self._g.dispatch(x, handle, topk_idx, topk_weights, expert_alignment,
                                     num_worst_tokens, previous_event, async_finish,
                                     allocate_on_comm_stream)

@@ -49,7 +49,17 @@ class ThreadGroup:
     every rank on one GPU). ``ThreadGroup.create(n)`` returns one object per rank; each rank's
     thread passes its own as ``Buffer(group, ...)``. Any object with ``rank()``, ``size()`` and
     ``all_gather_bytes(bytes) -> list[bytes]`` can stand in for a ``torch.distributed`` group the
-    same way. Waits are bounded by ``timeout_s`` (a ``TimeoutError`` names the rank)."""
+    same way. Waits are bounded by ``timeout_s`` (a ``TimeoutError`` names the rank).
+
+    Thread mode is for tests; real jobs run one process per GPU. On the GPU backend the ranks'
+    streams then share one CUDA context, which maps its streams onto
+    ``CUDA_DEVICE_MAX_CONNECTIONS`` hardware work queues (8 by default): when two ranks' streams
+    share a queue, one rank's spinning kernel can wait behind another's until the timeout. Set
+    ``CUDA_DEVICE_MAX_CONNECTIONS=32`` (and ``CUDA_MODULE_LOADING=EAGER``) in the environment
+    before CUDA initialises, i.e. before torch first touches the GPU: the library refuses to
+    connect several ranks of one context, with an error naming the variable, when it is too
+    low (more than 2 ranks need it). See :mod:`fabric_ep._gpu` for the other rules of thread
+    mode (one stream per rank, a warm caching allocator)."""
 
     class _Shared:
         def __init__(self, n: int, timeout_s: float):

@@ -2,14 +2,24 @@
 in this version), torch <-> numpy conversions of the reference data of _rank.py."""
 
 import ctypes
+import os
 import sys
 import threading
 import traceback
 
-import numpy as np
+# Before CUDA initialises (this module imports no torch; its importers must not have initialised
+# CUDA yet either): ranks are threads of one CUDA context here, and CUDA maps the context's
+# streams onto CUDA_DEVICE_MAX_CONNECTIONS hardware queues (8 by default). With several ranks'
+# streams two ranks can share a queue, and one rank's spinning kernel then waits behind another's
+# (a deadlock until the timeout). 32 gives every stream its own; the library refuses to connect
+# several ranks of one context with too few. Lazy module loading: see _gpu_cases.py.
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
-from fabric_ep import ThreadGroup
-from fabric_ep._gpu import warm_allocator
+import numpy as np  # noqa: E402
+
+from fabric_ep import ThreadGroup  # noqa: E402
+from fabric_ep._gpu import warm_allocator  # noqa: E402
 
 
 def to_bf16(torch, a, dev):
@@ -48,7 +58,8 @@ def drop_stream(raw):
 def run_ranks(world, fn, timeout=40.0):
     """Runs ``fn(group, rank, world)`` in ``world`` threads, each on its own CUDA stream with a
     warm caching allocator (no cudaMalloc inside a step: a peer's kernel may be spinning).
-    Returns the per-rank results; raises with every failing rank's traceback."""
+    Returns the per-rank results; raises with every failing rank's traceback. Needs
+    CUDA_DEVICE_MAX_CONNECTIONS=32 from before CUDA initialised (set on import of this module)."""
     import torch
 
     groups = ThreadGroup.create(world, timeout_s=min(timeout, 120.0))

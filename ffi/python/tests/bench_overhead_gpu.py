@@ -5,7 +5,18 @@ Per call (best of several loops of N calls):
 
 * ``python_side_us``: ``Buffer.dispatch``/``combine`` with the C entry points replaced by no-op
   Python stubs: all the Python work of a call (argument checks, stream lookup, order packing,
-  ``torch.empty`` of the outputs, handle/event objects), timed as CPU time of this thread.
+  allocating the outputs, handle/event objects, and freeing the previous call's outputs),
+  timed as CPU time of this thread.
+* ``python_side_prealloc_us``: the same stubbed calls with the output allocation
+  (``GpuPath.alloc_dispatch``/``alloc_combine``) replaced by a function returning tensors
+  allocated once: the Python work of a call apart from allocating (and freeing) its outputs.
+  ``python_side_alloc_us`` = ``python_side_us`` - ``python_side_prealloc_us``: the part spent
+  allocating and freeing the ``tensors_allocated_per_call`` outputs (each returned tensor is
+  its own allocation, so the caller may keep any of them alone).
+* ``alloc_separate_us`` vs ``alloc_one_block_us``: a bf16 dispatch's three returned tensors as
+  three ``new_empty`` (what the package does) vs one uint8 ``new_empty`` carved into the same
+  three typed tensors (``view(dtype)`` + ``as_strided`` each, 256-byte aligned): whether one
+  allocation per call would pay from Python.
 * ``end_to_end_us`` vs ``raw_ctypes_us``: the real calls through ``Buffer`` and the same C calls
   through ctypes with descriptors and outputs prepared once (wall clock, ``perf_counter``;
   the two-step dispatch includes its host synchronisation on the GPU, so the GPU's time is in
@@ -146,14 +157,53 @@ def measure(n=2000, reps=5):
             return 0
 
     real = _gpu.lib
+    g = buf._g
     buf._out_rows.value = rows
     buf._out_handle.value = 0  # the stubbed notify "returns" a NULL handle (freed as a no-op)
+    pre_d = g.alloc_dispatch(rows, x, False)
+    pre_c = g.alloc_combine(T, rx, False)
     _gpu.lib = Stub()
     try:
         out["python_side_us"] = {c: best_us(py, n, reps, time.thread_time)
                                  for c, (py, _) in calls.items()}
+        # Instance attributes shadow the methods: the call sites are unchanged.
+        g.alloc_dispatch = lambda rows_, like, fp8: pre_d
+        g.alloc_combine = lambda t_, like, with_w: pre_c
+        try:
+            out["python_side_prealloc_us"] = {c: best_us(py, n, reps, time.thread_time)
+                                              for c, (py, _) in calls.items()}
+        finally:
+            del g.alloc_dispatch, g.alloc_combine
     finally:
         _gpu.lib = real
+    out["python_side_alloc_us"] = {c: out["python_side_us"][c] - out["python_side_prealloc_us"][c]
+                                   for c in calls}
+    n_d = sum(a is not None for a in pre_d)
+    out["tensors_allocated_per_call"] = {"dispatch": n_d, "dispatch_worst": n_d,
+                                         "combine": sum(a is not None for a in pre_c)}
+
+    # One allocation carved into the typed outputs vs one allocation each (bf16 dispatch).
+    def align(b, a=256):
+        return (b + a - 1) // a * a
+
+    parts = [((rows, H), torch.bfloat16, 2), ((rows, K), torch.int64, 8),
+             ((rows, K), torch.float32, 4)]
+    offs, total = [], 0
+    for shape, _, size in parts:
+        offs.append(total)
+        total += align(shape[0] * shape[1] * size)
+    u8 = torch.empty(0, dtype=torch.uint8, device=dev)
+
+    def carved():
+        blk = u8.new_empty((total,))
+        return tuple(blk.view(dt).as_strided(shape, (shape[1], 1), off // size)
+                     for (shape, dt, size), off in zip(parts, offs))
+
+    def separate():
+        return g.alloc_dispatch(rows, x, False)
+
+    out["alloc_separate_us"] = best_us(separate, n, reps, time.thread_time)
+    out["alloc_one_block_us"] = best_us(carved, n, reps, time.thread_time)
     # For scale: one torch.empty on the GPU and one torch.cuda.current_stream() (both per call).
     out["torch_empty_us"] = best_us(lambda: torch.empty((rows, H), dtype=torch.bfloat16,
                                                         device=dev), n, reps, time.thread_time)

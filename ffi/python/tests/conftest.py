@@ -10,9 +10,16 @@ import time
 
 import pytest
 
-# The GPU tests run ranks as threads of this process: CUDA's lazy module loading may synchronise
-# the context on a kernel's first use while a peer's kernel spins. Set before CUDA initialises.
+# The GPU tests run ranks as threads of one process; both set before CUDA initialises (pytest
+# imports this first, and the GPU cases' processes inherit them):
+# * CUDA's lazy module loading may synchronise the context on a kernel's first use while a
+#   peer's kernel spins;
+# * CUDA maps a context's streams onto CUDA_DEVICE_MAX_CONNECTIONS hardware queues (8 by
+#   default): with several ranks' streams in one context, two ranks can share a queue and one
+#   rank's spinning kernel waits behind another's (a deadlock until the timeout); 32 gives each
+#   stream its own (the library refuses to connect several ranks of one context with too few).
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
 HERE = pathlib.Path(__file__).resolve().parent
 PKG_ROOT = HERE.parent  # ffi/python

@@ -1,377 +1,90 @@
-"""GPU backend through the Python package: torch CUDA tensors, ranks as threads of this process
-on one GPU (world 1, 2, 4), normal mode (bf16, fp8; two-step, cached, expert_alignment,
-num_worst_tokens) and low-latency mode (bf16 with and without the hook, fp8), each output
-compared with the numpy reference of _rank.py (the same one the host backend's multi-process
-tests check against, on the same inputs); DeepEP's stream options; bad arguments.
+"""GPU backend through the Python package (the cases are in _gpu_cases.py): torch CUDA tensors,
+ranks as threads of one process on one GPU (world 1, 2, 4), normal and low-latency mode against
+the numpy reference of _rank.py, DeepEP's stream options, bad arguments.
+
+Each case runs in a fresh Python process of its own (``python3 _gpu_cases.py CASE WORLD``), with a
+bounded wait (``FEP_GPU_CASE_TIMEOUT_S``, default 120 s): a failing case's rank threads and
+kernels, still alive inside their own time bounds, cannot poison the next case, and every case
+reports its own pass or fail (with the child's output).
 
 Skipped (reported as skipped, with the reason) without torch or without a CUDA device: CI has
 neither; scripts/gpu-check.sh runs them on the GPU machine."""
 
 import os
+import subprocess
+import sys
 
-import numpy as np
 import pytest
 
-# Before CUDA initialises: lazy module loading may synchronise the context on a kernel's first
-# use, which waits for a peer rank's spinning kernel (ranks are threads here).
+from conftest import HERE, PKG_ROOT
+
+# Inherited by the case processes (_gpu_cases.py sets them too; see the reasons there): eager
+# CUDA module loading, and a hardware queue per stream for ranks as threads of one context.
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 torch = pytest.importorskip("torch", reason="torch is not installed on this machine")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device visible to torch", allow_module_level=True)
 
-import fabric_ep  # noqa: E402
-from fabric_ep import Buffer, EventOverlap, LowLatencyHandle  # noqa: E402
-from _gpu_threads import bits, run_ranks, to_bf16  # noqa: E402
-from _rank import (  # noqa: E402
-    H, K, L, MAX_LL, bf16_rne, bf2f, dest_ranks, e4m3_to_f32, f2bf, inputs, reference_recv,
-)
-
-DEV = 0
-TIMEOUT_S = 10.0
-# Tokens per rank (every rank sends some); test_zero_token_rank uses a rank with none.
-TOKENS = [24, 9, 17, 40]
+CASE_TIMEOUT_S = float(os.environ.get("FEP_GPU_CASE_TIMEOUT_S", "120"))
 
 
-def tdev(a):
-    return torch.from_numpy(np.ascontiguousarray(a)).to(DEV)
-
-
-def make_buffer(group, world, **kw):
-    b = Buffer(group, num_experts=L * world, hidden=H, num_topk=K, explicitly_destroy=True,
-               timeout_s=TIMEOUT_S, **kw)
-    assert b.backend == "gpu" and b.num_ranks == world
-    return b
-
-
-def normal_bf16(group, r, world, tokens=TOKENS):
-    all_in = [inputs(s, world, tokens=tokens) for s in range(world)]
-    x, idx, w = all_in[r]
-    xt, it, wt = to_bf16(torch, x, DEV), tdev(idx), tdev(w)
-    buf = make_buffer(group, world)
+def run_case(case, world):
+    """Runs one case of _gpu_cases.py in a new process; raises with its output unless it
+    passed within CASE_TIMEOUT_S."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(PKG_ROOT), str(HERE)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    p = subprocess.Popen([sys.executable, str(HERE / "_gpu_cases.py"), case, str(world)],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        n_rank, n_rdma, n_exp, in_rank, ev = buf.get_dispatch_layout(it, L * world)
-        m = dest_ranks(idx, world)
-        assert isinstance(ev, EventOverlap) and ev.event is None
-        assert n_rank.is_cuda and n_rank.dtype == torch.int32
-        assert n_rank.tolist() == m.sum(0).tolist(), (n_rank, m.sum(0))
-        assert np.array_equal(in_rank.cpu().numpy(), m)
-        want_exp = np.bincount(idx[idx >= 0], minlength=L * world)
-        assert n_exp.tolist() == want_exp.tolist()
-
-        rx, ri, rw, counts, handle, ev = buf.dispatch(
-            xt, num_tokens_per_rank=n_rank, num_tokens_per_rdma_rank=n_rdma,
-            is_token_in_rank=in_rank, num_tokens_per_expert=n_exp, topk_idx=it, topk_weights=wt)
-        assert ev.event is None and rx.is_cuda and rx.dtype == torch.bfloat16
-        ref_x, ref_i, ref_w, ref_counts = reference_recv(r, world, all_in)
-        assert tuple(rx.shape) == ref_x.shape, (rx.shape, ref_x.shape)
-        assert np.array_equal(bits(rx), ref_x), "recv_x differs from the reference"
-        assert np.array_equal(ri.cpu().numpy(), ref_i), (ri, ref_i)
-        assert np.array_equal(rw.cpu().numpy(), ref_w)
-        assert counts == ref_counts, (counts, ref_counts)
-
-        back = (rx.float() * (r + 1)).to(torch.bfloat16)
-        cx, cw, _ = buf.combine(back, handle, topk_weights=rw)
-        factor = (m * (np.arange(world) + 1)).sum(1).astype(np.float32)
-        assert np.array_equal(bf2f(bits(cx)), bf2f(x) * factor[:, None]), "combine"
-        assert np.array_equal(cw.cpu().numpy(), np.where(idx >= 0, w, 0))
-        cx1, cw1, _ = buf.combine(rx, handle)
-        dests = m.sum(1).astype(np.float32)
-        assert cw1 is None and np.array_equal(bf2f(bits(cx1)), bf2f(x) * dests[:, None])
-
-        # Cached dispatch: same routing, new values.
-        x2 = f2bf(bf2f(x) + 1)
-        out = buf.dispatch(to_bf16(torch, x2, DEV), handle=handle)
-        assert out[1:5] == (None, None, None, None)
-        ref2 = reference_recv(r, world, [(f2bf(bf2f(a[0]) + 1), a[1], a[2]) for a in all_in])[0]
-        assert np.array_equal(bits(out[0]), ref2), "cached dispatch"
-
-        *_, counts8, h8, _ = buf.dispatch(xt, topk_idx=it, topk_weights=wt, expert_alignment=8)
-        assert counts8 == reference_recv(r, world, all_in, alignment=8)[3], counts8
-        del h8
-
-        # num_worst_tokens: no host synchronisation, fixed rows; the received rows come first.
-        worst = sum(tokens[:world])
-        wx, wi, ww, wcounts, wh, _ = buf.dispatch(xt, topk_idx=it, topk_weights=wt,
-                                                  num_worst_tokens=worst)
-        n = ref_x.shape[0]
-        assert tuple(wx.shape) == (worst, H) and wcounts == []
-        assert np.array_equal(bits(wx)[:n], ref_x) and np.array_equal(wi.cpu().numpy()[:n], ref_i)
-        assert np.array_equal(ww.cpu().numpy()[:n], ref_w)
-        wcx, _, _ = buf.combine(wx, wh)
-        assert np.array_equal(bf2f(bits(wcx)), bf2f(x) * dests[:, None]), "worst combine"
-        buf.sync()
-    finally:
-        buf.destroy()
-    return "ok"
-
-
-def normal_fp8(group, r, world):
-    all_in = [inputs(s, world, salt=1, tokens=TOKENS) for s in range(world)]
-    fp8 = []
-    for s in range(world):
-        g = np.random.default_rng(7 * 7 + s)
-        t = TOKENS[s]
-        fp8.append((g.integers(0, 256, size=(t, H)).astype(np.uint8),
-                    g.random((t, H // 128), dtype=np.float32)))
-    x, idx, w = all_in[r]
-    xq = tdev(fp8[r][0]).view(torch.float8_e4m3fn)
-    xs = tdev(fp8[r][1])
-    buf = make_buffer(group, world, dispatch_dtype="fp8")
-    try:
-        (rxq, rxs), ri, rw, counts, handle, _ = buf.dispatch((xq, xs), topk_idx=tdev(idx),
-                                                             topk_weights=tdev(w))
-        want_q = np.concatenate([fp8[s][0][dest_ranks(all_in[s][1], world)[:, r]]
-                                 for s in range(world)])
-        want_s = np.concatenate([fp8[s][1][dest_ranks(all_in[s][1], world)[:, r]]
-                                 for s in range(world)])
-        assert rxq.dtype == torch.float8_e4m3fn and np.array_equal(bits(rxq), want_q)
-        assert np.array_equal(rxs.cpu().numpy(), want_s)
-        _, ref_i, ref_w, ref_counts = reference_recv(r, world, all_in)
-        assert np.array_equal(ri.cpu().numpy(), ref_i) and counts == ref_counts
-        back = torch.full((rxq.shape[0], H), 0.5, dtype=torch.bfloat16, device=DEV)
-        cx, _, _ = buf.combine(back, handle)
-        dests = dest_ranks(idx, world).sum(1).astype(np.float32)
-        assert np.array_equal(bf2f(bits(cx)), np.repeat(0.5 * dests[:, None], H, axis=1))
-        buf.sync()
-    finally:
-        buf.destroy()
-    return "ok"
-
-
-def ll_reference(r, world, all_in):
-    ref_x = np.zeros((L, world * MAX_LL, H), np.uint16)
-    ref_cnt = np.zeros(L, np.int64)
-    ref_src = np.full((L, world * MAX_LL), -1, np.int32)
-    ref_rank = np.full((L, world * MAX_LL), -1, np.int32)
-    ref_range = np.zeros((L, world), np.int64)
-    for e in range(L):
-        g, n = r * L + e, 0
-        for s in range(world):
-            xs, ids, _ = all_in[s]
-            toks = np.nonzero((ids == g).any(1))[0]
-            ref_range[e, s] = (n << 32) | len(toks)
-            ref_x[e, n:n + len(toks)] = xs[toks]
-            ref_src[e, n:n + len(toks)] = toks
-            ref_rank[e, n:n + len(toks)] = s
-            n += len(toks)
-        ref_cnt[e] = n
-    return ref_x, ref_cnt, ref_src, ref_rank, ref_range
-
-
-def low_latency(group, r, world, tokens=TOKENS):
-    all_in = [inputs(s, world, salt=2, tokens=tokens) for s in range(world)]
-    x, idx, w = all_in[r]
-    xt, it, wt = to_bf16(torch, x, DEV), tdev(idx), tdev(w)
-    e_all = L * world
-    ref_x, ref_cnt, ref_src, ref_rank, ref_range = ll_reference(r, world, all_in)
-    buf = make_buffer(group, world, low_latency_mode=True,
-                      num_max_dispatch_tokens_per_rank=MAX_LL)
-    checked = []
-    try:
-        stats = torch.zeros(L, dtype=torch.int32, device=DEV)
-        for hooked in (False, True, False):
-            rx, cnt, handle, ev, hook = buf.low_latency_dispatch(
-                xt, it, MAX_LL, e_all, cumulative_local_expert_recv_stats=stats, use_fp8=False,
-                return_recv_hook=hooked)
-            assert isinstance(handle, LowLatencyHandle) and (hook is not None) == hooked
-            if hooked:
-                hook()
-            c = cnt.tolist()
-            assert c == ref_cnt.tolist(), (c, ref_cnt)
-            got = bits(rx)
-            for e in range(L):
-                n = c[e]
-                assert np.array_equal(got[e, :n], ref_x[e, :n]), f"LL recv_x expert {e}"
-                assert np.array_equal(handle.src_idx[e, :n].cpu().numpy(), ref_src[e, :n])
-                assert np.array_equal(handle.src_rank[e, :n].cpu().numpy(), ref_rank[e, :n])
-            lr = handle.layout_range.cpu().numpy()
-            assert np.array_equal(lr & 0xFFFFFFFF, ref_range & 0xFFFFFFFF), (lr, ref_range)
-            has = (ref_range & 0xFFFFFFFF) > 0
-            assert np.array_equal((lr >> 32)[has], (ref_range >> 32)[has]), (lr, ref_range)
-            mult = torch.arange(1, L + 1, device=DEV, dtype=torch.float32)[:, None, None]
-            y = (rx.float() * mult).to(torch.bfloat16)
-            out = torch.empty((x.shape[0], H), dtype=torch.bfloat16, device=DEV)
-            cx, ev, chook = buf.low_latency_combine(y, it, wt, handle, return_recv_hook=hooked,
-                                                    out=out)
-            assert cx is out and (chook is not None) == hooked
-            if hooked:
-                chook()
-            want = np.zeros((x.shape[0], H), np.float32)
-            for k in range(K):
-                ok = idx[:, k] >= 0
-                mk = np.where(ok, (idx[:, k] % L) + 1, 0).astype(np.float32)
-                want += bf2f(x) * (mk * w[:, k])[:, None]
-            assert np.array_equal(bits(cx), bf16_rne(want)), f"LL combine (hook {hooked})"
-            checked.append(hooked)
-        assert stats.tolist() == (3 * ref_cnt).tolist(), (stats, ref_cnt)
-        buf.sync()
-        buf.clean_low_latency_buffer(MAX_LL, H, e_all)
-        rx, cnt, handle, _, _ = buf.low_latency_dispatch(xt, it, MAX_LL, e_all, use_fp8=False)
-        assert cnt.tolist() == ref_cnt.tolist()
-        buf.sync()
-    finally:
-        buf.destroy()
-    return checked
-
-
-def low_latency_fp8(group, r, world):
-    all_in = [inputs(s, world, salt=2, tokens=TOKENS) for s in range(world)]
-    x, idx, w = all_in[r]
-    ref_x, ref_cnt, *_ = ll_reference(r, world, all_in)
-    buf = make_buffer(group, world, low_latency_mode=True, dispatch_dtype="fp8",
-                      num_max_dispatch_tokens_per_rank=MAX_LL)
-    try:
-        (q, sc), cnt, handle, _, _ = buf.low_latency_dispatch(
-            to_bf16(torch, x, DEV), tdev(idx), MAX_LL, L * world, use_fp8=True)
-        assert q.dtype == torch.float8_e4m3fn and tuple(sc.shape) == (L, world * MAX_LL, H // 128)
-        c = cnt.tolist()
-        assert c == ref_cnt.tolist()
-        deq = e4m3_to_f32(bits(q)) * np.repeat(sc.cpu().numpy(), 128, axis=2)
-        ref = bf2f(ref_x)
-        amax = np.repeat(np.abs(ref).reshape(L, -1, H // 128, 128).max(3), 128, axis=2)
-        for e in range(L):
-            n = c[e]
-            assert np.all(np.abs(deq[e, :n] - ref[e, :n]) <= amax[e, :n] / 16 + 1e-6), e
-        buf.sync()
-    finally:
-        buf.destroy()
-    return "ok"
+        out, _ = p.communicate(timeout=CASE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        p.kill()  # this case's own process, by its pid
+        out, _ = p.communicate()
+        raise AssertionError(f"{case} world {world}: no result after {CASE_TIMEOUT_S:.0f} s "
+                             f"(process killed); its output:\n{out}") from None
+    if p.returncode != 0:
+        raise AssertionError(f"{case} world {world}: exit status {p.returncode}; its output:\n{out}")
+    print(out, end="")  # shown with pytest -s (gpu-check.sh's log)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_normal_bf16_matches_reference(world):
-    assert run_ranks(world, normal_bf16) == ["ok"] * world
+    run_case("normal_bf16", world)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_normal_fp8_matches_reference(world):
-    assert run_ranks(world, normal_fp8) == ["ok"] * world
+    run_case("normal_fp8", world)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_low_latency_hook_and_no_hook_match_reference(world):
-    assert run_ranks(world, low_latency) == [[False, True, False]] * world
+    run_case("low_latency", world)
 
 
 @pytest.mark.parametrize("world", [1, 4])
 def test_low_latency_fp8_matches_reference(world):
-    assert run_ranks(world, low_latency_fp8) == ["ok"] * world
-
-
-def streams_and_events(group, r, world):
-    """DeepEP's stream options: previous_event, async_finish (an EventOverlap with a
-    torch.cuda.Event), allocate_on_comm_stream; results equal the synchronous call's."""
-    all_in = [inputs(s, world, tokens=TOKENS) for s in range(world)]
-    x, idx, w = all_in[r]
-    xt, it, wt = to_bf16(torch, x, DEV), tdev(idx), tdev(w)
-    buf = make_buffer(group, world)
-    try:
-        comm = buf.get_comm_stream()
-        assert isinstance(comm, torch.cuda.Stream) and comm.cuda_stream != 0
-        assert comm.cuda_stream != torch.cuda.current_stream().cuda_stream
-        ref_x = reference_recv(r, world, all_in)[0]
-        prev = EventOverlap(torch.cuda.Event())
-        prev.event.record()
-        rx, ri, rw, _, handle, ev = buf.dispatch(xt, topk_idx=it, topk_weights=wt,
-                                                 previous_event=prev, async_finish=True,
-                                                 allocate_on_comm_stream=True)
-        assert isinstance(ev.event, torch.cuda.Event) and ev.extra_tensors
-        ev.current_stream_wait()
-        assert np.array_equal(bits(rx), ref_x)
-        cx, _, ev2 = buf.combine(rx, handle, async_finish=True, previous_event=ev)
-        with ev2:
-            pass  # __exit__ makes the current stream wait
-        dests = dest_ranks(idx, world).sum(1).astype(np.float32)
-        assert np.array_equal(bf2f(bits(cx)), bf2f(x) * dests[:, None])
-        with pytest.raises(ValueError, match="^allocate_on_comm_stream=True: needs"):
-            buf.dispatch(xt, topk_idx=it, topk_weights=wt, allocate_on_comm_stream=True)
-        buf.sync()
-    finally:
-        buf.destroy()
-    return "ok"
+    run_case("low_latency_fp8", world)
 
 
 def test_streams_and_events_world_1():
-    assert run_ranks(1, streams_and_events) == ["ok"]
-
-
-def bad_arguments(group, r, world):
-    all_in = [inputs(s, world, tokens=TOKENS) for s in range(world)]
-    x, idx, w = all_in[r]
-    xt, it, wt = to_bf16(torch, x, DEV), tdev(idx), tdev(w)
-    buf = make_buffer(group, world, low_latency_mode=True, num_max_dispatch_tokens_per_rank=MAX_LL)
-    try:
-        def raises(exc, match, fn, *a, **kw):
-            with pytest.raises(exc, match=match):
-                fn(*a, **kw)
-
-        raises(ValueError, "^x: tensor is on cpu", buf.dispatch, xt.cpu(), topk_idx=it,
-               topk_weights=wt)
-        raises(TypeError, "^x: expected a torch CUDA tensor", buf.dispatch, x, topk_idx=it,
-               topk_weights=wt)
-        raises(TypeError, "^topk_idx: dtype torch.int32", buf.dispatch, xt,
-               topk_idx=it.to(torch.int32), topk_weights=wt)
-        raises(ValueError, r"^topk_weights: shape \[", buf.dispatch, xt, topk_idx=it,
-               topk_weights=wt[:, :1].contiguous())
-        wide = torch.zeros((x.shape[0], 2 * H), dtype=torch.bfloat16, device=DEV)
-        raises(ValueError, "^x: must be contiguous", buf.dispatch, wide[:, ::2], topk_idx=it,
-               topk_weights=wt)
-        raises(TypeError, "^x: fp8 tokens on a Buffer built with dispatch_dtype='bf16'",
-               buf.dispatch, (xt.view(torch.uint8)[:, :H].contiguous().view(torch.float8_e4m3fn),
-                              torch.ones((x.shape[0], H // 128), device=DEV)), topk_idx=it,
-               topk_weights=wt)
-        raises(ValueError, "^use_fp8=True: ", buf.low_latency_dispatch, xt, it, MAX_LL, L * world)
-        raises(ValueError, "^round_scale=True", buf.low_latency_dispatch, xt, it, MAX_LL,
-               L * world, use_fp8=False, round_scale=True)
-        raises(TypeError, "^previous_event: expected an EventOverlap", buf.dispatch, xt,
-               topk_idx=it, topk_weights=wt, previous_event=torch.cuda.Event())
-        # The buffer still works after every refusal (nothing reached the library).
-        rx, *_ = buf.dispatch(xt, topk_idx=it, topk_weights=wt)
-        assert np.array_equal(bits(rx), reference_recv(r, world, all_in)[0])
-        buf.sync()
-    finally:
-        buf.destroy()
-    return "ok"
+    run_case("streams_and_events", 1)
 
 
 def test_bad_arguments_name_the_argument():
-    assert run_ranks(1, bad_arguments) == ["ok"]
-
-
-def legacy_stream_refused(group, r, world):
-    buf = make_buffer(group, world)
-    try:
-        x, idx, w = inputs(r, world, tokens=TOKENS)
-        with torch.cuda.stream(torch.cuda.default_stream()):
-            with pytest.raises(ValueError, match="^stream: the current stream is the legacy"):
-                buf.dispatch(to_bf16(torch, x, DEV), topk_idx=tdev(idx), topk_weights=tdev(w))
-    finally:
-        buf.destroy()
-    return "ok"
+    run_case("bad_arguments", 1)
 
 
 def test_threads_on_the_legacy_default_stream_are_refused():
-    assert run_ranks(2, legacy_stream_refused) == ["ok"] * 2
+    run_case("legacy_stream_refused", 2)
 
 
 def test_auto_backend_picks_gpu_for_a_thread_group():
-    def fn(group, r, world):
-        b = Buffer(group, num_experts=L, hidden=H, num_topk=K, explicitly_destroy=True)
-        try:
-            return b.backend, isinstance(b.get_comm_stream(), torch.cuda.Stream)
-        finally:
-            b.destroy()
-
-    assert run_ranks(1, fn) == [("gpu", True)]
-    assert fabric_ep.ThreadGroup.create(1)[0].all_gather_bytes(b"ab") == [b"ab"]
+    run_case("auto_backend", 1)
 
 
 def test_zero_token_rank_normal_and_low_latency():
-    """A rank with no tokens (DeepEP allows it): world 2, rank 1 sends nothing."""
-    tokens = [24, 0]
-
-    def fn(group, r, world):
-        normal_bf16(group, r, world, tokens=tokens)
-        return low_latency(group, r, world, tokens=tokens)
-
-    assert run_ranks(2, fn) == [[False, True, False]] * 2
+    run_case("zero_token_rank", 2)

@@ -6,11 +6,15 @@ argument, and a GPU buffer on a device that does not exist names ``device``."""
 import ctypes
 import os
 
-import pytest
+# This module may share a process with thread-mode GPU tests: whichever initialises CUDA first,
+# the context needs a hardware queue per stream (see conftest.py).
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
-from conftest import free_port
-from fabric_ep import _lib
-from fabric_ep._lib import FEP_ERR_INVALID_ARGUMENT, lib
+import pytest  # noqa: E402
+
+from conftest import free_port  # noqa: E402
+from fabric_ep import _lib  # noqa: E402
+from fabric_ep._lib import FEP_ERR_INVALID_ARGUMENT, lib  # noqa: E402
 
 E, H, K = 8, 256, 2
 

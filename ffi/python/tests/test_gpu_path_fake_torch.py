@@ -1,0 +1,254 @@
+"""The GPU backend's Python hot path (fabric_ep._gpu.GpuPath.dispatch/combine) without torch or a
+GPU (runs in CI): a minimal stand-in for the few torch calls it makes and a recording stand-in
+for the fep_gpu_* entry points. Checks the bytes the C calls would read (every fep_tensor
+descriptor and fep_gpu_order packed by one struct call), the returned shapes/dtypes, the
+recv_src_idx scratch, and that bad arguments are refused naming the argument. The real kernels
+and torch are covered by test_gpu.py on the GPU machine."""
+
+import contextlib
+import ctypes
+import itertools
+import struct
+import types
+
+import pytest
+
+from fabric_ep import EventOverlap, _gpu
+from fabric_ep.buffer import DispatchHandle
+
+H, K, L, R, T = 256, 2, 3, 2, 5
+COMM, COMPUTE = 0x9000, 0x5000
+_DESC = struct.Struct("<qii4q")
+_ORDER = struct.Struct("<4Q")
+BF16, FP8, F32, I64, I32 = 0, 1, 2, 3, 4
+
+
+def desc(addr):
+    return _DESC.unpack(ctypes.string_at(addr, _DESC.size))
+
+
+def order(addr):
+    return _ORDER.unpack(ctypes.string_at(addr, _ORDER.size))
+
+
+class _Dtype:
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return "torch." + self.name
+
+
+class FakeTorch(types.ModuleType):
+    """What GpuPath touches of torch: dtypes, Tensor (dtype, shape, get_device, is_contiguous,
+    data_ptr, new_empty, record_stream), torch.empty, the CUDA stream/event calls."""
+
+    def __init__(self):
+        super().__init__("torch")
+        for n in ("bfloat16", "float32", "int64", "int32", "uint8", "float8_e4m3fn", "bool"):
+            setattr(self, n, _Dtype(n))
+        ptrs = itertools.count(1 << 20, 1 << 12)
+        self.stream = COMPUTE
+
+        class Tensor:
+            def __init__(t, shape, dtype, dev=0, contiguous=True):
+                t.shape, t.dtype, t._dev, t._c, t._p = tuple(shape), dtype, dev, contiguous, next(ptrs)
+
+            def get_device(t):
+                return t._dev
+
+            def is_contiguous(t):
+                return t._c
+
+            def data_ptr(t):
+                return t._p
+
+            def dim(t):
+                return len(t.shape)
+
+            def new_empty(t, shape, dtype=None):
+                return Tensor(shape, dtype or t.dtype, t._dev)
+
+            def record_stream(t, s):
+                pass
+
+            @property
+            def device(t):
+                return f"cuda:{t._dev}" if t._dev >= 0 else "cpu"
+
+        self.Tensor = Tensor
+        self.empty = lambda shape, dtype=None, device=None: Tensor(
+            shape if isinstance(shape, tuple) else (shape,), dtype, device)
+        self.device = lambda *a: a
+        self.cuda = types.SimpleNamespace(
+            ExternalStream=lambda p, device=None: types.SimpleNamespace(cuda_stream=p),
+            current_stream=lambda d=None: types.SimpleNamespace(cuda_stream=self.stream),
+            stream=lambda s: contextlib.nullcontext(),
+            Event=lambda: types.SimpleNamespace(record=lambda s: None, cuda_event=0x77))
+        self._C = types.SimpleNamespace(_cuda_getCurrentRawStream=lambda d: self.stream)
+
+
+class RecordingLib:
+    """fep_gpu_notify/dispatch/combine: record the arguments; the notify reports ``rows``."""
+
+    def __init__(self, rows):
+        self.rows, self.calls = rows, []
+
+    def fep_gpu_notify(self, p, idx, align, worst, order_, out_h, out_rows, per_expert):
+        self.calls.append(("notify", p, idx, align, worst, order_))
+        ctypes.c_void_p.from_address(out_h).value = 0  # a NULL handle: nothing to free
+        ctypes.c_int64.from_address(out_rows).value = self.rows
+        return 0
+
+    def fep_gpu_dispatch(self, *a):
+        names = ("p", "hp", "x", "xs", "idx", "w", "rx", "rxs", "ri", "rw", "src", "order")
+        self.calls.append(("dispatch", dict(zip(names, a))))
+        return 0
+
+    def fep_gpu_combine(self, *a):
+        names = ("p", "hp", "x", "w", "out", "cw", "order")
+        self.calls.append(("combine", dict(zip(names, a))))
+        return 0
+
+
+@pytest.fixture
+def path(monkeypatch):
+    torch = FakeTorch()
+    rec = RecordingLib(rows=7)
+    monkeypatch.setattr(_gpu, "lib", rec)
+    oh, orows = ctypes.c_void_p(), ctypes.c_int64()
+    buf = types.SimpleNamespace(
+        hidden=H, num_topk=K, num_local_experts=L, num_ranks=R, _dispatch_code=BF16,
+        dispatch_dtype="bf16", _ptr=0xABC, _out_handle=oh, _out_rows=orows,
+        _out_handle_addr=ctypes.addressof(oh), _out_rows_addr=ctypes.addressof(orows))
+    g = _gpu.GpuPath(buf, torch, 0, True, COMM, reserve_tokens=1000)
+    return g, torch, rec, buf
+
+
+def inputs(torch):
+    return (torch.Tensor((T, H), torch.bfloat16), torch.Tensor((T, K), torch.int64),
+            torch.Tensor((T, K), torch.float32))
+
+
+def test_dispatch_fills_every_descriptor_and_order(path):
+    g, torch, rec, _ = path
+    assert g._src_cap == 1000 * R  # the scratch is reserved at construction
+    x, idx, w = inputs(torch)
+    g._per_expert[:] = [1, 2, 3]
+    rx, ri, rw, counts, handle, ev = g.dispatch(x, None, idx, w, 1, 0, None, False, False)
+    assert (rx.shape, rx.dtype) == ((7, H), torch.bfloat16)
+    assert (ri.shape, ri.dtype, rw.shape, rw.dtype) == ((7, K), torch.int64, (7, K), torch.float32)
+    assert len({rx.data_ptr(), ri.data_ptr(), rw.data_ptr()}) == 3  # independent tensors
+    assert counts == [1, 2, 3] and isinstance(handle, DispatchHandle) and ev.event is None
+    assert handle._keep == (idx, w) and (handle.num_tokens, handle.num_recv_tokens) == (T, 7)
+    (_, p, a_idx, align, worst, a_order), (_, d) = rec.calls
+    assert (p, align, worst) == (0xABC, 1, 0) and desc(a_idx) == (idx.data_ptr(), I64, 2, T, K, 0, 0)
+    assert order(a_order) == (COMM, COMPUTE, 0, COMPUTE)  # waits for compute, compute waits
+    assert order(d["order"]) == (COMM, 0, 0, COMPUTE)  # after the notify: no second wait
+    assert d["p"] == 0xABC and d["xs"] is None and d["rxs"] is None
+    assert desc(d["x"]) == (x.data_ptr(), BF16, 2, T, H, 0, 0)
+    assert desc(d["idx"]) == (idx.data_ptr(), I64, 2, T, K, 0, 0)
+    assert desc(d["w"]) == (w.data_ptr(), F32, 2, T, K, 0, 0)
+    assert desc(d["rx"]) == (rx.data_ptr(), BF16, 2, 7, H, 0, 0)
+    assert desc(d["ri"]) == (ri.data_ptr(), I64, 2, 7, K, 0, 0)
+    assert desc(d["rw"]) == (rw.data_ptr(), F32, 2, 7, K, 0, 0)
+    assert desc(d["src"]) == (g._src_ptr, I32, 1, 7, 0, 0, 0)
+
+
+def test_cached_worst_async_and_fp8_dispatch(path):
+    g, torch, rec, buf = path
+    x, idx, w = inputs(torch)
+    *_, handle, _ = g.dispatch(x, None, idx, w, 1, 0, None, False, False)
+    rec.calls.clear()
+    handle._ptr = 0x1234  # as if the notify had returned one (reset before it is freed)
+    try:
+        out = g.dispatch(x, handle, None, None, 1, 0, None, False, False)
+    finally:
+        handle._ptr = 0
+    assert out[1:5] == (None, None, None, None) and out[0].shape == (7, H)
+    d = rec.calls[0][1]
+    assert d["hp"] == 0x1234 and order(d["order"]) == (COMM, COMPUTE, 0, COMPUTE)
+    assert desc(d["idx"]) == (idx.data_ptr(), I64, 2, T, K, 0, 0)
+
+    rec.calls.clear()
+    prev = EventOverlap(types.SimpleNamespace(cuda_event=0x66))
+    out = g.dispatch(x, None, idx, w, 1, 9, prev, True, True)
+    assert out[3] == [] and out[5].event is not None  # num_worst_tokens: no counts
+    assert order(rec.calls[0][5]) == (COMM, 0, 0x66, 0)  # waits for the event; async
+
+    rec.rows = 5000  # more rows than the scratch holds: it grows
+    buf._dispatch_code, buf.dispatch_dtype = FP8, "fp8"
+    rec.calls.clear()
+    xq, xs = torch.Tensor((T, H), torch.float8_e4m3fn), torch.Tensor((T, H // 128), torch.float32)
+    (q, s), *_ = g.dispatch((xq, xs), None, idx, w, 1, 0, None, False, False)
+    assert q.dtype is torch.float8_e4m3fn and (s.shape, s.dtype) == ((5000, 2), torch.float32)
+    d = rec.calls[1][1]
+    assert desc(d["x"]) == (xq.data_ptr(), FP8, 2, T, H, 0, 0)
+    assert desc(d["xs"]) == (xs.data_ptr(), F32, 2, T, 2, 0, 0)
+    assert desc(d["rxs"]) == (s.data_ptr(), F32, 2, 5000, 2, 0, 0)
+    assert g._src_cap >= 5000 and desc(d["src"]) == (g._src_ptr, I32, 1, 5000, 0, 0, 0)
+
+
+def test_combine_fills_every_descriptor_and_order(path):
+    g, torch, rec, buf = path
+    handle = DispatchHandle(0x4444, id(buf), T, 7)
+    try:
+        rx, rw = torch.Tensor((7, H), torch.bfloat16), torch.Tensor((7, K), torch.float32)
+        cx, cw, ev = g.combine(rx, handle, rw, None, False, False)
+        assert (cx.shape, cx.dtype, cw.shape, cw.dtype) == ((T, H), torch.bfloat16, (T, K),
+                                                            torch.float32)
+        d = rec.calls[0][1]
+        assert (d["p"], d["hp"]) == (0xABC, 0x4444)
+        assert desc(d["x"]) == (rx.data_ptr(), BF16, 2, 7, H, 0, 0)
+        assert desc(d["w"]) == (rw.data_ptr(), F32, 2, 7, K, 0, 0)
+        assert desc(d["out"]) == (cx.data_ptr(), BF16, 2, T, H, 0, 0)
+        assert desc(d["cw"]) == (cw.data_ptr(), F32, 2, T, K, 0, 0)
+        assert order(d["order"]) == (COMM, COMPUTE, 0, COMPUTE)
+        rec.calls.clear()
+        cx, cw, ev = g.combine(rx, handle, None, None, True, False)
+        d = rec.calls[0][1]
+        assert cw is None and d["w"] is None and d["cw"] is None and ev.event is not None
+        assert order(d["order"]) == (COMM, COMPUTE, 0, 0)
+        with pytest.raises(ValueError, match=r"^x: shape \[6, 256\], expected \[7, 256\]$"):
+            g.combine(torch.Tensor((6, H), torch.bfloat16), handle, None, None, False, False)
+        with pytest.raises(TypeError, match="^topk_weights: dtype torch.int64"):
+            g.combine(rx, handle, torch.Tensor((7, K), torch.int64), None, False, False)
+    finally:
+        handle._ptr = 0
+
+
+def test_bad_dispatch_arguments_are_named(path):
+    g, torch, rec, _ = path
+    x, idx, w = inputs(torch)
+    T_ = torch.Tensor
+
+    def refused(exc, match, *args):
+        with pytest.raises(exc, match=match):
+            g.dispatch(*args, 1, 0, None, False, False)
+
+    refused(TypeError, "^x: expected a torch CUDA tensor", "x", None, idx, w)
+    refused(ValueError, "^x: tensor is on cpu", T_((T, H), torch.bfloat16, dev=-1), None, idx, w)
+    refused(TypeError, "^x: dtype torch.float32", T_((T, H), torch.float32), None, idx, w)
+    refused(ValueError, r"^x: shape \[5, 128\], expected \[\*, 256\]",
+            T_((T, 128), torch.bfloat16), None, idx, w)
+    refused(ValueError, "^x: must be contiguous", T_((T, H), torch.bfloat16, contiguous=False),
+            None, idx, w)
+    refused(TypeError, "^x: fp8 tokens on a Buffer built with dispatch_dtype='bf16'",
+            (T_((T, H), torch.float8_e4m3fn), T_((T, 2), torch.float32)), None, idx, w)
+    refused(TypeError, "^topk_idx: dtype torch.int32", x, None, T_((T, K), torch.int32), w)
+    refused(ValueError, r"^topk_weights: shape \[5, 1\], expected \[5, 2\]", x, None, idx,
+            T_((T, 1), torch.float32))
+    refused(ValueError, "^topk_idx: required", x, None, None, w)
+    with pytest.raises(ValueError, match="^expert_alignment: "):
+        g.dispatch(x, None, idx, w, 0, 0, None, False, False)
+    with pytest.raises(ValueError, match="^allocate_on_comm_stream=True: needs"):
+        g.dispatch(x, None, idx, w, 1, 0, None, False, True)
+    with pytest.raises(TypeError, match="^previous_event: expected an EventOverlap"):
+        g.dispatch(x, None, idx, w, 1, 0, object(), False, False)
+    torch.stream = 0  # the legacy default stream: refused with ranks as threads
+    with pytest.raises(ValueError, match="^stream: the current stream is the legacy"):
+        g.dispatch(x, None, idx, w, 1, 0, None, False, False)
+    assert rec.calls == []  # nothing reached the library
+    g.threads = False  # one rank per process: the legacy stream is CU_STREAM_LEGACY (1)
+    g.dispatch(x, None, idx, w, 1, 0, None, False, False)
+    assert order(rec.calls[0][5]) == (COMM, 1, 0, 1)
