@@ -47,7 +47,7 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     if (p.proxy.ring != 0) {
         const fep::WaitCtx ctx{p.dev_error, p.budget_cycles, static_cast<uint32_t>(p.rank),
                                FEP_PHASE_LL_COMBINE_SEND, UINT32_MAX};
-        if (!px_staging_free(p.proxy, p.set, ctx)) return;  // block-uniform; nothing published
+        if (!px_staging_free(p.proxy, p.set, E, ctx)) return;  // block-uniform; nothing published
         if (marker) fep::trace(FEP_TRACE_PHASE_STRIDE + FEP_TRACE_LL_SEND_STAGED, p.rank, p.set);
     }
     const int row_bytes = 2 * H;
@@ -138,6 +138,7 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
                                FEP_PHASE_LL_COMBINE_RECV, static_cast<uint32_t>(g / L)};
         const uint64_t* f = flag_ptr(p.local_flags, p.set, 1, E, g);
         if (p.proxy.ring != 0 && is_proxy(peers, g / L)) {
+            if (blockIdx.x != 0) continue;  // only block 0 polls the proxy's counters (handoff)
             uint64_t n = 0;
             if (!px_count(p.proxy, 1, p.set, px_slot(1, p.set, E, g), 4u * E, ctx, &n)) {
                 s_fail = 1;
@@ -157,19 +158,15 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
             }
         }
     }
+    if (p.proxy.ring != 0) {
+        // Block 0 checked every proxy unit's count against s_hist; the others only wait for it.
+        const fep::WaitCtx ctx{p.dev_error, p.budget_cycles, static_cast<uint32_t>(p.rank),
+                               FEP_PHASE_LL_COMBINE_RECV, UINT32_MAX};
+        px_counts_handoff(p.proxy, 1, p.set, E, ctx, &s_fail);
+    }
     __syncthreads();
     if (s_fail) return;  // block-uniform
     if (marker) fep::trace(FEP_TRACE_PHASE_STRIDE + FEP_TRACE_LL_RECV_COUNTS, p.rank, p.set);
-    if (p.proxy.ring != 0) {
-        // As in the dispatch receive: the last block advances sums_seen (after every block read
-        // it), and the ticket's system fences order the proxy-written rows before the reads.
-        uint64_t* st = px_state(p.proxy);
-        if (last_block_ticket(reinterpret_cast<uint32_t*>(st + kStRecvTicket))) {
-            for (int g = tid; g < E; g += kThreads) {
-                if (is_proxy(peers, g / L)) st[kStBase + 4 * E + px_slot(1, p.set, E, g)] += s_hist[g];
-            }
-        }
-    }
 
     const uint64_t base = p.local_buf;
     const bool sys = p.proxy.ring != 0;  // the buffer takes writes from outside the GPU (ld_recv)

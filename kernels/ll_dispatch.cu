@@ -55,7 +55,7 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     if (p.proxy.ring != 0) {
         const fep::WaitCtx ctx{p.dev_error, p.budget_cycles, static_cast<uint32_t>(p.rank),
                                FEP_PHASE_LL_DISPATCH_SEND, UINT32_MAX};
-        if (!px_staging_free(p.proxy, p.set, ctx)) return;  // block-uniform; nothing published
+        if (!px_staging_free(p.proxy, p.set, E, ctx)) return;  // block-uniform; nothing published
         if (marker) fep::trace(FEP_TRACE_LL_SEND_STAGED, p.rank, p.set);
     }
     const int n_items = H / 16;  // 16 channels per thread and step (H % 128 == 0 for fp8, % 16 else)
@@ -202,7 +202,8 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     if (tid == 0) s_fail = 0;
     __syncthreads();
     // Every block waits for all E flags (one thread each, in parallel): it needs every count for
-    // the prefix. The flag of unit (e, src) comes from rank src.
+    // the prefix. The flag of unit (e, src) comes from rank src. Proxy units: only block 0 polls
+    // the proxy's counters (host memory); the others take the counts from it (px_counts_handoff).
     const fep_ll_peer* peers = reinterpret_cast<const fep_ll_peer*>(p.peers);
     for (int u = tid; u < E; u += kThreads) {
         const fep::WaitCtx ctx{p.dev_error, p.budget_cycles, static_cast<uint32_t>(p.rank),
@@ -210,6 +211,7 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
         const uint64_t* f = flag_ptr(p.local_flags, p.set, 0, E, u);
         int c = 0;
         if (p.proxy.ring != 0 && is_proxy(peers, u % R)) {
+            if (blockIdx.x != 0) continue;  // counted after the handoff below
             uint64_t n = 0;
             if (!px_count(p.proxy, 0, p.set, px_slot(0, p.set, E, u), 4u * E, ctx, &n)) {
                 s_fail = 1;
@@ -234,19 +236,22 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
         }
         s_cnt[u] = c;
     }
-    __syncthreads();
-    if (s_fail) return;  // block-uniform
-    if (marker) fep::trace(FEP_TRACE_LL_RECV_COUNTS, p.rank, p.set);
     if (p.proxy.ring != 0) {
-        // Every block has read sums_seen once all have taken a ticket: the last one advances it
-        // (the ticket's system fences also order the rows the proxy's NIC wrote before the copy).
-        uint64_t* st = px_state(p.proxy);
-        if (last_block_ticket(reinterpret_cast<uint32_t*>(st + kStRecvTicket))) {
+        const fep::WaitCtx ctx{p.dev_error, p.budget_cycles, static_cast<uint32_t>(p.rank),
+                               FEP_PHASE_LL_DISPATCH_RECV, UINT32_MAX};
+        px_counts_handoff(p.proxy, 0, p.set, E, ctx, &s_fail);
+        if (blockIdx.x != 0 && !s_fail) {
             for (int u = tid; u < E; u += kThreads) {
-                if (is_proxy(peers, u % R)) st[kStBase + 4 * E + px_slot(0, p.set, E, u)] += s_cnt[u];
+                if (is_proxy(peers, u % R)) {
+                    s_cnt[u] = static_cast<int>(
+                        px_mirrored_count(p.proxy, px_slot(0, p.set, E, u), 4u * E));
+                }
             }
         }
     }
+    __syncthreads();
+    if (s_fail) return;  // block-uniform
+    if (marker) fep::trace(FEP_TRACE_LL_RECV_COUNTS, p.rank, p.set);
     block_exclusive_scan(s_cnt, s_start, E);
 
     if (blockIdx.x == 0) {

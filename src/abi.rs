@@ -68,6 +68,7 @@ mod tests {
             ("fep_proxy_exchange_params", size_of::<fep_proxy_exchange_params>()),
             ("fep_proxy_pingpong_params", size_of::<fep_proxy_pingpong_params>()),
             ("fep_ll_peer", size_of::<fep_ll_peer>()),
+            ("fep_trace_clock_params", size_of::<fep_trace_clock_params>()),
             ("fep_ll_dispatch_params", size_of::<fep_ll_dispatch_params>()),
             ("fep_ll_combine_params", size_of::<fep_ll_combine_params>()),
             ("fep_ll_proxy", size_of::<fep_ll_proxy>()),

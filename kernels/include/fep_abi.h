@@ -192,6 +192,10 @@ typedef struct fep_proxy_pingpong_params {
 #define FEP_PHASE_LL_COMBINE_SEND 18u
 #define FEP_PHASE_LL_COMBINE_RECV 19u
 
+/* Bytes between two slots' proxy counters (arrivals at +0, sums at +8) and between two rings'
+ * sends_completed words: one cache line each (src/proxy/memory.rs COUNTER_STRIDE says why). */
+#define FEP_COUNTER_STRIDE 64u
+
 /* Event trace (diagnosis; kernels/include/fep_trace.cuh, src/trace.rs). When the host has set
  * the module global `fep_trace_words` (FEP_TRACE), marked points of the kernels append a record:
  * words[0] = records taken (atomic), record i = words[1 + 2i] %globaltimer ns, words[2 + 2i] =
@@ -230,15 +234,20 @@ typedef struct fep_ll_peer {
  *   [3 + phase * 2 + set] push batches ever made (cumulative: the clean fence compares them)
  *   [7 + phase * 2 + set] calls since the last clean (receives expect arr_base + this)
  *   [12 + slot] arr_base   [12 + num_slots + slot] sums_seen   (num_slots = 4 * E)
+ *   [12 + 2 * num_slots + slot] the count block 0 read for the current call (mirror)
+ *   [12 + 3 * num_slots + phase * 2 + set] ready: the call whose counts the mirror holds
+ *   [12 + 3 * num_slots + 4 + set] staged: the sends_completed value block 0 has seen reached
  * NOTES: a send kernel first waits (bounded) until sends_completed >= state[1 + set] (the NIC
  * has read the staging of the set's previous use), stages, then its last block pushes the whole
- * batch (entries written by many threads, one system fence, one release store of head). */
+ * batch (entries written by many threads, one system fence, one release store of head). Only
+ * block 0 reads the host words (sends_completed, arrivals, sums); other blocks wait for its
+ * mirror/ready/staged words in device memory (fep_ll.cuh, "one poller per host word"). */
 typedef struct fep_ll_proxy {
     uint64_t ring;            /* fep_ring_hdr* + capacity fep_cmd (mapped host), 0 = none */
-    uint64_t arrivals;        /* const uint64_t [num_slots] (mapped host) */
-    uint64_t sums;            /* const uint64_t [num_slots] (mapped host) */
+    uint64_t arrivals;        /* arrivals of slot s at + s * FEP_COUNTER_STRIDE (mapped host) */
+    uint64_t sums;            /* sums, the same stride (mapped host) */
     uint64_t sends_completed; /* const uint64_t* of the ring (mapped host) */
-    uint64_t state;           /* uint64_t [12 + 2 * num_slots] (device), see above */
+    uint64_t state;           /* uint64_t [12 + 3 * num_slots + 6] (device), fep_ll.cuh */
     uint32_t capacity;        /* ring entries, >= E (one call's batch) */
     uint32_t value_bits;      /* imm = slot << value_bits | count */
     uint32_t num_proxy_peers;
@@ -357,7 +366,7 @@ typedef struct fep_normal_proxy {
     uint64_t ring;        /* GPU address: num_rings rings of ring_stride bytes (mapped host) */
     uint64_t send;        /* GPU address of this rank's registered send (staging) region */
     uint64_t recv;        /* GPU address of this rank's registered receive region */
-    uint64_t arrivals;    /* GPU address of the proxy's u64 arrivals[ids] (mapped host) */
+    uint64_t arrivals;    /* GPU address of arrivals[0]; id i at + i * FEP_COUNTER_STRIDE (mapped host) */
     uint64_t stride;      /* MR chunk of the provider: no slot or record crosses a multiple */
     uint64_t notify_base; /* offset of the notify section in both regions */
     uint32_t mask;        /* bit p: peer p is reached through the proxy */

@@ -176,8 +176,21 @@ constexpr int kStHead = 0;        // ring head, the producer's copy
 constexpr int kStSetHead = 1;     // + set: head after the set's last push batch
 constexpr int kStPushed = 3;      // + phase * 2 + set: push batches ever made
 constexpr int kStCalls = 7;       // + phase * 2 + set: calls since the last clean
-constexpr int kStRecvTicket = 11; // u32 ticket of the receive kernels (low half of the word)
-constexpr int kStBase = 12;       // arr_base[num_slots], then sums_seen[num_slots]
+constexpr int kStUnused = 11;     // (was the receive kernels' ticket)
+constexpr int kStBase = 12;       // arr_base[S], sums_seen[S], mirror[S], ready[4], staged[2]
+// With S = num_slots = 4 E: where the receive's leader block leaves each proxy unit's count of
+// the current call (mirror), the call it finished (ready, per phase * 2 + set), and the
+// staging head the send's leader block saw completed (staged, per set).
+__device__ __forceinline__ int st_mirror(int num_slots) { return kStBase + 2 * num_slots; }
+__device__ __forceinline__ int st_ready(int num_slots) { return kStBase + 3 * num_slots; }
+__device__ __forceinline__ int st_staged(int num_slots) { return kStBase + 3 * num_slots + 4; }
+
+// NOTES (one poller per host word): every kernel polls a word of mapped host memory from ONE
+// thread of block 0 (the leader) and hands the result to the other blocks through device memory.
+// Measured on the H200 (event trace, 2 ranks x 66 blocks): when every block polled the proxy's
+// counters itself, a counter the proxy had bumped was seen 300 us later and a staging check that
+// was already true took 70-120 us: the GPU's reads of one host line from many SMs queue behind
+// each other over PCIe. Device-memory polls by the followers cost about a microsecond.
 
 __device__ __forceinline__ uint64_t* px_state(const fep_ll_proxy& px) {
     return reinterpret_cast<uint64_t*>(px.state);
@@ -192,14 +205,30 @@ __device__ __forceinline__ uint32_t px_slot(int phase, int set, int num_experts,
     return static_cast<uint32_t>((phase * 2 + set) * num_experts + unit);
 }
 
-// All threads of every send block, before staging rows in the set's send area: thread 0 waits
-// (bounded) until the NIC has read the staging of the set's previous use. Block-uniform result.
-__device__ __forceinline__ bool px_staging_free(const fep_ll_proxy& px, int set,
+// A follower block's bounded wait for its leader: a little longer than the leader's own, so a
+// peer that never sends is reported by the leader (which names it), not by a follower.
+__device__ __forceinline__ fep::WaitCtx follower_ctx(fep::WaitCtx ctx) {
+    ctx.budget_cycles += ctx.budget_cycles / 8;
+    return ctx;
+}
+
+// All threads of every send block, before staging rows in the set's send area: waits (bounded)
+// until the NIC has read the staging of the set's previous use. Block 0's thread 0 polls the
+// host's sends_completed and records what it saw in `staged[set]`; the other blocks wait for
+// that device word. Block-uniform result.
+__device__ __forceinline__ bool px_staging_free(const fep_ll_proxy& px, int set, int num_experts,
                                                 const fep::WaitCtx& ctx) {
     __shared__ int s_ok;
     if (threadIdx.x == 0) {
-        const uint64_t need = px_state(px)[kStSetHead + set];
-        s_ok = fep::wait_geq(reinterpret_cast<const uint64_t*>(px.sends_completed), need, ctx);
+        uint64_t* st = px_state(px);
+        uint64_t* staged = st + st_staged(4 * num_experts) + set;
+        const uint64_t need = st[kStSetHead + set];
+        if (blockIdx.x == 0) {
+            s_ok = fep::wait_geq(reinterpret_cast<const uint64_t*>(px.sends_completed), need, ctx);
+            if (s_ok && fep::ld_acquire_sys(staged) < need) fep::st_release_sys(staged, need);
+        } else {
+            s_ok = fep::wait_geq(staged, need, follower_ctx(ctx));
+        }
     }
     __syncthreads();
     return s_ok != 0;
@@ -267,23 +296,64 @@ __device__ __forceinline__ fep_cmd px_cmd(uint64_t local, uint64_t remote, uint3
     return c;
 }
 
-// One thread: waits (bounded) for this call's message on `slot` and returns its row count
-// (sums - sums_seen); false after a timeout or an overrun (recorded, naming ctx.peer).
+// One thread of the receive's leader block (block 0): waits (bounded) for this call's message
+// on `slot`, returns its row count (sums - sums_seen), advances sums_seen and leaves the count
+// in mirror[slot] for the followers; false after a timeout or an overrun (recorded, naming
+// ctx.peer).
 __device__ __forceinline__ bool px_count(const fep_ll_proxy& px, int phase, int set, uint32_t slot,
                                          uint32_t num_slots, const fep::WaitCtx& ctx,
                                          uint64_t* count) {
-    const uint64_t* st = px_state(px);
+    uint64_t* st = px_state(px);
     const uint64_t expected = st[kStBase + slot] + st[kStCalls + phase * 2 + set];
-    const uint64_t* arr = reinterpret_cast<const uint64_t*>(px.arrivals) + slot;
+    constexpr uint32_t kStride = FEP_COUNTER_STRIDE / 8;  // u64 words per slot line
+    const uint64_t* arr = reinterpret_cast<const uint64_t*>(px.arrivals) + slot * kStride;
     if (!fep::wait_geq(arr, expected, ctx)) return false;
     const uint64_t seen = fep::ld_acquire_sys(arr);
     if (seen != expected) {  // a peer two calls ahead on this set: contract violation
         fep::report_error(ctx.err, FEP_DEV_BAD_COUNT, ctx.rank, ctx.phase, ctx.peer, expected, seen);
         return false;
     }
-    const uint64_t sum = fep::ld_acquire_sys(reinterpret_cast<const uint64_t*>(px.sums) + slot);
+    const uint64_t sum =
+        fep::ld_acquire_sys(reinterpret_cast<const uint64_t*>(px.sums) + slot * kStride);
     *count = sum - st[kStBase + num_slots + slot];
+    st[kStBase + num_slots + slot] = sum;
+    st[st_mirror(static_cast<int>(num_slots)) + slot] = *count;
     return true;
+}
+
+// All threads of every receive block, after the leader's threads have run px_count for their
+// units (and any flag waits are done): the leader publishes that the call's counts are in the
+// mirror (ready[phase * 2 + set] = the call number, calls since clean); a follower waits for it
+// (bounded). `*fail` is the block's failure flag (shared). Ends with a barrier.
+// NOTES: the leader's system fence orders the rows the proxy/NIC wrote (seen through its
+// acquire of the counters) before the release; a follower fences again after its acquire, so
+// its reads of those rows (ld.cv, past the caches) follow.
+__device__ __forceinline__ void px_counts_handoff(const fep_ll_proxy& px, int phase, int set,
+                                                  int num_experts, const fep::WaitCtx& ctx,
+                                                  int* fail) {
+    uint64_t* st = px_state(px);
+    uint64_t* ready = st + st_ready(4 * num_experts) + phase * 2 + set;
+    const uint64_t call = st[kStCalls + phase * 2 + set];
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        if (blockIdx.x == 0) {
+            if (*fail == 0) {
+                __threadfence_system();
+                fep::st_release_sys(ready, call);
+            }
+        } else if (!fep::wait_geq(ready, call, follower_ctx(ctx))) {
+            *fail = 1;
+        } else {
+            __threadfence_system();
+        }
+    }
+    __syncthreads();
+}
+
+// A follower's count of proxy unit `slot` for the current call (after px_counts_handoff).
+__device__ __forceinline__ uint64_t px_mirrored_count(const fep_ll_proxy& px, uint32_t slot,
+                                                      uint32_t num_slots) {
+    return fep::ld_acquire_sys(px_state(px) + st_mirror(static_cast<int>(num_slots)) + slot);
 }
 
 }  // namespace ll

@@ -127,7 +127,7 @@ struct Comm {
                static_cast<uint32_t>(src) * c.slots_per_peer + slot;
     }
     __device__ __forceinline__ const uint64_t* px_arrivals(uint32_t id) const {
-        return reinterpret_cast<const uint64_t*>(c.proxy.arrivals) + id;
+        return reinterpret_cast<const uint64_t*>(c.proxy.arrivals) + id * (FEP_COUNTER_STRIDE / 8);
     }
     __device__ __forceinline__ uint32_t px_imm(uint32_t id, uint32_t value) const {
         return (id << c.proxy.value_bits) | value;

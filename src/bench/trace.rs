@@ -48,6 +48,7 @@ pub fn breakdown(recs: &[TraceRecord], num_experts: usize, msgs_per_call: usize)
             let rc = times(recs, me, k(abi::FEP_TRACE_LL_RECV_COUNTS));
             let re = times(recs, me, k(abi::FEP_TRACE_LL_RECV_END));
             let peer_sp = times(recs, peer, k(abi::FEP_TRACE_LL_SEND_PUBLISHED));
+            let peer_sb = times(recs, peer, k(abi::FEP_TRACE_LL_SEND_BEGIN));
             let arrivals: Vec<i64> = recs
                 .iter()
                 .filter(|r| {
@@ -64,7 +65,7 @@ pub fn breakdown(recs: &[TraceRecord], num_experts: usize, msgs_per_call: usize)
                 .collect();
             // The previous phase's end on this rank: the other phase's receive end before it.
             let other_re = times(recs, me, kind(1 - phase, abi::FEP_TRACE_LL_RECV_END));
-            let n = [sb.len(), sp.len(), rb.len(), rc.len(), re.len(), peer_sp.len()]
+            let n = [sb.len(), sp.len(), rb.len(), rc.len(), re.len(), peer_sp.len(), peer_sb.len()]
                 .into_iter()
                 .min()
                 .unwrap_or(0);
@@ -83,9 +84,13 @@ pub fn breakdown(recs: &[TraceRecord], num_experts: usize, msgs_per_call: usize)
                 push("send: begin -> staging free", st.get(c).map(|t| t - sb[c]));
                 push("send: begin -> published", Some(sp[c] - sb[c]));
                 push("receive kernel begin - own send published", Some(rb[c] - sp[c]));
-                let seen = next_after(recs, peer, abi::FEP_TRACE_PROXY_RING_SEEN as u16, peer_sp[c]);
-                let posted = next_after(recs, peer, abi::FEP_TRACE_PROXY_POSTED as u16, peer_sp[c]);
-                push("peer published -> peer proxy sees the ring", seen.map(|t| t - peer_sp[c]));
+                // The peer's commands of this call are the first its proxy sees after the peer's
+                // send began (its ring is FIFO and the previous call's batch came before).
+                let seen = next_after(recs, peer, abi::FEP_TRACE_PROXY_RING_SEEN as u16, peer_sb[c]);
+                let posted = seen.and_then(|t| {
+                    next_after(recs, peer, abi::FEP_TRACE_PROXY_POSTED as u16, t)
+                });
+                push("peer send begin -> peer proxy sees its commands", seen.map(|t| t - peer_sb[c]));
                 push("peer proxy sees the ring -> writes posted", seen.zip(posted).map(|(a, b)| b - a));
                 let arrived = groups.get(c).copied();
                 push("writes posted -> last arrival at this proxy", posted.zip(arrived).map(|(a, b)| b - a));
@@ -171,7 +176,7 @@ mod tests {
             iv.iter().find(|(n, _)| n.starts_with(name)).map(|(_, v)| v[0]).expect(name)
         };
         assert_eq!(get(1, "send: begin -> published"), 5.0);
-        assert_eq!(get(1, "peer published -> peer proxy sees"), 1.0);
+        assert_eq!(get(1, "peer send begin -> peer proxy sees"), 6.0);
         assert_eq!(get(1, "writes posted -> last arrival"), 3.0); // rank 0 posted at 7, arrived 10
         assert_eq!(get(1, "last arrival -> receive kernel"), 3.0);
         assert_eq!(get(0, "writes posted -> last arrival"), 3.0); // rank 1 posted at 8, arrived 11

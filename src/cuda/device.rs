@@ -213,6 +213,12 @@ impl Device {
         self.with_module(|m| Ok(m.function(kernel)))
     }
 
+    /// Loads the kernel module now if it is not loaded yet (it is otherwise loaded at the first
+    /// launch). See `GpuBuffer::connect` for why a rank must not load it in the middle of a step.
+    pub fn load_module(&self) -> CudaResult<()> {
+        self.with_module(|_| Ok(()))
+    }
+
     /// Device address and size of a module global (`extern "C" __device__`), loading the module
     /// on first use.
     pub(crate) fn module_global(&self, name: &str) -> CudaResult<(u64, usize)> {

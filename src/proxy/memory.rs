@@ -538,8 +538,18 @@ impl Drop for RingConsumer {
     }
 }
 
-/// Geometry of the counter region: `arrivals[num_slots]`, `sums[num_slots]`,
-/// `sends_completed[num_rings]`, all u64, each array starting on a [`REGION_ALIGN`] boundary.
+/// Bytes from one slot's counters to the next, and from one ring's `sends_completed` to the next
+/// (fep_abi.h `FEP_COUNTER_STRIDE`): a cache line each.
+///
+/// NOTES: kernels poll these words over PCIe. Measured on the H200 (event trace): reads of ONE
+/// host cache line from many SMs are served one after another (about 1-2 us each), so words that
+/// different waiters poll must not share a line; a slot's `arrivals` and `sums` do (they are read
+/// together).
+pub const COUNTER_STRIDE: usize = crate::abi::FEP_COUNTER_STRIDE as usize;
+
+/// Geometry of the counter region: per slot one [`COUNTER_STRIDE`] line holding `arrivals` (u64
+/// at +0) and `sums` (u64 at +8); then, from a [`REGION_ALIGN`] boundary, one line per ring
+/// holding `sends_completed` (u64 at +0).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CounterLayout {
     pub num_slots: u32,
@@ -547,24 +557,32 @@ pub struct CounterLayout {
 }
 
 impl CounterLayout {
-    fn array_bytes(n: u32) -> usize {
-        (8 * n as usize).div_ceil(REGION_ALIGN) * REGION_ALIGN
+    fn lines_bytes(n: u32) -> usize {
+        (COUNTER_STRIDE * n as usize).div_ceil(REGION_ALIGN) * REGION_ALIGN
     }
 
+    /// Offset of `arrivals[0]`; slot `s` at `+ s * COUNTER_STRIDE`.
     pub fn arrivals_offset(&self) -> usize {
         0
     }
 
+    /// Offset of `sums[0]`; slot `s` at `+ s * COUNTER_STRIDE`.
     pub fn sums_offset(&self) -> usize {
-        Self::array_bytes(self.num_slots)
+        8
     }
 
+    /// Offset of ring 0's `sends_completed`; ring `r` at `+ r * COUNTER_STRIDE`.
     pub fn sends_completed_offset(&self) -> usize {
-        2 * Self::array_bytes(self.num_slots)
+        Self::lines_bytes(self.num_slots)
+    }
+
+    /// Offset of `arrivals[slot]`.
+    pub fn arrival_offset(&self, slot: u32) -> usize {
+        self.arrivals_offset() + COUNTER_STRIDE * slot as usize
     }
 
     pub fn bytes(&self) -> usize {
-        2 * Self::array_bytes(self.num_slots) + Self::array_bytes(self.num_rings)
+        Self::lines_bytes(self.num_slots) + Self::lines_bytes(self.num_rings)
     }
 }
 
@@ -636,17 +654,18 @@ impl CounterMemory {
 
     #[inline]
     pub(crate) fn arrivals_atomic(&self, slot: u32) -> &AtomicU64 {
-        self.inner.region.atomic_u64(self.inner.layout.arrivals_offset() + 8 * slot as usize)
+        self.inner.region.atomic_u64(self.inner.layout.arrival_offset(slot))
     }
 
     #[inline]
     pub(crate) fn sums_atomic(&self, slot: u32) -> &AtomicU64 {
-        self.inner.region.atomic_u64(self.inner.layout.sums_offset() + 8 * slot as usize)
+        self.inner.region.atomic_u64(self.inner.layout.sums_offset() + COUNTER_STRIDE * slot as usize)
     }
 
     #[inline]
     pub(crate) fn sends_atomic(&self, ring: u32) -> &AtomicU64 {
-        self.inner.region.atomic_u64(self.inner.layout.sends_completed_offset() + 8 * ring as usize)
+        let l = &self.inner.layout;
+        self.inner.region.atomic_u64(l.sends_completed_offset() + COUNTER_STRIDE * ring as usize)
     }
 
     /// Writes that arrived for `slot` (Acquire: their bytes and `sums` are visible after it).
@@ -698,9 +717,11 @@ mod tests {
         assert!(RingLayout::new(0, 4).is_err());
         assert!(RingLayout::new(1, 0).is_err());
         let c = CounterLayout { num_slots: 17, num_rings: 3 };
-        assert_eq!(c.sums_offset(), 256);
-        assert_eq!(c.sends_completed_offset(), 512);
-        assert_eq!(c.bytes(), 640);
+        assert_eq!(COUNTER_STRIDE, 64);
+        assert_eq!(c.sums_offset(), 8);
+        assert_eq!(c.arrival_offset(2), 128);
+        assert_eq!(c.sends_completed_offset(), 1152); // 17 lines -> 1088 -> 1152
+        assert_eq!(c.bytes(), 1152 + 256);
     }
 
     #[test]

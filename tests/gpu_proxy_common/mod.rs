@@ -152,7 +152,7 @@ impl GpuRank {
 
     /// GPU address of `arrivals[slot]`.
     pub fn arrivals_dptr(&self, slot: u32) -> u64 {
-        self.counters_dptr + (self.counters.layout().arrivals_offset() + 8 * slot as usize) as u64
+        self.counters_dptr + self.counters.layout().arrival_offset(slot) as u64
     }
 
     pub fn dev_error(&self) -> fep_dev_error_ref {

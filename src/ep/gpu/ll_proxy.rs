@@ -61,9 +61,15 @@ pub fn num_slots(num_experts: usize) -> usize {
     4 * num_experts
 }
 
-/// u64 words of the device state for `num_experts`.
+/// u64 words of the device state for `num_experts` (fep_ll.cuh: arr_base, sums_seen and the
+/// leader blocks' mirror per slot, then ready[4] and staged[2]).
 pub fn state_words(num_experts: usize) -> usize {
-    STATE_HEAD_WORDS + 2 * num_slots(num_experts)
+    STATE_HEAD_WORDS + 3 * num_slots(num_experts) + 6
+}
+
+/// First word of `ready[phase * 2 + set]` (the receive leader's handoff, fep_ll.cuh st_ready).
+fn ready_word(num_experts: usize) -> usize {
+    STATE_HEAD_WORDS + 3 * num_slots(num_experts)
 }
 
 /// Counter slot of a message as the receiver names it: `(phase * 2 + set) * E + receive unit`
@@ -441,6 +447,11 @@ impl LlProxyLane {
             st[STATE_HEAD_WORDS + i] = self.counters.arrivals(i as u32)?;
             st[STATE_HEAD_WORDS + s + i] = self.counters.sums(i as u32)?;
         }
+        // Calls since clean restart at 0, so do the receive leaders' handoff words (they hold
+        // the last call number each finished); `staged` is a ring head and only grows.
+        for w in &mut st[ready_word(e)..ready_word(e) + 4] {
+            *w = 0;
+        }
         rank.upload_proxy_state(&st)?;
         self.boot.barrier()?;
         Ok(())
@@ -469,7 +480,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(state_words(16), 12 + 128);
+        assert_eq!(state_words(16), 12 + 3 * 64 + 6);
         assert!(ring_capacity(256) >= 256);
     }
 

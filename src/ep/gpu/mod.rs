@@ -453,6 +453,11 @@ impl GpuBuffer {
     ) -> Result<Self> {
         let dev = opts.device.clone();
         dev.bind()?;
+        // NOTES: load the kernels now, before any collective: a rank's first launch would load
+        // them otherwise, and loading a module into a context whose other streams run a peer's
+        // spinning kernels (ranks as threads, each with its own `Device`, as the C ABI makes
+        // them) can wait for those kernels: the first step could stall until the timeout.
+        dev.load_module()?;
         let (rank, r) = (cfg.rank, cfg.num_ranks);
         // How each peer is reached (pointers, peer access, CUDA IPC): see ipc.rs.
         let remote = |peer: usize| cfg.node_of(peer) != cfg.node_of(rank);
