@@ -236,7 +236,7 @@ typedef struct fep_ll_peer {
  *   [12 + slot] arr_base   [12 + num_slots + slot] sums_seen   (num_slots = 4 * E)
  *   [12 + 2 * num_slots + slot] the count block 0 read for the current call (mirror)
  *   [12 + 3 * num_slots + phase * 2 + set] ready: the call whose counts the mirror holds
- *   [12 + 3 * num_slots + 4 + set] staged: the sends_completed value block 0 has seen reached
+ *   [12 + 3 * num_slots + 4] sends_seen: the largest sends_completed a leader block has read   [11] the ring tail last read
  * NOTES: a send kernel first waits (bounded) until sends_completed >= state[1 + set] (the NIC
  * has read the staging of the set's previous use), stages, then its last block pushes the whole
  * batch (entries written by many threads, one system fence, one release store of head). Only
@@ -247,7 +247,7 @@ typedef struct fep_ll_proxy {
     uint64_t arrivals;        /* arrivals of slot s at + s * FEP_COUNTER_STRIDE (mapped host) */
     uint64_t sums;            /* sums, the same stride (mapped host) */
     uint64_t sends_completed; /* const uint64_t* of the ring (mapped host) */
-    uint64_t state;           /* uint64_t [12 + 3 * num_slots + 6] (device), fep_ll.cuh */
+    uint64_t state;           /* uint64_t [12 + 3 * num_slots + 5] (device), fep_ll.cuh */
     uint32_t capacity;        /* ring entries, >= E (one call's batch) */
     uint32_t value_bits;      /* imm = slot << value_bits | count */
     uint32_t num_proxy_peers;

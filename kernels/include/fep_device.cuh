@@ -64,9 +64,11 @@ struct WaitCtx {
     uint32_t peer;
 };
 
-// Spins until *p >= expected (acquire, system scope). Returns false after `budget_cycles`
-// clock64 cycles (recording FEP_DEV_WAIT_TIMEOUT) or as soon as another waiter raised an error.
-__device__ __forceinline__ bool wait_geq(const uint64_t* p, uint64_t expected, const WaitCtx& ctx) {
+// Spins until *p >= expected (acquire, system scope); `*seen` (optional) gets the value that
+// ended the wait. Returns false after `budget_cycles` clock64 cycles (recording
+// FEP_DEV_WAIT_TIMEOUT) or as soon as another waiter raised an error.
+__device__ __forceinline__ bool wait_geq(const uint64_t* p, uint64_t expected, const WaitCtx& ctx,
+                                         uint64_t* seen = nullptr) {
     const long long start = clock64();
     uint64_t v = ld_acquire_sys(p);
     while (v < expected) {
@@ -78,6 +80,7 @@ __device__ __forceinline__ bool wait_geq(const uint64_t* p, uint64_t expected, c
         __nanosleep(64);
         v = ld_acquire_sys(p);
     }
+    if (seen != nullptr) *seen = v;
     return true;
 }
 

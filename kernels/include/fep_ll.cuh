@@ -176,14 +176,14 @@ constexpr int kStHead = 0;        // ring head, the producer's copy
 constexpr int kStSetHead = 1;     // + set: head after the set's last push batch
 constexpr int kStPushed = 3;      // + phase * 2 + set: push batches ever made
 constexpr int kStCalls = 7;       // + phase * 2 + set: calls since the last clean
-constexpr int kStUnused = 11;     // (was the receive kernels' ticket)
-constexpr int kStBase = 12;       // arr_base[S], sums_seen[S], mirror[S], ready[4], staged[2]
+constexpr int kStTailSeen = 11;   // the ring tail the last reserve read from the host
+constexpr int kStBase = 12;       // arr_base[S], sums_seen[S], mirror[S], ready[4], sends_seen
 // With S = num_slots = 4 E: where the receive's leader block leaves each proxy unit's count of
-// the current call (mirror), the call it finished (ready, per phase * 2 + set), and the
-// staging head the send's leader block saw completed (staged, per set).
+// the current call (mirror), the call it finished (ready, per phase * 2 + set), and the largest
+// sends_completed a send's leader block has read from the host (sends_seen).
 __device__ __forceinline__ int st_mirror(int num_slots) { return kStBase + 2 * num_slots; }
 __device__ __forceinline__ int st_ready(int num_slots) { return kStBase + 3 * num_slots; }
-__device__ __forceinline__ int st_staged(int num_slots) { return kStBase + 3 * num_slots + 4; }
+__device__ __forceinline__ int st_sends_seen(int num_slots) { return kStBase + 3 * num_slots + 4; }
 
 // NOTES (one poller per host word): every kernel polls a word of mapped host memory from ONE
 // thread of block 0 (the leader) and hands the result to the other blocks through device memory.
@@ -213,21 +213,28 @@ __device__ __forceinline__ fep::WaitCtx follower_ctx(fep::WaitCtx ctx) {
 }
 
 // All threads of every send block, before staging rows in the set's send area: waits (bounded)
-// until the NIC has read the staging of the set's previous use. Block 0's thread 0 polls the
-// host's sends_completed and records what it saw in `staged[set]`; the other blocks wait for
-// that device word. Block-uniform result.
+// until the NIC has read the staging of the set's previous use (sends_completed >= the head
+// after that use's push). Block 0's thread 0 first looks at `sends_seen`, the largest value a
+// leader has read from the host: usually enough already (the previous call's leader read it
+// after those writes completed), so no PCIe round trip; else it polls the host word and records
+// what it read. The other blocks wait for `sends_seen` in device memory. Block-uniform result.
 __device__ __forceinline__ bool px_staging_free(const fep_ll_proxy& px, int set, int num_experts,
                                                 const fep::WaitCtx& ctx) {
     __shared__ int s_ok;
     if (threadIdx.x == 0) {
         uint64_t* st = px_state(px);
-        uint64_t* staged = st + st_staged(4 * num_experts) + set;
+        uint64_t* seen_word = st + st_sends_seen(4 * num_experts);
         const uint64_t need = st[kStSetHead + set];
         if (blockIdx.x == 0) {
-            s_ok = fep::wait_geq(reinterpret_cast<const uint64_t*>(px.sends_completed), need, ctx);
-            if (s_ok && fep::ld_acquire_sys(staged) < need) fep::st_release_sys(staged, need);
+            s_ok = 1;
+            if (fep::ld_acquire_sys(seen_word) < need) {
+                uint64_t v = 0;
+                s_ok = fep::wait_geq(reinterpret_cast<const uint64_t*>(px.sends_completed), need,
+                                     ctx, &v);
+                if (s_ok) fep::st_release_sys(seen_word, v);
+            }
         } else {
-            s_ok = fep::wait_geq(staged, need, follower_ctx(ctx));
+            s_ok = fep::wait_geq(seen_word, need, follower_ctx(ctx));
         }
     }
     __syncthreads();
@@ -240,11 +247,18 @@ __device__ __forceinline__ uint64_t px_reserve(const fep_ll_proxy& px, uint32_t 
                                                const fep::WaitCtx& ctx) {
     __shared__ uint64_t s_head;
     if (threadIdx.x == 0) {
+        // The tail the last reserve read is kept in the state: the host's (a PCIe round trip) is
+        // read only when that one leaves too little room.
         fep_ring_hdr* hdr = reinterpret_cast<fep_ring_hdr*>(px.ring);
-        uint64_t head = px_state(px)[kStHead];
-        if (head + n - fep::ld_acquire_sys(&hdr->tail) > px.capacity &&
-            !fep::wait_geq(&hdr->tail, head + n - px.capacity, ctx)) {
-            head = UINT64_MAX;
+        uint64_t* st = px_state(px);
+        uint64_t head = st[kStHead];
+        if (head + n - st[kStTailSeen] > px.capacity) {
+            uint64_t tail = 0;
+            if (fep::wait_geq(&hdr->tail, head + n - px.capacity, ctx, &tail)) {
+                st[kStTailSeen] = tail;
+            } else {
+                head = UINT64_MAX;
+            }
         }
         s_head = head;
     }
@@ -307,8 +321,8 @@ __device__ __forceinline__ bool px_count(const fep_ll_proxy& px, int phase, int 
     const uint64_t expected = st[kStBase + slot] + st[kStCalls + phase * 2 + set];
     constexpr uint32_t kStride = FEP_COUNTER_STRIDE / 8;  // u64 words per slot line
     const uint64_t* arr = reinterpret_cast<const uint64_t*>(px.arrivals) + slot * kStride;
-    if (!fep::wait_geq(arr, expected, ctx)) return false;
-    const uint64_t seen = fep::ld_acquire_sys(arr);
+    uint64_t seen = 0;
+    if (!fep::wait_geq(arr, expected, ctx, &seen)) return false;
     if (seen != expected) {  // a peer two calls ahead on this set: contract violation
         fep::report_error(ctx.err, FEP_DEV_BAD_COUNT, ctx.rank, ctx.phase, ctx.peer, expected, seen);
         return false;

@@ -363,9 +363,16 @@ def zero_token_rank(group, r, world):
     return low_latency(group, r, world, tokens=tokens)
 
 
+def normal_bf16_equal_tokens(group, r, world):
+    """normal_bf16 with the same token count on every rank (the Rust tests' shape), beside the
+    default uneven counts."""
+    return normal_bf16(group, r, world, tokens=[24] * 4)
+
+
 # name -> (per-rank function, what each rank must return)
 CASES = {
     "normal_bf16": (normal_bf16, "ok"),
+    "normal_bf16_equal_tokens": (normal_bf16_equal_tokens, "ok"),
     "normal_fp8": (normal_fp8, "ok"),
     "low_latency": (low_latency, [False, True, False]),
     "low_latency_fp8": (low_latency_fp8, "ok"),

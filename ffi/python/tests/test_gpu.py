@@ -55,6 +55,11 @@ def test_normal_bf16_matches_reference(world):
     run_case("normal_bf16", world)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_normal_bf16_equal_token_counts(world):
+    run_case("normal_bf16_equal_tokens", world)
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_normal_fp8_matches_reference(world):
     run_case("normal_fp8", world)

@@ -62,9 +62,9 @@ pub fn num_slots(num_experts: usize) -> usize {
 }
 
 /// u64 words of the device state for `num_experts` (fep_ll.cuh: arr_base, sums_seen and the
-/// leader blocks' mirror per slot, then ready[4] and staged[2]).
+/// leader blocks' mirror per slot, then ready[4] and sends_seen).
 pub fn state_words(num_experts: usize) -> usize {
-    STATE_HEAD_WORDS + 3 * num_slots(num_experts) + 6
+    STATE_HEAD_WORDS + 3 * num_slots(num_experts) + 5
 }
 
 /// First word of `ready[phase * 2 + set]` (the receive leader's handoff, fep_ll.cuh st_ready).
@@ -78,9 +78,10 @@ pub fn slot(phase: usize, set: usize, num_experts: usize, unit: usize) -> usize 
     (phase * 2 + set) * num_experts + unit
 }
 
-/// Ring entries: two calls' worth of commands (one call pushes at most `E`).
+/// Ring entries: eight calls' worth of commands (one call pushes at most `E`), so a send kernel
+/// reads the ring's tail from host memory only every few calls (fep_ll.cuh px_reserve).
 pub fn ring_capacity(num_experts: usize) -> u32 {
-    (2 * num_experts).max(64) as u32
+    (8 * num_experts).max(256) as u32
 }
 
 /// Whether rank `peer` is reached through the proxy from `rank` (another node).
@@ -480,7 +481,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(state_words(16), 12 + 3 * 64 + 6);
+        assert_eq!(state_words(16), 12 + 3 * 64 + 5);
         assert!(ring_capacity(256) >= 256);
     }
 
