@@ -386,14 +386,7 @@ class GpuPath:
             if type(num_worst_tokens) is not int or num_worst_tokens < 0:
                 raise ValueError(f"num_worst_tokens: {num_worst_tokens!r} must be an int >= 0")
         a_o0, a_o1, a_x, a_xs, a_i, a_w, a_rx, a_rxs, a_ri, a_rw, a_src = self._naddr
-        # NOTES: a synchronous call (no previous_event, no async_finish) runs on the compute
-        # stream itself: the same order DeepEP's synchronous calls give (after the compute work
-        # already queued, before what follows), without the comm-stream hop. On the H200, normal
-        # dispatch/combine with ranks as threads gave wrong combine outputs now and then with
-        # the hop (comm stream waiting on an event of the compute stream, then the reverse) and
-        # none without it (tests/gpu_ffi.rs, one stream per rank); the cause is not found yet,
-        # and the asynchronous forms still take the hop.
-        comm = self.comm_ptr if (ev or async_finish) else compute
+        comm = self.comm_ptr
         then = 0 if async_finish else compute
         # Orders: [0] waits for the compute stream (or the event), [1] (the dispatch after a
         # notify) does not; both make the compute stream wait afterwards unless async_finish.
@@ -500,7 +493,7 @@ class GpuPath:
         else:
             out, cw = self.alloc_combine(t, x, with_w)
         a_o, a_x, a_w, a_out, a_cw = self._caddr
-        comm = self.comm_ptr if (ev or async_finish) else compute  # see dispatch's NOTES
+        comm = self.comm_ptr
         self._pack_comb(self._cblock, 0, comm, 0 if ev else compute, ev,
                         0 if async_finish else compute,
                         xp, FEP_DTYPE_BF16, 2, rows, h, 0, 0, wp, FEP_DTYPE_F32, 2, rows, k, 0, 0,

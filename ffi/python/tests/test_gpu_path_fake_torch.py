@@ -143,10 +143,8 @@ def test_dispatch_fills_every_descriptor_and_order(path):
     assert handle._keep == (idx, w) and (handle.num_tokens, handle.num_recv_tokens) == (T, 7)
     (_, p, a_idx, align, worst, a_order), (_, d) = rec.calls
     assert (p, align, worst) == (0xABC, 1, 0) and desc(a_idx) == (idx.data_ptr(), I64, 2, T, K, 0, 0)
-    # A synchronous call runs on the compute stream itself (wait/then name the same stream:
-    # no hop; _gpu.py dispatch NOTES).
-    assert order(a_order) == (COMPUTE, COMPUTE, 0, COMPUTE)
-    assert order(d["order"]) == (COMPUTE, 0, 0, COMPUTE)  # after the notify: no second wait
+    assert order(a_order) == (COMM, COMPUTE, 0, COMPUTE)  # waits for compute, compute waits
+    assert order(d["order"]) == (COMM, 0, 0, COMPUTE)  # after the notify: no second wait
     assert d["p"] == 0xABC and d["xs"] is None and d["rxs"] is None
     assert desc(d["x"]) == (x.data_ptr(), BF16, 2, T, H, 0, 0)
     assert desc(d["idx"]) == (idx.data_ptr(), I64, 2, T, K, 0, 0)
@@ -169,7 +167,7 @@ def test_cached_worst_async_and_fp8_dispatch(path):
         handle._ptr = 0
     assert out[1:5] == (None, None, None, None) and out[0].shape == (7, H)
     d = rec.calls[0][1]
-    assert d["hp"] == 0x1234 and order(d["order"]) == (COMPUTE, COMPUTE, 0, COMPUTE)
+    assert d["hp"] == 0x1234 and order(d["order"]) == (COMM, COMPUTE, 0, COMPUTE)
     assert desc(d["idx"]) == (idx.data_ptr(), I64, 2, T, K, 0, 0)
 
     rec.calls.clear()
@@ -205,7 +203,7 @@ def test_combine_fills_every_descriptor_and_order(path):
         assert desc(d["w"]) == (rw.data_ptr(), F32, 2, 7, K, 0, 0)
         assert desc(d["out"]) == (cx.data_ptr(), BF16, 2, T, H, 0, 0)
         assert desc(d["cw"]) == (cw.data_ptr(), F32, 2, T, K, 0, 0)
-        assert order(d["order"]) == (COMPUTE, COMPUTE, 0, COMPUTE)
+        assert order(d["order"]) == (COMM, COMPUTE, 0, COMPUTE)
         rec.calls.clear()
         cx, cw, ev = g.combine(rx, handle, None, None, True, False)
         d = rec.calls[0][1]
@@ -253,4 +251,4 @@ def test_bad_dispatch_arguments_are_named(path):
     assert rec.calls == []  # nothing reached the library
     g.threads = False  # one rank per process: the legacy stream is CU_STREAM_LEGACY (1)
     g.dispatch(x, None, idx, w, 1, 0, None, False, False)
-    assert order(rec.calls[0][5]) == (1, 1, 0, 1)
+    assert order(rec.calls[0][5]) == (COMM, 1, 0, 1)
