@@ -3,8 +3,11 @@
 //! pointers in `fep_tensor`s, a stream in a `fep_gpu_order` — against the single-process
 //! reference (src/ep/reference.rs) on the same inputs: the two-step dispatch (notify, outputs
 //! of the returned row count, dispatch), combine, and the `num_worst_tokens` form, bf16 and fp8,
-//! world 1, 2 and 4; and a refused argument naming itself. Ignored without `--include-ignored`
-//! (CI has no GPU); scripts/gpu-check.sh runs it.
+//! world 1, 2 and 4; and a refused argument naming itself. After the first combine each rank
+//! also combines again on the same handle without weights and runs a cached dispatch (outputs
+//! poisoned first), the order the Python GPU tests use; a second test runs it all without the
+//! barriers between steps (ranks drift apart, as with Python threads). Ignored without
+//! `--include-ignored` (CI has no GPU); scripts/gpu-check.sh runs it.
 
 use std::os::raw::{c_int, c_void};
 use std::time::Duration;
@@ -13,7 +16,7 @@ use fabric_ep::bench::ep::{combine_input, rank_inputs, reference, NormalBenchPar
 use fabric_ep::bootstrap::{Bootstrap, InProcGroup};
 use fabric_ep::cuda::{gpu_available, Device, DeviceBuffer, Stream};
 use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
-use fabric_ep::ep::reference::Tokens;
+use fabric_ep::ep::reference::{NormalDispatchOut, Tokens};
 use fabric_ep::ffi::*;
 
 const E: usize = 16;
@@ -96,7 +99,7 @@ struct RankBufs {
     cw: DeviceBuffer,
 }
 
-fn run(dev: &Device, n: usize, fp8: bool) {
+fn run(dev: &Device, n: usize, fp8: bool, barriers: bool) {
     let hp = NormalBenchParams {
         num_tokens: T,
         seed: 0xF1 + n as u64,
@@ -121,7 +124,7 @@ fn run(dev: &Device, n: usize, fp8: bool) {
                 let (wwd, wwc) = (&want_wd[rank], &want_wc[rank]);
                 s.spawn(move || {
                     let boot: Box<dyn Bootstrap> = Box::new(b);
-                    rank_body(dev, rank, n, fp8, &boot, me, (wd, wc), (wwd, wwc), worst);
+                    rank_body(dev, rank, n, fp8, barriers, &boot, me, (wd, wc), (wwd, wwc), worst);
                 })
             })
             .collect();
@@ -137,8 +140,10 @@ fn run(dev: &Device, n: usize, fp8: bool) {
         }
     });
     eprintln!(
-        "ok: C ABI GPU normal world {n} {}: two-step, combine, num_worst_tokens",
-        if fp8 { "fp8" } else { "bf16" }
+        "ok: C ABI GPU normal world {n} {}: two-step, combine twice, cached dispatch, \
+         num_worst_tokens{}",
+        if fp8 { "fp8" } else { "bf16" },
+        if barriers { "" } else { ", no barriers between steps" }
     );
 }
 
@@ -155,6 +160,7 @@ fn rank_body(
     rank: usize,
     n: usize,
     fp8: bool,
+    barriers: bool,
     boot: &Box<dyn Bootstrap>,
     me: &RankInputs,
     want: Want<'_>,
@@ -188,6 +194,14 @@ fn rank_body(
         cw: DeviceBuffer::new(dev, T * K * 4).expect("alloc"),
     };
     let stream = Stream::new(dev).expect("stream");
+    // NOTES: with barriers, no peer kernel runs while this rank copies out; without, the ranks
+    // drift apart as Python's threads do (the copies are synchronous on the legacy stream,
+    // which does not wait for the non-blocking streams the kernels run on).
+    let step_barrier = || {
+        if barriers {
+            boot.barrier().expect("barrier");
+        }
+    };
     let order = fep_gpu_order {
         stream: stream.as_raw() as *mut c_void,
         wait_stream: std::ptr::null_mut(),
@@ -292,32 +306,15 @@ fn rank_body(
                 ),
             );
             ok("gpu_sync", rank, fep_gpu_sync(buf, order.stream));
-            // NOTES: no peer kernel runs while this rank copies out (the barriers around).
-            boot.barrier().expect("barrier");
-            let real = wd.num_recv_tokens;
-            match &wd.recv_x {
-                Tokens::Bf16(v) => {
-                    let got: Vec<u16> = b.rx.to_vec().expect("copy");
-                    assert!(got[..real * H] == v[..real * H], "rank {rank}: recv_x");
-                }
-                Tokens::Fp8 { x, scales } => {
-                    let got: Vec<u8> = b.rx.to_vec().expect("copy");
-                    assert!(got[..real * H] == x[..real * H], "rank {rank}: recv_x fp8");
-                    let gs: Vec<f32> = b.rxs.to_vec().expect("copy");
-                    assert!(gs[..real * g] == scales[..real * g], "rank {rank}: scales");
-                }
-            }
-            let gi: Vec<i64> = b.ri.to_vec().expect("copy");
-            assert!(gi[..real * K] == wd.recv_topk_idx[..real * K], "rank {rank}: recv_topk_idx");
-            let gw: Vec<f32> = b.rw.to_vec().expect("copy");
-            assert!(gw[..real * K] == wd.recv_topk_weights[..real * K], "rank {rank}: weights");
+            step_barrier();
+            check_recv(rank, &b, wd, "dispatch");
 
             let cx_in = tensor(cin, FEP_DTYPE_BF16, &[rows, H]);
             let cw_in = tensor(&b.cin_w, FEP_DTYPE_F32, &[rows, K]);
             let cx = tensor(&b.cx, FEP_DTYPE_BF16, &[T, H]);
             let cw = tensor(&b.cw, FEP_DTYPE_F32, &[T, K]);
             let with_w = w.is_none();
-            boot.barrier().expect("barrier");
+            step_barrier();
             ok(
                 "gpu_combine",
                 rank,
@@ -332,18 +329,82 @@ fn rank_body(
                 ),
             );
             ok("gpu_sync", rank, fep_gpu_sync(buf, order.stream));
-            boot.barrier().expect("barrier");
+            step_barrier();
             let got: Vec<u16> = b.cx.to_vec().expect("copy");
             assert!(got == wc.combined_x, "rank {rank}: combined_x (worst {w:?})");
             if with_w {
                 let got: Vec<f32> = b.cw.to_vec().expect("copy");
                 assert!(Some(&got) == wc.combined_topk_weights.as_ref(), "rank {rank}: cw");
+                // The same handle again: a combine without weights (the combined rows do not
+                // depend on them), then a cached dispatch of the same inputs; outputs poisoned.
+                b.cx.memset_async(0xAB, &stream).expect("poison");
+                ok(
+                    "gpu_combine (again)",
+                    rank,
+                    fep_gpu_combine(
+                        buf,
+                        h,
+                        &cx_in,
+                        std::ptr::null(),
+                        &cx,
+                        std::ptr::null(),
+                        &order,
+                    ),
+                );
+                ok("gpu_sync", rank, fep_gpu_sync(buf, order.stream));
+                let got: Vec<u16> = b.cx.to_vec().expect("copy");
+                assert!(got == wc.combined_x, "rank {rank}: combined_x of the second combine");
+                for o in [&b.rx, &b.rxs, &b.ri, &b.rw, &b.src] {
+                    o.memset_async(0xAB, &stream).expect("poison");
+                }
+                ok(
+                    "gpu_dispatch (cached)",
+                    rank,
+                    fep_gpu_dispatch(
+                        buf,
+                        h,
+                        &x,
+                        xs.as_ref().map_or(std::ptr::null(), |t| t),
+                        &idx,
+                        &wt,
+                        &rx,
+                        if fp8 { &rxs } else { std::ptr::null() },
+                        &ri,
+                        &rw,
+                        &src,
+                        &order,
+                    ),
+                );
+                ok("gpu_sync", rank, fep_gpu_sync(buf, order.stream));
+                check_recv(rank, &b, wd, "cached dispatch");
             }
             fep_handle_destroy(h);
-            boot.barrier().expect("barrier");
+            step_barrier();
         }
         ok("buffer_destroy", rank, fep_buffer_destroy(buf));
     }
+}
+
+/// The dispatch outputs' received rows against the reference (rows past them are padding).
+fn check_recv(rank: usize, b: &RankBufs, wd: &NormalDispatchOut, what: &str) {
+    let real = wd.num_recv_tokens;
+    let g = H / 128;
+    match &wd.recv_x {
+        Tokens::Bf16(v) => {
+            let got: Vec<u16> = b.rx.to_vec().expect("copy");
+            assert!(got[..real * H] == v[..real * H], "rank {rank}: {what}: recv_x");
+        }
+        Tokens::Fp8 { x, scales } => {
+            let got: Vec<u8> = b.rx.to_vec().expect("copy");
+            assert!(got[..real * H] == x[..real * H], "rank {rank}: {what}: recv_x fp8");
+            let gs: Vec<f32> = b.rxs.to_vec().expect("copy");
+            assert!(gs[..real * g] == scales[..real * g], "rank {rank}: {what}: scales");
+        }
+    }
+    let gi: Vec<i64> = b.ri.to_vec().expect("copy");
+    assert!(gi[..real * K] == wd.recv_topk_idx[..real * K], "rank {rank}: {what}: recv_topk_idx");
+    let gw: Vec<f32> = b.rw.to_vec().expect("copy");
+    assert!(gw[..real * K] == wd.recv_topk_weights[..real * K], "rank {rank}: {what}: weights");
 }
 
 #[test]
@@ -352,7 +413,22 @@ fn c_abi_gpu_normal_matches_reference_1_2_4_ranks() {
     let Some(dev) = gpu() else { return };
     for n in [1, 2, 4] {
         for fp8 in [false, true] {
-            run(&dev, n, fp8);
+            run(&dev, n, fp8, true);
+        }
+    }
+}
+
+/// As above without the barriers between steps, three times each: the ranks drift apart by up
+/// to a step, as Python's rank threads do.
+#[test]
+#[ignore = "needs a GPU: scripts/gpu-check.sh runs it"]
+fn c_abi_gpu_normal_without_step_barriers() {
+    let Some(dev) = gpu() else { return };
+    for _ in 0..3 {
+        for n in [2, 4] {
+            for fp8 in [false, true] {
+                run(&dev, n, fp8, false);
+            }
         }
     }
 }
