@@ -23,6 +23,11 @@ const E: usize = 16;
 const H: usize = 256;
 const K: usize = 4;
 const T: usize = 40;
+/// Spare rows after the combine output; outputs are poisoned with POISON before a step and the
+/// bytes past what a step may write must still hold it afterwards (an out-of-bounds write would
+/// land in a neighbouring tensor of a caller that allocates exact sizes, as torch does).
+const CANARY_ROWS: usize = 8;
+const POISON: u8 = 0xAB;
 
 fn gpu() -> Option<Device> {
     if !gpu_available() {
@@ -190,7 +195,8 @@ fn rank_body(
         cin: up(&bytes(&combine_input(&wd.recv_x, H).expect("combine input"))),
         cin_w: up(bytemuck::cast_slice(&wd.recv_topk_weights)),
         cin_worst: up(&bytes(&combine_input(&wwd.recv_x, H).expect("combine input"))),
-        cx: DeviceBuffer::new(dev, T * H * 2).expect("alloc"),
+        // CANARY_ROWS spare rows: a write past T lands there and is caught (check_canary).
+        cx: DeviceBuffer::new(dev, (T + CANARY_ROWS) * H * 2).expect("alloc"),
         cw: DeviceBuffer::new(dev, T * K * 4).expect("alloc"),
     };
     let stream = Stream::new(dev).expect("stream");
@@ -287,6 +293,9 @@ fn rank_body(
                 let msg = std::ffi::CStr::from_ptr(fep_last_error()).to_string_lossy();
                 assert!(st == FEP_ERR_INVALID_ARGUMENT && msg.contains("`recv_x`"), "{st:?} {msg}");
             }
+            for o in [&b.rx, &b.rxs, &b.ri, &b.rw, &b.src, &b.cx] {
+                o.memset_async(POISON, &stream).expect("poison");
+            }
             ok(
                 "gpu_dispatch",
                 rank,
@@ -308,6 +317,7 @@ fn rank_body(
             ok("gpu_sync", rank, fep_gpu_sync(buf, order.stream));
             step_barrier();
             check_recv(rank, &b, wd, "dispatch");
+            check_canary(rank, &b, rows, fp8, "dispatch");
 
             let cx_in = tensor(cin, FEP_DTYPE_BF16, &[rows, H]);
             let cw_in = tensor(&b.cin_w, FEP_DTYPE_F32, &[rows, K]);
@@ -331,7 +341,11 @@ fn rank_body(
             ok("gpu_sync", rank, fep_gpu_sync(buf, order.stream));
             step_barrier();
             let got: Vec<u16> = b.cx.to_vec().expect("copy");
-            assert!(got == wc.combined_x, "rank {rank}: combined_x (worst {w:?})");
+            assert!(got[..T * H] == wc.combined_x[..], "rank {rank}: combined_x (worst {w:?})");
+            assert!(
+                bytemuck::cast_slice::<u16, u8>(&got[T * H..]).iter().all(|&v| v == POISON),
+                "rank {rank}: combine wrote past its {T} rows"
+            );
             if with_w {
                 let got: Vec<f32> = b.cw.to_vec().expect("copy");
                 assert!(Some(&got) == wc.combined_topk_weights.as_ref(), "rank {rank}: cw");
@@ -353,7 +367,10 @@ fn rank_body(
                 );
                 ok("gpu_sync", rank, fep_gpu_sync(buf, order.stream));
                 let got: Vec<u16> = b.cx.to_vec().expect("copy");
-                assert!(got == wc.combined_x, "rank {rank}: combined_x of the second combine");
+                assert!(
+                    got[..T * H] == wc.combined_x[..],
+                    "rank {rank}: combined_x of the second combine"
+                );
                 for o in [&b.rx, &b.rxs, &b.ri, &b.rw, &b.src] {
                     o.memset_async(0xAB, &stream).expect("poison");
                 }
@@ -377,6 +394,7 @@ fn rank_body(
                 );
                 ok("gpu_sync", rank, fep_gpu_sync(buf, order.stream));
                 check_recv(rank, &b, wd, "cached dispatch");
+                check_canary(rank, &b, rows, fp8, "cached dispatch");
             }
             fep_handle_destroy(h);
             step_barrier();
@@ -405,6 +423,23 @@ fn check_recv(rank: usize, b: &RankBufs, wd: &NormalDispatchOut, what: &str) {
     assert!(gi[..real * K] == wd.recv_topk_idx[..real * K], "rank {rank}: {what}: recv_topk_idx");
     let gw: Vec<f32> = b.rw.to_vec().expect("copy");
     assert!(gw[..real * K] == wd.recv_topk_weights[..real * K], "rank {rank}: {what}: weights");
+}
+
+/// Every dispatch output's bytes past `rows` rows still hold POISON (nothing written out of
+/// bounds; the buffers are sized for num_worst_tokens, so the two-step form leaves slack).
+fn check_canary(rank: usize, b: &RankBufs, rows: usize, fp8: bool, what: &str) {
+    let elem = if fp8 { 1 } else { 2 };
+    let mut outs = vec![("recv_x", &b.rx, H * elem), ("recv_topk_idx", &b.ri, K * 8)];
+    outs.push(("recv_topk_weights", &b.rw, K * 4));
+    outs.push(("recv_src_idx", &b.src, 4));
+    if fp8 {
+        outs.push(("recv_x_scales", &b.rxs, H / 128 * 4));
+    }
+    for (name, buf, row_bytes) in outs {
+        let got: Vec<u8> = buf.to_vec().expect("copy");
+        let bad = got[rows * row_bytes..].iter().position(|&v| v != POISON);
+        assert!(bad.is_none(), "rank {rank}: {what} wrote {name} past its {rows} rows: {bad:?}");
+    }
 }
 
 #[test]
