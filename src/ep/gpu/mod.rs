@@ -54,9 +54,9 @@
 //! (milliseconds per step; measured on an H200 with 2 processes: 18 ms per normal dispatch of
 //! 512 tokens, 4.5 ms per low-latency dispatch), and a wait longer than the config's timeout
 //! fails with [`Error::Timeout`] naming a peer (never a hang). Conversely, ranks as threads of
-//! one process under MPS need `CUDA_DEVICE_MAX_CONNECTIONS` raised (32 works): an MPS client
-//! gets few hardware work queues by default, and the ranks' streams then queue their spinning
-//! kernels behind each other until the timeout.
+//! one process need `CUDA_DEVICE_MAX_CONNECTIONS` raised (32 works; 8 by default, fewer for an
+//! MPS client): the ranks' streams otherwise share hardware queues and queue their spinning
+//! kernels behind each other until the timeout. `connect` refuses too few (`check_work_queues`).
 //!
 //! NOTES (lifetime): a rank's comm buffers are written by its peers' kernels. Tear down with
 //! [`Buffer::destroy`](super::buffer::Buffer::destroy) (collective: it waits for every rank)
@@ -404,9 +404,13 @@ const STREAMS_PER_RANK: usize = 4;
 const MAX_WORK_QUEUES: usize = 32;
 /// What a context gets when `CUDA_DEVICE_MAX_CONNECTIONS` is unset.
 const DEFAULT_WORK_QUEUES: usize = 8;
+/// What an MPS client is assumed to get when it is unset: fewer (the server's clients share one
+/// pool); on the H200, 2 ranks as threads of one MPS client timed out with the default.
+const DEFAULT_WORK_QUEUES_MPS: usize = 2;
 
 /// Refuses `in_ctx` ranks as threads of one CUDA context when the context's hardware work queues
-/// (`max_connections`, the variable's value) are too few for their streams.
+/// (`max_connections`, the variable's value; `under_mps`: the process looks like an MPS client)
+/// are too few for their streams.
 ///
 /// NOTES: a context maps its streams onto `CUDA_DEVICE_MAX_CONNECTIONS` hardware queues (8 by
 /// default, fewer per client under MPS). When two ranks' streams share a queue, one rank's
@@ -415,11 +419,12 @@ const DEFAULT_WORK_QUEUES: usize = 8;
 /// and 2). Ranks in their own processes (the real deployment) are not affected. The variable is
 /// read when the context is created, so it must be set before CUDA starts (before torch
 /// initialises CUDA, for Python callers).
-fn check_work_queues(in_ctx: usize, max_connections: Option<&str>) -> Result<()> {
+fn check_work_queues(in_ctx: usize, max_connections: Option<&str>, under_mps: bool) -> Result<()> {
     if in_ctx <= 1 {
         return Ok(());
     }
     let have = match max_connections {
+        None if under_mps => DEFAULT_WORK_QUEUES_MPS,
         None => DEFAULT_WORK_QUEUES,
         Some(v) => v.trim().parse::<usize>().map_err(|_| {
             Error::arg("CUDA_DEVICE_MAX_CONNECTIONS", format!("{v:?} is not a number"))
@@ -464,7 +469,13 @@ impl GpuBuffer {
         let peers = ipc::Peers::exchange(&**boot, &dev, rank, &remote)?;
         let on_gpu = peers.ranks_on_this_gpu();
         let in_ctx = 1 + peers.paths().iter().filter(|p| **p == ipc::PeerPath::Direct).count();
-        check_work_queues(in_ctx, std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok().as_deref())?;
+        let under_mps = std::env::var_os("CUDA_MPS_PIPE_DIRECTORY").is_some()
+            || std::path::Path::new("/tmp/nvidia-mps/control").exists();
+        check_work_queues(
+            in_ctx,
+            std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok().as_deref(),
+            under_mps,
+        )?;
         let sms = dev.sm_count() as usize;
         // The cap is normal mode's (its kernels were tuned at 32 blocks); low latency alone
         // takes its whole share of the GPU (more blocks, more rows in flight).
@@ -1108,16 +1119,22 @@ mod tests {
 
     #[test]
     fn work_queue_check_names_the_variable() {
-        assert!(check_work_queues(1, None).is_ok());
-        assert!(check_work_queues(2, None).is_ok());
-        assert!(check_work_queues(4, Some("32")).is_ok());
-        assert!(check_work_queues(16, Some("32")).is_ok());
-        for (n, v) in [(4, None), (4, Some("8")), (8, Some("16")), (2, Some("x"))] {
-            match check_work_queues(n, v) {
+        assert!(check_work_queues(1, None, true).is_ok());
+        assert!(check_work_queues(2, None, false).is_ok());
+        assert!(check_work_queues(4, Some("32"), true).is_ok());
+        assert!(check_work_queues(16, Some("32"), false).is_ok());
+        for (n, v, mps) in [
+            (4, None, false),
+            (4, Some("8"), false),
+            (8, Some("16"), false),
+            (2, Some("x"), false),
+            (2, None, true),
+        ] {
+            match check_work_queues(n, v, mps) {
                 Err(Error::InvalidArgument { arg, msg }) => {
                     assert_eq!(arg, "CUDA_DEVICE_MAX_CONNECTIONS", "{msg}")
                 }
-                other => panic!("{n} ranks, {v:?}: {other:?}"),
+                other => panic!("{n} ranks, {v:?}, MPS {mps}: {other:?}"),
             }
         }
     }
