@@ -153,19 +153,24 @@ fn msg_bytes(p: &GpuBenchParams, case: &LlCase, src: usize, dst: usize) -> (f64,
     (d, c, msgs)
 }
 
-fn child(a: &Args) {
-    let store = TcpStore::from_env(Duration::from_secs(60)).expect("join the store");
-    let rank = store.rank();
-    let boot: Arc<dyn Bootstrap> = Arc::new(store);
-    let dev = Device::from_env().expect("open the GPU");
-    let o = LlRunOptions {
+/// One rank per node over `--provider`, the timed loop and trace the flags ask for.
+fn run_options(a: &Args, ranks_share_process: bool) -> LlRunOptions {
+    LlRunOptions {
         ranks_per_node: 1,
         provider: Some(a.provider.clone()),
         timed_iters: a.iters,
         graph: a.graph,
         trace_pairs: a.trace,
-        ranks_share_process: false,
-    };
+        ranks_share_process,
+    }
+}
+
+fn child(a: &Args) {
+    let store = TcpStore::from_env(Duration::from_secs(60)).expect("join the store");
+    let rank = store.rank();
+    let boot: Arc<dyn Bootstrap> = Arc::new(store);
+    let dev = Device::from_env().expect("open the GPU");
+    let o = run_options(a, false);
     for name in a.cases.split(',') {
         let Some(p) = params(name, a) else { panic!("unknown case {name}") };
         let case = LlCase::new(&p).expect("reference");
@@ -339,14 +344,7 @@ fn main() {
 /// medians and, with `--trace`, the trace.
 fn threads(a: &Args) {
     let dev = Device::from_env().expect("open the GPU");
-    let o = LlRunOptions {
-        ranks_per_node: 1,
-        provider: Some(a.provider.clone()),
-        timed_iters: a.iters,
-        graph: a.graph,
-        trace_pairs: a.trace,
-        ranks_share_process: true,
-    };
+    let o = run_options(a, true);
     println!(
         "gpu_ll_proxy_bench --threads: 2 ranks as threads x 1 rank per node, provider {}, hook {}",
         a.provider, a.hook

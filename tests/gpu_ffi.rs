@@ -296,25 +296,17 @@ fn rank_body(
             for o in [&b.rx, &b.rxs, &b.ri, &b.rw, &b.src, &b.cx] {
                 o.memset_async(POISON, &stream).expect("poison");
             }
-            ok(
-                "gpu_dispatch",
-                rank,
-                fep_gpu_dispatch(
-                    buf,
-                    h,
-                    &x,
-                    xs.as_ref().map_or(std::ptr::null(), |t| t),
-                    &idx,
-                    &wt,
-                    &rx,
-                    if fp8 { &rxs } else { std::ptr::null() },
-                    &ri,
-                    &rw,
-                    &src,
-                    &order,
-                ),
-            );
-            ok("gpu_sync", rank, fep_gpu_sync(buf, order.stream));
+            // The dispatch of `h` into the outputs (also the cached dispatch below).
+            let dispatch = |what: &str| {
+                let xs_p = xs.as_ref().map_or(std::ptr::null(), |t| t as *const fep_tensor);
+                let rxs_p: *const fep_tensor = if fp8 { &rxs } else { std::ptr::null() };
+                let st = fep_gpu_dispatch(
+                    buf, h, &x, xs_p, &idx, &wt, &rx, rxs_p, &ri, &rw, &src, &order,
+                );
+                ok(what, rank, st);
+                ok("gpu_sync", rank, fep_gpu_sync(buf, order.stream));
+            };
+            dispatch("gpu_dispatch");
             step_barrier();
             check_recv(rank, &b, wd, "dispatch");
             check_canary(rank, &b, rows, fp8, "dispatch");
@@ -374,25 +366,7 @@ fn rank_body(
                 for o in [&b.rx, &b.rxs, &b.ri, &b.rw, &b.src] {
                     o.memset_async(0xAB, &stream).expect("poison");
                 }
-                ok(
-                    "gpu_dispatch (cached)",
-                    rank,
-                    fep_gpu_dispatch(
-                        buf,
-                        h,
-                        &x,
-                        xs.as_ref().map_or(std::ptr::null(), |t| t),
-                        &idx,
-                        &wt,
-                        &rx,
-                        if fp8 { &rxs } else { std::ptr::null() },
-                        &ri,
-                        &rw,
-                        &src,
-                        &order,
-                    ),
-                );
-                ok("gpu_sync", rank, fep_gpu_sync(buf, order.stream));
+                dispatch("gpu_dispatch (cached)");
                 check_recv(rank, &b, wd, "cached dispatch");
                 check_canary(rank, &b, rows, fp8, "cached dispatch");
             }

@@ -37,7 +37,7 @@ pub type Breakdown = BTreeMap<(String, u16), Vec<(String, Vec<f64>)>>;
 pub fn breakdown(recs: &[TraceRecord], num_experts: usize, msgs_per_call: usize) -> Breakdown {
     let mut out = Breakdown::new();
     let e = num_experts.max(1) as u32;
-    for phase in 0..2 {
+    for (phase, phase_name) in PHASES.iter().enumerate() {
         for me in 0..2u16 {
             let peer = 1 - me;
             let k = |p| kind(phase, p);
@@ -65,10 +65,11 @@ pub fn breakdown(recs: &[TraceRecord], num_experts: usize, msgs_per_call: usize)
                 .collect();
             // The previous phase's end on this rank: the other phase's receive end before it.
             let other_re = times(recs, me, kind(1 - phase, abi::FEP_TRACE_LL_RECV_END));
-            let n = [sb.len(), sp.len(), rb.len(), rc.len(), re.len(), peer_sp.len(), peer_sb.len()]
-                .into_iter()
-                .min()
-                .unwrap_or(0);
+            let n =
+                [sb.len(), sp.len(), rb.len(), rc.len(), re.len(), peer_sp.len(), peer_sb.len()]
+                    .into_iter()
+                    .min()
+                    .unwrap_or(0);
             let mut iv: Vec<(String, Vec<f64>)> = Vec::new();
             let mut push = |name: &str, v: Option<i64>| {
                 let Some(v) = v else { return };
@@ -80,26 +81,38 @@ pub fn breakdown(recs: &[TraceRecord], num_experts: usize, msgs_per_call: usize)
             };
             for c in 0..n {
                 let prev_end = other_re.iter().rev().find(|&&t| t <= sb[c]).copied();
-                push("launch gap (previous phase's receive end -> send begin)", prev_end.map(|t| sb[c] - t));
+                push(
+                    "launch gap (previous phase's receive end -> send begin)",
+                    prev_end.map(|t| sb[c] - t),
+                );
                 push("send: begin -> staging free", st.get(c).map(|t| t - sb[c]));
                 push("send: begin -> published", Some(sp[c] - sb[c]));
                 push("receive kernel begin - own send published", Some(rb[c] - sp[c]));
                 // The peer's commands of this call are the first its proxy sees after the peer's
                 // send began (its ring is FIFO and the previous call's batch came before).
-                let seen = next_after(recs, peer, abi::FEP_TRACE_PROXY_RING_SEEN as u16, peer_sb[c]);
-                let posted = seen.and_then(|t| {
-                    next_after(recs, peer, abi::FEP_TRACE_PROXY_POSTED as u16, t)
-                });
-                push("peer send begin -> peer proxy sees its commands", seen.map(|t| t - peer_sb[c]));
-                push("peer proxy sees the ring -> writes posted", seen.zip(posted).map(|(a, b)| b - a));
+                let seen =
+                    next_after(recs, peer, abi::FEP_TRACE_PROXY_RING_SEEN as u16, peer_sb[c]);
+                let posted = seen
+                    .and_then(|t| next_after(recs, peer, abi::FEP_TRACE_PROXY_POSTED as u16, t));
+                push(
+                    "peer send begin -> peer proxy sees its commands",
+                    seen.map(|t| t - peer_sb[c]),
+                );
+                push(
+                    "peer proxy sees the ring -> writes posted",
+                    seen.zip(posted).map(|(a, b)| b - a),
+                );
                 let arrived = groups.get(c).copied();
-                push("writes posted -> last arrival at this proxy", posted.zip(arrived).map(|(a, b)| b - a));
+                push(
+                    "writes posted -> last arrival at this proxy",
+                    posted.zip(arrived).map(|(a, b)| b - a),
+                );
                 push("last arrival -> receive kernel has every count", arrived.map(|a| rc[c] - a));
                 push("peer published -> receive has every count", Some(rc[c] - peer_sp[c]));
                 push("receive: counts -> end (copy / sum)", Some(re[c] - rc[c]));
                 push("phase: send begin -> receive end", Some(re[c] - sb[c]));
             }
-            out.insert((PHASES[phase].to_string(), me), iv);
+            out.insert((phase_name.to_string(), me), iv);
         }
     }
     out
@@ -107,7 +120,9 @@ pub fn breakdown(recs: &[TraceRecord], num_experts: usize, msgs_per_call: usize)
 
 /// The breakdown as a markdown table (median and p99 per interval, us).
 pub fn table(b: &Breakdown) -> String {
-    let mut s = String::from("| phase | rank | interval | median us | p99 us | n |\n|---|---|---|---|---|---|\n");
+    let mut s = String::from(
+        "| phase | rank | interval | median us | p99 us | n |\n|---|---|---|---|---|---|\n",
+    );
     for ((phase, rank), iv) in b {
         for (name, v) in iv {
             let mut v = v.clone();

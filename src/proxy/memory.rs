@@ -659,7 +659,9 @@ impl CounterMemory {
 
     #[inline]
     pub(crate) fn sums_atomic(&self, slot: u32) -> &AtomicU64 {
-        self.inner.region.atomic_u64(self.inner.layout.sums_offset() + COUNTER_STRIDE * slot as usize)
+        self.inner
+            .region
+            .atomic_u64(self.inner.layout.sums_offset() + COUNTER_STRIDE * slot as usize)
     }
 
     #[inline]

@@ -12,9 +12,9 @@ use super::imm::ImmCodec;
 use super::memory::{CounterMemory, RingConsumer, RingMemory};
 use super::transport::{Transport, TransportEvent, WriteOp};
 use super::ProxyError;
+use crate::abi;
 use crate::trace::host_event;
 use crate::util::Backoff;
-use crate::abi;
 
 /// Settings for [`Proxy::start`].
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -34,7 +34,8 @@ import fabric_ep  # noqa: E402
 from fabric_ep import Buffer, EventOverlap, LowLatencyHandle  # noqa: E402
 from _gpu_threads import bits, run_ranks, to_bf16  # noqa: E402
 from _rank import (  # noqa: E402
-    H, K, L, MAX_LL, bf16_rne, bf2f, dest_ranks, e4m3_to_f32, f2bf, inputs, reference_recv,
+    H, K, L, MAX_LL, bf2f, dest_ranks, e4m3_to_f32, f2bf, inputs, ll_combine_want,
+    reference_recv,
 )
 
 
@@ -220,12 +221,8 @@ def low_latency(group, r, world, tokens=TOKENS):
             assert cx is out and (chook is not None) == hooked
             if hooked:
                 chook()
-            want = np.zeros((x.shape[0], H), np.float32)
-            for k in range(K):
-                ok = idx[:, k] >= 0
-                mk = np.where(ok, (idx[:, k] % L) + 1, 0).astype(np.float32)
-                want += bf2f(x) * (mk * w[:, k])[:, None]
-            assert np.array_equal(bits(cx), bf16_rne(want)), f"LL combine (hook {hooked})"
+            assert np.array_equal(bits(cx), ll_combine_want(x, idx, w)), \
+                f"LL combine (hook {hooked})"
             checked.append(hooked)
         assert stats.tolist() == (3 * ref_cnt).tolist(), (stats, ref_cnt)
         buf.sync()

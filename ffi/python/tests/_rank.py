@@ -45,6 +45,17 @@ def inputs(s, num_ranks, salt=0, tokens=None):
     return x, idx, w
 
 
+def ll_combine_want(x, idx, w):
+    """The low-latency combine's expected output (bf16 bits) when expert e's output is its input
+    times e + 1: per token, sum over k of x * (local expert + 1) * weight, rounded once."""
+    want = np.zeros((x.shape[0], H), np.float32)
+    for k in range(K):
+        ok = idx[:, k] >= 0
+        mult = np.where(ok, (idx[:, k] % L) + 1, 0).astype(np.float32)
+        want += bf2f(x) * (mult * w[:, k])[:, None]
+    return bf16_rne(want)
+
+
 def dest_ranks(idx, num_ranks):
     """[t, R] bool: token goes to rank r."""
     m = np.zeros((idx.shape[0], num_ranks), dtype=bool)
@@ -256,12 +267,7 @@ def run_ll(r, num_ranks):
         assert cx is out and (chook is not None) == hooked
         if hooked:
             chook()
-        want = np.zeros((x.shape[0], H), np.float32)
-        for k in range(K):
-            ok = idx[:, k] >= 0
-            mult = np.where(ok, (idx[:, k] % L) + 1, 0).astype(np.float32)
-            want += bf2f(x) * (mult * w[:, k])[:, None]
-        assert np.array_equal(cx, bf16_rne(want)), "LL combine differs from the reference"
+        assert np.array_equal(cx, ll_combine_want(x, idx, w)), "LL combine differs from the reference"
     assert stats.tolist() == (2 * ref_cnt).tolist(), (stats, ref_cnt)
 
     # FP8 dispatch: e4m3 with one float32 scale per 128 channels.
