@@ -114,6 +114,27 @@ fn record_host(kind: u32, rank: u32, arg: u32) {
 mod tests {
     use super::*;
 
+    /// Host points are kept only between enable_host and take_host, on the trace clock, in
+    /// order. (Other tests' proxies may add points meanwhile: only this test's kind is counted.)
+    #[test]
+    fn host_points_are_recorded_only_while_enabled() {
+        const KIND: u32 = 999;
+        host_event(KIND, 7, 1);
+        enable_host();
+        assert!(host_enabled());
+        let before = now_ns();
+        host_event(KIND, 7, 2);
+        host_event(KIND, 7, 3);
+        let mine: Vec<TraceRecord> =
+            take_host().into_iter().filter(|r| u32::from(r.kind) == KIND).collect();
+        assert!(!host_enabled());
+        host_event(KIND, 7, 4);
+        assert_eq!(mine.iter().map(|r| r.arg).collect::<Vec<_>>(), [2, 3]);
+        assert!(mine.iter().all(|r| r.rank == 7 && r.t_ns >= before));
+        assert!(mine[0].t_ns <= mine[1].t_ns);
+        assert!(take_host().iter().all(|r| u32::from(r.kind) != KIND));
+    }
+
     #[test]
     fn words_and_names_round_trip() {
         let w = (u64::from(abi::FEP_TRACE_PHASE_STRIDE + abi::FEP_TRACE_LL_RECV_COUNTS) << 48)
