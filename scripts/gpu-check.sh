@@ -376,7 +376,8 @@ run_nproxy_section() {
   local t="$b/tests/gpu_normal_proxy" nb="$b/examples/gpu_normal_proxy_bench"
   if [ -x "$t" ]; then
     set +e
-    FEP_TEST_PROVIDERS=${FEP_NPROXY_PROVIDERS:-shm,tcp;ofi_rxm} timeout "${FEP_NPROXY_TEST_S:-150}" \
+    CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32} \
+      FEP_TEST_PROVIDERS=${FEP_NPROXY_PROVIDERS:-shm,tcp;ofi_rxm} timeout "${FEP_NPROXY_TEST_S:-150}" \
       "$t" --include-ignored --test-threads=1 --nocapture --skip two_processes >>"$log" 2>&1
     rc=$?
     set -e
