@@ -92,6 +92,7 @@ fn make_set(
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    fabric_ep::bench::ep_gpu::set_work_queues_for_threads();
     let a = Args::parse();
     if !gpu_available() {
         println!("SKIP: no GPU visible");

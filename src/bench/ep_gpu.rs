@@ -543,6 +543,16 @@ fn check_ll_dispatch(
     Ok(())
 }
 
+/// For a `main` that runs GPU ranks as threads of this process: sets
+/// `CUDA_DEVICE_MAX_CONNECTIONS=32` unless the caller set it (a `Buffer` refuses ranks as
+/// threads with too few hardware work queues). Call it first thing in `main`, before any thread
+/// or CUDA call: the driver reads the variable when it starts.
+pub fn set_work_queues_for_threads() {
+    if std::env::var_os("CUDA_DEVICE_MAX_CONNECTIONS").is_none() {
+        std::env::set_var("CUDA_DEVICE_MAX_CONNECTIONS", "32");
+    }
+}
+
 /// Where the ranks of a low-latency run sit, and what runs beyond the checked iterations.
 #[derive(Clone, Debug)]
 pub struct LlRunOptions {

@@ -718,11 +718,9 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
         println!("{GPU_LEGEND}");
         return Ok(());
     }
-    if c.ranks > 1 && std::env::var_os("CUDA_DEVICE_MAX_CONNECTIONS").is_none() {
-        // Ranks as threads of one context need a hardware work queue per stream (the library
-        // refuses too few: GpuBuffer's check_work_queues). Read when the context is made, just
-        // below; still one thread here.
-        std::env::set_var("CUDA_DEVICE_MAX_CONNECTIONS", "32");
+    if c.ranks > 1 {
+        // Ranks as threads: no CUDA call and one thread so far (the --procs path above returns).
+        fabric_ep::bench::ep_gpu::set_work_queues_for_threads();
     }
     let dev = fabric_ep::cuda::Device::from_env()?;
     let base = |tokens: usize| gpu_params(c, c.ranks, tokens);
