@@ -166,6 +166,11 @@ fn in_job() -> bool {
 fn main() -> ExitCode {
     adopt_mpi_env();
     let cli = Cli::parse();
+    if cli.cmd.is_none() && !in_job() && !cli.common.procs && cli.common.ranks > 1 {
+        // GPU ranks would be threads of this process: before the first CUDA call (the GPU probe
+        // below), one thread so far. Harmless for the host backend.
+        fabric_ep::bench::ep_gpu::set_work_queues_for_threads();
+    }
     let res = match &cli.cmd {
         Some(Cmd::Plan { at, chunk_tokens, slots_per_peer, ll_tokens, max_region }) => {
             let c = &cli.common;
@@ -717,10 +722,6 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
         print_nccl_ratios(&rows);
         println!("{GPU_LEGEND}");
         return Ok(());
-    }
-    if c.ranks > 1 {
-        // Ranks as threads: no CUDA call and one thread so far (the --procs path above returns).
-        fabric_ep::bench::ep_gpu::set_work_queues_for_threads();
     }
     let dev = fabric_ep::cuda::Device::from_env()?;
     let base = |tokens: usize| gpu_params(c, c.ranks, tokens);
