@@ -34,7 +34,7 @@ import fabric_ep  # noqa: E402
 from fabric_ep import Buffer, EventOverlap, LowLatencyHandle  # noqa: E402
 from _gpu_threads import bits, run_ranks, to_bf16  # noqa: E402
 from _rank import (  # noqa: E402
-    H, K, L, MAX_LL, bf2f, dest_ranks, e4m3_to_f32, f2bf, inputs, ll_combine_want,
+    H, K, L, MAX_LL, bf2f, dest_ranks, e4m3_to_f32, f2bf, inputs, ll_combine_want, ll_reference,
     reference_recv,
 )
 
@@ -161,26 +161,6 @@ def normal_fp8(group, r, world):
     finally:
         buf.destroy()
     return "ok"
-
-
-def ll_reference(r, world, all_in):
-    ref_x = np.zeros((L, world * MAX_LL, H), np.uint16)
-    ref_cnt = np.zeros(L, np.int64)
-    ref_src = np.full((L, world * MAX_LL), -1, np.int32)
-    ref_rank = np.full((L, world * MAX_LL), -1, np.int32)
-    ref_range = np.zeros((L, world), np.int64)
-    for e in range(L):
-        g, n = r * L + e, 0
-        for s in range(world):
-            xs, ids, _ = all_in[s]
-            toks = np.nonzero((ids == g).any(1))[0]
-            ref_range[e, s] = (n << 32) | len(toks)
-            ref_x[e, n:n + len(toks)] = xs[toks]
-            ref_src[e, n:n + len(toks)] = toks
-            ref_rank[e, n:n + len(toks)] = s
-            n += len(toks)
-        ref_cnt[e] = n
-    return ref_x, ref_cnt, ref_src, ref_rank, ref_range
 
 
 def low_latency(group, r, world, tokens=TOKENS):

@@ -56,6 +56,28 @@ def ll_combine_want(x, idx, w):
     return bf16_rne(want)
 
 
+def ll_reference(r, world, all_in):
+    """Rank r's low-latency dispatch reference: for local expert e, rows from source 0, 1, ...
+    in token order (x rows, counts, source token, source rank, packed (begin << 32 | count))."""
+    ref_x = np.zeros((L, world * MAX_LL, H), np.uint16)
+    ref_cnt = np.zeros(L, np.int64)
+    ref_src = np.full((L, world * MAX_LL), -1, np.int32)
+    ref_rank = np.full((L, world * MAX_LL), -1, np.int32)
+    ref_range = np.zeros((L, world), np.int64)
+    for e in range(L):
+        g, n = r * L + e, 0
+        for s in range(world):
+            xs, ids, _ = all_in[s]
+            toks = np.nonzero((ids == g).any(1))[0]
+            ref_range[e, s] = (n << 32) | len(toks)
+            ref_x[e, n:n + len(toks)] = xs[toks]
+            ref_src[e, n:n + len(toks)] = toks
+            ref_rank[e, n:n + len(toks)] = s
+            n += len(toks)
+        ref_cnt[e] = n
+    return ref_x, ref_cnt, ref_src, ref_rank, ref_range
+
+
 def dest_ranks(idx, num_ranks):
     """[t, R] bool: token goes to rank r."""
     m = np.zeros((idx.shape[0], num_ranks), dtype=bool)
@@ -223,24 +245,7 @@ def run_ll(r, num_ranks):
     buf = Buffer(None, 0, 0, True, num_experts=e_all, hidden=H, num_topk=K, timeout_s=30.0,
                  num_max_dispatch_tokens_per_rank=MAX_LL, explicitly_destroy=True)
     S = num_ranks * MAX_LL
-    # Reference: for local expert e, rows from source 0, 1, ... in token order.
-    ref_x = np.zeros((L, S, H), np.uint16)
-    ref_cnt = np.zeros(L, np.int64)
-    ref_src = np.full((L, S), -1, np.int32)
-    ref_rank = np.full((L, S), -1, np.int32)
-    ref_range = np.zeros((L, num_ranks), np.int64)
-    for e in range(L):
-        g = r * L + e
-        n = 0
-        for s in range(num_ranks):
-            xs, ids, _ = all_in[s]
-            toks = np.nonzero((ids == g).any(1))[0]
-            ref_range[e, s] = (n << 32) | len(toks)
-            ref_x[e, n:n + len(toks)] = xs[toks]
-            ref_src[e, n:n + len(toks)] = toks
-            ref_rank[e, n:n + len(toks)] = s
-            n += len(toks)
-        ref_cnt[e] = n
+    ref_x, ref_cnt, ref_src, ref_rank, ref_range = ll_reference(r, num_ranks, all_in)
 
     stats = np.zeros(L, np.int32)
     for hooked in (False, True):
