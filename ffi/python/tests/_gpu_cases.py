@@ -14,6 +14,7 @@ import contextlib
 import os
 import re
 import sys
+import time
 import traceback
 
 # Both before CUDA initialises (before torch creates its context):
@@ -32,7 +33,7 @@ import torch  # noqa: E402
 
 import fabric_ep  # noqa: E402
 from fabric_ep import Buffer, EventOverlap, LowLatencyHandle  # noqa: E402
-from _gpu_threads import bits, run_ranks, to_bf16  # noqa: E402
+from _gpu_threads import bits, host, run_ranks, to_bf16  # noqa: E402
 from _rank import (  # noqa: E402
     H, K, L, MAX_LL, bf2f, dest_ranks, e4m3_to_f32, f2bf, inputs, ll_combine_want, ll_reference,
     reference_recv,
@@ -68,6 +69,62 @@ def make_buffer(group, world, **kw):
     return b
 
 
+# FEP_CASE_SYNC (a diagnosis switch): after every Buffer call wait for this rank's compute
+# stream ("compute"), its communication stream ("comm"), or both ("1"). A failure that vanishes
+# with "comm" but not with "compute" is a missing join of the compute stream after the call.
+STEP_SYNC = os.environ.get("FEP_CASE_SYNC", "0")
+
+
+T0 = time.perf_counter()
+STEPS = {}  # id(buf) -> [(step, ms since T0)]: printed with a failed comparison
+
+
+def step(buf, what="call"):
+    STEPS.setdefault(id(buf), []).append((what, round((time.perf_counter() - T0) * 1e3, 2)))
+    if STEP_SYNC in ("1", "compute"):
+        torch.cuda.current_stream().synchronize()
+    if STEP_SYNC in ("1", "comm"):
+        buf.sync()
+
+
+def same_rows(what, r, got, want, routing=None, again=None):
+    """``np.array_equal(got, want)`` for row-major outputs; on a mismatch the AssertionError
+    says which rows differ and how (the first few rows' distinct values, and the routing row
+    ``routing[t]`` when given), so one failing run tells more than "differs"."""
+    got, want = np.asarray(got), np.asarray(want)
+    if got.shape == want.shape and np.array_equal(got, want):
+        return
+    lines = [f"rank {r}: {what}: got shape {got.shape}, want {want.shape}"]
+    if got.shape == want.shape and got.ndim >= 1:
+        g2, w2 = got.reshape(got.shape[0], -1), want.reshape(want.shape[0], -1)
+        bad = np.nonzero((g2 != w2).any(axis=1))[0]
+        lines.append(f"{bad.size} of {g2.shape[0]} rows differ: {bad[:24].tolist()}")
+        for t in bad[:6]:
+            diff = np.nonzero(g2[t] != w2[t])[0]
+            same = [int(i) for i in np.nonzero((w2 == g2[t]).all(axis=1))[0][:4]]
+            lines.append(
+                f"  row {t}: {diff.size} of {g2.shape[1]} elements differ (first {diff[:4].tolist()}); "
+                f"got distinct {np.unique(g2[t])[:4].tolist()}, want distinct "
+                f"{np.unique(w2[t])[:4].tolist()}; got equals want rows {same}"
+                + (f"; routing {np.asarray(routing[t]).tolist()}" if routing is not None else ""))
+    if again is not None:
+        # The same tensor read again after both streams finished: equal now means the first
+        # read came too early (an ordering fault), still different means a wrong result.
+        buf, read = again
+        torch.cuda.current_stream().synchronize()
+        try:
+            buf.sync()  # also reports what this rank's kernels recorded (timeouts name a peer)
+            lines.append("  buf.sync(): no device error")
+        except Exception as e:  # noqa: BLE001 - reported in the message
+            lines.append(f"  buf.sync(): {e}")
+        lines.append(f"  host steps (ms): {STEPS.get(id(buf))}")
+        late = np.asarray(read())
+        n = int((late.reshape(late.shape[0], -1) != want.reshape(want.shape[0], -1)).any(axis=1).sum()) \
+            if late.shape == want.shape else -1
+        lines.append(f"  after a device sync the tensor has {n} differing rows")
+    raise AssertionError("\n".join(lines))
+
+
 def normal_bf16(group, r, world, tokens=TOKENS):
     all_in = [inputs(s, world, tokens=tokens) for s in range(world)]
     x, idx, w = all_in[r]
@@ -78,39 +135,47 @@ def normal_bf16(group, r, world, tokens=TOKENS):
         m = dest_ranks(idx, world)
         assert isinstance(ev, EventOverlap) and ev.event is None
         assert n_rank.is_cuda and n_rank.dtype == torch.int32
-        assert n_rank.tolist() == m.sum(0).tolist(), (n_rank, m.sum(0))
-        assert np.array_equal(in_rank.cpu().numpy(), m)
+        assert host(n_rank).tolist() == m.sum(0).tolist(), (n_rank, m.sum(0))
+        assert np.array_equal(host(in_rank).numpy(), m)
         want_exp = np.bincount(idx[idx >= 0], minlength=L * world)
-        assert n_exp.tolist() == want_exp.tolist()
+        assert host(n_exp).tolist() == want_exp.tolist()
 
         rx, ri, rw, counts, handle, ev = buf.dispatch(
             xt, num_tokens_per_rank=n_rank, num_tokens_per_rdma_rank=n_rdma,
             is_token_in_rank=in_rank, num_tokens_per_expert=n_exp, topk_idx=it, topk_weights=wt)
+        step(buf, "dispatch")
         assert ev.event is None and rx.is_cuda and rx.dtype == torch.bfloat16
         ref_x, ref_i, ref_w, ref_counts = reference_recv(r, world, all_in)
         assert tuple(rx.shape) == ref_x.shape, (rx.shape, ref_x.shape)
-        assert np.array_equal(bits(rx), ref_x), "recv_x differs from the reference"
-        assert np.array_equal(ri.cpu().numpy(), ref_i), (ri, ref_i)
-        assert np.array_equal(rw.cpu().numpy(), ref_w)
+        same_rows("recv_x", r, bits(rx), ref_x)
+        assert np.array_equal(host(ri).numpy(), ref_i), (ri, ref_i)
+        assert np.array_equal(host(rw).numpy(), ref_w)
         assert counts == ref_counts, (counts, ref_counts)
 
         back = (rx.float() * (r + 1)).to(torch.bfloat16)
         cx, cw, _ = buf.combine(back, handle, topk_weights=rw)
+        step(buf, "combine")
         factor = (m * (np.arange(world) + 1)).sum(1).astype(np.float32)
-        assert np.array_equal(bf2f(bits(cx)), bf2f(x) * factor[:, None]), "combine"
-        assert np.array_equal(cw.cpu().numpy(), np.where(idx >= 0, w, 0))
+        same_rows("combine", r, bf2f(bits(cx)), bf2f(x) * factor[:, None], m,
+                  (buf, lambda: bf2f(bits(cx))))
+        assert np.array_equal(host(cw).numpy(), np.where(idx >= 0, w, 0))
         cx1, cw1, _ = buf.combine(rx, handle)
+        step(buf, "combine2")
         dests = m.sum(1).astype(np.float32)
-        assert cw1 is None and np.array_equal(bf2f(bits(cx1)), bf2f(x) * dests[:, None])
+        assert cw1 is None
+        same_rows("combine without weights", r, bf2f(bits(cx1)), bf2f(x) * dests[:, None], m,
+                  (buf, lambda: bf2f(bits(cx1))))
 
         # Cached dispatch: same routing, new values.
         x2 = f2bf(bf2f(x) + 1)
         out = buf.dispatch(to_bf16(torch, x2, DEV), handle=handle)
+        step(buf, "cached")
         assert out[1:5] == (None, None, None, None)
         ref2 = reference_recv(r, world, [(f2bf(bf2f(a[0]) + 1), a[1], a[2]) for a in all_in])[0]
-        assert np.array_equal(bits(out[0]), ref2), "cached dispatch"
+        same_rows("cached dispatch", r, bits(out[0]), ref2, again=(buf, lambda: bits(out[0])))
 
         *_, counts8, h8, _ = buf.dispatch(xt, topk_idx=it, topk_weights=wt, expert_alignment=8)
+        step(buf, "align8")
         assert counts8 == reference_recv(r, world, all_in, alignment=8)[3], counts8
         del h8
 
@@ -118,12 +183,15 @@ def normal_bf16(group, r, world, tokens=TOKENS):
         worst = sum(tokens[:world])
         wx, wi, ww, wcounts, wh, _ = buf.dispatch(xt, topk_idx=it, topk_weights=wt,
                                                   num_worst_tokens=worst)
+        step(buf, "worst")
         n = ref_x.shape[0]
         assert tuple(wx.shape) == (worst, H) and wcounts == []
-        assert np.array_equal(bits(wx)[:n], ref_x) and np.array_equal(wi.cpu().numpy()[:n], ref_i)
-        assert np.array_equal(ww.cpu().numpy()[:n], ref_w)
+        assert np.array_equal(bits(wx)[:n], ref_x) and np.array_equal(host(wi).numpy()[:n], ref_i)
+        assert np.array_equal(host(ww).numpy()[:n], ref_w)
         wcx, _, _ = buf.combine(wx, wh)
-        assert np.array_equal(bf2f(bits(wcx)), bf2f(x) * dests[:, None]), "worst combine"
+        step(buf, "worst-combine")
+        same_rows("worst combine", r, bf2f(bits(wcx)), bf2f(x) * dests[:, None], m,
+                  (buf, lambda: bf2f(bits(wcx))))
         buf.sync()
     finally:
         buf.destroy()
@@ -145,18 +213,22 @@ def normal_fp8(group, r, world):
     try:
         (rxq, rxs), ri, rw, counts, handle, _ = buf.dispatch((xq, xs), topk_idx=tdev(idx),
                                                              topk_weights=tdev(w))
+        step(buf, "fp8-dispatch")
         want_q = np.concatenate([fp8[s][0][dest_ranks(all_in[s][1], world)[:, r]]
                                  for s in range(world)])
         want_s = np.concatenate([fp8[s][1][dest_ranks(all_in[s][1], world)[:, r]]
                                  for s in range(world)])
         assert rxq.dtype == torch.float8_e4m3fn and np.array_equal(bits(rxq), want_q)
-        assert np.array_equal(rxs.cpu().numpy(), want_s)
+        assert np.array_equal(host(rxs).numpy(), want_s)
         _, ref_i, ref_w, ref_counts = reference_recv(r, world, all_in)
-        assert np.array_equal(ri.cpu().numpy(), ref_i) and counts == ref_counts
+        assert np.array_equal(host(ri).numpy(), ref_i) and counts == ref_counts
         back = torch.full((rxq.shape[0], H), 0.5, dtype=torch.bfloat16, device=DEV)
         cx, _, _ = buf.combine(back, handle)
-        dests = dest_ranks(idx, world).sum(1).astype(np.float32)
-        assert np.array_equal(bf2f(bits(cx)), np.repeat(0.5 * dests[:, None], H, axis=1))
+        step(buf, "fp8-combine")
+        m = dest_ranks(idx, world)
+        dests = m.sum(1).astype(np.float32)
+        same_rows("fp8 combine", r, bf2f(bits(cx)), np.repeat(0.5 * dests[:, None], H, axis=1), m,
+                  (buf, lambda: bf2f(bits(cx))))
         buf.sync()
     finally:
         buf.destroy()
@@ -181,15 +253,15 @@ def low_latency(group, r, world, tokens=TOKENS):
             assert isinstance(handle, LowLatencyHandle) and (hook is not None) == hooked
             if hooked:
                 hook()
-            c = cnt.tolist()
+            c = host(cnt).tolist()
             assert c == ref_cnt.tolist(), (c, ref_cnt)
             got = bits(rx)
             for e in range(L):
                 n = c[e]
                 assert np.array_equal(got[e, :n], ref_x[e, :n]), f"LL recv_x expert {e}"
-                assert np.array_equal(handle.src_idx[e, :n].cpu().numpy(), ref_src[e, :n])
-                assert np.array_equal(handle.src_rank[e, :n].cpu().numpy(), ref_rank[e, :n])
-            lr = handle.layout_range.cpu().numpy()
+                assert np.array_equal(host(handle.src_idx[e, :n]).numpy(), ref_src[e, :n])
+                assert np.array_equal(host(handle.src_rank[e, :n]).numpy(), ref_rank[e, :n])
+            lr = host(handle.layout_range).numpy()
             assert np.array_equal(lr & 0xFFFFFFFF, ref_range & 0xFFFFFFFF), (lr, ref_range)
             has = (ref_range & 0xFFFFFFFF) > 0
             assert np.array_equal((lr >> 32)[has], (ref_range >> 32)[has]), (lr, ref_range)
@@ -204,11 +276,11 @@ def low_latency(group, r, world, tokens=TOKENS):
             assert np.array_equal(bits(cx), ll_combine_want(x, idx, w)), \
                 f"LL combine (hook {hooked})"
             checked.append(hooked)
-        assert stats.tolist() == (3 * ref_cnt).tolist(), (stats, ref_cnt)
+        assert host(stats).tolist() == (3 * ref_cnt).tolist(), (stats, ref_cnt)
         buf.sync()
         buf.clean_low_latency_buffer(MAX_LL, H, e_all)
         rx, cnt, handle, _, _ = buf.low_latency_dispatch(xt, it, MAX_LL, e_all, use_fp8=False)
-        assert cnt.tolist() == ref_cnt.tolist()
+        assert host(cnt).tolist() == ref_cnt.tolist()
         buf.sync()
     finally:
         buf.destroy()
@@ -225,9 +297,9 @@ def low_latency_fp8(group, r, world):
         (q, sc), cnt, handle, _, _ = buf.low_latency_dispatch(
             to_bf16(torch, x, DEV), tdev(idx), MAX_LL, L * world, use_fp8=True)
         assert q.dtype == torch.float8_e4m3fn and tuple(sc.shape) == (L, world * MAX_LL, H // 128)
-        c = cnt.tolist()
+        c = host(cnt).tolist()
         assert c == ref_cnt.tolist()
-        deq = e4m3_to_f32(bits(q)) * np.repeat(sc.cpu().numpy(), 128, axis=2)
+        deq = e4m3_to_f32(bits(q)) * np.repeat(host(sc).numpy(), 128, axis=2)
         ref = bf2f(ref_x)
         amax = np.repeat(np.abs(ref).reshape(L, -1, H // 128, 128).max(3), 128, axis=2)
         for e in range(L):

@@ -27,11 +27,27 @@ def to_bf16(torch, a, dev):
     return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16).to(dev)
 
 
+def host(t):
+    """``t.cpu()``, after waiting for the current stream with the GIL released.
+
+    NOTES: ranks are threads of one interpreter here. torch's blocking device-to-host reads
+    (``.cpu()``, ``.tolist()``) can wait for the GPU while holding the GIL; a rank waiting so for
+    a collective kernel starves a peer thread that has yet to launch its part, and the group
+    deadlocks until the kernels' timeout (seen on the H200: a peer's combine call delayed by
+    exactly the 10 s timeout, docs/results/2026-11-29-h200-d). ``Stream.synchronize`` releases
+    the GIL while it waits, so the read after it has nothing left to wait for. Processes (one
+    rank each, the real deployment) do not share a GIL."""
+    import torch
+
+    torch.cuda.current_stream(t.device).synchronize()
+    return t.cpu()
+
+
 def bits(t):
     """torch bf16 / fp8 tensor -> numpy raw bits (uint16 / uint8)."""
     import torch
 
-    t = t.detach().cpu().contiguous()
+    t = host(t.detach()).contiguous()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(np.uint16)
     if t.dtype.itemsize == 1:
