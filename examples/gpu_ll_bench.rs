@@ -46,6 +46,16 @@ struct Args {
     sets: usize,
     #[arg(long)]
     dump: Option<std::path::PathBuf>,
+    /// Also time rank 0's send kernel alone (an event after it; the rest of the phase is the
+    /// receive). The event sits between the two kernels, so run it with FEP_LL_PDL=0: with
+    /// programmatic dependent launch it would take the overlap away.
+    #[arg(long)]
+    split: bool,
+    /// Copy every combine row, the rank's own experts' too (the hook's way); default: the own
+    /// rows stay in the expert outputs and the receive reads them there (`combine_send_pull`,
+    /// what `Buffer` does without the hook).
+    #[arg(long)]
+    no_pull: bool,
 }
 
 fn pct(sorted: &[f64], p: f64) -> f64 {
@@ -149,10 +159,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             )?;
         }
         let start = Event::new(&dev)?;
+        let mid = Event::new(&dev)?;
         let stop = Event::new(&dev)?;
         let joins: Vec<Event> =
             (0..nr).map(|_| Event::new_untimed(&dev)).collect::<Result<_, _>>()?;
         let (mut td, mut tc) = (Vec::new(), Vec::new());
+        let (mut sd, mut sc) = (Vec::new(), Vec::new());
         for it in 0..a.warmup + a.iters {
             let si = it % a.sets;
             for phase in 0..2 {
@@ -180,10 +192,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                         if phase == 0 {
                             g.ranks[r].dispatch_send(&s.x, &s.topk, a.tokens, &outs[r])?
                         } else {
-                            g.ranks[r].combine_send(&ys[r], &outs[r], a.tokens)?
+                            if a.no_pull {
+                                g.ranks[r].combine_send(&ys[r], &outs[r], a.tokens)?
+                            } else {
+                                g.ranks[r].combine_send_pull(&ys[r], &outs[r], a.tokens)?
+                            }
                         }
                     };
                     tickets.push(t);
+                    if a.split && r == 0 {
+                        mid.record(g.ranks[0].stream())?;
+                    }
                 }
                 for r in 0..nr {
                     let s = &sets[r][si];
@@ -206,11 +225,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 gate_ctr.store(gate_val, std::sync::atomic::Ordering::Release);
                 g.finish()?;
                 let us = start.elapsed_ms(&stop)? as f64 * 1e3;
+                let send_us = if a.split { start.elapsed_ms(&mid)? as f64 * 1e3 } else { 0.0 };
                 if it >= a.warmup {
                     if phase == 0 {
-                        td.push(us)
+                        td.push(us);
+                        sd.push(send_us);
                     } else {
-                        tc.push(us)
+                        tc.push(us);
+                        sc.push(send_us);
                     }
                 }
             }
@@ -225,11 +247,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         if rows != want {
             return Err(format!("ranks {nr}: {rows} rows received, expected {want}").into());
         }
-        td.sort_by(|x, y| x.total_cmp(y));
-        tc.sort_by(|x, y| x.total_cmp(y));
+        for v in [&mut td, &mut tc, &mut sd, &mut sc] {
+            v.sort_by(|x, y| x.total_cmp(y));
+        }
+        if a.split {
+            println!(
+                "LL_SPLIT ranks={nr} dispatch_send_median_us={:.2} combine_send_median_us={:.2} \
+                 (rank 0's send kernel from the phase start; the rest is the receive)",
+                pct(&sd, 0.5),
+                pct(&sc, 0.5)
+            );
+        }
         println!(
             "LL_RESULT ranks={nr} grid={} tokens={} hidden={} topk={} experts={} dtype={} \
-             dispatch_median_us={:.2} dispatch_p99_us={:.2} combine_median_us={:.2} combine_p99_us={:.2} iters={}",
+             dispatch_median_us={:.2} dispatch_p99_us={:.2} combine_median_us={:.2} combine_p99_us={:.2} iters={} \
+             pdl={} pull={}",
             g.ranks[0].grid(),
             a.tokens,
             a.hidden,
@@ -240,7 +272,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             pct(&td, 0.99),
             pct(&tc, 0.5),
             pct(&tc, 0.99),
-            a.iters
+            a.iters,
+            fabric_ep::cuda::launch::ll_pdl(),
+            !a.no_pull
         );
     }
     Ok(())

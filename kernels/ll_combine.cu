@@ -4,10 +4,12 @@
 //   (e, dst) of its dispatch result (layout_range: rows begin .. begin + count of x[e]) back to
 //   rank dst's combine receive block g = rank * L + e, row i. Rows of all units are spread over
 //   every warp of the grid (segments of 4 KiB). The last block publishes one flag per (dst, e),
-//   zero counts included: (tag << 32) | count.
+//   zero counts included: (tag << 32) | count. With `self_pull` the units whose dst is this rank
+//   are not copied (their flags are still published): the receive reads those rows from x.
 // fep_ll_combine_recv (the hook; any grid): bounded wait for all E flags (each count checked
 //   against this rank's own top-k), then per token t the weighted sum over its top-k in fp32,
-//   k ascending, one fma per step (acc = fma(y, w, acc)), rounded once to bf16 (RNE).
+//   k ascending, one fma per step (acc = fma(y, w, acc)), rounded once to bf16 (RNE). The same
+//   sum whether a row is read from the receive block or (self_pull) from x: bit-identical.
 // Proxy peers (fep_abi.h): rows for them are staged in this rank's send area (unit e * R + dst)
 //   and pushed as one command per (peer, local expert); the receive waits on the arrival counter
 //   of unit g and checks the count (sums) against its own top-k, as it does a flag's.
@@ -19,6 +21,7 @@
 extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     fep_ll_combine_send(const fep_ll_combine_params p) {
     using namespace fep::ll;
+    pdl_enter();  // before any read (fep_ll.cuh)
     // NOTES: dynamic shared memory = (2 * E + 1) * 4, as the dispatch receive (same unit order).
     extern __shared__ __align__(16) unsigned char smem[];
     const int E = p.num_experts, R = p.num_ranks, L = E / R, M = p.max_tokens;
@@ -32,14 +35,19 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     const bool marker = blockIdx.x == 0 && tid == 0;  // the thread that marks trace points
     if (marker) fep::trace(FEP_TRACE_PHASE_STRIDE + FEP_TRACE_LL_SEND_BEGIN, p.rank, p.set);
 
-    for (int u = tid; u < E; u += kThreads) {
+    // s_cnt: rows this launch copies per unit (0 for the rank's own units under self_pull);
+    // the flags carry unit_count (every row the unit holds).
+    auto unit_count = [&](int u) {
         int c = range[2 * u + 1];
         if (c < 0 || c > M) {
             fep::report_error(p.dev_error, FEP_DEV_BAD_INPUT, p.rank, FEP_PHASE_LL_COMBINE_SEND,
                               u % R, static_cast<uint64_t>(M), static_cast<uint64_t>(c));
             c = 0;
         }
-        s_cnt[u] = c;
+        return c;
+    };
+    for (int u = tid; u < E; u += kThreads) {
+        s_cnt[u] = (p.self_pull != 0 && u % R == p.rank) ? 0 : unit_count(u);
     }
     __syncthreads();
     block_exclusive_scan(s_cnt, s_start, E);
@@ -69,7 +77,7 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
                  n16, seg, lane);
     }
 
-    if (!last_block_ticket(reinterpret_cast<uint32_t*>(p.workspace))) return;
+    if (!last_block_ticket(reinterpret_cast<uint32_t*>(p.workspace), p.proxy.ring != 0)) return;
     __shared__ uint64_t s_tag;
     uint64_t* epoch = reinterpret_cast<uint64_t*>(p.epoch) + p.set;
     if (tid == 0) s_tag = *epoch + 1;
@@ -95,8 +103,9 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     for (int u = tid; u < E; u += kThreads) {
         const int e = u / R, dst = u % R;
         if (is_proxy(peers, dst)) continue;
+        const int c = (p.self_pull != 0 && dst == p.rank) ? unit_count(u) : s_cnt[u];
         fep::st_release_sys(flag_ptr(peers[dst].flags, p.set, 1, E, p.rank * L + e),
-                            flag_value(s_tag, static_cast<uint32_t>(s_cnt[u])));
+                            flag_value(s_tag, static_cast<uint32_t>(c)));
     }
     if (tid == 0) {
         *epoch = s_tag;
@@ -107,6 +116,7 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
 extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     fep_ll_combine_recv(const fep_ll_combine_params p) {
     using namespace fep::ll;
+    pdl_enter();  // before any read (fep_ll.cuh)
     // NOTES: dynamic shared memory = K * 8 + K * 4 + E * 4 (rows and weights of the current
     // token, then this rank's count per expert).
     extern __shared__ __align__(16) unsigned char smem[];
@@ -171,11 +181,20 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     const uint64_t base = p.local_buf;
     const bool sys = p.proxy.ring != 0;  // the buffer takes writes from outside the GPU (ld_recv)
     const int n8 = H / 8;  // one uint4 = 8 bf16 channels per thread and step
+    const int32_t* range = reinterpret_cast<const int32_t*>(p.layout_range);
+    const size_t S = static_cast<size_t>(R) * p.max_tokens;
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
         for (int k = tid; k < K; k += kThreads) {
             const int64_t g = topk[t * K + k];
             uint64_t row = 0;
-            if (g >= 0 && g < E) {
+            if (g >= 0 && g < E && p.self_pull != 0 && g / L == p.rank) {
+                // This rank's own expert e: the row is x[e][begin of unit (e, me) + pos]
+                // (layout_range and pos from this rank's dispatch).
+                const int e = static_cast<int>(g) % L;
+                const size_t in_row = static_cast<size_t>(e) * S + range[2 * (e * R + p.rank)] +
+                                      pos[t * K + k];
+                row = p.x + in_row * static_cast<uint64_t>(2 * H);
+            } else if (g >= 0 && g < E) {
                 row = base + unit_offset(p.set, 1, E, static_cast<int>(g), p.unit_bytes, p.proxy) +
                       static_cast<uint64_t>(pos[t * K + k]) * p.record_bytes;
             }

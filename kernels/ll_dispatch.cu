@@ -24,6 +24,7 @@
 extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     fep_ll_dispatch_send(const fep_ll_dispatch_params p) {
     using namespace fep::ll;
+    pdl_enter();  // before any read (fep_ll.cuh)
     // NOTES: dynamic shared memory = K * 8 (destination rows) + (T * K + E) * 4; src/ep/ll_gpu.rs
     // sizes it the same way.
     extern __shared__ __align__(16) unsigned char smem[];
@@ -140,7 +141,7 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
         __syncthreads();  // s_dst is rewritten for the next token
     }
 
-    if (!last_block_ticket(reinterpret_cast<uint32_t*>(p.workspace))) return;
+    if (!last_block_ticket(reinterpret_cast<uint32_t*>(p.workspace), p.proxy.ring != 0)) return;
 
     for (int g = tid; g < E; g += kThreads) s_count[g] = 0;
     __syncthreads();
@@ -184,6 +185,7 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
 extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     fep_ll_dispatch_recv(const fep_ll_dispatch_params p) {
     using namespace fep::ll;
+    pdl_enter();  // before any read (fep_ll.cuh)
     // NOTES: dynamic shared memory = (2 * E + 1) * 4: counts and their prefix over units
     // u = e * R + src, which is exactly the packed output order (expert-major, then source).
     extern __shared__ __align__(16) unsigned char smem[];

@@ -319,7 +319,9 @@ typedef struct fep_ll_combine_params {
     int32_t max_tokens;
     int32_t rank;
     int32_t set;
-    int32_t _pad;
+    int32_t self_pull;      /* 1: rows of this rank's own experts stay in `x`: the send skips them
+                               and the receive reads them from `x` (send and receive of one call,
+                               no hook, so `x` is unchanged in between); 0: copied as the others */
     fep_ll_proxy proxy;     /* as in fep_ll_dispatch_params */
 } fep_ll_combine_params;    /* 224 bytes */
 

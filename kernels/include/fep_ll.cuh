@@ -78,16 +78,21 @@ __device__ __forceinline__ uint32_t fp8x2(float x, float y) {
 
 // Every block calls this once at the end of its sends (all threads). Returns true in exactly one
 // block: the last to finish, which then publishes the flags; it also re-zeroes the ticket.
-// NOTES (ordering): each thread fences at system scope after its payload stores (peer memory may
-// be another GPU's), the barrier then makes thread 0's ticket increment follow every thread's
-// stores; the last block fences again after reading the ticket, so its release stores of the
-// flags are ordered after every block's payload (fence cumulativity). A receiver that acquires a
-// flag therefore sees all rows of that message.
-__device__ __forceinline__ bool last_block_ticket(uint32_t* ticket) {
+// NOTES (ordering): the block barrier orders every thread's payload stores before thread 0's
+// fence at system scope (peer memory may be another GPU's) and its ticket increment; the last
+// block fences again after reading the ticket and passes a barrier, so its release stores of the
+// flags follow every block's payload in causality order (bar.sync and fence.sc are cumulative in
+// the PTX memory model) and a receiver that acquires a flag sees all rows of that message.
+// `host_readers` (a proxy lane: the CPU reads the staged rows from mapped host memory): every
+// thread also fences its own stores at system scope first, as the model does not cover a PCIe
+// reader; on GPU peers one fence per block suffices (not measured apart from PDL; see
+// kernels/ll_notes.md, fourth session).
+__device__ __forceinline__ bool last_block_ticket(uint32_t* ticket, bool host_readers) {
     __shared__ int s_last;
-    __threadfence_system();
+    if (host_readers) __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) {
+        __threadfence_system();
         const uint32_t old = atomicAdd(ticket, 1u);
         __threadfence_system();
         s_last = (old == gridDim.x - 1);
@@ -97,6 +102,17 @@ __device__ __forceinline__ bool last_block_ticket(uint32_t* ticket) {
     return s_last != 0;
 }
 
+// Programmatic dependent launch (sm_90; src/cuda/launch.rs launches the LL kernels with the
+// programmatic-stream-serialization attribute unless FEP_LL_PDL=0). Each LL kernel calls this
+// first: it waits until the previous grid of the stream has completed and its memory is
+// visible (a no-op when launched without the attribute), then lets the next grid launch, so
+// its blocks become resident and wait in hardware while this grid runs, instead of paying the
+// launch latency after it. Nothing is read before the wait. At most two grids of a rank are
+// resident at a time (this one, and the next one waiting), since the trigger follows the wait.
+__device__ __forceinline__ void pdl_enter() {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
 
 // Exclusive prefix sum of `cnt[0..n)` into `start[0..n]` (start[n] = total), n <= kThreads * 8.
 // All threads of the block call it; ends with a barrier.

@@ -30,6 +30,42 @@ unsafe fn launch<P: Pod>(
     cfg: LaunchConfig,
     params: &P,
 ) -> CudaResult<()> {
+    launch_with(stream, kernel, cfg, params, false)
+}
+
+/// Whether the low-latency kernels are launched with programmatic dependent launch
+/// (`FEP_LL_PDL=0` turns it off, e.g. to measure what it saves; read once).
+pub fn ll_pdl() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("FEP_LL_PDL").map_or(true, |v| v.trim() != "0"))
+}
+
+/// Whether `stream` is capturing a CUDA graph.
+///
+/// NOTES: a captured kernel keeps no programmatic dependency on work before the graph: on the
+/// H200 (fourth session, run 5) a replayed combine-send graph read the layout its rank's
+/// dispatch-receive graph had not yet written (4 ranks as threads, one graph per phase), so
+/// [`launch_with`] launches plainly while capturing.
+fn capturing(stream: &Stream) -> CudaResult<bool> {
+    use cudarc::driver::sys;
+    let mut st = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: the stream handle is valid; `st` is a valid out-pointer.
+    unsafe { call!(cuStreamIsCapturing(stream.as_raw(), &mut st))? };
+    Ok(st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+}
+
+/// [`launch`], optionally with the programmatic-stream-serialization attribute (`pdl`): the
+/// grid may launch once the previous grid of the stream has triggered
+/// (`griddepcontrol.launch_dependents`), and must itself wait (`griddepcontrol.wait`) before
+/// reading anything earlier work wrote (the LL kernels do: `pdl_enter`, fep_ll.cuh). Not while
+/// the stream captures a graph ([`capturing`]).
+unsafe fn launch_with<P: Pod>(
+    stream: &Stream,
+    kernel: Kernel,
+    cfg: LaunchConfig,
+    params: &P,
+    pdl: bool,
+) -> CudaResult<()> {
     if cfg.grid == 0 || cfg.block == 0 || cfg.block > 1024 {
         return Err(CudaError::InvalidArgument {
             arg: "cfg",
@@ -40,6 +76,27 @@ unsafe fn launch<P: Pod>(
     let f = dev.function(kernel)?;
     dev.bind()?;
     let mut args = [params as *const P as *mut std::ffi::c_void];
+    if pdl && !capturing(stream)? {
+        use cudarc::driver::sys;
+        // SAFETY: a zeroed attribute value union is valid; the field set is the one `id` names.
+        let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let lc = sys::CUlaunchConfig {
+            gridDimX: cfg.grid,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: cfg.block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: cfg.shared_bytes,
+            hStream: stream.as_raw(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: as below; `lc` and `attr` outlive the call (the driver copies them).
+        return call!(cuLaunchKernelEx(&lc, f, args.as_mut_ptr(), std::ptr::null_mut()));
+    }
     // SAFETY: (caller) `params` matches the kernel's single by-value parameter; the driver copies
     // it before returning.
     call!(cuLaunchKernel(
@@ -200,7 +257,7 @@ pub unsafe fn ll_dispatch_send(
     p: abi::fep_ll_dispatch_params,
 ) -> CudaResult<()> {
     ll_cfg_check(cfg, "fep_ll_dispatch_send")?;
-    launch(stream, Kernel::LlDispatchSend, cfg, &p)
+    launch_with(stream, Kernel::LlDispatchSend, cfg, &p, ll_pdl())
 }
 
 /// `fep_ll_dispatch_recv` (the receive hook): any grid, `FEP_LL_THREADS` threads; dynamic shared
@@ -214,7 +271,7 @@ pub unsafe fn ll_dispatch_recv(
     p: abi::fep_ll_dispatch_params,
 ) -> CudaResult<()> {
     ll_cfg_check(cfg, "fep_ll_dispatch_recv")?;
-    launch(stream, Kernel::LlDispatchRecv, cfg, &p)
+    launch_with(stream, Kernel::LlDispatchRecv, cfg, &p, ll_pdl())
 }
 
 /// `fep_ll_combine_send` (kernels/ll_combine.cu): any grid, `FEP_LL_THREADS` threads; dynamic
@@ -228,7 +285,7 @@ pub unsafe fn ll_combine_send(
     p: abi::fep_ll_combine_params,
 ) -> CudaResult<()> {
     ll_cfg_check(cfg, "fep_ll_combine_send")?;
-    launch(stream, Kernel::LlCombineSend, cfg, &p)
+    launch_with(stream, Kernel::LlCombineSend, cfg, &p, ll_pdl())
 }
 
 /// `fep_ll_combine_recv` (the receive hook): any grid, `FEP_LL_THREADS` threads; dynamic shared
@@ -242,7 +299,7 @@ pub unsafe fn ll_combine_recv(
     p: abi::fep_ll_combine_params,
 ) -> CudaResult<()> {
     ll_cfg_check(cfg, "fep_ll_combine_recv")?;
-    launch(stream, Kernel::LlCombineRecv, cfg, &p)
+    launch_with(stream, Kernel::LlCombineRecv, cfg, &p, ll_pdl())
 }
 
 /// `fep_normal_notify` (kernels/normal_notify.cu): one block of `FEP_NORMAL_NOTIFY_THREADS` per

@@ -260,6 +260,9 @@ impl LlDispatchOut {
 pub struct LlTicket {
     pub set: u32,
     pub num_tokens: usize,
+    /// [`LlGpuRank::combine_send_pull`]: the expert outputs `x` the receive reads this rank's
+    /// own rows from (0: every row was copied).
+    pub pull_x: u64,
 }
 
 /// Where a rank's LL buffer lives: device memory (peers on this node only, or a provider with
@@ -479,7 +482,7 @@ impl LlGpuRank {
 
     fn next_ticket(&mut self, num_tokens: usize) -> LlTicket {
         self.calls += 1;
-        LlTicket { set: (self.calls % 2) as u32, num_tokens }
+        LlTicket { set: (self.calls % 2) as u32, num_tokens, pull_x: 0 }
     }
 
     fn cfg(&self, smem: usize) -> LaunchConfig {
@@ -624,7 +627,7 @@ impl LlGpuRank {
             max_tokens: c.max_tokens_per_rank as i32,
             rank: self.rank as i32,
             set: t.set as i32,
-            _pad: 0,
+            self_pull: (t.pull_x != 0) as i32,
             proxy: self.proxy,
         })
     }
@@ -641,12 +644,41 @@ impl LlGpuRank {
         handle: &LlDispatchOut,
         num_tokens: usize,
     ) -> Result<LlTicket> {
+        self.combine_send_with(x, handle, num_tokens, false)
+    }
+
+    /// [`Self::combine_send`] that leaves the rows of this rank's own experts in `x`: the
+    /// receive ([`Self::combine_recv`] with the returned ticket) reads them there instead of a
+    /// copy, so they cross memory once less (at one rank, every row). Only for a send and
+    /// receive made together (no hook): `x` must not change in between.
+    ///
+    /// # Safety
+    /// As [`Self::dispatch_send`], and `x` stays unchanged until the receive has run.
+    pub unsafe fn combine_send_pull(
+        &mut self,
+        x: &DeviceBuffer,
+        handle: &LlDispatchOut,
+        num_tokens: usize,
+    ) -> Result<LlTicket> {
+        self.combine_send_with(x, handle, num_tokens, true)
+    }
+
+    unsafe fn combine_send_with(
+        &mut self,
+        x: &DeviceBuffer,
+        handle: &LlDispatchOut,
+        num_tokens: usize,
+        pull: bool,
+    ) -> Result<LlTicket> {
         let c = &self.cfg;
         if num_tokens > c.max_tokens_per_rank {
             return Err(Error::arg("num_tokens", format!("{num_tokens} > max_tokens_per_rank")));
         }
         need("x", x, c.num_local_experts() * c.rows_per_expert() * c.hidden * 2)?;
-        let t = self.next_ticket(num_tokens);
+        let mut t = self.next_ticket(num_tokens);
+        if pull {
+            t.pull_x = x.device_ptr();
+        }
         let mut p = match self.combine_params(t, handle) {
             Ok(p) => p,
             Err(e) => {
@@ -677,6 +709,7 @@ impl LlGpuRank {
         need("topk_weights", topk_weights, t.num_tokens * c.num_topk * 4)?;
         need("out", out, t.num_tokens * c.hidden * 2)?;
         let mut p = self.combine_params(t, handle)?;
+        p.x = t.pull_x;
         p.topk_idx = topk_idx.device_ptr();
         p.topk_weights = topk_weights.device_ptr();
         p.out = out.device_ptr();

@@ -1061,12 +1061,21 @@ impl GpuBuffer {
     ) -> Result<Option<LlCombineHook>> {
         let x = self.view("x", a.x)?;
         let id = self.id;
-        let send = self.on_ll_stream(a.stream, |r| r.combine_send(&x, a.handle, a.num_tokens))?;
-        let hook = LlCombineHook { ticket: send, buffer_id: id };
         if a.return_recv_hook {
-            return Ok(Some(hook));
+            let send =
+                self.on_ll_stream(a.stream, |r| r.combine_send(&x, a.handle, a.num_tokens))?;
+            return Ok(Some(LlCombineHook { ticket: send, buffer_id: id }));
         }
-        self.low_latency_combine_recv_gpu(hook, a)?;
+        // NOTES: send and receive in one call, so `x` is unchanged in between: the rows of this
+        // rank's own experts stay in `x` (combine_send_pull), and both kernels share one pair of
+        // stream joins.
+        let ti = self.view("topk_idx", a.topk_idx)?;
+        let tw = self.view("topk_weights", a.topk_weights)?;
+        let out = self.view("out", a.out)?;
+        self.on_ll_stream(a.stream, |r| {
+            let t = r.combine_send_pull(&x, a.handle, a.num_tokens)?;
+            r.combine_recv(t, &ti, &tw, a.handle, &out)
+        })?;
         Ok(None)
     }
 
