@@ -208,11 +208,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     let s = &sets[r][si];
                     // SAFETY: as above.
                     unsafe {
-                        if phase == 0 {
-                            g.ranks[r].dispatch_recv(tickets[r], &outs[r])?
-                        } else {
-                            g.ranks[r]
-                                .combine_recv(tickets[r], &s.topk, &s.w, &outs[r], &combs[r])?
+                        // Chained (programmatic dependent launch) unless --split put an event
+                        // between rank 0's send and receive.
+                        let rk = &g.ranks[r];
+                        match (phase == 0, a.split && r == 0) {
+                            (true, false) => rk.dispatch_recv_chained(tickets[r], &outs[r])?,
+                            (true, true) => rk.dispatch_recv(tickets[r], &outs[r])?,
+                            (false, false) => rk.combine_recv_chained(
+                                tickets[r], &s.topk, &s.w, &outs[r], &combs[r],
+                            )?,
+                            (false, true) => {
+                                rk.combine_recv(tickets[r], &s.topk, &s.w, &outs[r], &combs[r])?
+                            }
                         }
                     };
                 }

@@ -102,13 +102,15 @@ __device__ __forceinline__ bool last_block_ticket(uint32_t* ticket, bool host_re
     return s_last != 0;
 }
 
-// Programmatic dependent launch (sm_90; src/cuda/launch.rs launches the LL kernels with the
-// programmatic-stream-serialization attribute unless FEP_LL_PDL=0). Each LL kernel calls this
-// first: it waits until the previous grid of the stream has completed and its memory is
-// visible (a no-op when launched without the attribute), then lets the next grid launch, so
-// its blocks become resident and wait in hardware while this grid runs, instead of paying the
-// launch latency after it. Nothing is read before the wait. At most two grids of a rank are
-// resident at a time (this one, and the next one waiting), since the trigger follows the wait.
+// Programmatic dependent launch (sm_90). Each LL kernel calls this first: it waits until the
+// previous grid of the stream has completed and its memory is visible (a no-op unless the kernel
+// was launched with the programmatic-stream-serialization attribute), then lets the next grid
+// launch. src/cuda/launch.rs gives the attribute only to a receive launched right after its send
+// on the same stream ("chained"; FEP_LL_PDL=0: never), so the receive's blocks are resident and
+// waiting when the send ends. Not across anything else: with an event record/wait between the
+// two kernels, or across CUDA-graph boundaries, the H200 let the later kernel pass the wait
+// while the earlier one still ran (kernels/ll_notes.md, fourth session). Nothing is read before
+// the wait.
 __device__ __forceinline__ void pdl_enter() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

@@ -257,11 +257,17 @@ pub unsafe fn ll_dispatch_send(
     p: abi::fep_ll_dispatch_params,
 ) -> CudaResult<()> {
     ll_cfg_check(cfg, "fep_ll_dispatch_send")?;
-    launch_with(stream, Kernel::LlDispatchSend, cfg, &p, ll_pdl())
+    launch(stream, Kernel::LlDispatchSend, cfg, &p)
 }
 
 /// `fep_ll_dispatch_recv` (the receive hook): any grid, `FEP_LL_THREADS` threads; dynamic shared
-/// memory `(2 * E + 1) * 4`.
+/// memory `(2 * E + 1) * 4`. `chained`: launched right after its send on the same stream, with
+/// nothing in between, so it may use programmatic dependent launch ([`ll_pdl`]).
+///
+/// NOTES: only then. With an event record/wait between the kernels (a hook's receive, or the
+/// next phase's send after the stream joins) the H200 let the later kernel pass
+/// `griddepcontrol.wait` while the earlier one still ran (fourth session, run 8: a combine send
+/// published counts of a layout its dispatch receive had not written; graphs likewise, run 5).
 ///
 /// # Safety
 /// As [`ll_dispatch_send`].
@@ -269,9 +275,10 @@ pub unsafe fn ll_dispatch_recv(
     stream: &Stream,
     cfg: LaunchConfig,
     p: abi::fep_ll_dispatch_params,
+    chained: bool,
 ) -> CudaResult<()> {
     ll_cfg_check(cfg, "fep_ll_dispatch_recv")?;
-    launch_with(stream, Kernel::LlDispatchRecv, cfg, &p, ll_pdl())
+    launch_with(stream, Kernel::LlDispatchRecv, cfg, &p, chained && ll_pdl())
 }
 
 /// `fep_ll_combine_send` (kernels/ll_combine.cu): any grid, `FEP_LL_THREADS` threads; dynamic
@@ -285,11 +292,11 @@ pub unsafe fn ll_combine_send(
     p: abi::fep_ll_combine_params,
 ) -> CudaResult<()> {
     ll_cfg_check(cfg, "fep_ll_combine_send")?;
-    launch_with(stream, Kernel::LlCombineSend, cfg, &p, ll_pdl())
+    launch(stream, Kernel::LlCombineSend, cfg, &p)
 }
 
 /// `fep_ll_combine_recv` (the receive hook): any grid, `FEP_LL_THREADS` threads; dynamic shared
-/// memory `K * 12 + E * 4`.
+/// memory `K * 12 + E * 4`. `chained`: as in [`ll_dispatch_recv`].
 ///
 /// # Safety
 /// As [`ll_dispatch_send`].
@@ -297,9 +304,10 @@ pub unsafe fn ll_combine_recv(
     stream: &Stream,
     cfg: LaunchConfig,
     p: abi::fep_ll_combine_params,
+    chained: bool,
 ) -> CudaResult<()> {
     ll_cfg_check(cfg, "fep_ll_combine_recv")?;
-    launch_with(stream, Kernel::LlCombineRecv, cfg, &p, ll_pdl())
+    launch_with(stream, Kernel::LlCombineRecv, cfg, &p, chained && ll_pdl())
 }
 
 /// `fep_normal_notify` (kernels/normal_notify.cu): one block of `FEP_NORMAL_NOTIFY_THREADS` per

@@ -114,6 +114,43 @@ impl DeviceBuffer {
         unsafe { call!(cuMemcpyDtoH_v2(bytes.as_mut_ptr().cast(), self.ptr, self.len)) }
     }
 
+    /// Enqueues a copy of all `len` bytes into `dst` at `offset` (page-locked host memory) on
+    /// `stream`; the bytes are there once the stream has reached it.
+    ///
+    /// NOTES: use this, not [`Self::to_vec`], for reads inside a step when ranks are threads of
+    /// one process: the driver serialises pageable device-to-host copies across the process's
+    /// threads, so a pageable read here waits behind any peer thread's pageable read that is
+    /// queued behind a kernel spinning on this rank (measured on the H200: a thread's pageable
+    /// copy took 450 ms while another thread's waited for a 500 ms kernel; page-locked copies,
+    /// launches and stream syncs were not held up; docs/results/2026-11-29-h200-d/gil_probe.py).
+    pub fn copy_to_pinned_async(
+        &self,
+        dst: &HostMapped,
+        offset: usize,
+        stream: &Stream,
+    ) -> CudaResult<()> {
+        if offset.checked_add(self.len).is_none_or(|end| end > dst.len()) {
+            return Err(bad(
+                "dst",
+                format!("{} bytes at {offset} into {} bytes", self.len, dst.len()),
+            ));
+        }
+        if self.len == 0 {
+            return Ok(());
+        }
+        self.dev.bind()?;
+        // SAFETY: the destination range lies in `dst`'s page-locked allocation (checked above),
+        // which outlives the copy by the caller's stream synchronisation; the source is ours.
+        unsafe {
+            call!(cuMemcpyDtoHAsync_v2(
+                dst.as_ptr().add(offset).cast(),
+                self.ptr,
+                self.len,
+                stream.as_raw()
+            ))
+        }
+    }
+
     /// The contents as `len / size_of::<T>()` values.
     pub fn to_vec<T: Pod>(&self) -> CudaResult<Vec<T>> {
         let n = std::mem::size_of::<T>();

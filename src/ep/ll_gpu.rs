@@ -590,8 +590,27 @@ impl LlGpuRank {
     /// # Safety
     /// As [`Self::dispatch_send`].
     pub unsafe fn dispatch_recv(&self, t: LlTicket, out: &LlDispatchOut) -> Result<()> {
+        self.dispatch_recv_with(t, out, false)
+    }
+
+    /// [`Self::dispatch_recv`] launched right after its send, nothing else queued on this
+    /// rank's stream in between: it may start by programmatic dependent launch
+    /// (`launch::ll_dispatch_recv`'s `chained`).
+    ///
+    /// # Safety
+    /// As [`Self::dispatch_send`].
+    pub unsafe fn dispatch_recv_chained(&self, t: LlTicket, out: &LlDispatchOut) -> Result<()> {
+        self.dispatch_recv_with(t, out, true)
+    }
+
+    unsafe fn dispatch_recv_with(
+        &self,
+        t: LlTicket,
+        out: &LlDispatchOut,
+        chained: bool,
+    ) -> Result<()> {
         let p = self.dispatch_params(t, out)?;
-        launch::ll_dispatch_recv(&self.stream, self.cfg(self.cfg.scan_smem()), p)?;
+        launch::ll_dispatch_recv(&self.stream, self.cfg(self.cfg.scan_smem()), p, chained)?;
         Ok(())
     }
 
@@ -704,6 +723,34 @@ impl LlGpuRank {
         handle: &LlDispatchOut,
         out: &DeviceBuffer,
     ) -> Result<()> {
+        self.combine_recv_with(t, topk_idx, topk_weights, handle, out, false)
+    }
+
+    /// [`Self::combine_recv`] launched right after its send (see
+    /// [`Self::dispatch_recv_chained`]).
+    ///
+    /// # Safety
+    /// As [`Self::dispatch_send`].
+    pub unsafe fn combine_recv_chained(
+        &self,
+        t: LlTicket,
+        topk_idx: &DeviceBuffer,
+        topk_weights: &DeviceBuffer,
+        handle: &LlDispatchOut,
+        out: &DeviceBuffer,
+    ) -> Result<()> {
+        self.combine_recv_with(t, topk_idx, topk_weights, handle, out, true)
+    }
+
+    unsafe fn combine_recv_with(
+        &self,
+        t: LlTicket,
+        topk_idx: &DeviceBuffer,
+        topk_weights: &DeviceBuffer,
+        handle: &LlDispatchOut,
+        out: &DeviceBuffer,
+        chained: bool,
+    ) -> Result<()> {
         let c = &self.cfg;
         need("topk_idx", topk_idx, t.num_tokens * c.num_topk * 8)?;
         need("topk_weights", topk_weights, t.num_tokens * c.num_topk * 4)?;
@@ -713,7 +760,7 @@ impl LlGpuRank {
         p.topk_idx = topk_idx.device_ptr();
         p.topk_weights = topk_weights.device_ptr();
         p.out = out.device_ptr();
-        launch::ll_combine_recv(&self.stream, self.cfg(self.cfg.combine_recv_smem()), p)?;
+        launch::ll_combine_recv(&self.stream, self.cfg(self.cfg.combine_recv_smem()), p, chained)?;
         Ok(())
     }
 

@@ -38,7 +38,7 @@ use super::layout::LayoutBuffers;
 use super::plan::NormalLayout;
 use crate::abi;
 use crate::cuda::launch;
-use crate::cuda::{DevErrorRecord, Device, DeviceBuffer, Stream};
+use crate::cuda::{DevErrorRecord, Device, DeviceBuffer, HostMapped, Stream};
 use crate::{Error, Result};
 
 /// How a peer's queues are reached.
@@ -278,6 +278,9 @@ pub struct NormalGpuRank {
     err: DevErrorRecord,
     epoch: u64,
     proxy: Option<NormalProxyLane>,
+    /// Page-locked landing area of the receive counts [`Self::recv_info`] reads back
+    /// (`rank_prefix [R + 1]`, then `recv_expert_counts [L]`, i32).
+    readback: HostMapped,
 }
 
 /// Assumed SM clock for turning the timeout into a cycle budget (an H200 boosts to 1.98 GHz;
@@ -318,6 +321,7 @@ impl NormalGpuRank {
                 err: DevErrorRecord::new(dev)?,
                 epoch: 0,
                 proxy: None,
+                readback: Self::new_readback(dev, settings, &map)?,
             });
         }
         Ok(out)
@@ -376,7 +380,13 @@ impl NormalGpuRank {
             err: DevErrorRecord::new(dev)?,
             epoch: 0,
             proxy: None,
+            readback: Self::new_readback(dev, settings, &map)?,
         })
+    }
+
+    fn new_readback(dev: &Device, s: &NormalGpuSettings, map: &CommMap) -> Result<HostMapped> {
+        let l = map.layout.num_local_experts as usize;
+        Ok(HostMapped::new(dev, 4 * (s.num_ranks + 1 + l))?)
     }
 
     pub fn rank(&self) -> usize {
@@ -549,10 +559,19 @@ impl NormalGpuRank {
     }
 
     /// After [`Self::notify`]: synchronises `stream` (bounded) and reads the receive counts.
+    ///
+    /// NOTES: the counts come back through page-locked memory, copied on `stream`
+    /// ([`DeviceBuffer::copy_to_pinned_async`] says why not a pageable copy).
     pub fn recv_info(&self, stream: &Stream, handle: &NormalHandle) -> Result<RecvInfo> {
+        let pre = handle.rank_prefix.len();
+        handle.rank_prefix.copy_to_pinned_async(&self.readback, 0, stream)?;
+        handle.recv_expert_counts.copy_to_pinned_async(&self.readback, pre, stream)?;
         self.finish(stream)?;
-        let rank_prefix: Vec<i32> = handle.rank_prefix.to_vec()?;
-        let per_expert: Vec<i32> = handle.recv_expert_counts.to_vec()?;
+        let read = |off: usize, n: usize| -> Result<Vec<i32>> {
+            (0..n).map(|i| Ok(self.readback.read::<i32>(off + 4 * i)?)).collect()
+        };
+        let rank_prefix = read(0, pre / 4)?;
+        let per_expert = read(pre, handle.recv_expert_counts.len() / 4)?;
         let n = *rank_prefix.last().unwrap_or(&0);
         Ok(RecvInfo {
             num_recv_tokens: n.max(0) as usize,

@@ -25,8 +25,12 @@ run such processes with ``CUDA_MODULE_LOADING=EAGER`` (set before CUDA initialis
 a threads group warns once otherwise). Likewise ``CUDA_DEVICE_MAX_CONNECTIONS=32``: the context
 maps all the ranks' streams onto that many hardware work queues (8 by default), and a rank's
 spinning kernel queued in front of a peer's launch waits for it until the timeout; the library
-refuses to connect several ranks of one context when it is too low. Thread mode is for tests;
-real jobs run one process per GPU.
+refuses to connect several ranks of one context when it is too low. And read results on the
+host after ``torch.cuda.current_stream().synchronize()``: the driver serialises pageable
+device-to-host copies across a process's threads, so one rank's ``.cpu()`` that waits for a
+collective kernel holds up a peer thread's ``.cpu()``, and the peer never launches its part
+(a stall until the timeout; tests/_gpu_threads.py ``host``). Thread mode is for tests; real jobs
+run one process per GPU.
 """
 
 from __future__ import annotations

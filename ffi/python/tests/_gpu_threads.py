@@ -28,15 +28,19 @@ def to_bf16(torch, a, dev):
 
 
 def host(t):
-    """``t.cpu()``, after waiting for the current stream with the GIL released.
+    """``t.cpu()``, after waiting for the current stream first.
 
-    NOTES: ranks are threads of one interpreter here. torch's blocking device-to-host reads
-    (``.cpu()``, ``.tolist()``) can wait for the GPU while holding the GIL; a rank waiting so for
-    a collective kernel starves a peer thread that has yet to launch its part, and the group
-    deadlocks until the kernels' timeout (seen on the H200: a peer's combine call delayed by
-    exactly the 10 s timeout, docs/results/2026-11-29-h200-d). ``Stream.synchronize`` releases
-    the GIL while it waits, so the read after it has nothing left to wait for. Processes (one
-    rank each, the real deployment) do not share a GIL."""
+    NOTES: ranks are threads of one process here, and the driver serialises pageable
+    device-to-host copies across a process's threads (H200, docs/results/2026-11-29-h200-d
+    gil_probe.py: a thread's ``z.cpu()`` took 450 ms while another thread's copy waited for a
+    500 ms kernel; page-locked copies, launches and stream syncs were not held up, and torch
+    releases the GIL in all these calls). A rank whose ``.cpu()`` waits for a collective kernel
+    therefore blocks a peer thread's ``.cpu()`` of an earlier result, that peer cannot launch its
+    part, and the group stalls until the kernels' timeout: the intermittent normal-mode failures
+    of the third session (a rank's next call delayed by exactly the 10 s timeout, run 3). Waiting
+    with ``Stream.synchronize`` first leaves the copy nothing to wait for. (The probe ran threads
+    of one process; one process per rank, the real deployment, was not probed.) The library's
+    own read inside a step (the counts after notify) uses page-locked memory."""
     import torch
 
     torch.cuda.current_stream(t.device).synchronize()
