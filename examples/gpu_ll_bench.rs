@@ -210,16 +210,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     unsafe {
                         // Chained (programmatic dependent launch) unless --split put an event
                         // between rank 0's send and receive.
-                        let rk = &g.ranks[r];
-                        match (phase == 0, a.split && r == 0) {
-                            (true, false) => rk.dispatch_recv_chained(tickets[r], &outs[r])?,
-                            (true, true) => rk.dispatch_recv(tickets[r], &outs[r])?,
-                            (false, false) => rk.combine_recv_chained(
-                                tickets[r], &s.topk, &s.w, &outs[r], &combs[r],
-                            )?,
-                            (false, true) => {
-                                rk.combine_recv(tickets[r], &s.topk, &s.w, &outs[r], &combs[r])?
-                            }
+                        let t = if a.split && r == 0 { tickets[r] } else { tickets[r].chained() };
+                        if phase == 0 {
+                            g.ranks[r].dispatch_recv(t, &outs[r])?
+                        } else {
+                            g.ranks[r].combine_recv(t, &s.topk, &s.w, &outs[r], &combs[r])?
                         }
                     };
                 }

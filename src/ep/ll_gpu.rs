@@ -263,6 +263,17 @@ pub struct LlTicket {
     /// [`LlGpuRank::combine_send_pull`]: the expert outputs `x` the receive reads this rank's
     /// own rows from (0: every row was copied).
     pub pull_x: u64,
+    /// [`Self::chained`]: the receive may use programmatic dependent launch.
+    pub chain: bool,
+}
+
+impl LlTicket {
+    /// This ticket for a receive launched right after its send on the rank's stream, with
+    /// nothing queued there in between: the receive may then start by programmatic dependent
+    /// launch (`launch::ll_dispatch_recv`'s `chained` says why only then).
+    pub fn chained(self) -> LlTicket {
+        LlTicket { chain: true, ..self }
+    }
 }
 
 /// Where a rank's LL buffer lives: device memory (peers on this node only, or a provider with
@@ -482,7 +493,7 @@ impl LlGpuRank {
 
     fn next_ticket(&mut self, num_tokens: usize) -> LlTicket {
         self.calls += 1;
-        LlTicket { set: (self.calls % 2) as u32, num_tokens, pull_x: 0 }
+        LlTicket { set: (self.calls % 2) as u32, num_tokens, pull_x: 0, chain: false }
     }
 
     fn cfg(&self, smem: usize) -> LaunchConfig {
@@ -590,27 +601,8 @@ impl LlGpuRank {
     /// # Safety
     /// As [`Self::dispatch_send`].
     pub unsafe fn dispatch_recv(&self, t: LlTicket, out: &LlDispatchOut) -> Result<()> {
-        self.dispatch_recv_with(t, out, false)
-    }
-
-    /// [`Self::dispatch_recv`] launched right after its send, nothing else queued on this
-    /// rank's stream in between: it may start by programmatic dependent launch
-    /// (`launch::ll_dispatch_recv`'s `chained`).
-    ///
-    /// # Safety
-    /// As [`Self::dispatch_send`].
-    pub unsafe fn dispatch_recv_chained(&self, t: LlTicket, out: &LlDispatchOut) -> Result<()> {
-        self.dispatch_recv_with(t, out, true)
-    }
-
-    unsafe fn dispatch_recv_with(
-        &self,
-        t: LlTicket,
-        out: &LlDispatchOut,
-        chained: bool,
-    ) -> Result<()> {
         let p = self.dispatch_params(t, out)?;
-        launch::ll_dispatch_recv(&self.stream, self.cfg(self.cfg.scan_smem()), p, chained)?;
+        launch::ll_dispatch_recv(&self.stream, self.cfg(self.cfg.scan_smem()), p, t.chain)?;
         Ok(())
     }
 
@@ -723,34 +715,6 @@ impl LlGpuRank {
         handle: &LlDispatchOut,
         out: &DeviceBuffer,
     ) -> Result<()> {
-        self.combine_recv_with(t, topk_idx, topk_weights, handle, out, false)
-    }
-
-    /// [`Self::combine_recv`] launched right after its send (see
-    /// [`Self::dispatch_recv_chained`]).
-    ///
-    /// # Safety
-    /// As [`Self::dispatch_send`].
-    pub unsafe fn combine_recv_chained(
-        &self,
-        t: LlTicket,
-        topk_idx: &DeviceBuffer,
-        topk_weights: &DeviceBuffer,
-        handle: &LlDispatchOut,
-        out: &DeviceBuffer,
-    ) -> Result<()> {
-        self.combine_recv_with(t, topk_idx, topk_weights, handle, out, true)
-    }
-
-    unsafe fn combine_recv_with(
-        &self,
-        t: LlTicket,
-        topk_idx: &DeviceBuffer,
-        topk_weights: &DeviceBuffer,
-        handle: &LlDispatchOut,
-        out: &DeviceBuffer,
-        chained: bool,
-    ) -> Result<()> {
         let c = &self.cfg;
         need("topk_idx", topk_idx, t.num_tokens * c.num_topk * 8)?;
         need("topk_weights", topk_weights, t.num_tokens * c.num_topk * 4)?;
@@ -760,7 +724,7 @@ impl LlGpuRank {
         p.topk_idx = topk_idx.device_ptr();
         p.topk_weights = topk_weights.device_ptr();
         p.out = out.device_ptr();
-        launch::ll_combine_recv(&self.stream, self.cfg(self.cfg.combine_recv_smem()), p, chained)?;
+        launch::ll_combine_recv(&self.stream, self.cfg(self.cfg.combine_recv_smem()), p, t.chain)?;
         Ok(())
     }
 

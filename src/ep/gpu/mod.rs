@@ -1027,7 +1027,7 @@ impl GpuBuffer {
             if hook {
                 Ok(Some(LlDispatchHook { ticket: t, buffer_id: id }))
             } else {
-                r.dispatch_recv_chained(t, out)?;
+                r.dispatch_recv(t.chained(), out)?;
                 Ok(None)
             }
         })
@@ -1074,7 +1074,7 @@ impl GpuBuffer {
         let out = self.view("out", a.out)?;
         self.on_ll_stream(a.stream, |r| {
             let t = r.combine_send_pull(&x, a.handle, a.num_tokens)?;
-            r.combine_recv_chained(t, &ti, &tw, a.handle, &out)
+            r.combine_recv(t.chained(), &ti, &tw, a.handle, &out)
         })?;
         Ok(None)
     }
