@@ -27,7 +27,7 @@ use fabric_ep::bench::ep_gpu::{run_normal_gpu_rank, GpuBenchParams, GpuSplit};
 use fabric_ep::bench::fabric::fi_pingpong;
 use fabric_ep::bench::stats::Summary;
 use fabric_ep::bootstrap::{Bootstrap, LocalJob, TcpStore};
-use fabric_ep::cuda::{gpu_available, Device};
+use fabric_ep::cuda::{gpu_available, Device, DeviceTrace};
 use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::ep::layout::dispatch_layout;
 use fabric_ep::ep::plan::NormalLayout;
@@ -62,6 +62,12 @@ struct Args {
     /// Internal: the slots per pair a rank process runs.
     #[arg(long, hide = true, default_value_t = 0)]
     child_slots: usize,
+    /// After the timed runs, this many more cached-handle steps with the event trace on: each
+    /// rank prints where its proxy-lane chunks spend their time (`bench::trace::
+    /// normal_proxy_spans`). Needs a diagnosis build (`FEP_TRACE_NORMAL=1 cargo build ...`):
+    /// the normal kernels carry no trace points otherwise.
+    #[arg(long, default_value_t = 0)]
+    trace: usize,
 }
 
 fn params(a: &Args) -> GpuBenchParams {
@@ -128,8 +134,42 @@ fn child(a: &Args) {
             list(&r.combine_s).join(",")
         );
     }
+    if a.trace > 0 {
+        traced(a, &dev, &p, rank, boot.clone());
+    }
     boot.barrier().expect("final barrier");
     println!("CHILD_OK");
+}
+
+/// `--trace`: `a.trace` cached steps with the device and host trace on; prints one NPTRACE line
+/// per rank with its span table.
+fn traced(a: &Args, dev: &Device, p: &GpuBenchParams, rank: usize, boot: Arc<dyn Bootstrap>) {
+    if !fabric_ep::cuda::NORMAL_TRACE_POINTS {
+        println!("NPTRACE rank={rank} this build has no normal-mode trace points: rebuild with FEP_TRACE_NORMAL=1");
+        return;
+    }
+    // Installed before the Buffer exists and removed after it is gone: no kernel of this
+    // process runs meanwhile (the trace is per process; each rank is one).
+    let tr = DeviceTrace::install(dev, 1 << 20).expect("install the trace");
+    fabric_ep::trace::enable_host();
+    let tp = GpuBenchParams { iters: a.trace, warmup: 1, ..p.clone() };
+    let s = GpuSplit {
+        ranks_per_node: 1,
+        provider: a.provider.clone(),
+        chunk_tokens: Some(a.child_chunk),
+        slots_per_peer: Some(a.child_slots),
+        cached: true,
+    };
+    run_normal_gpu_rank(dev, &tp, &s, boot).unwrap_or_else(|e| panic!("rank {rank} traced: {e}"));
+    let mut recs = tr.read().expect("read the trace");
+    recs.extend(fabric_ep::trace::take_host());
+    recs.sort_by_key(|r| r.t_ns);
+    drop(tr);
+    let table =
+        fabric_ep::bench::trace::span_table(&fabric_ep::bench::trace::normal_proxy_spans(&recs));
+    for line in table.lines() {
+        println!("NPTRACE rank={rank} chunk={} slots={} {line}", a.child_chunk, a.child_slots);
+    }
 }
 
 struct Line {
@@ -172,6 +212,11 @@ fn run_chunk(chunk: usize, slots: usize) -> Result<Vec<Line>, String> {
     let all = out.iter().map(|o| o.to_string()).collect::<String>();
     if !out.iter().all(|o| o.success() && o.stdout.contains("CHILD_OK")) {
         return Err(format!("chunk {chunk}: a rank failed:\n{all}"));
+    }
+    for o in &out {
+        for l in o.stdout.lines().filter(|l| l.starts_with("NPTRACE ")) {
+            println!("{l}");
+        }
     }
     Ok(out[0].stdout.lines().filter(|l| l.starts_with("NPROXY ")).filter_map(parse).collect())
 }

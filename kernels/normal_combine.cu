@@ -93,10 +93,12 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
             const uint32_t slot = static_cast<uint32_t>(cum % spp);
             if (threadIdx.x == 0) {
                 const fep::WaitCtx ctx = comm.wait_ctx(FEP_NORMAL_PHASE_COMBINE_SEND, d);
+                if (px) FEP_NP_TRACE(FEP_TRACE_PHASE_STRIDE + FEP_TRACE_NP_SEND_WAIT, me);
                 ok = cum < spp ||
                      (px ? fep::wait_geq(comm.px_arrivals(comm.px_credit_id(d, slot)), cum / spp,
                                          ctx)
                          : fep::wait_geq(comm.credit_ptr(me, d, slot), cum - spp + 1, ctx));
+                if (px) FEP_NP_TRACE(FEP_TRACE_PHASE_STRIDE + FEP_TRACE_NP_SEND_STAGE, me);
             }
             __syncthreads();
             if (!ok) break;
@@ -120,6 +122,7 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
                                      comm.px_data_off(me, slot), rows * p.record_bytes,
                                      comm.px_imm(comm.px_data_id(me, slot), rows),
                                      comm.wait_ctx(FEP_NORMAL_PHASE_COMBINE_SEND, d));
+                    FEP_NP_TRACE(FEP_TRACE_PHASE_STRIDE + FEP_TRACE_NP_SEND_PUSHED, me);
                 } else {
                     fep::st_release_sys(comm.flag_ptr(d, me, slot), cum + 1);
                 }
@@ -148,8 +151,10 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
                 const uint64_t cum = base + k;
                 const uint32_t slot = static_cast<uint32_t>(cum % spp);
                 if (threadIdx.x == 0) {
+                    FEP_NP_TRACE(FEP_TRACE_PHASE_STRIDE + FEP_TRACE_NP_RECV_WAIT, me);
                     ok = fep::wait_geq(comm.px_arrivals(comm.px_data_id(r, slot)), cum / spp + 1,
                                        comm.wait_ctx(FEP_NORMAL_PHASE_COMBINE_RECV, r));
+                    FEP_NP_TRACE(FEP_TRACE_PHASE_STRIDE + FEP_TRACE_NP_RECV_COPY, me);
                 }
                 __syncthreads();
                 if (!ok) break;
@@ -160,7 +165,10 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
                                 rows * p.record_bytes / 16);
                 __threadfence();
                 __syncthreads();
-                if (threadIdx.x == 0) fep::st_release_sys(comm.flag_ptr(me, r, slot), cum + 1);
+                if (threadIdx.x == 0) {
+                    fep::st_release_sys(comm.flag_ptr(me, r, slot), cum + 1);
+                    FEP_NP_TRACE(FEP_TRACE_PHASE_STRIDE + FEP_TRACE_NP_RECV_DONE, me);
+                }
             }
         } else {
             // ---- receiver: one warp per token ----

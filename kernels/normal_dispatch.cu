@@ -63,10 +63,12 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
             const uint32_t slot = static_cast<uint32_t>(cum % spp);
             if (threadIdx.x == 0) {
                 const fep::WaitCtx ctx = comm.wait_ctx(FEP_NORMAL_PHASE_DISPATCH_SEND, d);
+                if (px) FEP_NP_TRACE(FEP_TRACE_NP_SEND_WAIT, me);
                 ok = cum < spp ||
                      (px ? fep::wait_geq(comm.px_arrivals(comm.px_credit_id(d, slot)), cum / spp,
                                          ctx)
                          : fep::wait_geq(comm.credit_ptr(me, d, slot), cum - spp + 1, ctx));
+                if (px) FEP_NP_TRACE(FEP_TRACE_NP_SEND_STAGE, me);
             }
             __syncthreads();
             if (!ok) break;
@@ -106,6 +108,7 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
                                      comm.px_imm(comm.px_data_id(me, slot), rows),
                                      comm.wait_ctx(FEP_NORMAL_PHASE_DISPATCH_SEND, d));
                     px_head = pusher.head;
+                    FEP_NP_TRACE(FEP_TRACE_NP_SEND_PUSHED, me);
                 } else {
                     fep::st_release_sys(comm.flag_ptr(d, me, slot), cum + 1);
                 }
@@ -131,9 +134,11 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
             const uint32_t slot = static_cast<uint32_t>(cum % spp);
             if (threadIdx.x == 0) {
                 const fep::WaitCtx ctx = comm.wait_ctx(FEP_NORMAL_PHASE_DISPATCH_RECV, s);
+                if (px) FEP_NP_TRACE(FEP_TRACE_NP_RECV_WAIT, me);
                 ok = px ? fep::wait_geq(comm.px_arrivals(comm.px_data_id(s, slot)), cum / spp + 1,
                                         ctx)
                         : fep::wait_geq(comm.flag_ptr(me, s, slot), cum + 1, ctx);
+                if (px) FEP_NP_TRACE(FEP_TRACE_NP_RECV_COPY, me);
             }
             __syncthreads();
             if (!ok) break;
@@ -179,6 +184,7 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
                                      comm.px_imm(comm.px_credit_id(me, slot), 1),
                                      comm.wait_ctx(FEP_NORMAL_PHASE_DISPATCH_RECV, s));
                     px_head = pusher.head;
+                    FEP_NP_TRACE(FEP_TRACE_NP_RECV_DONE, me);
                 } else {
                     fep::st_release_sys(comm.credit_ptr(s, me, slot), cum + 1);
                 }

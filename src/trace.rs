@@ -49,6 +49,23 @@ impl TraceRecord {
             abi::FEP_TRACE_LL_RECV_END => "recv_end",
             _ => "",
         };
+        let np = match k
+            .checked_sub(abi::FEP_TRACE_NP_SEND_WAIT)
+            .map(|o| o % abi::FEP_TRACE_PHASE_STRIDE)
+        {
+            Some(0) => "send_wait",
+            Some(1) => "send_stage",
+            Some(2) => "send_pushed",
+            Some(3) => "recv_wait",
+            Some(4) => "recv_copy",
+            Some(5) => "recv_done",
+            _ => "",
+        };
+        let np_phase = if k >= abi::FEP_TRACE_NP_SEND_WAIT + abi::FEP_TRACE_PHASE_STRIDE {
+            "combine"
+        } else {
+            "dispatch"
+        };
         match k {
             abi::FEP_TRACE_PROXY_POSTED => "proxy_posted".into(),
             abi::FEP_TRACE_PROXY_ARRIVAL => "proxy_arrival".into(),
@@ -56,6 +73,11 @@ impl TraceRecord {
             abi::FEP_TRACE_PROXY_RING_SEEN => "proxy_ring_seen".into(),
             _ if k < 2 * abi::FEP_TRACE_PHASE_STRIDE && !point.is_empty() => {
                 format!("ll_{phase}_{point}")
+            }
+            _ if k < abi::FEP_TRACE_NP_SEND_WAIT + 2 * abi::FEP_TRACE_PHASE_STRIDE
+                && !np.is_empty() =>
+            {
+                format!("normal_{np_phase}_{np}")
             }
             _ => format!("kind_{k}"),
         }

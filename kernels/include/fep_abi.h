@@ -207,6 +207,14 @@ typedef struct fep_proxy_pingpong_params {
 #define FEP_TRACE_LL_RECV_COUNTS 5u    /* block 0: every count seen */
 #define FEP_TRACE_LL_RECV_END 6u       /* block 0 done */
 #define FEP_TRACE_PHASE_STRIDE 16u
+/* Normal mode, chunks to or from a peer through the proxy lane (kernels/normal_*.cu), thread 0
+ * of the block: + 16 * phase (0 dispatch, 1 combine); arg = block index. */
+#define FEP_TRACE_NP_SEND_WAIT 32u     /* a sender starts waiting for its slot's credit */
+#define FEP_TRACE_NP_SEND_STAGE 33u    /* credit seen: staging the chunk into host memory */
+#define FEP_TRACE_NP_SEND_PUSHED 34u   /* chunk staged, fenced, its command pushed */
+#define FEP_TRACE_NP_RECV_WAIT 35u     /* a receiver (combine: forwarder) starts waiting */
+#define FEP_TRACE_NP_RECV_COPY 36u     /* the chunk arrived: copying it out of host memory */
+#define FEP_TRACE_NP_RECV_DONE 37u     /* copied; credit pushed (combine: device flag set) */
 #define FEP_TRACE_PROXY_POSTED 64u     /* proxy: a batch of writes posted; arg = writes */
 #define FEP_TRACE_PROXY_ARRIVAL 65u    /* proxy: a write arrived; arg = counter slot */
 #define FEP_TRACE_PROXY_SEND_DONE 66u  /* proxy: local write completions; arg = count */

@@ -21,6 +21,16 @@
 
 #include "fep_abi.h"
 #include "fep_device.cuh"
+#include "fep_trace.cuh"
+
+// Trace points of the proxy-lane chunks (fep_abi.h FEP_TRACE_NP_*; arg = block), compiled only
+// into a diagnosis build (build.rs FEP_TRACE_NORMAL=1): these kernels sit at their register limit
+// and the points made ptxas spill in fep_normal_dispatch.
+#if defined(FEP_TRACE_NORMAL)
+#define FEP_NP_TRACE(kind, rank) fep::trace((kind), (rank), blockIdx.x)
+#else
+#define FEP_NP_TRACE(kind, rank) ((void)0)
+#endif
 
 namespace fep {
 namespace normal {

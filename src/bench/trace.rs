@@ -136,6 +136,88 @@ pub fn table(b: &Breakdown) -> String {
     s
 }
 
+/// Normal mode's proxy-lane chunks (a `FEP_TRACE_NORMAL=1` build, fep_abi.h FEP_TRACE_NP_*):
+/// per phase, the intervals one block walks for each chunk, paired within each (rank, block)
+/// sequence in time order (a block handles its chunks one after another):
+/// - sender: credit wait (`send_wait -> send_stage`), staging + fence + push (`send_stage ->
+///   send_pushed`);
+/// - receiver (combine: the forwarder): arrival wait (`recv_wait -> recv_copy`), copy-out +
+///   credit / flag (`recv_copy -> recv_done`);
+///
+/// and the proxy's `ring_seen -> posted` (this process's proxy points, in order). Samples in us.
+pub fn normal_proxy_spans(recs: &[TraceRecord]) -> Vec<(String, Vec<f64>)> {
+    use abi::*;
+    let mut out = Vec::new();
+    for (phase, name) in PHASES.iter().enumerate() {
+        let k = |point: u32| kind(phase, point);
+        for (a, b, what) in [
+            (FEP_TRACE_NP_SEND_WAIT, FEP_TRACE_NP_SEND_STAGE, "send: credit wait"),
+            (FEP_TRACE_NP_SEND_STAGE, FEP_TRACE_NP_SEND_PUSHED, "send: stage + fence + push"),
+            (FEP_TRACE_NP_RECV_WAIT, FEP_TRACE_NP_RECV_COPY, "receive: arrival wait"),
+            (FEP_TRACE_NP_RECV_COPY, FEP_TRACE_NP_RECV_DONE, "receive: copy out + credit"),
+        ] {
+            out.push((format!("{name} {what}"), block_spans(recs, k(a), k(b))));
+        }
+    }
+    let seen = FEP_TRACE_PROXY_RING_SEEN as u16;
+    let posted = FEP_TRACE_PROXY_POSTED as u16;
+    let mut host = Vec::new();
+    let mut open: BTreeMap<u16, i64> = BTreeMap::new();
+    for r in recs {
+        if r.kind == seen {
+            open.entry(r.rank).or_insert(r.t_ns);
+        } else if r.kind == posted {
+            if let Some(t) = open.remove(&r.rank) {
+                host.push((r.t_ns - t) as f64 / 1e3);
+            }
+        }
+    }
+    out.push(("proxy: ring entries seen -> writes posted".to_string(), host));
+    out
+}
+
+/// Durations (us) from each `start` record to the next `end` record of the same (rank, arg),
+/// records taken in time order; a `start` without its `end` is dropped.
+pub fn block_spans(recs: &[TraceRecord], start: u16, end: u16) -> Vec<f64> {
+    let mut open: BTreeMap<(u16, u32), i64> = BTreeMap::new();
+    let mut v = Vec::new();
+    let mut sorted: Vec<&TraceRecord> =
+        recs.iter().filter(|r| r.kind == start || r.kind == end).collect();
+    sorted.sort_by_key(|r| r.t_ns);
+    for r in sorted {
+        if r.kind == start {
+            open.insert((r.rank, r.arg), r.t_ns);
+        } else if let Some(t) = open.remove(&(r.rank, r.arg)) {
+            v.push((r.t_ns - t) as f64 / 1e3);
+        }
+    }
+    v
+}
+
+/// Spans as a markdown table (n, median, p90 and total per interval, us).
+pub fn span_table(spans: &[(String, Vec<f64>)]) -> String {
+    let mut s =
+        String::from("| interval | n | median us | p90 us | total us |\n|---|---|---|---|---|\n");
+    for (name, v) in spans {
+        if v.is_empty() {
+            s.push_str(&format!("| {name} | 0 | - | - | - |\n"));
+            continue;
+        }
+        let mut w = v.clone();
+        w.sort_by(|a, b| a.total_cmp(b));
+        let at = |q: f64| w[((w.len() - 1) as f64 * q).round() as usize];
+        let total: f64 = w.iter().sum();
+        s.push_str(&format!(
+            "| {name} | {} | {:.2} | {:.2} | {:.1} |\n",
+            w.len(),
+            at(0.5),
+            at(0.9),
+            total
+        ));
+    }
+    s
+}
+
 /// One line per record from `from` (ns) for `span` ns, times relative to `from` in us.
 pub fn timeline(recs: &[TraceRecord], from: i64, span: i64) -> String {
     recs.iter()
@@ -158,6 +240,48 @@ mod tests {
 
     fn rec(t_ns: i64, kind: u32, rank: u16, arg: u32) -> TraceRecord {
         TraceRecord { t_ns, kind: kind as u16, rank, arg }
+    }
+
+    /// Two sender blocks of rank 0 and one receiver block of rank 1 (dispatch), chunks back to
+    /// back, interleaved in time: every span pairs within its own block.
+    #[test]
+    fn normal_proxy_spans_pair_within_each_block() {
+        use abi::*;
+        let us = 1000;
+        let mut r = vec![
+            rec(0, FEP_TRACE_NP_SEND_WAIT, 0, 3),
+            rec(us, FEP_TRACE_NP_SEND_WAIT, 0, 5),
+            rec(2 * us, FEP_TRACE_NP_SEND_STAGE, 0, 3), // block 3 waited 2 us
+            rec(4 * us, FEP_TRACE_NP_SEND_STAGE, 0, 5), // block 5 waited 3 us
+            rec(9 * us, FEP_TRACE_NP_SEND_PUSHED, 0, 3), // staged 7 us
+            rec(10 * us, FEP_TRACE_NP_SEND_WAIT, 0, 3),
+            rec(12 * us, FEP_TRACE_NP_SEND_PUSHED, 0, 5), // staged 8 us
+            rec(15 * us, FEP_TRACE_NP_SEND_STAGE, 0, 3),  // waited 5 us
+            rec(5 * us, FEP_TRACE_NP_RECV_WAIT, 1, 9),
+            rec(11 * us, FEP_TRACE_NP_RECV_COPY, 1, 9),
+            rec(14 * us, FEP_TRACE_NP_RECV_DONE, 1, 9),
+            rec(us, FEP_TRACE_PROXY_RING_SEEN, 0, 1),
+            rec(3 * us, FEP_TRACE_PROXY_RING_SEEN, 0, 1), // still the same unposted batch
+            rec(4 * us, FEP_TRACE_PROXY_POSTED, 0, 2),
+            // A combine-phase point must not pair with dispatch ones.
+            rec(16 * us, FEP_TRACE_PHASE_STRIDE + FEP_TRACE_NP_SEND_STAGE, 0, 5),
+        ];
+        r.sort_by_key(|x| x.t_ns);
+        let spans = normal_proxy_spans(&r);
+        let get = |name: &str| -> Vec<f64> {
+            let mut v = spans.iter().find(|(n, _)| n == name).expect(name).1.clone();
+            v.sort_by(|a, b| a.total_cmp(b));
+            v
+        };
+        assert_eq!(get("dispatch send: credit wait"), vec![2.0, 3.0, 5.0]);
+        assert_eq!(get("dispatch send: stage + fence + push"), vec![7.0, 8.0]);
+        assert_eq!(get("dispatch receive: arrival wait"), vec![6.0]);
+        assert_eq!(get("dispatch receive: copy out + credit"), vec![3.0]);
+        assert!(get("combine send: credit wait").is_empty());
+        assert_eq!(get("proxy: ring entries seen -> writes posted"), vec![3.0]);
+        let t = span_table(&spans);
+        assert!(t.contains("| dispatch send: credit wait | 3 | 3.00 | 5.00 | 10.0 |"), "{t}");
+        assert!(t.contains("| combine send: credit wait | 0 | - | - | - |"), "{t}");
     }
 
     /// A synthetic dispatch, rank 0 -> rank 1 and back, 1 message each way: every interval

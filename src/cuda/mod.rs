@@ -27,7 +27,7 @@ pub use graph::GraphExec;
 pub use memory::{ipc_export, DeviceBuffer, HostMapped, IpcHandle, IpcMapping, PeerMemory};
 pub use module::{Kernel, FATBIN};
 pub use stream::{Event, Stream};
-pub use trace::DeviceTrace;
+pub use trace::{DeviceTrace, NORMAL_TRACE_POINTS};
 
 use std::time::Duration;
 

@@ -8,6 +8,10 @@ use super::{CudaResult, Device, DeviceBuffer, HostMapped, Stream};
 use crate::abi;
 use crate::trace::{now_ns, TraceRecord};
 
+/// Whether this build's normal-mode kernels carry their proxy-lane trace points (a diagnosis
+/// build: `FEP_TRACE_NORMAL=1`, build.rs). The low-latency kernels always do.
+pub const NORMAL_TRACE_POINTS: bool = cfg!(fep_trace_normal);
+
 /// An installed device trace. Dropping it uninstalls the buffer (synchronous copy): drop it only
 /// when no traced kernel runs.
 pub struct DeviceTrace {
