@@ -1,20 +1,11 @@
 //! GPU: the CUDA layer itself (buffers, mapped host memory, events, IPC between processes).
 //! Ignored without `--include-ignored`; scripts/gpu-check.sh runs them.
 
-use fabric_ep::cuda::{
-    gpu_available, Device, DeviceBuffer, Event, HostMapped, IpcHandle, IpcMapping, PeerMemory,
-    Stream,
-};
+mod gpu_common;
+use fabric_ep::cuda::{DeviceBuffer, Event, HostMapped, IpcHandle, IpcMapping, PeerMemory, Stream};
+use gpu_common::gpu;
 use std::sync::Arc;
 use std::time::Duration;
-
-fn gpu() -> Option<Device> {
-    if !gpu_available() {
-        eprintln!("SKIP: no GPU visible (gpu_available() is false)");
-        return None;
-    }
-    Some(Device::from_env().expect("open the GPU"))
-}
 
 #[test]
 #[ignore = "needs a GPU: scripts/gpu-check.sh runs it"]

@@ -2,20 +2,12 @@
 //! CPU standing in for the proxy. Ignored without `--include-ignored`; scripts/gpu-check.sh runs
 //! them.
 
+mod gpu_common;
 use fabric_ep::abi::{self, fep_cmd, fep_ring_push_test_params, fep_wait_test_params};
-use fabric_ep::cuda::{
-    gpu_available, launch, CudaError, DevErrorRecord, Device, HostMapped, Stream,
-};
+use fabric_ep::cuda::{launch, CudaError, DevErrorRecord, HostMapped, Stream};
+use gpu_common::gpu;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
-
-fn gpu() -> Option<Device> {
-    if !gpu_available() {
-        eprintln!("SKIP: no GPU visible (gpu_available() is false)");
-        return None;
-    }
-    Some(Device::from_env().expect("open the GPU"))
-}
 
 /// About 1 ms at H200 clocks (1.98 GHz boost; less when idle-clocked, so longer in time).
 const SMALL_BUDGET: u64 = 2_000_000;

@@ -9,12 +9,14 @@
 //! barriers between steps (ranks drift apart, as with Python threads). Ignored without
 //! `--include-ignored` (CI has no GPU); scripts/gpu-check.sh runs it.
 
+mod gpu_common;
+use gpu_common::gpu;
 use std::os::raw::{c_int, c_void};
 use std::time::Duration;
 
 use fabric_ep::bench::ep::{combine_input, rank_inputs, reference, NormalBenchParams, RankInputs};
 use fabric_ep::bootstrap::{Bootstrap, InProcGroup};
-use fabric_ep::cuda::{gpu_available, Device, DeviceBuffer, Stream};
+use fabric_ep::cuda::{Device, DeviceBuffer, Stream};
 use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::ep::reference::{NormalDispatchOut, Tokens};
 use fabric_ep::ffi::*;
@@ -28,14 +30,6 @@ const T: usize = 40;
 /// land in a neighbouring tensor of a caller that allocates exact sizes, as torch does).
 const CANARY_ROWS: usize = 8;
 const POISON: u8 = 0xAB;
-
-fn gpu() -> Option<Device> {
-    if !gpu_available() {
-        eprintln!("SKIP: no GPU visible (gpu_available() is false)");
-        return None;
-    }
-    Some(Device::from_env().expect("open the GPU"))
-}
 
 /// `fep_allgather_fn` over an in-process group: `user` is a `&Box<dyn Bootstrap>`.
 unsafe extern "C" fn gather(

@@ -1,23 +1,17 @@
 //! GPU: the layout kernel against the Rust reference (src/ep/layout.rs).
 //! Ignored without `--include-ignored` (CI has no GPU); scripts/gpu-check.sh runs them.
 
-use fabric_ep::cuda::{gpu_available, CudaError, DevErrorRecord, Device, DeviceBuffer, Stream};
+mod gpu_common;
+use fabric_ep::cuda::{CudaError, DevErrorRecord, Device, DeviceBuffer, Stream};
 use fabric_ep::ep::layout::{
     dispatch_layout, random_topk_idx, DispatchLayoutGpu, Layout, LayoutBuffers, LayoutShape,
     LayoutTuning, LayoutVariant,
 };
 use fabric_ep::util::SplitMix64;
+use gpu_common::gpu;
 use std::time::Duration;
 
 const POISON: u8 = 0xAB;
-
-fn gpu() -> Option<Device> {
-    if !gpu_available() {
-        eprintln!("SKIP: no GPU visible (gpu_available() is false)");
-        return None;
-    }
-    Some(Device::from_env().expect("open the GPU"))
-}
 
 /// Runs the kernel on `idx` with poisoned outputs and returns the result.
 fn run_gpu(

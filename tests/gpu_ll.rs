@@ -5,23 +5,17 @@
 //! Exactness claims checked here: bf16 dispatch rows bit-exact; fp8 rows and scales bit-exact
 //! (same e4m3 bytes, same f32 scales); combine bit-exact (same fma order, same RNE rounding).
 
-use fabric_ep::cuda::{gpu_available, Device, DeviceBuffer};
+mod gpu_common;
+use fabric_ep::cuda::{Device, DeviceBuffer};
 use fabric_ep::ep::ll_gpu::{LlDispatchHost, LlDispatchOut, LlGpuConfig, LlGpuGroup};
 use fabric_ep::ep::quant::f32_to_bf16;
 use fabric_ep::ep::reference::{self, LlCombineInput, LlParams, LlRankInput, Tokens};
 use fabric_ep::util::SplitMix64;
 use fabric_ep::Error;
+use gpu_common::gpu;
 use std::time::Duration;
 
 const POISON: u8 = 0xAB;
-
-fn gpu() -> Option<Device> {
-    if !gpu_available() {
-        eprintln!("SKIP: no GPU visible (gpu_available() is false)");
-        return None;
-    }
-    Some(Device::from_env().expect("open the GPU"))
-}
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Routing {

@@ -18,6 +18,8 @@
 //! Ignored without `--include-ignored` (CI has no GPU); without a GPU they say SKIP.
 //! Providers from `FEP_TEST_PROVIDERS` (comma list), default `shm,tcp;ofi_rxm`.
 
+mod gpu_common;
+use gpu_common::gpu;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -26,7 +28,7 @@ use fabric_ep::bench::ep_gpu::{
     run_ll_gpu_on, run_ll_gpu_rank, GpuBenchParams, LlCase, LlRunOptions,
 };
 use fabric_ep::bootstrap::{Bootstrap, InProcGroup, LocalJob, TcpStore};
-use fabric_ep::cuda::{gpu_available, Device, DeviceBuffer, Stream};
+use fabric_ep::cuda::{Device, DeviceBuffer, Stream};
 use fabric_ep::ep::buffer::{Buffer, BufferOptions};
 use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::ep::gpu::{DevSlice, GpuLlCombineArgs, GpuLlDispatchArgs, GpuOptions};
@@ -34,14 +36,6 @@ use fabric_ep::Error;
 
 const ROLE: &str = "FEP_GPU_LL_PROXY_ROLE";
 const CHILD_OK: &str = "CHILD_OK";
-
-fn gpu() -> Option<Device> {
-    if !gpu_available() {
-        eprintln!("SKIP: no GPU visible (gpu_available() is false)");
-        return None;
-    }
-    Some(Device::from_env().expect("open the GPU"))
-}
 
 fn providers() -> Vec<String> {
     std::env::var("FEP_TEST_PROVIDERS")

@@ -2,7 +2,8 @@
 //! process on one GPU, against the single-process reference (src/ep/reference.rs).
 //! Ignored without `--include-ignored` (CI has no GPU); scripts/gpu-check.sh runs them.
 
-use fabric_ep::cuda::{gpu_available, CudaError, Device};
+mod gpu_common;
+use fabric_ep::cuda::{CudaError, Device};
 use fabric_ep::ep::config::DispatchDtype;
 use fabric_ep::ep::layout::{random_topk_idx, LayoutShape};
 use fabric_ep::ep::normal_gpu::harness::{step, RankBuffers, RankInput, StepOptions};
@@ -14,17 +15,10 @@ use fabric_ep::ep::reference::{
 };
 use fabric_ep::util::SplitMix64;
 use fabric_ep::Error;
+use gpu_common::gpu;
 use std::time::Duration;
 
 const POISON: u8 = 0xAB;
-
-fn gpu() -> Option<Device> {
-    if !gpu_available() {
-        eprintln!("SKIP: no GPU visible (gpu_available() is false)");
-        return None;
-    }
-    Some(Device::from_env().expect("open the GPU"))
-}
 
 #[derive(Clone, Debug)]
 struct Case {

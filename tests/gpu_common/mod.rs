@@ -1,5 +1,5 @@
-//! Shared by the `Buffer` GPU tests (tests/gpu_buffer.rs: ranks as threads; tests/gpu_ipc.rs:
-//! ranks as processes): the GPU gate and the small run shapes checked against the reference.
+//! Shared by the GPU tests (`gpu()`, the gate every tests/gpu_*.rs uses) and the `Buffer` ones
+//! (tests/gpu_buffer.rs, tests/gpu_ipc.rs: the small run shapes checked against the reference).
 
 #![allow(dead_code)]
 
