@@ -800,6 +800,15 @@ pub fn run_ll_gpu_rank(
             }
             Ok(())
         };
+        // Both outputs of the pair just run (after a sync) against case `c`'s reference.
+        let check = |c: &LlCase, it: usize, what: &str| -> Result<()> {
+            check_ll_dispatch(rank, it, p, &out.to_host()?, &c.want_d[rank])?;
+            let got: Vec<u16> = out_c.to_vec()?;
+            if got[..t * h] != c.want_c[rank][..] {
+                return Err(mismatch(rank, what, it));
+            }
+            Ok(())
+        };
         // `p.graph`: step 0 eager, then each phase captured once in its own graph (events
         // between the launches time each phase) and replayed, the two cases alternating.
         let cases: Vec<&LlCase> = std::iter::once(case).chain(case.alt.as_deref()).collect();
@@ -835,11 +844,7 @@ pub fn run_ll_gpu_rank(
             }
             ev[2].record(&stream)?;
             gpu.sync_gpu(&stream)?;
-            check_ll_dispatch(rank, it, p, &out.to_host()?, &c.want_d[rank])?;
-            let got: Vec<u16> = out_c.to_vec()?;
-            if got[..t * h] != c.want_c[rank][..] {
-                return Err(mismatch(rank, "low-latency combine", it));
-            }
+            check(c, it, "low-latency combine")?;
             if it >= p.warmup {
                 r.dispatch_s.push(elapsed_s(&ev[0], &ev[1])?);
                 r.combine_s.push(elapsed_s(&ev[1], &ev[2])?);
@@ -870,11 +875,7 @@ pub fn run_ll_gpu_rank(
             }
             boot.barrier()?;
             let it = p.warmup + p.iters + o.trace_pairs;
-            check_ll_dispatch(rank, it, p, &out.to_host()?, &case.want_d[rank])?;
-            let got: Vec<u16> = out_c.to_vec()?;
-            if got[..t * h] != case.want_c[rank][..] {
-                return Err(mismatch(rank, "low-latency combine (traced pairs)", it));
-            }
+            check(case, it, "low-latency combine (traced pairs)")?;
         }
         if o.timed_iters == 0 {
             return Ok(());
@@ -903,11 +904,7 @@ pub fn run_ll_gpu_rank(
             rep.host_enqueue_s = t0.elapsed().as_secs_f64() / o.timed_iters as f64;
             gpu.sync_gpu(&stream)?;
             let it = p.warmup + p.iters + o.timed_iters;
-            check_ll_dispatch(rank, it, p, &out.to_host()?, &case.want_d[rank])?;
-            let got: Vec<u16> = out_c.to_vec()?;
-            if got[..t * h] != case.want_c[rank][..] {
-                return Err(mismatch(rank, "low-latency combine (graph replay)", it));
-            }
+            check(case, it, "low-latency combine (graph replay)")?;
             for i in 0..o.timed_iters {
                 rep.pair_s.push(elapsed_s(&ev[i], &ev[i + 1])?);
             }
@@ -936,11 +933,7 @@ pub fn run_ll_gpu_rank(
         gpu.sync_gpu(&stream)?;
         // The last pair is still checked (the timed loop must not trade correctness).
         let it = p.warmup + p.iters + o.timed_iters;
-        check_ll_dispatch(rank, it, p, &out.to_host()?, &case.want_d[rank])?;
-        let got: Vec<u16> = out_c.to_vec()?;
-        if got[..t * h] != case.want_c[rank][..] {
-            return Err(mismatch(rank, "low-latency combine (timed loop)", it));
-        }
+        check(case, it, "low-latency combine (timed loop)")?;
         r.dispatch_s.clear();
         r.combine_s.clear();
         for i in 0..o.timed_iters {
