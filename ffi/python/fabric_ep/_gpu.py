@@ -518,6 +518,17 @@ class GpuPath:
 
     # ------------------------------------------------------------------ low latency
 
+    def ll_complete(self, op: int, what: str) -> None:
+        """A low-latency hook: the receive of send ``op``, on the current stream (checked first:
+        the Buffer still exists; the caller checks that the hook was not called before)."""
+        bp = self.buf._ptr
+        if not bp:
+            raise RuntimeError(f"{what} hook: the Buffer was destroyed")
+        self.orders(self.compute(), 0, False)
+        st = lib.fep_gpu_ll_complete(bp, op, self._order0)
+        if st:
+            raise _lib.error("fep_gpu_ll_complete", st)
+
     def ll_dispatch(self, x: Any, topk_idx: Any, stats: Any, use_fp8: bool, round_scale: bool,
                     async_finish: bool, return_recv_hook: bool) -> Tuple[Any, ...]:
         from .buffer import LowLatencyHandle
@@ -586,15 +597,9 @@ class GpuPath:
         me = self
 
         def receive() -> None:
-            bp = b._ptr
-            if not bp:
-                raise RuntimeError("low_latency_dispatch hook: the Buffer was destroyed")
             if handle._received:
                 raise RuntimeError("low_latency_dispatch hook: already called")
-            me.orders(me.compute(), 0, False)
-            s2 = lib.fep_gpu_ll_complete(bp, handle._ptr, me._order0)
-            if s2:
-                raise _lib.error("fep_gpu_ll_complete", s2)
+            me.ll_complete(handle._ptr, "low_latency_dispatch")
             handle._received = True
             if stats is not None:
                 stats.add_(count)
@@ -646,15 +651,9 @@ class GpuPath:
         me = self
 
         def receive() -> None:
-            bp = b._ptr
-            if not bp:
-                raise RuntimeError("low_latency_combine hook: the Buffer was destroyed")
             if cop.done:
                 raise RuntimeError("low_latency_combine hook: already called")
-            me.orders(me.compute(), 0, False)
-            s2 = lib.fep_gpu_ll_complete(bp, cop.ptr, me._order0)
-            if s2:
-                raise _lib.error("fep_gpu_ll_complete", s2)
+            me.ll_complete(cop.ptr, "low_latency_combine")
             cop.done = True
 
         if return_recv_hook:

@@ -13,7 +13,7 @@ import types
 
 import pytest
 
-from fabric_ep import EventOverlap, _gpu
+from fabric_ep import EventOverlap, _gpu, _lib
 from fabric_ep.buffer import DispatchHandle
 
 H, K, L, R, T = 256, 2, 3, 2, 5
@@ -252,3 +252,20 @@ def test_bad_dispatch_arguments_are_named(path):
     g.threads = False  # one rank per process: the legacy stream is CU_STREAM_LEGACY (1)
     g.dispatch(x, None, idx, w, 1, 0, None, False, False)
     assert order(rec.calls[0][5]) == (COMM, 1, 0, 1)
+
+
+def test_ll_hook_completion_orders_streams_and_refuses_a_destroyed_buffer(path):
+    """GpuPath.ll_complete, the receive both low-latency hooks run: one fep_gpu_ll_complete on
+    the comm stream after the current stream, the current stream waiting for it afterwards; a
+    destroyed Buffer is refused, naming the hook, before any C call."""
+    g, torch, rec, buf = path
+    calls = []
+    rec.fep_gpu_ll_complete = lambda p, op, o: calls.append((p, op, order(o))) or 0
+    g.ll_complete(0x55, "low_latency_dispatch")
+    assert calls == [(0xABC, 0x55, (COMM, COMPUTE, 0, COMPUTE))]
+    rec.fep_gpu_ll_complete = lambda p, op, o: _lib.FEP_ERR_TIMEOUT
+    with pytest.raises(_lib.FabricEPTimeoutError, match="^fep_gpu_ll_complete"):
+        g.ll_complete(0x55, "low_latency_combine")
+    buf._ptr = 0
+    with pytest.raises(RuntimeError, match="^low_latency_combine hook: the Buffer was destroyed"):
+        g.ll_complete(0x55, "low_latency_combine")
