@@ -191,9 +191,16 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
                 // This rank's own expert e: the row is x[e][begin of unit (e, me) + pos]
                 // (layout_range and pos from this rank's dispatch).
                 const int e = static_cast<int>(g) % L;
-                const size_t in_row = static_cast<size_t>(e) * S + range[2 * (e * R + p.rank)] +
-                                      pos[t * K + k];
-                row = p.x + in_row * static_cast<uint64_t>(2 * H);
+                const int64_t at = static_cast<int64_t>(range[2 * (e * R + p.rank)]) + pos[t * K + k];
+                if (at < 0 || at >= static_cast<int64_t>(S)) {
+                    // A layout that does not come from this rank's dispatch: recorded, not read.
+                    fep::report_error(p.dev_error, FEP_DEV_BAD_INPUT, p.rank,
+                                      FEP_PHASE_LL_COMBINE_RECV, static_cast<uint32_t>(p.rank),
+                                      static_cast<uint64_t>(S), static_cast<uint64_t>(at));
+                } else {
+                    row = p.x + (static_cast<size_t>(e) * S + static_cast<size_t>(at)) *
+                                    static_cast<uint64_t>(2 * H);
+                }
             } else if (g >= 0 && g < E) {
                 row = base + unit_offset(p.set, 1, E, static_cast<int>(g), p.unit_bytes, p.proxy) +
                       static_cast<uint64_t>(pos[t * K + k]) * p.record_bytes;
