@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use fabric_ep::bench::ep::{rank_inputs, NormalBenchParams};
+use fabric_ep::bench::ep::rank_inputs;
 use fabric_ep::bench::ep_gpu::{run_normal_gpu_rank, GpuBenchParams, GpuSplit};
 use fabric_ep::bench::fabric::fi_pingpong;
 use fabric_ep::bench::stats::Summary;
@@ -88,14 +88,7 @@ fn proxy_bytes(p: &GpuBenchParams, rank: usize) -> Result<(u64, u64), String> {
     s.max_tokens_per_rank = p.num_tokens;
     s.dispatch_dtype = DispatchDtype::Fp8E4m3;
     let cfg = EpConfig::new(s).map_err(|e| e.to_string())?;
-    let hp = NormalBenchParams {
-        num_tokens: p.num_tokens,
-        seed: p.seed,
-        drop_pct: p.drop_pct,
-        iters: p.iters,
-        warmup: p.warmup,
-        combine_weights: true,
-    };
+    let hp = p.host_params();
     let inp = rank_inputs(&cfg, &hp, rank).map_err(|e| e.to_string())?;
     let lay = dispatch_layout(&inp.topk_idx, p.num_tokens, p.num_topk, p.num_experts, 2, 2)
         .map_err(|e| e.to_string())?;

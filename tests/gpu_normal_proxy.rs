@@ -20,7 +20,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fabric_ep::bench::ep::{run_normal, NormalBenchParams};
+use fabric_ep::bench::ep::run_normal;
 use fabric_ep::bench::ep_gpu::{
     run_normal_gpu_rank, run_normal_gpu_split, GpuBenchParams, GpuSplit,
 };
@@ -115,14 +115,7 @@ fn gpu_and_host_backend_agree_on_the_same_inputs() {
         let p = params(ranks, 200, hidden, fp8);
         run_normal_gpu_split(&dev, &p, &split(rpn, "shm", 16, 8, false))
             .unwrap_or_else(|e| panic!("GPU {ranks} x {rpn}/node: {e}"));
-        let hp = NormalBenchParams {
-            num_tokens: p.num_tokens,
-            seed: p.seed,
-            drop_pct: p.drop_pct,
-            iters: p.iters,
-            warmup: p.warmup,
-            combine_weights: true,
-        };
+        let hp = p.host_params();
         let boots = InProcGroup::new(ranks, rpn, Duration::from_secs(60)).unwrap();
         let res: Vec<Result<(), String>> = std::thread::scope(|s| {
             let hs: Vec<_> = boots

@@ -54,6 +54,19 @@ pub struct GpuBenchParams {
 }
 
 impl GpuBenchParams {
+    /// The host bench's input parameters for the same run (token count, seed, drop rate,
+    /// iterations; combine with weights): the inputs and references GPU runs check against.
+    pub fn host_params(&self) -> NormalBenchParams {
+        NormalBenchParams {
+            num_tokens: self.num_tokens,
+            seed: self.seed,
+            drop_pct: self.drop_pct,
+            iters: self.iters,
+            warmup: self.warmup,
+            combine_weights: true,
+        }
+    }
+
     /// DeepEP's standard normal setting: 4096 tokens, hidden 7168, top-8 of 256, fp8 dispatch.
     pub fn normal_standard(num_ranks: usize) -> Self {
         GpuBenchParams {
@@ -322,14 +335,7 @@ struct NormalPrep {
 impl NormalPrep {
     fn new(p: &GpuBenchParams, split: &GpuSplit) -> Result<Self> {
         let cfg0 = p.config_split(0, split.ranks_per_node)?;
-        let hp = NormalBenchParams {
-            num_tokens: p.num_tokens,
-            seed: p.seed,
-            drop_pct: p.drop_pct,
-            iters: p.iters,
-            warmup: p.warmup,
-            combine_weights: true,
-        };
+        let hp = p.host_params();
         let inputs: Vec<RankInputs> = (0..p.num_ranks)
             .map(|r| host_bench::rank_inputs(&cfg0, &hp, r))
             .collect::<Result<_>>()?;

@@ -243,14 +243,7 @@ impl BaselinePrep {
                 format!("{h}: the baseline needs hidden % 512 == 0 in fp8"),
             ));
         }
-        let hp = NormalBenchParams {
-            num_tokens: t,
-            seed: p.seed,
-            drop_pct: p.drop_pct,
-            iters: p.iters,
-            warmup: p.warmup,
-            combine_weights: true,
-        };
+        let hp = NormalBenchParams { num_tokens: t, ..p.host_params() };
         let inputs: Vec<RankInputs> =
             (0..nr).map(|r| host_bench::rank_inputs(&cfg0, &hp, r)).collect::<Result<_>>()?;
         let (want_d, want_c) = host_bench::reference(&cfg0, &inputs, 1, None, true)?;
