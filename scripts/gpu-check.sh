@@ -8,6 +8,8 @@
 #                                  libfabric_ep.so inside the Python package (python/fabric_ep/)
 #                                  and the Python tests (python/tests/). FEP_GPU_BUILD=python
 #                                  builds only the library and the package (the "python" section).
+#                                  FEP_GPU_TRACE=1 adds traced/gpu_normal_proxy_bench, built with
+#                                  FEP_TRACE_NORMAL=1 (build.rs) in target/trace.
 #   bash gpu-bundle/gpu-check.sh run   (GPU machine, repo root) run every GPU test
 #                                  (--include-ignored), the layout benchmark and the PyTorch
 #                                  comparison; logs under $OUT (default /tmp/fep-gpu-out); a short
@@ -107,7 +109,16 @@ EOF
   done
   [ -x "$bundle/bin/fi_pingpong" ] || echo "gpu-check: no fi_pingpong here (apt-get install libfabric-bin)" >&2
   ls "$bundle/lib" | sed 's/^/  lib\//'
-  for f in "$bundle"/tests/* "$bundle"/examples/* "$bundle"/benches/* "$bundle"/bin/* \
+  if [ "${FEP_GPU_TRACE:-0}" = 1 ]; then
+    # The diagnosis build of the normal proxy bench (trace points in the normal kernels' proxy
+    # lanes, build.rs FEP_TRACE_NORMAL) in its own target folder, beside the plain one.
+    echo "gpu-check: traced build of gpu_normal_proxy_bench (target/trace)"
+    CARGO_TARGET_DIR=target/trace FEP_TRACE_NORMAL=1 cargo build --release --example gpu_normal_proxy_bench
+    mkdir -p "$bundle/traced"
+    cp target/trace/release/examples/gpu_normal_proxy_bench "$bundle/traced/"
+    strip "$bundle/traced/gpu_normal_proxy_bench"
+  fi
+  for f in "$bundle"/tests/* "$bundle"/examples/* "$bundle"/benches/* "$bundle"/bin/* "$bundle"/traced/* \
       "$bundle/python/fabric_ep/libfabric_ep.so"; do
     [ -f "$f" ] || continue
     # libcuda is loaded at run time (cudarc), never linked; libfabric comes from the bundle.

@@ -16,9 +16,18 @@ pub enum Error {
     /// Bad input, caught before anything is sent.
     #[error("invalid argument `{arg}`: {msg}")]
     InvalidArgument { arg: &'static str, msg: String },
-    /// A bounded wait ran out; `peers` names the ranks that did not deliver.
-    #[error("rank {rank}: timed out after {waited:?} in {phase} waiting for ranks {peers:?}")]
-    Timeout { rank: usize, phase: &'static str, peers: Vec<usize>, waited: Duration },
+    /// A bounded wait ran out; `peers` names the ranks that did not deliver. `detail` is empty
+    /// or says more (a kernel's wait: the value it waited for and the last it saw).
+    #[error(
+        "rank {rank}: timed out after {waited:?} in {phase} waiting for ranks {peers:?}{detail}"
+    )]
+    Timeout {
+        rank: usize,
+        phase: &'static str,
+        peers: Vec<usize>,
+        waited: Duration,
+        detail: String,
+    },
     /// Ranks connected with different settings.
     #[error("config mismatch at connect: {0}")]
     ConfigMismatch(String),
@@ -46,9 +55,30 @@ impl Error {
                 let mut peers: Vec<usize> = lagging.iter().map(|l| l.peer as usize).collect();
                 peers.sort_unstable();
                 peers.dedup();
-                Error::Timeout { rank, phase, peers, waited }
+                Error::Timeout { rank, phase, peers, waited, detail: String::new() }
             }
             other => Error::Proxy(other),
+        }
+    }
+
+    /// A wait a kernel recorded as timed out (`FEP_DEV_WAIT_TIMEOUT`) of rank `rank` in `phase`,
+    /// waiting for `peer`: keeps what the wait expected and the last value it saw (for a flag,
+    /// `tag << 32 | count`), which tells a message that never came from one that came late or
+    /// with another tag.
+    pub fn device_timeout(
+        rank: u32,
+        phase: &'static str,
+        peer: Option<u32>,
+        expected: u64,
+        observed: u64,
+        waited: Duration,
+    ) -> Self {
+        Error::Timeout {
+            rank: rank as usize,
+            phase,
+            peers: peer.map(|p| vec![p as usize]).unwrap_or_default(),
+            waited,
+            detail: format!(" (expected {expected:#x}, last saw {observed:#x})"),
         }
     }
 }

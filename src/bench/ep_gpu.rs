@@ -822,8 +822,8 @@ pub fn run_ll_gpu_rank(
         for it in 0..p.warmup + p.iters {
             let c = cases[it % cases.len()];
             if cases.len() > 1 {
-                // Host copies on the legacy stream, outside any step (no kernel of this rank in
-                // flight; peers' kernels wait for this rank's sends, not for these copies).
+                // Host copies outside any step (no kernel of this rank in flight), finished
+                // when they return (`Device::blocking`): the step's kernels read them next.
                 let i = &c.inputs[rank];
                 x.copy_from_host(&i.x)?;
                 ti.copy_from_host(&i.topk_idx)?;

@@ -159,6 +159,7 @@ pub fn alltoall_selftest(
                 phase: "alltoall (RMA writes with immediate data)",
                 peers: peers_missing,
                 waited: deadline.elapsed(),
+                detail: String::new(),
             });
         }
     }

@@ -1,7 +1,7 @@
 //! A GPU: its retained primary context, a few attributes, and the embedded kernel module
 //! (loaded once per context, on first use).
 
-use super::driver::{call, ensure, CUcontext, CUfunction};
+use super::driver::{call, ensure, CUcontext, CUfunction, CUstream};
 use super::module::{Kernel, Module};
 use super::{CudaError, CudaResult};
 use cudarc::driver::sys;
@@ -24,7 +24,15 @@ struct DeviceInner {
     cc: (u32, u32),
     max_dynamic_smem: u32,
     module: Mutex<Option<Module>>,
+    /// A private non-blocking stream for the "synchronous" copies and fills of
+    /// [`super::DeviceBuffer`] (made on first use): see [`Device::blocking`].
+    sync_stream: Mutex<Option<SyncStream>>,
 }
+
+/// The raw handle of [`DeviceInner::sync_stream`].
+struct SyncStream(CUstream);
+// SAFETY: a stream handle may be used from any thread; the driver serialises calls on it.
+unsafe impl Send for SyncStream {}
 
 // SAFETY: a CUcontext may be made current on any thread; the driver is thread-safe.
 unsafe impl Send for DeviceInner {}
@@ -56,6 +64,7 @@ impl Device {
                 cc: (0, 0),
                 max_dynamic_smem: 0,
                 module: Mutex::new(None),
+                sync_stream: Mutex::new(None),
             };
             // From here on Drop releases the context, also on the error paths below.
             let mut inner = inner;
@@ -134,6 +143,46 @@ impl Device {
         self.bind()?;
         // SAFETY: context bound above.
         unsafe { call!(cuCtxSynchronize()) }
+    }
+
+    /// Runs `enqueue` with this device's private non-blocking stream, then waits for that stream:
+    /// what the "synchronous" copies and fills of device memory use, so that they have really
+    /// finished when they return.
+    ///
+    /// NOTES: the plain driver calls are not enough. `cuMemcpyHtoD` from pageable memory returns
+    /// once the bytes are staged, "but the DMA to final destination may not have completed", and
+    /// `cuMemsetD8` on device memory is asynchronous to the host (CUDA driver API, "API
+    /// synchronization behavior"); both run on the legacy stream, which does not order against
+    /// the non-blocking streams the kernels use. A test's input copy then raced the next step's
+    /// kernels on the H200 (docs/results/2026-11-29-h200-e, run 1: a dispatch read last
+    /// iteration's top-k). A private stream also keeps these calls out of the legacy stream's
+    /// implicit joins with a framework's blocking streams.
+    pub fn blocking<F>(&self, enqueue: F) -> CudaResult<()>
+    where
+        F: FnOnce(CUstream) -> CudaResult<()>,
+    {
+        self.bind()?;
+        let raw = {
+            let mut g = self.inner.sync_stream.lock();
+            match &*g {
+                Some(s) => s.0,
+                None => {
+                    let mut raw = std::ptr::null_mut();
+                    // SAFETY: context bound; out-pointer valid.
+                    unsafe {
+                        call!(cuStreamCreate(
+                            &mut raw,
+                            sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32
+                        ))?
+                    };
+                    *g = Some(SyncStream(raw));
+                    raw
+                }
+            }
+        };
+        enqueue(raw)?;
+        // SAFETY: the stream lives until the device's context is released (Drop below).
+        unsafe { call!(cuStreamSynchronize(raw)) }
     }
 
     /// Free and total device memory in bytes.
@@ -250,6 +299,9 @@ impl Drop for DeviceInner {
         // SAFETY: the context is still retained; unload the module inside it, then release.
         unsafe {
             if sys::cuCtxSetCurrent(self.ctx) == sys::CUresult::CUDA_SUCCESS {
+                if let Some(s) = self.sync_stream.get_mut().take() {
+                    let _ = sys::cuStreamDestroy_v2(s.0);
+                }
                 if let Some(m) = self.module.get_mut().take() {
                     m.unload();
                 }

@@ -80,7 +80,7 @@ impl DeviceBuffer {
         std::mem::ManuallyDrop::new(DeviceBuffer { dev: dev.clone(), ptr, len })
     }
 
-    /// Synchronous copy host -> device of exactly `len` bytes.
+    /// Copy host -> device of exactly `len` bytes, finished when it returns ([`Device::blocking`]).
     pub fn copy_from_host<T: Pod>(&mut self, src: &[T]) -> CudaResult<()> {
         let bytes: &[u8] = bytemuck::cast_slice(src);
         if bytes.len() != self.len {
@@ -92,12 +92,14 @@ impl DeviceBuffer {
         if self.len == 0 {
             return Ok(());
         }
-        self.dev.bind()?;
-        // SAFETY: both ranges are `len` bytes and valid.
-        unsafe { call!(cuMemcpyHtoD_v2(self.ptr, bytes.as_ptr().cast(), self.len)) }
+        // SAFETY: both ranges are `len` bytes and valid; `bytes` outlives the wait.
+        self.dev.blocking(|s| unsafe {
+            call!(cuMemcpyHtoDAsync_v2(self.ptr, bytes.as_ptr().cast(), self.len, s))
+        })
     }
 
-    /// Synchronous copy device -> host of exactly `len` bytes.
+    /// Copy device -> host of exactly `len` bytes, finished when it returns. Not ordered against
+    /// other streams: synchronise the stream that wrote the buffer first.
     pub fn copy_to_host<T: Pod>(&self, dst: &mut [T]) -> CudaResult<()> {
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(dst);
         if bytes.len() != self.len {
@@ -109,9 +111,10 @@ impl DeviceBuffer {
         if self.len == 0 {
             return Ok(());
         }
-        self.dev.bind()?;
-        // SAFETY: both ranges are `len` bytes and valid.
-        unsafe { call!(cuMemcpyDtoH_v2(bytes.as_mut_ptr().cast(), self.ptr, self.len)) }
+        // SAFETY: both ranges are `len` bytes and valid; `bytes` outlives the wait.
+        self.dev.blocking(|s| unsafe {
+            call!(cuMemcpyDtoHAsync_v2(bytes.as_mut_ptr().cast(), self.ptr, self.len, s))
+        })
     }
 
     /// Enqueues a copy of all `len` bytes into `dst` at `offset` (page-locked host memory) on
@@ -162,14 +165,14 @@ impl DeviceBuffer {
         Ok(v)
     }
 
-    /// Sets every byte (synchronous).
+    /// Sets every byte; done when it returns ([`Device::blocking`]). Not ordered against work
+    /// queued on other streams: call it when no kernel uses the buffer.
     pub fn memset(&self, byte: u8) -> CudaResult<()> {
         if self.len == 0 {
             return Ok(());
         }
-        self.dev.bind()?;
         // SAFETY: range inside the allocation.
-        unsafe { call!(cuMemsetD8_v2(self.ptr, byte, self.len)) }
+        self.dev.blocking(|s| unsafe { call!(cuMemsetD8Async(self.ptr, byte, self.len, s)) })
     }
 
     /// Sets every byte, ordered on `stream`.
@@ -182,7 +185,7 @@ impl DeviceBuffer {
         unsafe { call!(cuMemsetD8Async(self.ptr, byte, self.len, stream.as_raw())) }
     }
 
-    /// Copies `other` (same length) into this buffer, device to device, synchronously.
+    /// Copies `other` (same length) into this buffer, device to device; finished when it returns.
     pub fn copy_from_device(&mut self, other: &DeviceBuffer) -> CudaResult<()> {
         if other.len != self.len {
             return Err(bad("other", format!("{} bytes into {}", other.len, self.len)));
@@ -190,9 +193,9 @@ impl DeviceBuffer {
         if self.len == 0 {
             return Ok(());
         }
-        self.dev.bind()?;
         // SAFETY: both ranges valid and `len` long.
-        unsafe { call!(cuMemcpyDtoD_v2(self.ptr, other.ptr, self.len)) }
+        self.dev
+            .blocking(|s| unsafe { call!(cuMemcpyDtoDAsync_v2(self.ptr, other.ptr, self.len, s)) })
     }
 
     /// An IPC handle another process can open with [`IpcMapping::open`].
@@ -432,9 +435,10 @@ impl IpcMapping {
                 format!("{} bytes from a {}-byte mapping", dst.len(), self.len),
             ));
         }
-        self.dev.bind()?;
-        // SAFETY: range inside the mapping.
-        unsafe { call!(cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), self.ptr, dst.len())) }
+        // SAFETY: range inside the mapping; `dst` outlives the wait.
+        self.dev.blocking(|s| unsafe {
+            call!(cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), self.ptr, dst.len(), s))
+        })
     }
 
     /// Synchronous copy into the peer's buffer (tests, debugging).
@@ -445,9 +449,10 @@ impl IpcMapping {
                 format!("{} bytes into a {}-byte mapping", src.len(), self.len),
             ));
         }
-        self.dev.bind()?;
-        // SAFETY: range inside the mapping.
-        unsafe { call!(cuMemcpyHtoD_v2(self.ptr, src.as_ptr().cast(), src.len())) }
+        // SAFETY: range inside the mapping; `src` outlives the wait.
+        self.dev.blocking(|s| unsafe {
+            call!(cuMemcpyHtoDAsync_v2(self.ptr, src.as_ptr().cast(), src.len(), s))
+        })
     }
 }
 

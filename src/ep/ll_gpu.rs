@@ -222,10 +222,9 @@ impl LlDispatchOut {
         })
     }
 
-    /// Fills every output with `byte` (tests poison before each run) and waits for the device.
-    // NOTES: cuMemset on device memory may complete after it returns, on the legacy stream, which
-    // does not order against the ranks' non-blocking streams: without the device synchronisation a
-    // poison could land after the kernels wrote (seen on the H200 at 7168 x 4 ranks).
+    /// Fills every output with `byte` (tests poison before each run); done when it returns
+    /// (`DeviceBuffer::memset` waits for its fill: a plain cuMemset could land after the next
+    /// kernels wrote, as seen on the H200 at 7168 x 4 ranks).
     pub fn poison(&self, byte: u8) -> Result<()> {
         for b in [
             &self.recv_x,
@@ -238,7 +237,6 @@ impl LlDispatchOut {
         ] {
             b.memset(byte)?;
         }
-        self.recv_x.device().synchronize()?;
         Ok(())
     }
 
@@ -470,7 +468,6 @@ impl LlGpuRank {
         self.workspace.memset(0)?;
         self.err.reset()?;
         self.calls = 0;
-        self.stream.device().synchronize()?;
         Ok(())
     }
 
@@ -735,15 +732,17 @@ impl LlGpuRank {
         self.stream.synchronize_within(self.cfg.timeout + Duration::from_secs(5))?;
         match self.err.check() {
             Ok(()) => Ok(()),
-            Err(CudaError::Device { code, rank, phase, peer, .. })
+            Err(CudaError::Device { code, rank, phase, peer, expected, observed, .. })
                 if code == abi::FEP_DEV_WAIT_TIMEOUT =>
             {
-                Err(Error::Timeout {
-                    rank: rank as usize,
-                    phase: phase_name(phase),
-                    peers: peer.map(|p| vec![p as usize]).unwrap_or_default(),
-                    waited: self.cfg.timeout,
-                })
+                Err(Error::device_timeout(
+                    rank,
+                    phase_name(phase),
+                    peer,
+                    expected,
+                    observed,
+                    self.cfg.timeout,
+                ))
             }
             Err(e) => Err(e.into()),
         }
@@ -828,10 +827,6 @@ impl LlGpuGroup {
             r.workspace.memset(0)?;
             r.err.reset()?;
             r.calls = 0;
-        }
-        // NOTES: the memsets run on the legacy stream; the ranks' streams do not wait for it.
-        if let Some(r) = self.ranks.first() {
-            r.stream.device().synchronize()?;
         }
         Ok(())
     }

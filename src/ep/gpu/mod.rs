@@ -739,19 +739,23 @@ impl GpuBuffer {
     /// ran out) and marks the buffer unusable.
     fn device_error(&mut self, e: Error) -> Error {
         let e = match e {
-            Error::Cuda(CudaError::Device { code, rank, phase, peer, .. })
-                if code == abi::FEP_DEV_WAIT_TIMEOUT =>
-            {
-                Error::Timeout {
-                    rank: rank as usize,
-                    phase: phase_name(phase),
-                    peers: peer.map(|p| vec![p as usize]).unwrap_or_default(),
-                    waited: self.cfg.timeout,
-                }
-            }
-            Error::Cuda(CudaError::Timeout { call, waited }) => {
-                Error::Timeout { rank: self.cfg.rank, phase: call, peers: Vec::new(), waited }
-            }
+            Error::Cuda(CudaError::Device {
+                code, rank, phase, peer, expected, observed, ..
+            }) if code == abi::FEP_DEV_WAIT_TIMEOUT => Error::device_timeout(
+                rank,
+                phase_name(phase),
+                peer,
+                expected,
+                observed,
+                self.cfg.timeout,
+            ),
+            Error::Cuda(CudaError::Timeout { call, waited }) => Error::Timeout {
+                rank: self.cfg.rank,
+                phase: call,
+                peers: Vec::new(),
+                waited,
+                detail: String::new(),
+            },
             e => e,
         };
         self.poisoned = Some(e.to_string());

@@ -417,6 +417,7 @@ impl HostComm {
                         phase: name,
                         peers,
                         waited: start.elapsed(),
+                        detail: String::new(),
                     });
                 }
             }
