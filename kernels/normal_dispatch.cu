@@ -7,7 +7,9 @@
 //   sender   (towards d): per chunk, wait for the slot's credit, pack C records (payload, fp8
 //            scales, local top-k ids and weights, source index: plan.rs's normal-dispatch record)
 //            with one warp per row and 16-byte stores into d's recv slot, barrier, publish the flag;
-//   receiver (from s):    per chunk, acquire the flag, unpack the records into recv_x rows
+//   receiver (from s):    per chunk, acquire the flag (a peer on another node: wait for the
+//            arrival, then copy the chunk from the receive region into the device slot in one
+//            wide pass), unpack the records into recv_x rows
 //            rank_prefix[s] + chunk * C + row (grouped by source rank, token order within one),
 //            barrier, return the credit.
 // Rows past the received ones (num_worst_tokens mode) are padding: zero x and scales, top-k -1
@@ -143,8 +145,20 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
             __syncthreads();
             if (!ok) break;
             const uint32_t rows = min(C, n - k * C);
-            const uint8_t* src =
-                px ? comm.px_recv(comm.px_data_off(s, slot)) : comm.slot_ptr(me, s, slot);
+            const uint8_t* src = comm.slot_ptr(me, s, slot);
+            if (px) {
+                // The chunk arrived in the receive region (mapped host memory, or device memory
+                // a NIC wrote): bring it into this rank's device slot of the pair (unused by a
+                // peer on another node) in one pass with many loads in flight, then unpack from
+                // there. NOTES: unpacking straight from host memory cost a chain of dependent
+                // PCIe reads per row (payload, scales, ids, weights, source): 105 us per 32-token
+                // chunk on the H200 (docs/results/2026-11-29-h200-e, run 3, traced).
+                block_copy16_px(reinterpret_cast<uint4*>(comm.slot_ptr(me, s, slot)),
+                                reinterpret_cast<const uint4*>(
+                                    comm.px_recv(comm.px_data_off(s, slot))),
+                                rows * p.record_bytes / 16);
+                __syncthreads();
+            }
             for (uint32_t i = warp; i < rows; i += kWarps) {
                 const int64_t out = static_cast<int64_t>(row0) + k * C + i;
                 if (out >= p.out_rows) {
@@ -158,23 +172,21 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
                 }
                 const uint8_t* rec = src + static_cast<uint64_t>(i) * p.record_bytes;
                 uint4* row = reinterpret_cast<uint4*>(rx + out * p.payload_bytes);
-                const uint4* in = reinterpret_cast<const uint4*>(rec);
-                if (px) warp_copy16_px(row, in, p.payload_bytes / 16, lane);
-                else warp_copy16<true>(row, in, p.payload_bytes / 16, lane);
+                warp_copy16<true>(row, reinterpret_cast<const uint4*>(rec), p.payload_bytes / 16,
+                                  lane);
                 if (p.num_scales != 0) {
-                    uint32_t* o = reinterpret_cast<uint32_t*>(rxs + out * p.num_scales);
-                    const uint32_t* a = reinterpret_cast<const uint32_t*>(rec + p.scales_offset);
-                    if (px) warp_copy4_px(o, a, p.num_scales, lane);
-                    else warp_copy4<true>(o, a, p.num_scales, lane);
+                    warp_copy4<true>(reinterpret_cast<uint32_t*>(rxs + out * p.num_scales),
+                                     reinterpret_cast<const uint32_t*>(rec + p.scales_offset),
+                                     p.num_scales, lane);
                 }
                 const int32_t* ri = reinterpret_cast<const int32_t*>(rec + p.topk_idx_offset);
                 const float* rw = reinterpret_cast<const float*>(rec + p.topk_weights_offset);
                 const int32_t* rs = reinterpret_cast<const int32_t*>(rec + p.src_idx_offset);
                 if (lane < K) {
-                    rtopk[out * K + lane] = px ? __ldcv(ri + lane) : __ldcg(ri + lane);
-                    rtopw[out * K + lane] = px ? __ldcv(rw + lane) : __ldcg(rw + lane);
+                    rtopk[out * K + lane] = __ldcg(ri + lane);
+                    rtopw[out * K + lane] = __ldcg(rw + lane);
                 }
-                if (lane == 0) rsrc[out] = px ? __ldcv(rs) : __ldcg(rs);
+                if (lane == 0) rsrc[out] = __ldcg(rs);
             }
             __syncthreads();
             if (threadIdx.x == 0) {

@@ -213,23 +213,6 @@ __device__ __forceinline__ void warp_copy16(uint4* __restrict__ dst, const uint4
     for (; i < n; i += kWarpSize) dst[i] = kFromQueue ? ld_cg(src + i) : ld_nc(src + i);
 }
 
-// A warp copies n 16-byte vectors out of a proxy receive region (mapped host memory written by
-// the CPU, or device memory written by the NIC): uncached loads, so no stale line of an earlier
-// chunk in the slot is ever used.
-__device__ __forceinline__ void warp_copy16_px(uint4* __restrict__ dst, const uint4* __restrict__ src,
-                                               int n, int lane) {
-    constexpr int kUnroll = 8;
-    int i = lane;
-    for (; i + (kUnroll - 1) * kWarpSize < n; i += kUnroll * kWarpSize) {
-        uint4 v[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) v[u] = __ldcv(src + i + u * kWarpSize);
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) dst[i + u * kWarpSize] = v[u];
-    }
-    for (; i < n; i += kWarpSize) dst[i] = __ldcv(src + i);
-}
-
 // A warp copies n 4-byte words.
 template <bool kFromQueue>
 __device__ __forceinline__ void warp_copy4(uint32_t* dst, const uint32_t* src, int n, int lane) {
@@ -251,11 +234,6 @@ __device__ __forceinline__ void block_copy16_px(uint4* __restrict__ dst,
         for (uint32_t u = 0; u < kUnroll; ++u) dst[i + u * step] = v[u];
     }
     for (; i < n; i += step) dst[i] = __ldcv(src + i);
-}
-
-// A warp copies n 4-byte words out of a proxy receive region (uncached).
-__device__ __forceinline__ void warp_copy4_px(uint32_t* dst, const uint32_t* src, int n, int lane) {
-    for (int i = lane; i < n; i += kWarpSize) dst[i] = __ldcv(src + i);
 }
 
 __device__ __forceinline__ uint32_t div_ceil(uint32_t a, uint32_t b) { return (a + b - 1) / b; }

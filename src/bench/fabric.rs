@@ -280,6 +280,7 @@ pub fn rma_bench(
     sizes: &[usize],
     iters: usize,
     window: usize,
+    span: usize,
 ) -> Result<Vec<FabricRow>> {
     let rank = boot.rank();
     if boot.world_size() < 2 {
@@ -288,7 +289,7 @@ pub fn rma_bench(
     if iters == 0 || window == 0 {
         return Err(Error::arg("iters", "iters and window must be at least 1"));
     }
-    let max = sizes.iter().copied().max().unwrap_or(8).max(8);
+    let max = sizes.iter().copied().max().unwrap_or(8).max(8).max(span);
     // Buffers before the stack: on every return path they outlive the endpoint and regions.
     let mut src: Vec<u8> = (0..max).map(|i| i as u8).collect();
     let mut dst = vec![0u8; max];
@@ -310,18 +311,22 @@ pub fn rma_bench(
         };
         for &size in sizes {
             let iters = iters_for(size, iters);
-            let try_post = |imm: u64| unsafe {
+            // Streaming write `i` uses offset (i % slots) * size of both buffers (`span`).
+            let slots = (span / size).max(1);
+            let try_post_at = |imm: u64, i: usize| unsafe {
+                let off = (i % slots) * size;
                 stack.ep.try_write(
                     &smr,
-                    0,
+                    off,
                     size,
                     peers.addrs[peer],
                     &peers.regions[peer],
-                    0,
+                    off as u64,
                     Some(imm),
                     1,
                 )
             };
+            let try_post = |imm: u64| try_post_at(imm, 0);
             // Small messages go inline (no local completion), as fi_pingpong does for its sends.
             let inline = size <= stack.ep.inject_size();
             let post = |t: &mut Tally| -> Result<()> {
@@ -372,7 +377,7 @@ pub fn rma_bench(
                 let mut buf = [EMPTY; 64];
                 while t.posted - first < n || t.local_done < t.posted {
                     while t.posted - first < n && t.posted - t.local_done < window {
-                        if !try_post(2)? {
+                        if !try_post_at(2, t.posted - first)? {
                             break;
                         }
                         t.posted += 1;

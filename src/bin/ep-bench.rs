@@ -99,6 +99,12 @@ enum Cmd {
         /// Writes in flight for the streaming figure.
         #[arg(long, default_value_t = 16)]
         window: usize,
+        /// Streaming: rotate the writes' source and target offsets over this many bytes (0: every
+        /// write reuses offset 0, as fi_pingpong does, so its bytes stay in the CPU's caches; a
+        /// span beyond the last-level cache measures copies of data from memory, which is what
+        /// the GPU proxy lanes move).
+        #[arg(long, default_value_t = 0)]
+        span: usize,
         /// Skip fi_pingpong.
         #[arg(long)]
         no_pingpong: bool,
@@ -217,9 +223,15 @@ fn launch(cli: &Cli) -> AnyResult<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let out = run_job(c, &args, ranks, "running")?;
     match &cli.cmd {
-        Some(Cmd::Fabric { sizes, lat_bytes, window, no_pingpong }) => {
+        Some(Cmd::Fabric { sizes, lat_bytes, window, no_pingpong, span }) => {
             let rows: Vec<FabricRow> = out.lines().filter_map(parse_row).collect();
             print_fabric_table(c, &rows, *lat_bytes, sizes, *window, *no_pingpong)?;
+            if *span > 0 {
+                println!(
+                    "(streaming writes rotate over {span} bytes of both buffers: data from \
+                     memory, not the caches)"
+                );
+            }
         }
         None => {
             let rows = print_ep_output(&out);
@@ -356,10 +368,10 @@ fn run_rank(cli: &Cli) -> AnyResult<()> {
     let c = &cli.common;
     let boot = TcpStore::from_env(Duration::from_secs(c.timeout))?;
     match &cli.cmd {
-        Some(Cmd::Fabric { sizes, lat_bytes, window, .. }) => {
+        Some(Cmd::Fabric { sizes, lat_bytes, window, span, .. }) => {
             let mut all = vec![*lat_bytes];
             all.extend(sizes.iter().copied().filter(|s| s != lat_bytes));
-            let rows = fb::rma_bench(&boot, &c.provider, &all, fabric_iters(c), *window)?;
+            let rows = fb::rma_bench(&boot, &c.provider, &all, fabric_iters(c), *window, *span)?;
             for r in rows {
                 println!(
                     "@row {} {} {} {}",

@@ -611,7 +611,7 @@ impl GpuBuffer {
                     let l = normal_proxy::ProxyLaneSettings::new(
                         &opts.proxy_provider,
                         cfg.ranks_per_node,
-                    );
+                    )?;
                     let lane = normal_proxy::NormalProxyLane::connect(
                         &dev,
                         &**boot,

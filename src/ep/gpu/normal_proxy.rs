@@ -4,8 +4,8 @@
 //! Per rank: registered send and receive regions with the host backend's geometry
 //! ([`Geometry`]: `R x spp` data slots and two-deep notify records, packed per MR chunk), one
 //! command ring per kernel block (block `b` of whichever normal kernel runs pushes into ring
-//! `b`), the proxy's counters, one proxy worker over a [`FabricTransport`] whose peers are the
-//! other-node ranks only. The kernels' side of the protocol is in `fep_abi.h`
+//! `b`), the proxy's counters, and proxy workers (one by default, `FEP_GPU_PROXY_WORKERS`),
+//! each over its own [`FabricTransport`] whose peers are the other-node ranks only. The kernels' side of the protocol is in `fep_abi.h`
 //! (`fep_normal_proxy`): a sender stages a chunk in its send region and pushes one command
 //! (write + immediate `data(src, slot) | rows`), the receiver waits (bounded) on the slot's
 //! arrival counter and reads the receive region, and returns a zero-length credit per slot.
@@ -154,12 +154,44 @@ pub struct ProxyLaneSettings {
     pub ranks_per_node: usize,
     /// Entries of each block's ring.
     pub ring_capacity: u32,
+    /// Proxy workers of the lane, each with its own endpoint (its own fabric stack): ring `b`
+    /// is drained by worker `b % workers`, which writes to worker `b % workers` of the peer.
+    /// Every rank must use the same number (checked at connect).
+    pub workers: usize,
 }
 
+/// Default proxy workers per lane when `FEP_GPU_PROXY_WORKERS` is not set. Measured on the H200
+/// (2 processes x 1 rank per node, shm, 4096 tokens, hidden 7168, chunk 32 x 16 slots;
+/// docs/results/2026-11-29-h200-e run 5): dispatch through the proxy 3.8 GB/s with 1 worker,
+/// 10.7 with 4, 10.6 with 6; 8 workers (run 3, 16 spinning threads on that 16-core host) were
+/// unsteady. Each worker is a spinning thread per rank: more only pay where the provider's copies
+/// run on the CPU (shm, tcp).
+pub const DEFAULT_PROXY_WORKERS: usize = 4;
+/// Most proxy workers per lane.
+pub const MAX_PROXY_WORKERS: usize = 16;
+
 impl ProxyLaneSettings {
-    /// 128-entry rings.
-    pub fn new(provider: &str, ranks_per_node: usize) -> Self {
-        ProxyLaneSettings { provider: provider.to_string(), ranks_per_node, ring_capacity: 128 }
+    /// 128-entry rings; workers from `FEP_GPU_PROXY_WORKERS` (1 to 16), else
+    /// [`DEFAULT_PROXY_WORKERS`].
+    pub fn new(provider: &str, ranks_per_node: usize) -> Result<Self> {
+        Ok(ProxyLaneSettings {
+            provider: provider.to_string(),
+            ranks_per_node,
+            ring_capacity: 128,
+            workers: workers_from_env(std::env::var("FEP_GPU_PROXY_WORKERS").ok().as_deref())?,
+        })
+    }
+}
+
+/// `FEP_GPU_PROXY_WORKERS`'s value (unset: the default).
+fn workers_from_env(v: Option<&str>) -> Result<usize> {
+    let Some(v) = v else { return Ok(DEFAULT_PROXY_WORKERS) };
+    match v.trim().parse::<usize>() {
+        Ok(n) if (1..=MAX_PROXY_WORKERS).contains(&n) => Ok(n),
+        _ => Err(Error::arg(
+            "FEP_GPU_PROXY_WORKERS",
+            format!("{v:?}: a whole number from 1 to {MAX_PROXY_WORKERS}"),
+        )),
     }
 }
 
@@ -250,8 +282,8 @@ pub struct NormalProxyLane {
     proxy: Proxy,
     counters: CounterMemory,
     _rings: RingMemory,
-    _recv_mr: MemoryRegion,
-    _stack: Stack,
+    _recv_mrs: Vec<MemoryRegion>,
+    _stacks: Vec<Stack>,
     _send: Arc<RegionMem>,
     _recv: Arc<RegionMem>,
 }
@@ -277,6 +309,7 @@ fn header(s: &NormalGpuSettings, l: &ProxyLaneSettings, bytes: u64) -> Vec<u8> {
         l.ranks_per_node as u64,
         l.ring_capacity as u64,
         bytes,
+        l.workers as u64,
     ] {
         h.extend_from_slice(&v.to_le_bytes());
     }
@@ -284,9 +317,16 @@ fn header(s: &NormalGpuSettings, l: &ProxyLaneSettings, bytes: u64) -> Vec<u8> {
 }
 
 impl NormalProxyLane {
-    /// Opens the provider, allocates and registers the regions, exchanges them with every rank
-    /// through `boot`, starts the proxy (one worker, `num_rings` rings: the most blocks any
-    /// normal kernel of this rank launches) and waits until every rank's proxy runs.
+    /// Opens the provider (one stack per worker), allocates the regions and registers them with
+    /// every stack, exchanges them with every rank through `boot`, starts the proxy (`l.workers`
+    /// workers, `num_rings` rings: the most blocks any normal kernel of this rank launches) and
+    /// waits until every rank's proxy runs.
+    ///
+    /// NOTES (several workers): a worker's thread both posts its rings' writes and progresses
+    /// its endpoint, and on shm the receiving side's progress copies each write's bytes
+    /// (cross-memory attach); one thread then bounds the lane at one CPU copy stream of data the
+    /// GPU just wrote (not in the CPU's caches). Workers share the arrival counters (atomic adds)
+    /// and the rings are split between them, so chunks of different blocks move in parallel.
     /// Collective: every rank of the group calls it (also ranks whose peers are all local).
     pub fn connect(
         dev: &Device,
@@ -308,37 +348,53 @@ impl NormalProxyLane {
                 format!("{}: a positive multiple of 4", l.ring_capacity),
             ));
         }
+        if !(1..=MAX_PROXY_WORKERS).contains(&l.workers) {
+            return Err(Error::arg(
+                "workers",
+                format!("{}: from 1 to {MAX_PROXY_WORKERS}", l.workers),
+            ));
+        }
         let mask = other_node_mask(rank, r, l.ranks_per_node)?;
         let map = CommMap::new(s)?;
         let layout = map.layout;
-        let stack = Stack::open(&InfoQuery::provider(&l.provider), r)?;
-        let stride = stack.info.max_region_bytes().max(4096) as u64;
+        let query = InfoQuery::provider(&l.provider);
+        let stacks = (0..l.workers)
+            .map(|_| Stack::open(&query, r).map_err(Error::from))
+            .collect::<Result<Vec<_>>>()?;
+        let stride = stacks[0].info.max_region_bytes().max(4096) as u64;
         let geo = Geometry::new(&layout, stride)?;
-        let kind = RegionKind::select(&stack.info);
+        let kind = RegionKind::select(&stacks[0].info);
         let send = Arc::new(RegionMem::alloc(dev, kind, geo.bytes as usize)?);
         let recv = Arc::new(RegionMem::alloc(dev, kind, geo.bytes as usize)?);
-        // SAFETY: both regions outlive their registrations (field order of the lane; the send
-        // registration lives in the transport, which the proxy drops first).
-        let send_mr =
-            Arc::new(unsafe { stack.register(send.reg_ptr(), send.len(), send.mem_kind(dev))? });
-        let recv_mr = unsafe { stack.register(recv.reg_ptr(), recv.len(), recv.mem_kind(dev))? };
         let hdr = header(s, l, geo.bytes);
-        let fp = exchange_fabric(boot, &stack, &recv_mr.remote(), &hdr, geo.bytes)?;
-        for (peer, h) in fp.headers.iter().enumerate() {
-            if *h != hdr {
-                return Err(Error::ConfigMismatch(format!(
-                    "rank {peer}'s normal proxy lane (ranks, chunk, slots, ranks_per_node, ring, \
-                     bytes) differs from rank {rank}'s"
-                )));
+        let mut transports = Vec::with_capacity(l.workers);
+        let mut recv_mrs = Vec::with_capacity(l.workers);
+        for stack in &stacks {
+            // SAFETY: both regions outlive their registrations (field order of the lane; the
+            // send registrations live in the transports, which the proxy drops first).
+            let send_mr = Arc::new(unsafe {
+                stack.register(send.reg_ptr(), send.len(), send.mem_kind(dev))?
+            });
+            let recv_mr =
+                unsafe { stack.register(recv.reg_ptr(), recv.len(), recv.mem_kind(dev))? };
+            let fp = exchange_fabric(boot, stack, &recv_mr.remote(), &hdr, geo.bytes)?;
+            for (peer, h) in fp.headers.iter().enumerate() {
+                if *h != hdr {
+                    return Err(Error::ConfigMismatch(format!(
+                        "rank {peer}'s normal proxy lane (ranks, chunk, slots, ranks_per_node, \
+                         ring, bytes, workers) differs from rank {rank}'s"
+                    )));
+                }
             }
+            let peers = fp
+                .into_proxy_peers()
+                .into_iter()
+                .enumerate()
+                .map(|(p, e)| if mask >> p & 1 == 1 { e } else { None })
+                .collect();
+            transports.push(FabricTransport::new(rank as u32, stack.ep.clone(), send_mr, peers)?);
+            recv_mrs.push(recv_mr);
         }
-        let peers = fp
-            .into_proxy_peers()
-            .into_iter()
-            .enumerate()
-            .map(|(p, e)| if mask >> p & 1 == 1 { e } else { None })
-            .collect();
-        let transport = FabricTransport::new(rank as u32, stack.ep.clone(), send_mr, peers)?;
         let ring_layout = RingLayout::new(num_rings, l.ring_capacity)?;
         let (ring_region, ring_dptr) = mapped_region(dev, ring_layout.bytes())?;
         let rings = RingMemory::new(ring_region, ring_layout)?;
@@ -355,7 +411,7 @@ impl NormalProxyLane {
             idle_yield: Duration::from_secs(2),
             ..ProxyConfig::default()
         };
-        let proxy = Proxy::start(pcfg, rings.clone(), counters.clone(), vec![transport])?;
+        let proxy = Proxy::start(pcfg, rings.clone(), counters.clone(), transports)?;
         // Every rank's proxy runs and every region is registered before anyone writes.
         boot.barrier()?;
         let abi = abi::fep_normal_proxy {
@@ -384,8 +440,8 @@ impl NormalProxyLane {
             proxy,
             counters,
             _rings: rings,
-            _recv_mr: recv_mr,
-            _stack: stack,
+            _recv_mrs: recv_mrs,
+            _stacks: stacks,
             _send: send,
             _recv: recv,
         })
@@ -453,6 +509,16 @@ mod tests {
                 }
             }
             assert!(dpr <= u32::MAX as u64 && npr <= u32::MAX as u64);
+        }
+    }
+
+    #[test]
+    fn workers_come_from_the_environment_value() {
+        assert_eq!(workers_from_env(None).unwrap(), DEFAULT_PROXY_WORKERS);
+        assert_eq!(workers_from_env(Some(" 4 ")).unwrap(), 4);
+        for bad in ["0", "17", "two", ""] {
+            let e = workers_from_env(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains("FEP_GPU_PROXY_WORKERS"), "{bad:?}: {e}");
         }
     }
 
