@@ -7,7 +7,7 @@
 //! process building the same inputs and reference from the seed.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::ep::{self as host_bench, NormalBenchParams, NormalBenchReport, RankInputs};
 use crate::bootstrap::{Bootstrap, InProcGroup};
@@ -818,6 +818,8 @@ pub fn run_ll_gpu_rank(
         // `p.graph`: step 0 eager, then each phase captured once in its own graph (events
         // between the launches time each phase) and replayed, the two cases alternating.
         let cases: Vec<&LlCase> = std::iter::once(case).chain(case.alt.as_deref()).collect();
+        // FEP_GPU_TEST_NO_POISON=1 (diagnosis): outputs are not filled with 0xAB before a step.
+        let no_poison = std::env::var("FEP_GPU_TEST_NO_POISON").is_ok_and(|v| v == "1");
         let mut graphs: Option<(GraphExec, GraphExec)> = None;
         for it in 0..p.warmup + p.iters {
             let c = cases[it % cases.len()];
@@ -836,12 +838,23 @@ pub fn run_ll_gpu_rank(
                 graphs = Some((gd, gc));
             }
             boot.barrier()?;
-            out.recv_x.memset_async(0xAB, &stream)?;
-            out_c.memset_async(0xAB, &stream)?;
+            // Host time to enqueue the step's first phase: a call that blocks here (an implicit
+            // device synchronisation behind a peer's waiting kernel) is named on stderr.
+            let enqueue = Instant::now();
+            if !no_poison {
+                out.recv_x.memset_async(0xAB, &stream)?;
+                out_c.memset_async(0xAB, &stream)?;
+            }
             ev[0].record(&stream)?;
             match &graphs {
                 Some((gd, _)) => gd.launch(&stream)?,
                 None => dispatch(gpu)?,
+            }
+            if enqueue.elapsed() > Duration::from_millis(500) {
+                eprintln!(
+                    "rank {rank} iteration {it}: enqueueing the dispatch took {:.3} s",
+                    enqueue.elapsed().as_secs_f64()
+                );
             }
             ev[1].record(&stream)?;
             match &graphs {
@@ -955,9 +968,20 @@ pub fn run_ll_gpu_rank(
         Ok(())
     })();
     if let Err(e) = res {
-        return Err(match gpu.ll_proxy_snapshot() {
-            Some(snap) => Error::Other(format!("{e} [{snap}]")),
-            None => e,
+        // Both snapshots, when there are, ride on the error (diagnosis of a failed run).
+        let snaps: Vec<String> =
+            [gpu.ll_proxy_snapshot(), gpu.ll_state_snapshot()].into_iter().flatten().collect();
+        return Err(match e {
+            _ if snaps.is_empty() => e,
+            // A timeout stays typed (callers tell it apart); the snapshots go into its detail.
+            Error::Timeout { rank, phase, peers, waited, detail } => Error::Timeout {
+                rank,
+                phase,
+                peers,
+                waited,
+                detail: format!("{detail} [{}]", snaps.join("] [")),
+            },
+            e => Error::Other(format!("{e} [{}]", snaps.join("] ["))),
         });
     }
     boot.barrier()?;

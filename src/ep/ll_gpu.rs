@@ -488,6 +488,38 @@ impl LlGpuRank {
         self.grid
     }
 
+    /// This rank's protocol state as its device memory holds it: the send ticket, the epoch of
+    /// each set, and per set and phase the flag each source rank last published into this
+    /// rank's first unit from it. What a timed-out wait needs beside its own error: a source's
+    /// flag still 0 after its send ran (epoch advanced) means its stores went elsewhere; a flag
+    /// that arrived after the wait gave up means a late send. Read with plain copies: call once
+    /// this rank's kernels have stopped (peers may still write: a snapshot, not a fence).
+    pub fn state_snapshot(&self) -> Result<String> {
+        let ws: Vec<u64> = self.workspace.to_vec()?;
+        let flags: Vec<u64> = self.flags.to_vec()?;
+        let (e, r) = (self.cfg.num_experts, self.cfg.num_ranks);
+        let l = e / r;
+        let mut out = format!(
+            "rank {}: calls {}, ticket {}, epochs [{}, {}]",
+            self.rank,
+            self.calls,
+            ws[0] & 0xffff_ffff,
+            ws[1],
+            ws[2]
+        );
+        for set in 0..2 {
+            for (phase, what) in [(0, "dispatch"), (1, "combine")] {
+                // Dispatch unit of source src: e * R + src (e = 0); combine unit: src * L + e.
+                let first = |src: usize| if phase == 0 { src } else { src * l };
+                let vals: Vec<String> = (0..r)
+                    .map(|src| format!("{:#x}", flags[(set * 2 + phase) * e + first(src)]))
+                    .collect();
+                out.push_str(&format!("; set {set} {what} flags from ranks [{}]", vals.join(", ")));
+            }
+        }
+        Ok(out)
+    }
+
     fn next_ticket(&mut self, num_tokens: usize) -> LlTicket {
         self.calls += 1;
         LlTicket { set: (self.calls % 2) as u32, num_tokens, pull_x: 0, chain: false }

@@ -683,6 +683,13 @@ impl GpuBuffer {
         Some(l.lane.as_ref()?.snapshot(&l.rank))
     }
 
+    /// This rank's low-latency protocol state (`None` without low-latency mode): see
+    /// [`LlGpuRank::state_snapshot`]. For error reports, after `sync_gpu` returned.
+    pub fn ll_state_snapshot(&self) -> Option<String> {
+        let l = self.ll.as_ref()?;
+        Some(l.rank.state_snapshot().unwrap_or_else(|e| format!("no snapshot: {e}")))
+    }
+
     /// Why the proxy lane did not use the provider's `FI_HMEM` (its CUDA registration failed).
     pub fn ll_proxy_hmem_refused(&self) -> Option<&str> {
         self.ll.as_ref().and_then(|l| l.lane.as_ref()).and_then(|lane| lane.hmem_refused())
