@@ -87,3 +87,19 @@ fn unknown_provider_is_a_clear_error() {
         "{stderr}"
     );
 }
+
+/// `ep-bench fabric --span`: the streaming writes rotate over a 1 MiB span of both registered
+/// buffers (a write past the registration would fail the run) and the table says so.
+#[test]
+fn fabric_bench_with_a_span_runs_over_shm() {
+    let out = ep_bench()
+        .args(["fabric", "--provider", "shm", "--sizes", "65536", "--window", "4"])
+        .args(["--span", "1048576", "--no-pingpong", "--iters", "20", "--timeout", "60"])
+        .output()
+        .expect("run ep-bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("64KiB |"), "{stdout}");
+    assert!(stdout.contains("rotate over 1048576 bytes"), "{stdout}");
+}

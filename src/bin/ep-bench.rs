@@ -228,8 +228,8 @@ fn launch(cli: &Cli) -> AnyResult<()> {
             print_fabric_table(c, &rows, *lat_bytes, sizes, *window, *no_pingpong)?;
             if *span > 0 {
                 println!(
-                    "(streaming writes rotate over {span} bytes of both buffers: data from \
-                     memory, not the caches)"
+                    "(streaming writes rotate over {span} bytes of both buffers: beyond the \
+                     last-level cache, data comes from memory)"
                 );
             }
         }
