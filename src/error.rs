@@ -61,6 +61,24 @@ impl Error {
         }
     }
 
+    /// A CUDA-layer error as the crate's: a wait a kernel recorded as timed out becomes
+    /// [`Error::Timeout`] ([`Error::device_timeout`], the phase named by `phase_name`, `waited`
+    /// the configured timeout); any other converts as it is.
+    pub fn from_device(
+        e: crate::cuda::CudaError,
+        phase_name: fn(u32) -> &'static str,
+        waited: Duration,
+    ) -> Self {
+        match e {
+            crate::cuda::CudaError::Device {
+                code, rank, phase, peer, expected, observed, ..
+            } if code == crate::abi::FEP_DEV_WAIT_TIMEOUT => {
+                Error::device_timeout(rank, phase_name(phase), peer, expected, observed, waited)
+            }
+            e => e.into(),
+        }
+    }
+
     /// A wait a kernel recorded as timed out (`FEP_DEV_WAIT_TIMEOUT`) of rank `rank` in `phase`,
     /// waiting for `peer`: keeps what the wait expected and the last value it saw (for a flag,
     /// `tag << 32 | count`), which tells a message that never came from one that came late or
@@ -80,5 +98,51 @@ impl Error {
             waited,
             detail: format!(" (expected {expected:#x}, last saw {observed:#x})"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::CudaError;
+
+    fn device(code: u32) -> CudaError {
+        CudaError::Device {
+            code,
+            what: "X",
+            rank: 2,
+            phase: 7,
+            peer: Some(1),
+            expected: 0x1_0000_0000,
+            observed: 0,
+        }
+    }
+
+    #[test]
+    fn a_kernel_wait_timeout_becomes_a_typed_timeout_with_its_values() {
+        let e = Error::from_device(
+            device(crate::abi::FEP_DEV_WAIT_TIMEOUT),
+            |p| if p == 7 { "phase seven" } else { "other" },
+            Duration::from_secs(3),
+        );
+        match &e {
+            Error::Timeout { rank: 2, phase: "phase seven", peers, waited, detail } => {
+                assert_eq!(peers, &vec![1]);
+                assert_eq!(*waited, Duration::from_secs(3));
+                assert!(detail.contains("expected 0x100000000") && detail.contains("last saw 0x0"));
+            }
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+        assert!(e.to_string().contains("waiting for ranks [1] (expected"), "{e}");
+    }
+
+    #[test]
+    fn other_device_errors_stay_cuda_errors() {
+        let e = Error::from_device(
+            device(crate::abi::FEP_DEV_BAD_COUNT),
+            |_| "p",
+            Duration::from_secs(1),
+        );
+        assert!(matches!(e, Error::Cuda(CudaError::Device { .. })), "{e:?}");
     }
 }

@@ -41,7 +41,7 @@
 
 use crate::abi;
 use crate::cuda::launch::{self, LaunchConfig};
-use crate::cuda::{CudaError, DevErrorRecord, Device, DeviceBuffer, HostMapped, Stream};
+use crate::cuda::{DevErrorRecord, Device, DeviceBuffer, HostMapped, Stream};
 use crate::ep::config::DispatchDtype;
 use crate::ep::plan::LlLayout;
 use crate::{Error, Result};
@@ -762,22 +762,7 @@ impl LlGpuRank {
     /// [`Error::Timeout`] naming this rank, the phase and the peer.
     pub fn finish(&self) -> Result<()> {
         self.stream.synchronize_within(self.cfg.timeout + Duration::from_secs(5))?;
-        match self.err.check() {
-            Ok(()) => Ok(()),
-            Err(CudaError::Device { code, rank, phase, peer, expected, observed, .. })
-                if code == abi::FEP_DEV_WAIT_TIMEOUT =>
-            {
-                Err(Error::device_timeout(
-                    rank,
-                    phase_name(phase),
-                    peer,
-                    expected,
-                    observed,
-                    self.cfg.timeout,
-                ))
-            }
-            Err(e) => Err(e.into()),
-        }
+        self.err.check().map_err(|e| Error::from_device(e, phase_name, self.cfg.timeout))
     }
 }
 

@@ -746,16 +746,6 @@ impl GpuBuffer {
     /// ran out) and marks the buffer unusable.
     fn device_error(&mut self, e: Error) -> Error {
         let e = match e {
-            Error::Cuda(CudaError::Device {
-                code, rank, phase, peer, expected, observed, ..
-            }) if code == abi::FEP_DEV_WAIT_TIMEOUT => Error::device_timeout(
-                rank,
-                phase_name(phase),
-                peer,
-                expected,
-                observed,
-                self.cfg.timeout,
-            ),
             Error::Cuda(CudaError::Timeout { call, waited }) => Error::Timeout {
                 rank: self.cfg.rank,
                 phase: call,
@@ -763,6 +753,7 @@ impl GpuBuffer {
                 waited,
                 detail: String::new(),
             },
+            Error::Cuda(c) => Error::from_device(c, phase_name, self.cfg.timeout),
             e => e,
         };
         self.poisoned = Some(e.to_string());
