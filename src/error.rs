@@ -61,9 +61,12 @@ impl Error {
         }
     }
 
-    /// A CUDA-layer error as the crate's: a wait a kernel recorded as timed out becomes
-    /// [`Error::Timeout`] ([`Error::device_timeout`], the phase named by `phase_name`, `waited`
-    /// the configured timeout); any other converts as it is.
+    /// A CUDA-layer error as the crate's: a wait a kernel recorded as timed out
+    /// (`FEP_DEV_WAIT_TIMEOUT`) becomes [`Error::Timeout`] naming the rank, the phase (named by
+    /// `phase_name`) and the peer, `waited` being the configured timeout, and keeping what the
+    /// wait expected and the last value it saw (for a flag, `tag << 32 | count`): that tells a
+    /// message that never came from one that came late or with another tag. Any other error
+    /// converts as it is.
     pub fn from_device(
         e: crate::cuda::CudaError,
         phase_name: fn(u32) -> &'static str,
@@ -72,31 +75,14 @@ impl Error {
         match e {
             crate::cuda::CudaError::Device {
                 code, rank, phase, peer, expected, observed, ..
-            } if code == crate::abi::FEP_DEV_WAIT_TIMEOUT => {
-                Error::device_timeout(rank, phase_name(phase), peer, expected, observed, waited)
-            }
+            } if code == crate::abi::FEP_DEV_WAIT_TIMEOUT => Error::Timeout {
+                rank: rank as usize,
+                phase: phase_name(phase),
+                peers: peer.map(|p| vec![p as usize]).unwrap_or_default(),
+                waited,
+                detail: format!(" (expected {expected:#x}, last saw {observed:#x})"),
+            },
             e => e.into(),
-        }
-    }
-
-    /// A wait a kernel recorded as timed out (`FEP_DEV_WAIT_TIMEOUT`) of rank `rank` in `phase`,
-    /// waiting for `peer`: keeps what the wait expected and the last value it saw (for a flag,
-    /// `tag << 32 | count`), which tells a message that never came from one that came late or
-    /// with another tag.
-    pub fn device_timeout(
-        rank: u32,
-        phase: &'static str,
-        peer: Option<u32>,
-        expected: u64,
-        observed: u64,
-        waited: Duration,
-    ) -> Self {
-        Error::Timeout {
-            rank: rank as usize,
-            phase,
-            peers: peer.map(|p| vec![p as usize]).unwrap_or_default(),
-            waited,
-            detail: format!(" (expected {expected:#x}, last saw {observed:#x})"),
         }
     }
 }

@@ -818,8 +818,6 @@ pub fn run_ll_gpu_rank(
         // `p.graph`: step 0 eager, then each phase captured once in its own graph (events
         // between the launches time each phase) and replayed, the two cases alternating.
         let cases: Vec<&LlCase> = std::iter::once(case).chain(case.alt.as_deref()).collect();
-        // FEP_GPU_TEST_NO_POISON=1 (diagnosis): outputs are not filled with 0xAB before a step.
-        let no_poison = std::env::var("FEP_GPU_TEST_NO_POISON").is_ok_and(|v| v == "1");
         let mut graphs: Option<(GraphExec, GraphExec)> = None;
         for it in 0..p.warmup + p.iters {
             let c = cases[it % cases.len()];
@@ -841,10 +839,8 @@ pub fn run_ll_gpu_rank(
             // Host time to enqueue the step's first phase: a call that blocks here (an implicit
             // device synchronisation behind a peer's waiting kernel) is named on stderr.
             let enqueue = Instant::now();
-            if !no_poison {
-                out.recv_x.memset_async(0xAB, &stream)?;
-                out_c.memset_async(0xAB, &stream)?;
-            }
+            out.recv_x.memset_async(0xAB, &stream)?;
+            out_c.memset_async(0xAB, &stream)?;
             ev[0].record(&stream)?;
             match &graphs {
                 Some((gd, _)) => gd.launch(&stream)?,

@@ -775,7 +775,6 @@ impl LlGpuGroup {
     /// Allocates every rank's buffers on `dev` and wires each rank's peer table to the others'
     /// buffers (direct device pointers).
     pub fn new(dev: &Device, cfg: LlGpuConfig) -> Result<Self> {
-        let layout = cfg.layout()?;
         let sms = dev.sm_count().max(1);
         let grid = cfg.sm_budget.unwrap_or((sms / cfg.num_ranks as u32).max(1));
         if grid == 0 || grid as u64 * cfg.num_ranks as u64 > sms as u64 {
@@ -788,44 +787,15 @@ impl LlGpuGroup {
                 ),
             ));
         }
-        let total = usize::try_from(layout.total_bytes())
-            .map_err(|_| Error::arg("max_tokens_per_rank", "LL buffer larger than memory"))?;
-        let flag_bytes = 2 * 2 * cfg.num_experts * 8;
-        let mut ranks = Vec::with_capacity(cfg.num_ranks);
-        for rank in 0..cfg.num_ranks {
-            ranks.push(LlGpuRank {
-                rank,
-                cfg: cfg.clone(),
-                layout,
-                stream: Stream::new(dev)?,
-                buf: LlMem::Device(Arc::new(DeviceBuffer::new(dev, total)?)),
-                proxy: abi::fep_ll_proxy::default(),
-                proxy_state: None,
-                flags: Arc::new(DeviceBuffer::zeroed(dev, flag_bytes)?),
-                peers: DeviceBuffer::new(
-                    dev,
-                    cfg.num_ranks * std::mem::size_of::<abi::fep_ll_peer>(),
-                )?,
-                workspace: DeviceBuffer::zeroed(dev, 24)?,
-                err: DevErrorRecord::new(dev)?,
-                calls: 0,
-                grid,
-            });
-        }
-        let table: Vec<abi::fep_ll_peer> = ranks
-            .iter()
-            .map(|r| abi::fep_ll_peer {
-                buf: r.buf.device_ptr(),
-                flags: r.flags.device_ptr(),
-                transport: abi::FEP_LL_TRANSPORT_PEER,
-                _pad: 0,
-                proxy: 0,
-            })
-            .collect();
+        let mut ranks = (0..cfg.num_ranks)
+            .map(|rank| LlGpuRank::new_unconnected_in(dev, cfg.clone(), rank, grid, None))
+            .collect::<Result<Vec<_>>>()?;
+        let table: Vec<abi::fep_ll_peer> = ranks.iter().map(LlGpuRank::peer_entry).collect();
         for r in ranks.iter_mut() {
-            r.peers.copy_from_host(&table)?;
+            // SAFETY: every entry addresses a rank of this group, whose buffers live as long
+            // as the group (and so as every launch made through it).
+            unsafe { r.set_peers(&table)? };
         }
-        dev.synchronize()?; // the zeroing memsets, before any rank's stream uses the buffers
         Ok(LlGpuGroup { ranks })
     }
 

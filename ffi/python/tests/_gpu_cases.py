@@ -10,9 +10,7 @@ closing ``CASE ... PASSED`` line when every rank returned what the case expects.
 with ``os._exit``, so rank threads still stuck in CUDA cannot hold it open (the parent's wait is
 bounded as well). No pytest needed here."""
 
-import contextlib
 import os
-import re
 import sys
 import time
 import traceback
@@ -34,22 +32,11 @@ import torch  # noqa: E402
 import fabric_ep  # noqa: E402
 from fabric_ep import Buffer, EventOverlap, LowLatencyHandle  # noqa: E402
 from _gpu_threads import bits, host, run_ranks, to_bf16  # noqa: E402
+from plain_runner import raises  # noqa: E402  (pytest.raises without pytest)
 from _rank import (  # noqa: E402
     H, K, L, MAX_LL, bf2f, dest_ranks, e4m3_to_f32, f2bf, inputs, ll_combine_want, ll_reference,
     reference_recv,
 )
-
-
-@contextlib.contextmanager
-def raises(exc, match=None):
-    """pytest.raises without pytest: the block must raise ``exc`` (matching ``match``)."""
-    try:
-        yield
-    except exc as e:
-        if match is not None and not re.search(match, str(e)):
-            raise AssertionError(f"{type(e).__name__}({e!s}) does not match {match!r}") from e
-        return
-    raise AssertionError(f"did not raise {exc.__name__}" + (f" matching {match!r}" if match else ""))
 
 
 DEV = 0

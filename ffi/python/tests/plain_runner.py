@@ -23,6 +23,19 @@ class Skipped(Exception):
     pass
 
 
+@contextlib.contextmanager
+def raises(exc, match=None):
+    """pytest.raises without pytest: the block must raise ``exc`` (matching ``match``)."""
+    try:
+        yield
+    except exc as e:
+        if match is not None and not re.search(match, str(e)):
+            raise AssertionError(f"{type(e).__name__}({e!s}) does not match {match!r}") from e
+        return
+    name = getattr(exc, "__name__", repr(exc))  # an exception class, or a tuple of them
+    raise AssertionError(f"did not raise {name}" + (f" matching {match!r}" if match else ""))
+
+
 def _shim() -> types.ModuleType:
     m = types.ModuleType("pytest")
 
@@ -34,16 +47,6 @@ def _shim() -> types.ModuleType:
             return importlib.import_module(name)
         except ImportError:
             raise Skipped(reason or f"could not import {name!r}") from None
-
-    @contextlib.contextmanager
-    def raises(exc, match=None):
-        try:
-            yield
-        except exc as e:
-            if match is not None and not re.search(match, str(e)):
-                raise AssertionError(f"{type(e).__name__}({e!s}) does not match {match!r}") from e
-            return
-        raise AssertionError(f"did not raise {exc}")
 
     class _Mark:
         def parametrize(self, names, values):
