@@ -21,8 +21,9 @@ import traceback
 # * CUDA maps the streams of a context onto CUDA_DEVICE_MAX_CONNECTIONS hardware queues (8 by
 #   default). With ranks as threads of one context (world 4 x about 4 streams each) two ranks'
 #   streams can share a queue, and one rank's spinning kernel then sits behind another's: a
-#   deadlock until the timeout. 32 gives every stream its own queue (the library refuses to
-#   connect several ranks of one context with too few).
+#   deadlock until the timeout. 32 asks for a queue per stream (the driver may grant fewer, per
+#   NVIDIA's MPS docs; the library refuses to connect several ranks of one context with too few).
+#   The Rust harness still sees such a stall in about one 4-rank run in five (kernels/ll_notes.md).
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
