@@ -86,7 +86,7 @@ if ptxas:
 EOF
   rm -f "$json"
   strip "$bundle"/tests/* "$bundle"/examples/* "$bundle"/benches/* "$bundle"/bin/ep-bench 2>/dev/null || true
-  cp scripts/gpu-check.sh scripts/bench_layout_torch.py scripts/bench_ll_torch.py "$bundle/"
+  cp scripts/gpu-check.sh scripts/bench_layout_torch.py scripts/bench_ll_torch.py scripts/bench_torch_alloc.py "$bundle/"
   # The Python package with the release library beside it (the package finds it there), and
   # its tests. The GPU machine has python3 + torch but no Rust.
   mkdir -p "$bundle/python/tests"

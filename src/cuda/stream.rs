@@ -59,6 +59,15 @@ impl Stream {
         }
     }
 
+    /// True while the stream is being captured into a CUDA graph (work is recorded, not run).
+    pub fn is_capturing(&self) -> CudaResult<bool> {
+        self.dev.bind()?;
+        let mut st = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: stream valid; out-pointer valid.
+        unsafe { call!(cuStreamIsCapturing(self.raw, &mut st))? };
+        Ok(st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
     /// Blocks until the stream is idle (unbounded on the host; kernels bound their own waits).
     pub fn synchronize(&self) -> CudaResult<()> {
         self.dev.bind()?;
@@ -69,22 +78,7 @@ impl Stream {
     /// Polls the stream until idle or `limit` passes (then `CudaError::Timeout`). The bounded
     /// host-side wait for code that must never hang.
     pub fn synchronize_within(&self, limit: Duration) -> CudaResult<()> {
-        let start = Instant::now();
-        let mut spins = 0u32;
-        loop {
-            if self.query()? {
-                return Ok(());
-            }
-            if start.elapsed() >= limit {
-                return Err(CudaError::Timeout { call: "cuStreamQuery", waited: start.elapsed() });
-            }
-            spins += 1;
-            if spins > 64 {
-                std::thread::sleep(Duration::from_micros(50));
-            } else {
-                std::hint::spin_loop();
-            }
-        }
+        poll_within(limit, "cuStreamQuery", || self.query())
     }
 
     /// Makes later work on this stream wait for `event`.
@@ -163,6 +157,22 @@ impl Event {
         unsafe { call!(cuEventSynchronize(self.raw)) }
     }
 
+    /// True when the work the last `record` captured has finished (or nothing was recorded).
+    pub fn query(&self) -> CudaResult<bool> {
+        self.dev.bind()?;
+        // SAFETY: event valid.
+        match unsafe { sys::cuEventQuery(self.raw) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            r => Err(driver_error("cuEventQuery", r)),
+        }
+    }
+
+    /// Polls the event until complete or `limit` passes (then `CudaError::Timeout`).
+    pub fn synchronize_within(&self, limit: Duration) -> CudaResult<()> {
+        poll_within(limit, "cuEventQuery", || self.query())
+    }
+
     /// Milliseconds from `self` to `end` (both recorded and complete).
     pub fn elapsed_ms(&self, end: &Event) -> CudaResult<f32> {
         self.dev.bind()?;
@@ -184,6 +194,31 @@ impl Drop for Event {
             if self.dev.bind().is_ok() {
                 let _ = sys::cuEventDestroy_v2(self.raw);
             }
+        }
+    }
+}
+
+/// Calls `done` until it says true or `limit` passes (then `CudaError::Timeout` naming `call`):
+/// spins briefly, then sleeps 50 us between polls.
+fn poll_within(
+    limit: Duration,
+    call: &'static str,
+    mut done: impl FnMut() -> CudaResult<bool>,
+) -> CudaResult<()> {
+    let start = Instant::now();
+    let mut spins = 0u32;
+    loop {
+        if done()? {
+            return Ok(());
+        }
+        if start.elapsed() >= limit {
+            return Err(CudaError::Timeout { call, waited: start.elapsed() });
+        }
+        spins += 1;
+        if spins > 64 {
+            std::thread::sleep(Duration::from_micros(50));
+        } else {
+            std::hint::spin_loop();
         }
     }
 }

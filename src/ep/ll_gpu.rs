@@ -41,7 +41,7 @@
 
 use crate::abi;
 use crate::cuda::launch::{self, LaunchConfig};
-use crate::cuda::{DevErrorRecord, Device, DeviceBuffer, HostMapped, Stream};
+use crate::cuda::{DevErrorRecord, Device, DeviceBuffer, Event, HostMapped, Stream};
 use crate::ep::config::DispatchDtype;
 use crate::ep::plan::LlLayout;
 use crate::{Error, Result};
@@ -307,7 +307,13 @@ pub struct LlGpuRank {
     rank: usize,
     cfg: LlGpuConfig,
     layout: LlLayout,
+    /// The rank's own stream: launches go here unless [`Self::with_stream`] names the caller's.
     stream: Stream,
+    /// The caller's stream (borrowed) while inside [`Self::with_stream`].
+    launch_on: Option<Stream>,
+    /// Recorded on the caller's stream after each [`Self::with_stream`] call: what
+    /// [`Self::finish`] and [`Self::clean`] wait for (bounded).
+    last: Event,
     buf: LlMem,
     flags: Arc<DeviceBuffer>,
     peers: DeviceBuffer,
@@ -386,6 +392,8 @@ impl LlGpuRank {
             rank,
             layout,
             stream: Stream::new(dev)?,
+            launch_on: None,
+            last: Event::new_untimed(dev)?,
             buf,
             proxy: abi::fep_ll_proxy::default(),
             proxy_state: None,
@@ -400,7 +408,7 @@ impl LlGpuRank {
             grid,
             cfg,
         };
-        dev.synchronize()?;
+        // The zeroing above is complete: DeviceBuffer's fills wait for themselves.
         Ok(r)
     }
 
@@ -449,8 +457,7 @@ impl LlGpuRank {
             .proxy_state
             .as_mut()
             .ok_or_else(|| Error::Other(format!("rank {}: no proxy lane", self.rank)))?;
-        st.copy_from_host(words)?;
-        self.stream.device().synchronize()?;
+        st.copy_from_host(words)?; // complete on return (Device::blocking)
         Ok(())
     }
 
@@ -463,7 +470,7 @@ impl LlGpuRank {
     /// zeroes its flags and tickets, clears its error record and restarts its epochs. Every
     /// rank must do it before the next call, with no kernel of the group running.
     pub fn clean(&mut self) -> Result<()> {
-        self.stream.synchronize_within(self.cfg.timeout + Duration::from_secs(5))?;
+        self.wait_idle()?;
         self.flags.memset(0)?;
         self.workspace.memset(0)?;
         self.err.reset()?;
@@ -476,6 +483,45 @@ impl LlGpuRank {
     }
     pub fn stream(&self) -> &Stream {
         &self.stream
+    }
+
+    /// Runs `f` with this rank's launches going to `stream` (the caller's) instead of the
+    /// rank's own: the kernels are ordered on it like any other work, with no event joins to a
+    /// side stream. NOTES: joins were a hazard with ranks as threads of one GPU: a stream whose
+    /// head waits for an event behind a spinning receive holds back whatever shares its
+    /// hardware queue, a peer's send included (ll_notes.md, sixth session). Afterwards an event
+    /// on `stream` marks the rank's last launch for [`Self::finish`] and [`Self::clean`]
+    /// (not while `stream` is being captured: a captured record is no event to wait for).
+    pub(crate) fn with_stream<T>(
+        &mut self,
+        stream: &Stream,
+        f: impl FnOnce(&mut Self) -> Result<T>,
+    ) -> Result<T> {
+        // SAFETY: the borrowed handle is dropped before this returns, while `stream` lives.
+        self.launch_on = Some(unsafe { Stream::borrowed(stream.device(), stream.as_raw()) });
+        let res = f(self);
+        self.launch_on = None;
+        let marked = match stream.is_capturing() {
+            Ok(false) => self.last.record(stream),
+            Ok(true) => Ok(()),
+            Err(e) => Err(e),
+        };
+        let v = res?;
+        marked?;
+        Ok(v)
+    }
+
+    fn launch_stream(&self) -> &Stream {
+        self.launch_on.as_ref().unwrap_or(&self.stream)
+    }
+
+    /// Waits (bounded: the config's timeout plus 5 s) for the rank's own stream and for its
+    /// last launch on a caller's stream.
+    fn wait_idle(&self) -> Result<()> {
+        let limit = self.cfg.timeout + Duration::from_secs(5);
+        self.stream.synchronize_within(limit)?;
+        self.last.synchronize_within(limit)?;
+        Ok(())
     }
     pub fn config(&self) -> &LlGpuConfig {
         &self.cfg
@@ -621,7 +667,7 @@ impl LlGpuRank {
         p.x = x.device_ptr();
         p.topk_idx = topk_idx.device_ptr();
         t.num_tokens = num_tokens;
-        launch::ll_dispatch_send(&self.stream, self.cfg(smem), p)?;
+        launch::ll_dispatch_send(self.launch_stream(), self.cfg(smem), p)?;
         Ok(t)
     }
 
@@ -631,7 +677,7 @@ impl LlGpuRank {
     /// As [`Self::dispatch_send`].
     pub unsafe fn dispatch_recv(&self, t: LlTicket, out: &LlDispatchOut) -> Result<()> {
         let p = self.dispatch_params(t, out)?;
-        launch::ll_dispatch_recv(&self.stream, self.cfg(self.cfg.scan_smem()), p, t.chain)?;
+        launch::ll_dispatch_recv(self.launch_stream(), self.cfg(self.cfg.scan_smem()), p, t.chain)?;
         Ok(())
     }
 
@@ -727,7 +773,7 @@ impl LlGpuRank {
             }
         };
         p.x = x.device_ptr();
-        launch::ll_combine_send(&self.stream, self.cfg(self.cfg.scan_smem()), p)?;
+        launch::ll_combine_send(self.launch_stream(), self.cfg(self.cfg.scan_smem()), p)?;
         Ok(t)
     }
 
@@ -753,15 +799,20 @@ impl LlGpuRank {
         p.topk_idx = topk_idx.device_ptr();
         p.topk_weights = topk_weights.device_ptr();
         p.out = out.device_ptr();
-        launch::ll_combine_recv(&self.stream, self.cfg(self.cfg.combine_recv_smem()), p, t.chain)?;
+        launch::ll_combine_recv(
+            self.launch_stream(),
+            self.cfg(self.cfg.combine_recv_smem()),
+            p,
+            t.chain,
+        )?;
         Ok(())
     }
 
-    /// Waits (bounded: the config's timeout plus 5 s) for this rank's stream, then turns a
+    /// Waits (bounded: the config's timeout plus 5 s) for this rank's kernels, then turns a
     /// recorded device error into a typed error: a device wait that ran out becomes
     /// [`Error::Timeout`] naming this rank, the phase and the peer.
     pub fn finish(&self) -> Result<()> {
-        self.stream.synchronize_within(self.cfg.timeout + Duration::from_secs(5))?;
+        self.wait_idle()?;
         self.err.check().map_err(|e| Error::from_device(e, phase_name, self.cfg.timeout))
     }
 }

@@ -273,7 +273,7 @@ impl LlProxyPrep {
             region_stride: self.geo.stride,
         };
         let state = DeviceBuffer::zeroed(&dev, state_words(e) * 8)?;
-        dev.synchronize()?; // the zeroing, before any launch reads the state
+        // Zeroed on return (DeviceBuffer's fills wait for themselves), before any launch.
         rank.set_proxy(px, state);
         Ok(LlProxyLane {
             proxy,

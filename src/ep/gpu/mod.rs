@@ -84,7 +84,7 @@ use super::normal_gpu::{
 };
 use crate::abi;
 use crate::bootstrap::Bootstrap;
-use crate::cuda::{CudaError, Device, DeviceBuffer, Event, Stream};
+use crate::cuda::{CudaError, Device, DeviceBuffer, Stream};
 use crate::{Error, Result};
 
 /// GPU options of a [`Buffer`](super::buffer::Buffer) (`BufferOptions::gpu`).
@@ -342,8 +342,6 @@ struct LlPart {
     // goes before the rank that owns the memory.
     lane: Option<ll_proxy::LlProxyLane>,
     rank: LlGpuRank,
-    enter: Event,
-    leave: Event,
 }
 
 /// One rank's GPU engine (owned by a `Buffer` with `Backend::Gpu`; reach it with
@@ -539,8 +537,8 @@ impl GpuBuffer {
         } else {
             None
         };
-        // NOTES: the zeroing memsets must land before any peer can learn the pointers.
-        dev.synchronize()?;
+        // NOTES: the zeroing memsets landed before any peer can learn the pointers:
+        // DeviceBuffer's fills wait for themselves (Device::blocking).
         let pid = std::process::id() as u64;
         let ctx = dev.as_raw() as u64;
         let mut blob = Vec::with_capacity(BLOB_BYTES);
@@ -638,12 +636,7 @@ impl GpuBuffer {
                 // SAFETY: as above, for the LL buffers and flags of same-node peers (proxy
                 // peers' entries carry no pointers).
                 unsafe { l.set_peers(&table)? };
-                Some(LlPart {
-                    lane,
-                    rank: l,
-                    enter: Event::new_untimed(&dev)?,
-                    leave: Event::new_untimed(&dev)?,
-                })
+                Some(LlPart { lane, rank: l })
             }
             None => None,
         };
@@ -981,20 +974,14 @@ impl GpuBuffer {
         LlDispatchOut::new(&dev, l.rank.config())
     }
 
-    /// Runs `f` on the rank's own LL stream, ordered after `stream`'s work so far and before
-    /// `stream`'s later work (two event joins; capturable in a CUDA graph).
+    /// Runs `f` with the rank's launches on `stream` (the caller's), in order with its other
+    /// work (capturable in a CUDA graph).
     fn on_ll_stream<T>(
         &mut self,
         stream: &Stream,
         f: impl FnOnce(&mut LlGpuRank) -> Result<T>,
     ) -> Result<T> {
-        let l = self.ll()?;
-        l.enter.record(stream)?;
-        l.rank.stream().wait_event(&l.enter)?;
-        let res = f(&mut l.rank);
-        l.leave.record(l.rank.stream())?;
-        stream.wait_event(&l.leave)?;
-        res
+        self.ll()?.rank.with_stream(stream, f)
     }
 
     /// Low-latency dispatch (DeepEP V1): sends `x`'s rows to their experts' ranks (fp8 cast
@@ -1069,8 +1056,7 @@ impl GpuBuffer {
             return Ok(Some(LlCombineHook { ticket: send, buffer_id: id }));
         }
         // NOTES: send and receive in one call, so `x` is unchanged in between: the rows of this
-        // rank's own experts stay in `x` (combine_send_pull), and both kernels share one pair of
-        // stream joins.
+        // rank's own experts stay in `x` (combine_send_pull).
         let ti = self.view("topk_idx", a.topk_idx)?;
         let tw = self.view("topk_weights", a.topk_weights)?;
         let out = self.view("out", a.out)?;
@@ -1118,7 +1104,8 @@ impl GpuBuffer {
         if let Some(n) = self.normal.as_mut() {
             n.rank.reset()?;
         }
-        self.dev.synchronize()?;
+        // Every reset above is complete on return (fills and copies wait for themselves); no
+        // device-wide synchronisation, which with ranks as threads would wait for peers.
         self.poisoned = None;
         Ok(())
     }
