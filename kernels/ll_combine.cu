@@ -77,7 +77,7 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
                  n16, seg, lane);
     }
 
-    if (!last_block_ticket(reinterpret_cast<uint32_t*>(p.workspace), p.proxy.ring != 0)) return;
+    if (!last_block_ticket(reinterpret_cast<uint32_t*>(p.workspace))) return;
     __shared__ uint64_t s_tag;
     uint64_t* epoch = reinterpret_cast<uint64_t*>(p.epoch) + p.set;
     if (tid == 0) s_tag = *epoch + 1;

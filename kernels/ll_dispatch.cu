@@ -141,7 +141,7 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
         __syncthreads();  // s_dst is rewritten for the next token
     }
 
-    if (!last_block_ticket(reinterpret_cast<uint32_t*>(p.workspace), p.proxy.ring != 0)) return;
+    if (!last_block_ticket(reinterpret_cast<uint32_t*>(p.workspace))) return;
 
     for (int g = tid; g < E; g += kThreads) s_count[g] = 0;
     __syncthreads();

@@ -185,6 +185,7 @@ typedef struct fep_proxy_pingpong_params {
  *   arrivals[slot] >= arr_base[slot] + calls of (phase, set) since the last clean, and the count
  *   is sums[slot] - sums_seen[slot]. */
 #define FEP_LL_THREADS 512
+#define FEP_LL_SEG_BYTES 4096 /* bytes of a row one warp copies per work item (fep_ll.cuh kSegBytes) */
 #define FEP_LL_TRANSPORT_PEER 0u
 #define FEP_LL_TRANSPORT_PROXY 1u
 #define FEP_PHASE_LL_DISPATCH_SEND 16u

@@ -77,20 +77,21 @@ __device__ __forceinline__ uint32_t fp8x2(float x, float y) {
 }
 
 // Every block calls this once at the end of its sends (all threads). Returns true in exactly one
-// block: the last to finish, which then publishes the flags; it also re-zeroes the ticket.
-// NOTES (ordering): the block barrier orders every thread's payload stores before thread 0's
-// fence at system scope (peer memory may be another GPU's) and its ticket increment; the last
-// block fences again after reading the ticket and passes a barrier, so its release stores of the
-// flags follow every block's payload in causality order (bar.sync and fence.sc are cumulative in
-// the PTX memory model) and a receiver that acquires a flag sees all rows of that message.
-// `host_readers` (a proxy lane: the CPU reads the staged rows from mapped host memory): every
-// thread also fences its own stores at system scope first, as the model does not cover a PCIe
-// reader; on GPU peers one fence per block suffices (not measured apart from PDL; see
-// kernels/ll_notes.md, fourth session).
-__device__ __forceinline__ bool last_block_ticket(uint32_t* ticket, bool host_readers) {
+// block: the last to finish, which then publishes the flags; it also re-zeroes the ticket. A grid
+// of one block is its own last block: no atomic, no fence (the ticket stays zero).
+// NOTES (ordering): the block barrier makes every thread's payload stores (peer GPU memory, or
+// with a proxy lane the mapped host memory the CPU proxy reads) performed relative to thread 0,
+// whose fence at system scope is cumulative over them (PTX memory model; scope .sys includes the
+// host's threads) before its ticket increment; the last block fences again after reading the
+// ticket and passes a barrier, so the release stores that publish (flags, or the proxy ring's
+// head) follow every block's payload in causality order, and a reader that acquires them sees all
+// rows. Until the sixth session every thread also fenced its own stores when the CPU reads them
+// (a proxy lane): redundant under the model, and each system fence waits for the PCIe writes in
+// flight (the 1-token proxy phase spent ~11 us between staging and publishing; ll_notes.md).
+__device__ __forceinline__ bool last_block_ticket(uint32_t* ticket) {
     __shared__ int s_last;
-    if (host_readers) __threadfence_system();
     __syncthreads();
+    if (gridDim.x == 1) return true;
     if (threadIdx.x == 0) {
         __threadfence_system();
         const uint32_t old = atomicAdd(ticket, 1u);
@@ -161,6 +162,7 @@ __device__ __forceinline__ int find_unit(const int32_t* start, int n, int row) {
 // Rows are copied by warps in segments of kSegChunks 16-byte chunks per lane (8 loads in flight).
 constexpr int kSegChunks = 8;
 constexpr int kSegBytes = 32 * kSegChunks * 16;
+static_assert(kSegBytes == FEP_LL_SEG_BYTES, "the host sizes LL grids with FEP_LL_SEG_BYTES");
 
 // Loads of received rows. `sys`: the rows may have been written by a NIC or the CPU (the proxy
 // path: mapped host memory, or GPU memory under FI_HMEM), which the GPU's L2 does not see:
@@ -296,11 +298,11 @@ __device__ __forceinline__ void px_put(const fep_ll_proxy& px, uint64_t ticket, 
     dst[1] = hi;
 }
 
-// All threads of the publishing block, after px_put of tickets [head, head + n): one system fence
-// per thread, a barrier, then thread 0 publishes head + n and counts the call.
+// All threads of the publishing block, after px_put of tickets [head, head + n): a barrier, then
+// thread 0 publishes head + n with a release store at system scope (cumulative over the block's
+// ring entries and, through the ticket, every block's staged rows) and counts the call.
 __device__ __forceinline__ void px_publish(const fep_ll_proxy& px, uint64_t head, uint32_t n,
                                            int phase, int set) {
-    __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) {
         fep_ring_hdr* hdr = reinterpret_cast<fep_ring_hdr*>(px.ring);
@@ -356,7 +358,8 @@ __device__ __forceinline__ bool px_count(const fep_ll_proxy& px, int phase, int 
 // All threads of every receive block, after the leader's threads have run px_count for their
 // units (and any flag waits are done): the leader publishes that the call's counts are in the
 // mirror (ready[phase * 2 + set] = the call number, calls since clean); a follower waits for it
-// (bounded). `*fail` is the block's failure flag (shared). Ends with a barrier.
+// (bounded). `*fail` is the block's failure flag (shared). Ends with a barrier; a grid of one
+// block only passes the barrier.
 // NOTES: the leader's system fence orders the rows the proxy/NIC wrote (seen through its
 // acquire of the counters) before the release; a follower fences again after its acquire, so
 // its reads of those rows (ld.cv, past the caches) follow.
@@ -367,6 +370,9 @@ __device__ __forceinline__ void px_counts_handoff(const fep_ll_proxy& px, int ph
     uint64_t* ready = st + st_ready(4 * num_experts) + phase * 2 + set;
     const uint64_t call = st[kStCalls + phase * 2 + set];
     __syncthreads();
+    // One block: no follower to hand to. Its threads' reads of the rows follow the leader
+    // thread's acquire of the counters through the barrier (happens-before is transitive).
+    if (gridDim.x == 1) return;
     if (threadIdx.x == 0) {
         if (blockIdx.x == 0) {
             if (*fail == 0) {

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use super::ep::{self as host_bench, NormalBenchParams, NormalBenchReport, RankInputs};
 use crate::bootstrap::{Bootstrap, InProcGroup};
-use crate::cuda::{Device, DeviceBuffer, Event, GraphExec, Stream};
+use crate::cuda::{DevErrorRecord, Device, DeviceBuffer, Event, GraphExec, HostMapped, Stream};
 use crate::ep::buffer::{Buffer, BufferOptions};
 use crate::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use crate::ep::gpu::{
@@ -666,10 +666,21 @@ impl LlCase {
 }
 
 /// Low-latency mode: `warmup + iters` dispatches and combines (`p.hook`: each as send, then the
-/// hook's receive), every one checked against the reference. Times from CUDA events around
-/// dispatch (send + receive) and combine (send + receive).
+/// hook's receive), every one checked against the reference; then (eager, not `p.graph`) `iters`
+/// pairs back to back, the last checked too. Times from CUDA events around dispatch (send +
+/// receive) and combine (send + receive): of the back-to-back pairs when there are (each rank
+/// paced by its peers' data, as in a run of many steps, not by a host barrier per step), else
+/// of the checked steps.
 pub fn run_ll_gpu(dev: &Device, p: &GpuBenchParams) -> Result<GpuReport> {
-    run_ll_gpu_on(dev, p, &LlRunOptions::one_node(p.num_ranks))
+    run_ll_gpu_on(dev, p, &ll_options(p))
+}
+
+/// [`run_ll_gpu`]'s options: one node, the timed back-to-back pairs unless `p.graph`.
+fn ll_options(p: &GpuBenchParams) -> LlRunOptions {
+    LlRunOptions {
+        timed_iters: if p.graph { 0 } else { p.iters },
+        ..LlRunOptions::one_node(p.num_ranks)
+    }
 }
 
 /// [`run_ll_gpu`] with `o.ranks_per_node` ranks per node (ranks are still threads of this
@@ -699,7 +710,7 @@ pub fn run_ll_gpu_process(
     check_world(p, &*boot)?;
     let case = LlCase::new(p)?;
     let rank = boot.rank();
-    Ok(run_ll_gpu_rank(dev, p, &LlRunOptions::one_node(p.num_ranks), &case, rank, boot)?.report)
+    Ok(run_ll_gpu_rank(dev, p, &ll_options(p), &case, rank, boot)?.report)
 }
 
 /// What one rank of a low-latency run measured.
@@ -717,6 +728,10 @@ pub struct LlRankReport {
     /// `LlRunOptions::trace_pairs`: the kernels' and this process's proxy points, host clock.
     pub trace: Vec<crate::trace::TraceRecord>,
 }
+
+/// Pairs of the LL timed loop enqueued behind one gate (see `run_ll_gpu_rank`): few enough that
+/// the enqueued launches never fill the stream's queue while the gate holds it.
+const GATE_PAIRS: usize = 32;
 
 /// One rank of a low-latency run (the body [`run_ll_gpu_on`] runs per thread; a process of a
 /// multi-process run calls it with its own bootstrap). Collective over `boot`. An error of a
@@ -746,8 +761,9 @@ pub fn run_ll_gpu_rank(
     let mut y = upload(dev, &case.ys[rank])?;
     let out_c = DeviceBuffer::new(dev, (t * h * 2).max(16))?;
     let stream = Stream::new(dev)?;
-    // Timed loop: 4 events per pair (after dispatch send, dispatch, combine send, combine).
-    let n_ev = 4 * o.timed_iters + 3;
+    // Timed loop: 5 events per pair (start, after dispatch send, dispatch, combine send,
+    // combine).
+    let n_ev = 5 * o.timed_iters + 3;
     let ev: Vec<Event> =
         (0..n_ev).map(|_| Event::new(dev)).collect::<std::result::Result<_, _>>()?;
     let pairs = me.topk_idx.iter().filter(|&&e| e >= 0).count() as u64;
@@ -784,6 +800,22 @@ pub fn run_ll_gpu_rank(
         out: DevSlice::of(&out_c),
         return_recv_hook: p.hook,
         stream: &stream,
+    };
+    // A host word that holds each rank's step (or chunk of timed pairs) until every rank has
+    // enqueued it (`fep_wait_test` spinning on it; bounded by twice the timeout).
+    let gate = HostMapped::new(dev, 8)?;
+    let gate_err = DevErrorRecord::new(dev)?;
+    let gate_word = gate.atomic_u64(0)?;
+    let mut gate_val = 0u64;
+    let gate_params = |expected: u64| crate::abi::fep_wait_test_params {
+        counter: gate.device_ptr(),
+        dev_error: gate_err.as_abi(),
+        expected,
+        budget_cycles: (p.timeout.as_secs_f64() * 4e9) as u64,
+        rank: rank as u32,
+        phase: 0,
+        peer: u32::MAX,
+        _pad: 0,
     };
     let res = (|| -> Result<()> {
         let r = &mut rep.report;
@@ -835,12 +867,18 @@ pub fn run_ll_gpu_rank(
                 let (gc, ()) = GraphExec::capture(&stream, || combine(gpu))?;
                 graphs = Some((gd, gc));
             }
-            boot.barrier()?;
+            // The step's kernels wait behind a gate that every rank opens after a barrier, once
+            // all of them are enqueued: the events then time the GPU work, not the host's launch
+            // gaps or (ranks as processes) the ranks' skew in reaching the step.
+            out.recv_x.memset_async(0xAB, &stream)?;
+            out_c.memset_async(0xAB, &stream)?;
+            stream.synchronize_within(p.timeout)?;
+            gate_val += 1;
+            // SAFETY: the gate word and its error record outlive sync_gpu below.
+            unsafe { crate::cuda::launch::wait_test(&stream, gate_params(gate_val))? };
             // Host time to enqueue the step's first phase: a call that blocks here (an implicit
             // device synchronisation behind a peer's waiting kernel) is named on stderr.
             let enqueue = Instant::now();
-            out.recv_x.memset_async(0xAB, &stream)?;
-            out_c.memset_async(0xAB, &stream)?;
             ev[0].record(&stream)?;
             match &graphs {
                 Some((gd, _)) => gd.launch(&stream)?,
@@ -858,7 +896,10 @@ pub fn run_ll_gpu_rank(
                 None => combine(gpu)?,
             }
             ev[2].record(&stream)?;
+            boot.barrier()?;
+            gate_word.store(gate_val, std::sync::atomic::Ordering::Release);
             gpu.sync_gpu(&stream)?;
+            gate_err.check().map_err(|e| Error::Other(format!("rank {rank}: step gate: {e}")))?;
             check(c, it, "low-latency combine")?;
             if it >= p.warmup {
                 r.dispatch_s.push(elapsed_s(&ev[0], &ev[1])?);
@@ -925,40 +966,59 @@ pub fn run_ll_gpu_rank(
             }
             return Ok(());
         }
-        let t0 = std::time::Instant::now();
-        ev[0].record(&stream)?;
+        // Gated in chunks: each chunk of pairs is enqueued behind a kernel that spins on a host
+        // word, and every rank opens its gate after a barrier, so the events time the GPU's
+        // work, not the host's enqueue (a host slower than the GPU would put its launch gaps
+        // into the phases; with ranks as processes, their skew too).
+        let mut chunk_t = Instant::now();
+        let mut enqueue_s = 0.0;
         for i in 0..o.timed_iters {
-            let e = &ev[4 * i + 1..4 * i + 5];
+            if i % GATE_PAIRS == 0 {
+                chunk_t = Instant::now();
+                gate_val += 1;
+                // SAFETY: the gate word and its error record outlive sync_gpu below.
+                unsafe { crate::cuda::launch::wait_test(&stream, gate_params(gate_val))? };
+            }
+            let e = &ev[5 * i..5 * i + 5];
+            e[0].record(&stream)?;
             // SAFETY: as above; each rank's calls are ordered on its stream, so call N + 2 of
             // any rank starts after its peers' call N receives (DeepEP's set contract).
             unsafe {
                 if let Some(hook) = gpu.low_latency_dispatch_gpu(&da, &out)? {
-                    e[0].record(&stream)?;
+                    e[1].record(&stream)?;
                     gpu.low_latency_dispatch_recv_gpu(hook, &out, &stream)?;
                 }
-                e[1].record(&stream)?;
+                e[2].record(&stream)?;
                 if let Some(hook) = gpu.low_latency_combine_gpu(&ca)? {
-                    e[2].record(&stream)?;
+                    e[3].record(&stream)?;
                     gpu.low_latency_combine_recv_gpu(hook, &ca)?;
                 }
-                e[3].record(&stream)?;
+                e[4].record(&stream)?;
+            }
+            if i % GATE_PAIRS == GATE_PAIRS - 1 || i + 1 == o.timed_iters {
+                enqueue_s += chunk_t.elapsed().as_secs_f64();
+                boot.barrier()?;
+                gate_word.store(gate_val, std::sync::atomic::Ordering::Release);
+                // The chunk runs now; the next one is enqueued meanwhile.
             }
         }
-        rep.host_enqueue_s = t0.elapsed().as_secs_f64() / o.timed_iters as f64;
+        rep.host_enqueue_s = enqueue_s / o.timed_iters as f64;
         gpu.sync_gpu(&stream)?;
+        gate_err
+            .check()
+            .map_err(|e| Error::Other(format!("rank {rank}: timed loop's gate: {e}")))?;
         // The last pair is still checked (the timed loop must not trade correctness).
         let it = p.warmup + p.iters + o.timed_iters;
         check(case, it, "low-latency combine (timed loop)")?;
         r.dispatch_s.clear();
         r.combine_s.clear();
         for i in 0..o.timed_iters {
-            let start = if i == 0 { &ev[0] } else { &ev[4 * i] };
-            let e = &ev[4 * i + 1..4 * i + 5];
-            r.dispatch_s.push(elapsed_s(start, &e[1])?);
-            r.combine_s.push(elapsed_s(&e[1], &e[3])?);
+            let e = &ev[5 * i..5 * i + 5];
+            r.dispatch_s.push(elapsed_s(&e[0], &e[2])?);
+            r.combine_s.push(elapsed_s(&e[2], &e[4])?);
             if p.hook {
-                rep.dispatch_send_s.push(elapsed_s(start, &e[0])?);
-                rep.combine_send_s.push(elapsed_s(&e[1], &e[2])?);
+                rep.dispatch_send_s.push(elapsed_s(&e[0], &e[1])?);
+                rep.combine_send_s.push(elapsed_s(&e[2], &e[3])?);
             }
         }
         Ok(())

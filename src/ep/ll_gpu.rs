@@ -571,8 +571,25 @@ impl LlGpuRank {
         LlTicket { set: (self.calls % 2) as u32, num_tokens, pull_x: 0, chain: false }
     }
 
-    fn cfg(&self, smem: usize) -> LaunchConfig {
-        LaunchConfig { grid: self.grid, block: abi::FEP_LL_THREADS, shared_bytes: smem as u32 }
+    /// A launch of at most `work` blocks (and at most the rank's budget): every LL kernel
+    /// strides its work over the grid, so blocks past the work would only join the grid-wide
+    /// ticket, the proxy handoff and the fences. Measured: the proxy lane's 1-token phase spent
+    /// ~12 us of its send in the 66-block ticket and publish (ll_notes.md, sixth session).
+    fn cfg(&self, smem: usize, work: usize) -> LaunchConfig {
+        let grid = self.grid.min(u32::try_from(work.max(1)).unwrap_or(u32::MAX));
+        LaunchConfig { grid, block: abi::FEP_LL_THREADS, shared_bytes: smem as u32 }
+    }
+
+    /// Blocks that can have work in a kernel copying the rows one rank can receive in a
+    /// dispatch (= send back in a combine) of `row_bytes` each: at most every source rank's
+    /// tokens, each to min(top-k, local experts) of this rank's experts; each row is
+    /// `FEP_LL_SEG_BYTES` segments, one per warp.
+    fn row_blocks(&self, row_bytes: usize) -> usize {
+        let c = &self.cfg;
+        let rows = c.num_ranks * c.max_tokens_per_rank * c.num_topk.min(c.num_local_experts());
+        let segs = row_bytes.div_ceil(abi::FEP_LL_SEG_BYTES as usize);
+        let warps = (abi::FEP_LL_THREADS / 32) as usize;
+        rows.saturating_mul(segs).div_ceil(warps)
     }
 
     fn dispatch_params(
@@ -667,7 +684,7 @@ impl LlGpuRank {
         p.x = x.device_ptr();
         p.topk_idx = topk_idx.device_ptr();
         t.num_tokens = num_tokens;
-        launch::ll_dispatch_send(self.launch_stream(), self.cfg(smem), p)?;
+        launch::ll_dispatch_send(self.launch_stream(), self.cfg(smem, num_tokens), p)?;
         Ok(t)
     }
 
@@ -677,7 +694,9 @@ impl LlGpuRank {
     /// As [`Self::dispatch_send`].
     pub unsafe fn dispatch_recv(&self, t: LlTicket, out: &LlDispatchOut) -> Result<()> {
         let p = self.dispatch_params(t, out)?;
-        launch::ll_dispatch_recv(self.launch_stream(), self.cfg(self.cfg.scan_smem()), p, t.chain)?;
+        let payload = if self.cfg.use_fp8 { self.cfg.hidden } else { 2 * self.cfg.hidden };
+        let cfg = self.cfg(self.cfg.scan_smem(), self.row_blocks(payload));
+        launch::ll_dispatch_recv(self.launch_stream(), cfg, p, t.chain)?;
         Ok(())
     }
 
@@ -773,7 +792,8 @@ impl LlGpuRank {
             }
         };
         p.x = x.device_ptr();
-        launch::ll_combine_send(self.launch_stream(), self.cfg(self.cfg.scan_smem()), p)?;
+        let cfg = self.cfg(self.cfg.scan_smem(), self.row_blocks(2 * self.cfg.hidden));
+        launch::ll_combine_send(self.launch_stream(), cfg, p)?;
         Ok(t)
     }
 
@@ -801,7 +821,7 @@ impl LlGpuRank {
         p.out = out.device_ptr();
         launch::ll_combine_recv(
             self.launch_stream(),
-            self.cfg(self.cfg.combine_recv_smem()),
+            self.cfg(self.cfg.combine_recv_smem(), t.num_tokens),
             p,
             t.chain,
         )?;
