@@ -135,6 +135,9 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     const bool marker = blockIdx.x == 0 && tid == 0;
     if (marker) fep::trace(FEP_TRACE_PHASE_STRIDE + FEP_TRACE_LL_RECV_BEGIN, p.rank, p.set);
     if (tid == 0) s_fail = 0;
+    if (p.proxy.ring != 0 && blockIdx.x == 0 && tid == kThreads - 1 && E < kThreads) {
+        px_refresh_sends_seen(p.proxy, E);
+    }
     for (int g = tid; g < E; g += kThreads) s_hist[g] = 0;
     __syncthreads();
     for (int i = tid; i < T * K; i += kThreads) {

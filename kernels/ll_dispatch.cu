@@ -202,6 +202,9 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     const bool marker = blockIdx.x == 0 && tid == 0;
     if (marker) fep::trace(FEP_TRACE_LL_RECV_BEGIN, p.rank, p.set);
     if (tid == 0) s_fail = 0;
+    if (p.proxy.ring != 0 && blockIdx.x == 0 && tid == kThreads - 1 && E < kThreads) {
+        px_refresh_sends_seen(p.proxy, E);
+    }
     __syncthreads();
     // Every block waits for all E flags (one thread each, in parallel): it needs every count for
     // the prefix. The flag of unit (e, src) comes from rank src. Proxy units: only block 0 polls
@@ -283,18 +286,38 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
         const size_t out_row = static_cast<size_t>(e) * S + (s_start[u] - s_start[e * R]) + i;
         const unsigned char* rec =
             recv + unit_offset(p.set, 1, E, u, p.unit_bytes, p.proxy) + static_cast<size_t>(i) * p.record_bytes;
+        // The record's scales and source index are loaded before the row is stored, so every
+        // load of the item is in flight at once (one round trip when the record is in host
+        // memory, instead of three; hidden <= 16384 keeps all scales in the first batch).
+        const float* rec_scales = reinterpret_cast<const float*>(rec + p.scales_offset);
+        float sc[kScaleBatch];
+        int src_i = 0;
+        if (seg == 0) {
+            if (p.use_fp8) {
+#pragma unroll
+                for (int j = 0; j < kScaleBatch; ++j) {
+                    const int gi = lane + 32 * j;
+                    sc[j] = gi < groups ? ld_recv(rec_scales + gi, sys) : 0.0f;
+                }
+            }
+            if (lane == 0) src_i = ld_recv(reinterpret_cast<const int*>(rec + p.src_idx_offset), sys);
+        }
         copy_seg(reinterpret_cast<const uint4*>(rec),
                  reinterpret_cast<uint4*>(p.recv_x) + out_row * n16, n16, seg, lane, sys);
         if (seg == 0) {
             if (p.use_fp8) {
-                for (int gi = lane; gi < groups; gi += 32) {
-                    reinterpret_cast<float*>(p.recv_scales)[out_row * groups + gi] =
-                        ld_recv(reinterpret_cast<const float*>(rec + p.scales_offset) + gi, sys);
+                float* out_scales = reinterpret_cast<float*>(p.recv_scales) + out_row * groups;
+#pragma unroll
+                for (int j = 0; j < kScaleBatch; ++j) {
+                    const int gi = lane + 32 * j;
+                    if (gi < groups) out_scales[gi] = sc[j];
+                }
+                for (int gi = lane + 32 * kScaleBatch; gi < groups; gi += 32) {
+                    out_scales[gi] = ld_recv(rec_scales + gi, sys);
                 }
             }
             if (lane == 0) {
-                reinterpret_cast<int32_t*>(p.recv_src_idx)[out_row] =
-                    ld_recv(reinterpret_cast<const int*>(rec + p.src_idx_offset), sys);
+                reinterpret_cast<int32_t*>(p.recv_src_idx)[out_row] = src_i;
                 reinterpret_cast<int32_t*>(p.recv_src_rank)[out_row] = src;
             }
         }

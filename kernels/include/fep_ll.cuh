@@ -161,6 +161,8 @@ __device__ __forceinline__ int find_unit(const int32_t* start, int n, int row) {
 
 // Rows are copied by warps in segments of kSegChunks 16-byte chunks per lane (8 loads in flight).
 constexpr int kSegChunks = 8;
+// fp8 scales per received row loaded by each lane before the row's copy (dispatch receive).
+constexpr int kScaleBatch = 4;
 constexpr int kSegBytes = 32 * kSegChunks * 16;
 static_assert(kSegBytes == FEP_LL_SEG_BYTES, "the host sizes LL grids with FEP_LL_SEG_BYTES");
 
@@ -251,7 +253,10 @@ __device__ __forceinline__ bool px_staging_free(const fep_ll_proxy& px, int set,
                 uint64_t v = 0;
                 s_ok = fep::wait_geq(reinterpret_cast<const uint64_t*>(px.sends_completed), need,
                                      ctx, &v);
-                if (s_ok) fep::st_release_sys(seen_word, v);
+                if (s_ok) {  // a max: a receive may have raised it meanwhile (px_refresh_sends_seen)
+                    atomicMax(reinterpret_cast<unsigned long long*>(seen_word),
+                              static_cast<unsigned long long>(v));
+                }
             }
         } else {
             s_ok = fep::wait_geq(seen_word, need, follower_ctx(ctx));
@@ -259,6 +264,18 @@ __device__ __forceinline__ bool px_staging_free(const fep_ll_proxy& px, int set,
     }
     __syncthreads();
     return s_ok != 0;
+}
+
+// One thread of a receive kernel, off its critical path (a thread with no unit to count): reads
+// the host's sends_completed once and raises `sends_seen` to it, so the next send's staging check
+// (px_staging_free) usually finds its need met in device memory instead of waiting for a PCIe
+// read: by this receive, the sends of the call before this one (the other set's last use) have
+// long completed. The host counter only grows and is read, never guessed: `sends_seen` never
+// exceeds it. Measured: the 1-token proxy send spent ~3 us before staging (ll_notes.md).
+__device__ __forceinline__ void px_refresh_sends_seen(const fep_ll_proxy& px, int num_experts) {
+    const uint64_t v = fep::ld_acquire_sys(reinterpret_cast<const uint64_t*>(px.sends_completed));
+    atomicMax(reinterpret_cast<unsigned long long*>(px_state(px) + st_sends_seen(4 * num_experts)),
+              static_cast<unsigned long long>(v));
 }
 
 // All threads of the publishing block: reserves `n` ring entries (thread 0 waits, bounded, for
