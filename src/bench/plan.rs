@@ -259,7 +259,16 @@ pub fn hierarchy_table(
     let _ = writeln!(
         out,
         "{:>6} {:>5} | {:>8} {:>8} {:>6} | {:>11} {:>11} | {:>11} {:>11} | {:>9}",
-        "", "", "copies/t", "copies/t", "x", "MiB/rank", "MiB/rank", "MiB/rank", "MiB/rank", "copies/t"
+        "",
+        "",
+        "copies/t",
+        "copies/t",
+        "x",
+        "MiB/rank",
+        "MiB/rank",
+        "MiB/rank",
+        "MiB/rank",
+        "copies/t"
     );
     for &r in ranks {
         let shape = (|| {
@@ -351,5 +360,126 @@ mod tests {
         let t = plan_table(&[8, 1024], 256, 7168, 8, true, 4096, 128, 64, 4, 1 << 30).unwrap();
         assert!(t.contains("  1024 | not a valid setting") && t.contains("     8 | "), "{t}");
         assert_eq!(bytes(1536.0), "1.5 KiB");
+    }
+
+    /// 4 ranks, 2 per node, 8 experts (rank r holds experts 2r, 2r + 1), top-2. Node 0 = ranks
+    /// 0, 1; node 1 = ranks 2, 3. Every count below is worked out by hand in the comments.
+    #[test]
+    fn route_counts_match_a_hand_count() {
+        let topk = vec![
+            // Rank 0 (node 0, local 0): its gateway on node 1 is rank 2.
+            vec![
+                4, 6, // ranks 2, 3: direct 2, hier 1, forward 1 (rank 3)
+                4, 5, // rank 2 twice: direct 1, hier 1, forward 0 (the gateway itself)
+                0, 2, // ranks 0, 1, both local: nothing crosses
+                6, -1, // rank 3: direct 1, hier 1, forward 1
+                -1, -1, // no expert: nothing
+                1, 7, // rank 0 (itself) and rank 3: direct 1, hier 1, forward 1
+            ],
+            // Rank 1 (node 0, local 1): gateway rank 3.
+            vec![5, 7], // ranks 2, 3: direct 2, hier 1, forward 1 (rank 2)
+            // Rank 2: no tokens.
+            vec![],
+            // Rank 3 (node 1, local 1): gateway rank 1.
+            vec![
+                0, 3, // ranks 0, 1: direct 2, hier 1, forward 1 (rank 0)
+                2, 6, // rank 1 (the gateway) and rank 3 (itself): direct 1, hier 1, forward 0
+            ],
+        ];
+        let c = count_routes(&topk, 8, 4, 2, 2).unwrap();
+        assert_eq!(
+            c,
+            RouteCounts { tokens: 9, direct_internode: 10, hier_internode: 7, hier_forward: 5 }
+        );
+        // Per source rank.
+        let one = |r: usize| {
+            let mut t = vec![vec![]; 4];
+            t[r] = topk[r].clone();
+            count_routes(&t, 8, 4, 2, 2).unwrap()
+        };
+        assert_eq!(
+            one(0),
+            RouteCounts { tokens: 6, direct_internode: 5, hier_internode: 4, hier_forward: 3 }
+        );
+        assert_eq!(
+            one(3),
+            RouteCounts { tokens: 2, direct_internode: 3, hier_internode: 2, hier_forward: 1 }
+        );
+    }
+
+    #[test]
+    fn route_counts_reject_bad_routings() {
+        // An expert outside [-1, num_experts), a row cut short, a routing missing, a bad shape.
+        assert!(count_routes(&[vec![8, 0], vec![], vec![], vec![]], 8, 4, 2, 2).is_err());
+        assert!(count_routes(&[vec![-2, 0], vec![], vec![], vec![]], 8, 4, 2, 2).is_err());
+        assert!(count_routes(&[vec![1, 2, 3], vec![], vec![], vec![]], 8, 4, 2, 2).is_err());
+        assert!(count_routes(&[vec![1, 2], vec![], vec![]], 8, 4, 2, 2).is_err());
+        assert!(count_routes(&[vec![], vec![], vec![], vec![]], 6, 4, 2, 2).is_err());
+        assert!(count_routes(&[vec![], vec![], vec![], vec![]], 8, 4, 3, 2).is_err());
+        assert!(count_routes(&[vec![], vec![], vec![], vec![]], 8, 4, 0, 2).is_err());
+    }
+
+    #[test]
+    fn hierarchy_never_sends_more_across_nodes_than_direct() {
+        // Generated routings: hier <= direct (one copy per node instead of per rank), and the
+        // forwarded copies are the direct ones minus those the gateway itself takes (at most
+        // one per inter-node copy).
+        for (ranks, rpn, experts, topk) in [(16, 8, 256, 8), (32, 4, 64, 6), (12, 3, 24, 4)] {
+            let shape = LayoutShape::new(200, topk, experts, ranks, rpn).unwrap();
+            let routings: Vec<Vec<i64>> = (0..ranks)
+                .map(|r| random_topk_idx(&mut SplitMix64(40 + r as u64), shape, 10, true))
+                .collect();
+            let c = count_routes(&routings, experts, ranks, rpn, topk).unwrap();
+            assert_eq!(c.tokens, 200 * ranks as u64);
+            assert!(c.hier_internode <= c.direct_internode, "{c:?}");
+            assert!(c.direct_internode <= c.hier_internode * rpn as u64, "{c:?}");
+            assert!(c.hier_forward <= c.direct_internode, "{c:?}");
+            assert!(c.direct_internode - c.hier_internode <= c.hier_forward, "{c:?}");
+            assert!(c.hier_internode > 0, "{c:?}");
+        }
+        // Every token's experts on distinct remote nodes (4 nodes of 2 ranks, 16 experts, rank r
+        // holds 2r, 2r + 1; each source sends to one rank of every other node): the two
+        // strategies send the same copies; forwarding happens only where the destination is
+        // not the gateway.
+        let routings: Vec<Vec<i64>> = (0..8)
+            .map(|src: i64| {
+                let node = src / 2;
+                // One expert on local index 0 of every other node: ranks 0, 2, 4, 6 minus own.
+                (0..4).filter(|&n| n != node).map(|n| 4 * n).collect()
+            })
+            .collect();
+        let c = count_routes(&routings, 16, 8, 2, 3).unwrap();
+        assert_eq!(c.direct_internode, c.hier_internode);
+        assert_eq!(c.direct_internode, 8 * 3);
+        // Sources with local index 0 hit their gateways; those with local index 1 forward each.
+        assert_eq!(c.hier_forward, 4 * 3);
+    }
+
+    #[test]
+    fn hierarchy_table_prints_invalid_settings_as_rows() {
+        // 8 ranks = one node; 12 not a multiple of 8; 512 does not divide 256 experts.
+        let t = hierarchy_table(&[8, 12, 16, 512, 32], 8, 256, 7168, 8, true, 64, 1).unwrap();
+        assert_eq!(t.lines().count(), 3 + 5 + 1, "{t}");
+        for r in ["     8 | not a valid", "    12 | not a valid", "   512 | not a valid"] {
+            assert!(t.contains(r), "{r}\n{t}");
+        }
+        for r in ["    16     2 | ", "    32     4 | "] {
+            assert!(t.contains(r), "{r}\n{t}");
+        }
+        // The dedup factor is at least 1 on every valid row.
+        for line in t.lines().filter(|l| l.starts_with("    16") || l.starts_with("    32")) {
+            let dedup: f64 = line.split_whitespace().nth(5).unwrap().parse().unwrap();
+            assert!(dedup >= 1.0, "{line}");
+        }
+        // No tokens and zero ranks per node are rows too, not errors or panics.
+        let t = hierarchy_table(&[16], 8, 256, 7168, 8, false, 0, 1).unwrap();
+        assert!(t.contains("    16 | not a valid setting"), "{t}");
+        let t = hierarchy_table(&[16, 0], 0, 256, 7168, 8, false, 64, 1).unwrap();
+        assert_eq!(t.matches("not a valid setting").count(), 2, "{t}");
+        // Same seed, same table.
+        assert_eq!(
+            hierarchy_table(&[16], 8, 256, 7168, 8, true, 64, 3).unwrap(),
+            hierarchy_table(&[16], 8, 256, 7168, 8, true, 64, 3).unwrap()
+        );
     }
 }

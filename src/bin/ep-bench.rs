@@ -112,8 +112,13 @@ enum Cmd {
     /// Buffer bytes, memory regions, messages per step and bytes per peer for a setting at each
     /// rank count (no communication): size a cluster before renting it.
     Plan {
-        /// Rank counts to tabulate.
-        #[arg(long = "at", value_delimiter = ',', default_values_t = [8u64, 16, 32, 64, 128, 256])]
+        /// Rank counts to tabulate (`--at 16,32` or `--at 16 32`).
+        #[arg(
+            long = "at",
+            value_delimiter = ',',
+            num_args = 1..,
+            default_values_t = [8u64, 16, 32, 64, 128, 256]
+        )]
         at: Vec<u64>,
         /// Normal-mode chunk tokens (one RMA write).
         #[arg(long, default_value_t = 64)]
@@ -127,6 +132,11 @@ enum Cmd {
         /// Largest memory region the provider takes, bytes.
         #[arg(long, default_value_t = 1 << 30)]
         max_region: u64,
+        /// Also print the internode comparison of direct per-rank sends (what is built) and
+        /// DeepEP's hierarchy (one copy per destination node, then NVLink fan-out): token copies
+        /// and bytes counted on generated routings, --ranks-per-node (default 8) per node.
+        #[arg(long)]
+        hierarchy: bool,
     },
     /// All-to-all of RMA writes with immediate data between all ranks, every byte checked.
     Selftest {
@@ -149,6 +159,9 @@ enum Backend {
     Gpu,
     Host,
 }
+
+/// `plan --hierarchy`: the routings' seed (rank `r` draws with `PLAN_HIERARCHY_SEED + r`).
+const PLAN_HIERARCHY_SEED: u64 = 1;
 
 /// Open MPI sets its own variables; map them onto the torchrun names the bootstrap reads.
 fn adopt_mpi_env() {
@@ -178,21 +191,40 @@ fn main() -> ExitCode {
         fabric_ep::bench::ep_gpu::set_work_queues_for_threads();
     }
     let res = match &cli.cmd {
-        Some(Cmd::Plan { at, chunk_tokens, slots_per_peer, ll_tokens, max_region }) => {
+        Some(Cmd::Plan { at, chunk_tokens, slots_per_peer, ll_tokens, max_region, hierarchy }) => {
             let c = &cli.common;
+            let num_tokens = c.tokens.unwrap_or(4096) as u64;
             fabric_ep::bench::plan::plan_table(
                 at,
                 c.experts as u64,
                 c.hidden as u64,
                 c.topk as u64,
                 c.fp8,
-                c.tokens.unwrap_or(4096) as u64,
+                num_tokens,
                 *ll_tokens,
                 *chunk_tokens,
                 *slots_per_peer,
                 *max_region,
             )
-            .map(|t| print!("{t}"))
+            .and_then(|t| {
+                print!("{t}");
+                if !*hierarchy {
+                    return Ok(());
+                }
+                // P5 nodes hold 8 GPUs; the seed is fixed so the table is reproducible.
+                let t = fabric_ep::bench::plan::hierarchy_table(
+                    at,
+                    c.ranks_per_node.unwrap_or(8) as u64,
+                    c.experts as u64,
+                    c.hidden as u64,
+                    c.topk as u64,
+                    c.fp8,
+                    num_tokens,
+                    PLAN_HIERARCHY_SEED,
+                )?;
+                print!("\n{t}");
+                Ok(())
+            })
             .map_err(|e| e.into())
         }
         _ if in_job() => run_rank(&cli),

@@ -167,6 +167,18 @@ impl LlGpuConfig {
     fn combine_recv_smem(&self) -> usize {
         self.num_topk * 12 + self.num_experts * 4
     }
+
+    /// Blocks that can have work in a kernel copying the rows one rank can receive in a
+    /// dispatch (= send back in a combine) of `row_bytes` each: at most every source rank's
+    /// tokens, each to min(top-k, local experts) of this rank's experts; each row is
+    /// `FEP_LL_SEG_BYTES` segments, one per warp. (Capped by the rank's budget at launch.)
+    fn row_blocks(&self, row_bytes: usize) -> usize {
+        let rows =
+            self.num_ranks * self.max_tokens_per_rank * self.num_topk.min(self.num_local_experts());
+        let segs = row_bytes.div_ceil(abi::FEP_LL_SEG_BYTES as usize);
+        let warps = (abi::FEP_LL_THREADS / 32) as usize;
+        rows.saturating_mul(segs).div_ceil(warps)
+    }
     fn budget_cycles(&self) -> u64 {
         let ns = self.timeout.as_nanos().min(u64::MAX as u128 / 4) as u64;
         ns.saturating_mul(ASSUMED_CLOCK_HZ / 1_000_000_000).max(1)
@@ -580,18 +592,6 @@ impl LlGpuRank {
         LaunchConfig { grid, block: abi::FEP_LL_THREADS, shared_bytes: smem as u32 }
     }
 
-    /// Blocks that can have work in a kernel copying the rows one rank can receive in a
-    /// dispatch (= send back in a combine) of `row_bytes` each: at most every source rank's
-    /// tokens, each to min(top-k, local experts) of this rank's experts; each row is
-    /// `FEP_LL_SEG_BYTES` segments, one per warp.
-    fn row_blocks(&self, row_bytes: usize) -> usize {
-        let c = &self.cfg;
-        let rows = c.num_ranks * c.max_tokens_per_rank * c.num_topk.min(c.num_local_experts());
-        let segs = row_bytes.div_ceil(abi::FEP_LL_SEG_BYTES as usize);
-        let warps = (abi::FEP_LL_THREADS / 32) as usize;
-        rows.saturating_mul(segs).div_ceil(warps)
-    }
-
     fn dispatch_params(
         &self,
         t: LlTicket,
@@ -695,7 +695,7 @@ impl LlGpuRank {
     pub unsafe fn dispatch_recv(&self, t: LlTicket, out: &LlDispatchOut) -> Result<()> {
         let p = self.dispatch_params(t, out)?;
         let payload = if self.cfg.use_fp8 { self.cfg.hidden } else { 2 * self.cfg.hidden };
-        let cfg = self.cfg(self.cfg.scan_smem(), self.row_blocks(payload));
+        let cfg = self.cfg(self.cfg.scan_smem(), self.cfg.row_blocks(payload));
         launch::ll_dispatch_recv(self.launch_stream(), cfg, p, t.chain)?;
         Ok(())
     }
@@ -792,7 +792,7 @@ impl LlGpuRank {
             }
         };
         p.x = x.device_ptr();
-        let cfg = self.cfg(self.cfg.scan_smem(), self.row_blocks(2 * self.cfg.hidden));
+        let cfg = self.cfg(self.cfg.scan_smem(), self.cfg.row_blocks(2 * self.cfg.hidden));
         launch::ll_combine_send(self.launch_stream(), cfg, p)?;
         Ok(t)
     }
@@ -922,5 +922,28 @@ mod tests {
         bad.max_tokens_per_rank = 4096;
         assert!(bad.layout().is_err());
         assert_eq!(phase_name(abi::FEP_PHASE_LL_DISPATCH_RECV), "low-latency dispatch receive");
+    }
+
+    #[test]
+    fn receive_grids_follow_the_most_rows_a_rank_can_get() {
+        // DeepEP's standard at 4 ranks: 4 x 128 tokens x top-8 rows of 2 fp8 segments (7168 B)
+        // over 16 warps a block: far above any SM budget, so the budget decides.
+        let c = LlGpuConfig::bench(4);
+        assert_eq!(c.row_blocks(c.hidden), 4 * 128 * 8 * 2 / 16);
+        assert_eq!(c.row_blocks(2 * c.hidden), 4 * 128 * 8 * 4 / 16);
+        // The proxy bench's 1-token case: 2 ranks, top-1 of 2 experts, rows of 128 channels.
+        let tiny = LlGpuConfig {
+            num_ranks: 2,
+            num_experts: 2,
+            hidden: 128,
+            num_topk: 1,
+            max_tokens_per_rank: 1,
+            ..c
+        };
+        assert_eq!(tiny.row_blocks(tiny.hidden), 1);
+        assert_eq!(tiny.row_blocks(2 * tiny.hidden), 1);
+        // Top-k above the local experts: a token lands on each local expert at most once.
+        let few = LlGpuConfig { num_ranks: 4, num_experts: 8, num_topk: 6, ..tiny };
+        assert_eq!(few.row_blocks(128), (4 * 2_usize).div_ceil(16));
     }
 }
