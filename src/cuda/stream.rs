@@ -222,3 +222,34 @@ fn poll_within(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+
+    #[test]
+    fn poll_within_returns_once_done_and_times_out_naming_the_call() {
+        let n = Cell::new(0u32);
+        poll_within(Duration::from_secs(5), "probe", || {
+            n.set(n.get() + 1);
+            Ok(n.get() >= 100) // past the spin phase into the sleeping one
+        })
+        .unwrap();
+        assert_eq!(n.get(), 100);
+        let t = Instant::now();
+        match poll_within(Duration::from_millis(20), "probe", || Ok(false)) {
+            Err(CudaError::Timeout { call, waited }) => {
+                assert_eq!(call, "probe");
+                assert!(waited >= Duration::from_millis(20), "{waited:?}");
+            }
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+        assert!(t.elapsed() < Duration::from_secs(5));
+        // An error from the query ends the wait at once, unchanged.
+        let e = poll_within(Duration::from_secs(5), "probe", || {
+            Err(CudaError::Timeout { call: "inner", waited: Duration::ZERO })
+        });
+        assert!(matches!(e, Err(CudaError::Timeout { call: "inner", .. })), "{e:?}");
+    }
+}
