@@ -7,6 +7,7 @@ use super::{CudaError, CudaResult};
 use cudarc::driver::sys;
 use parking_lot::Mutex;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// One CUDA device (cheap to clone: an `Arc`). Owns a retained primary context, released when
 /// the last clone and every object made from it are gone.
@@ -14,6 +15,10 @@ use std::sync::Arc;
 pub struct Device {
     inner: Arc<DeviceInner>,
 }
+
+/// How long [`Device::blocking`] waits for its copy or fill: generous for gigabytes through
+/// pageable memory, and a bound where a stuck device would otherwise hang the caller.
+pub const BLOCKING_LIMIT: Duration = Duration::from_secs(120);
 
 struct DeviceInner {
     ordinal: usize,
@@ -145,7 +150,8 @@ impl Device {
         unsafe { call!(cuCtxSynchronize()) }
     }
 
-    /// Runs `enqueue` with this device's private non-blocking stream, then waits for that stream:
+    /// Runs `enqueue` with this device's private non-blocking stream, then waits for that stream
+    /// (bounded by [`BLOCKING_LIMIT`], then `CudaError::Timeout` naming it):
     /// what the "synchronous" copies and fills of device memory use, so that they have really
     /// finished when they return.
     ///
@@ -181,8 +187,14 @@ impl Device {
             }
         };
         enqueue(raw)?;
-        // SAFETY: the stream lives until the device's context is released (Drop below).
-        unsafe { call!(cuStreamSynchronize(raw)) }
+        // SAFETY: the stream lives until the device's context is released (Drop below); the
+        // borrowed wrapper never destroys it.
+        let s = unsafe { super::Stream::borrowed(self, raw) };
+        super::stream::poll_within(
+            BLOCKING_LIMIT,
+            "a synchronous copy or fill (Device::blocking)",
+            || s.query(),
+        )
     }
 
     /// Free and total device memory in bytes.

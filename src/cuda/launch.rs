@@ -40,25 +40,16 @@ pub fn ll_pdl() -> bool {
     *ON.get_or_init(|| std::env::var("FEP_LL_PDL").map_or(true, |v| v.trim() != "0"))
 }
 
-/// Whether `stream` is capturing a CUDA graph.
-///
-/// NOTES: a captured kernel keeps no programmatic dependency on work before the graph: on the
-/// H200 (fourth session, run 5) a replayed combine-send graph read the layout its rank's
-/// dispatch-receive graph had not yet written (4 ranks as threads, one graph per phase), so
-/// [`launch_with`] launches plainly while capturing.
-fn capturing(stream: &Stream) -> CudaResult<bool> {
-    use cudarc::driver::sys;
-    let mut st = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-    // SAFETY: the stream handle is valid; `st` is a valid out-pointer.
-    unsafe { call!(cuStreamIsCapturing(stream.as_raw(), &mut st))? };
-    Ok(st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
-}
-
 /// [`launch`], optionally with the programmatic-stream-serialization attribute (`pdl`): the
 /// grid may launch once the previous grid of the stream has triggered
 /// (`griddepcontrol.launch_dependents`), and must itself wait (`griddepcontrol.wait`) before
 /// reading anything earlier work wrote (the LL kernels do: `pdl_enter`, fep_ll.cuh). Not while
-/// the stream captures a graph ([`capturing`]).
+/// the stream captures a graph.
+///
+/// NOTES: a captured kernel keeps no programmatic dependency on work before the graph: on the
+/// H200 (fourth session, run 5) a replayed combine-send graph read the layout its rank's
+/// dispatch-receive graph had not yet written (4 ranks as threads, one graph per phase), so a
+/// capturing stream gets a plain launch.
 unsafe fn launch_with<P: Pod>(
     stream: &Stream,
     kernel: Kernel,
@@ -76,7 +67,7 @@ unsafe fn launch_with<P: Pod>(
     let f = dev.function(kernel)?;
     dev.bind()?;
     let mut args = [params as *const P as *mut std::ffi::c_void];
-    if pdl && !capturing(stream)? {
+    if pdl && !stream.is_capturing()? {
         use cudarc::driver::sys;
         // SAFETY: a zeroed attribute value union is valid; the field set is the one `id` names.
         let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();

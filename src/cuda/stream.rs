@@ -200,7 +200,7 @@ impl Drop for Event {
 
 /// Calls `done` until it says true or `limit` passes (then `CudaError::Timeout` naming `call`):
 /// spins briefly, then sleeps 50 us between polls.
-fn poll_within(
+pub(super) fn poll_within(
     limit: Duration,
     call: &'static str,
     mut done: impl FnMut() -> CudaResult<bool>,

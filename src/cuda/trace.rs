@@ -70,7 +70,7 @@ impl DeviceTrace {
                 last = g;
             }
         }
-        stream.synchronize()?;
+        stream.synchronize_within(Duration::from_secs(10))?;
         if best == i64::MAX {
             return Err(super::CudaError::InvalidArgument {
                 arg: "trace",
