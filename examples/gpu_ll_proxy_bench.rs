@@ -11,6 +11,10 @@
 //! the difference is what the GPU path (kernel -> ring -> proxy, counters -> kernel, staging
 //! through mapped host memory) adds per phase.
 //!
+//! `--ipc-baseline`: each case also runs with both ranks on one node (the same processes and
+//! kernels, CUDA IPC instead of the proxy), and `LLPROXY_SHARE` lines give the proxy's share of a
+//! phase (proxy median - IPC median) and what of it exceeds fi_pingpong's latency.
+//!
 //! `--trace N`: before the timed loop, N pairs with the event trace on (`fabric_ep::trace`):
 //! kernel points and both proxies' points on one clock, printed as a per-interval table
 //! (`bench::trace`) and the timeline of one pair. `--threads`: the two ranks as threads of this
@@ -63,6 +67,10 @@ struct Args {
     /// Both ranks as threads of this process (no child processes, no MPS).
     #[arg(long)]
     threads: bool,
+    /// Also run every case with both ranks on one node (same two processes, same kernels, CUDA
+    /// IPC instead of the proxy) and print the proxy's share of a phase: proxy phase - IPC phase.
+    #[arg(long)]
+    ipc_baseline: bool,
 }
 
 /// Messages a rank receives per phase and call from its one peer: one per local expert.
@@ -114,6 +122,7 @@ fn params(case: &str, a: &Args) -> Option<GpuBenchParams> {
         worst: false,
         hook: a.hook,
         graph: false,
+        one_way: false,
     })
 }
 
@@ -193,6 +202,17 @@ fn child(a: &Args) {
             if a.graph { pm } else { dm + cm },
             if a.graph { format!(", graph replay, p99 {pp:.2} us") } else { String::new() }
         );
+        if a.ipc_baseline {
+            // The same case, both ranks on one node: the kernels write each other's buffers
+            // through CUDA IPC and no message goes through a proxy.
+            let io = LlRunOptions { ranks_per_node: 2, provider: None, trace_pairs: 0, ..o.clone() };
+            let rep = run_ll_gpu_rank(&dev, &p, &io, &case, rank, boot.clone())
+                .unwrap_or_else(|e| panic!("rank {rank} case {name} (IPC baseline): {e}"));
+            let (dm, _) = stats(&rep.report.dispatch_s);
+            let (cm, _) = stats(&rep.report.combine_s);
+            let (pm, _) = stats(&rep.pair_s);
+            println!("IPCBASE {name} {rank} {dm:.3} {cm:.3} {pm:.3}");
+        }
     }
     boot.barrier().expect("barrier");
     println!("CHILD_OK");
@@ -259,6 +279,15 @@ fn main() {
                 continue;
             }
             let (d, c, msgs) = msg_bytes(&p, &case, rank, 1 - rank);
+            let ipc: Option<Vec<f64>> = o
+                .stdout
+                .lines()
+                .find(|l| l.starts_with(&format!("IPCBASE {name} {rank} ")))
+                .map(|l| l.split_whitespace().skip(3).filter_map(|x| x.parse().ok()).collect());
+            let ipc = ipc.filter(|v| v.len() == 3);
+            if a.ipc_baseline && ipc.is_none() {
+                failed = true;
+            }
             if a.graph {
                 // Whole pairs only: half a pair against fi_pingpong at the dispatch size.
                 let size = (d.round() as usize).max(1);
@@ -281,6 +310,19 @@ fn main() {
                      added_half_pair_us={added}",
                     a.provider, f[6], f[7]
                 );
+                if let (Some(v), Ok(r)) = (&ipc, &pp) {
+                    let share = (f[6] - v[2]) / 2.0;
+                    println!(
+                        "LLPROXY_SHARE provider={} case={name} phase=half_pair_graph rank={rank} \
+                         proxy_median_us={:.2} ipc_median_us={:.2} proxy_share_us={share:.2} \
+                         fi_pingpong_us={:.2} share_over_pingpong_us={:.2}",
+                        a.provider,
+                        f[6] / 2.0,
+                        v[2] / 2.0,
+                        r.usec_per_xfer,
+                        share - r.usec_per_xfer
+                    );
+                }
                 continue;
             }
             if a.hook {
@@ -290,8 +332,8 @@ fn main() {
                     f[4], f[5]
                 );
             }
-            for (phase, med, p99, bytes) in
-                [("dispatch", f[0], f[1], d), ("combine", f[2], f[3], c)]
+            for (i, (phase, med, p99, bytes)) in
+                [("dispatch", f[0], f[1], d), ("combine", f[2], f[3], c)].into_iter().enumerate()
             {
                 let size = (bytes.round() as usize).max(1);
                 let pp = fi_pingpong(&a.provider, size, a.pingpong_iters);
@@ -309,6 +351,20 @@ fn main() {
                      median_us={med:.2} p99_us={p99:.2} fi_pingpong_us={pp_s} added_us={added}",
                     a.provider
                 );
+                if let (Some(v), Ok(r)) = (&ipc, &pp) {
+                    // The proxy's share: what the phase costs beyond the same kernels over IPC,
+                    // then what of that is beyond the fabric's own one-way latency.
+                    let share = med - v[i];
+                    println!(
+                        "LLPROXY_SHARE provider={} case={name} phase={phase} rank={rank} \
+                         proxy_median_us={med:.2} ipc_median_us={:.2} proxy_share_us={share:.2} \
+                         fi_pingpong_us={:.2} share_over_pingpong_us={:.2}",
+                        a.provider,
+                        v[i],
+                        r.usec_per_xfer,
+                        share - r.usec_per_xfer
+                    );
+                }
             }
         }
     }

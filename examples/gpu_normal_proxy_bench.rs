@@ -15,6 +15,10 @@
 //! per size (default 3; its figure moves by tens of percent between runs on the shared host), and
 //! the ratio of the proxy dispatch GB/s to the best of those runs.
 //!
+//! `--one-way`: rank 1 routes its tokens to its own experts, so the proxy carries rank 0's
+//! dispatch one way and its combine the other, one direction at a time (as fi_pingpong loads the
+//! link); the default routing loads both directions at once.
+//!
 //! `gpu_normal_proxy_bench [--chunks 16,32,64] [--slots 8,32] [--iters 20] [--warmup 3]
 //!  [--provider shm] [--tokens 4096] [--pingpong-iters 2000] [--pingpong-runs 3]`
 
@@ -73,6 +77,11 @@ struct Args {
     /// the normal kernels carry no trace points otherwise.
     #[arg(long, default_value_t = 0)]
     trace: usize,
+    /// Rank 1 routes its tokens to its own experts only: rank 0's dispatch goes to rank 1 and
+    /// rank 1's combine answers come back, one direction at a time as in fi_pingpong (default:
+    /// both ranks send to each other at once, DeepEP's random routing).
+    #[arg(long)]
+    one_way: bool,
 }
 
 fn params(a: &Args) -> GpuBenchParams {
@@ -82,6 +91,7 @@ fn params(a: &Args) -> GpuBenchParams {
         warmup: a.warmup,
         num_sms: Some(a.sms),
         timeout: Duration::from_secs(30),
+        one_way: a.one_way,
         ..GpuBenchParams::normal_standard(2)
     }
 }
@@ -235,7 +245,7 @@ fn main() {
     println!(
         "gpu_normal_proxy_bench: {} ({} SMs), 2 processes x 1 rank per node, provider {}, \
          {} tokens/rank, hidden {}, top-{} of {}, fp8 dispatch / bf16 combine, {} SMs/rank, \
-         slots {:?}, iters {} + warm-up {}, MPS env {}",
+         slots {:?}, iters {} + warm-up {}, routing {}, MPS env {}",
         dev.name(),
         dev.sm_count(),
         a.provider,
@@ -247,6 +257,7 @@ fn main() {
         a.slots,
         a.iters,
         a.warmup,
+        if a.one_way { "one-way (rank 1 keeps its tokens)" } else { "both ways (random)" },
         if mps { "set" } else { "unset (two processes time-slice the GPU)" }
     );
     drop(dev);
@@ -303,12 +314,12 @@ fn main() {
                 l.mode, l.d.median_us, l.d.p99_us, l.c.median_us, l.c.p99_us
             );
             println!(
-                "NPROXY_RESULT provider={} chunk={chunk} slots={slots} write_bytes={write} mode={} \
+                "NPROXY_RESULT provider={} one_way={} chunk={chunk} slots={slots} write_bytes={write} mode={} \
                  dispatch_us={:.1} dispatch_p99_us={:.1} dispatch_gbps={dd:.3} \
                  dispatch_proxy_gbps={dp:.3} combine_us={:.1} combine_p99_us={:.1} \
                  combine_gbps={cd:.3} combine_proxy_gbps={cp:.3} fi_pingpong_mbps={pp_mbps:.1} \
                  ratio={ratio:.3}",
-                a.provider, l.mode, l.d.median_us, l.d.p99_us, l.c.median_us, l.c.p99_us
+                a.provider, a.one_way, l.mode, l.d.median_us, l.d.p99_us, l.c.median_us, l.c.p99_us
             );
         }
     }

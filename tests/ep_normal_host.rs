@@ -83,6 +83,7 @@ impl Case {
                     iters: 1,
                     warmup: 0,
                     combine_weights: true,
+                    one_way: false,
                 };
                 let mut inp = rank_inputs(cfg, &p, r).unwrap();
                 if let Some(e) = self.one_expert {

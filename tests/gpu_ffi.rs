@@ -106,6 +106,7 @@ fn run(dev: &Device, n: usize, fp8: bool, barriers: bool) {
         iters: 1,
         warmup: 0,
         combine_weights: true,
+        one_way: false,
     };
     let cfg0 = settings(0, n, fp8);
     let inputs: Vec<RankInputs> =

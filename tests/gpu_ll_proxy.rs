@@ -61,6 +61,7 @@ fn small(ranks: usize, fp8: bool, hook: bool) -> GpuBenchParams {
         worst: false,
         hook,
         graph: false,
+        one_way: false,
     }
 }
 

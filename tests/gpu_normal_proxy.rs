@@ -57,6 +57,7 @@ fn params(ranks: usize, tokens: usize, hidden: usize, fp8: bool) -> GpuBenchPara
         worst: false,
         hook: false,
         graph: false,
+        one_way: false,
     }
 }
 

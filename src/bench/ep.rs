@@ -26,6 +26,10 @@ pub struct NormalBenchParams {
     pub warmup: usize,
     /// Combine with weights.
     pub combine_weights: bool,
+    /// Every rank but rank 0 routes its tokens to its own experts only, so between ranks only
+    /// rank 0's tokens travel in dispatch (and their answers in combine): one direction at a
+    /// time, as `fi_pingpong` measures a link (the proxy bench's `--one-way`).
+    pub one_way: bool,
 }
 
 /// One rank's inputs.
@@ -55,7 +59,17 @@ pub fn rank_inputs(cfg: &EpConfig, p: &NormalBenchParams, rank: usize) -> Result
     let x_bf16: Vec<u16> = (0..t * h).map(|_| f32_to_bf16((rng.unit_f32() - 0.5) * 4.0)).collect();
     let shape =
         LayoutShape::new(t, cfg.num_topk, cfg.num_experts, cfg.num_ranks, cfg.ranks_per_node)?;
-    let topk_idx = random_topk_idx(&mut rng, shape, p.drop_pct, false);
+    let topk_idx = if p.one_way && rank > 0 {
+        // Drawn among this rank's own experts (distinct per token, as everywhere), then shifted
+        // to their global ids.
+        let local = cfg.num_experts / cfg.num_ranks;
+        let own = LayoutShape::new(t, cfg.num_topk, local, 1, 1)?;
+        let first = (rank * local) as i64;
+        let v = random_topk_idx(&mut rng, own, p.drop_pct, false);
+        v.into_iter().map(|e| if e < 0 { e } else { e + first }).collect()
+    } else {
+        random_topk_idx(&mut rng, shape, p.drop_pct, false)
+    };
     let topk_weights = (0..t * cfg.num_topk).map(|_| rng.unit_f32()).collect();
     let x_fp8 = match cfg.dispatch_dtype {
         DispatchDtype::Fp8E4m3 => Some(quantize_bf16(&x_bf16, h, false)?),
@@ -523,4 +537,45 @@ pub fn run_low_latency(buf: &mut Buffer, p: &LlBenchParams) -> Result<LlBenchRep
         }
     }
     Ok(rep)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ep::config::EpSettings;
+
+    fn inputs(rank: usize, one_way: bool) -> RankInputs {
+        let mut s = EpSettings::new(rank, 2, 16, 128, 4);
+        s.max_tokens_per_rank = 64;
+        let cfg = EpConfig::new(s).unwrap();
+        let p = NormalBenchParams {
+            num_tokens: 64,
+            seed: 7,
+            drop_pct: 10,
+            iters: 1,
+            warmup: 0,
+            combine_weights: true,
+            one_way,
+        };
+        rank_inputs(&cfg, &p, rank).unwrap()
+    }
+
+    #[test]
+    fn one_way_keeps_the_other_ranks_tokens_home() {
+        // Rank 0 routes as before; rank 1 only to its own experts 8..16, distinct per token,
+        // with -1 entries still drawn.
+        assert_eq!(inputs(0, true).topk_idx, inputs(0, false).topk_idx);
+        let idx = inputs(1, true).topk_idx;
+        assert!(idx.iter().any(|&e| e < 0), "drop_pct still applies");
+        for row in idx.chunks(4) {
+            let v: Vec<i64> = row.iter().copied().filter(|&e| e >= 0).collect();
+            assert!(v.iter().all(|&e| (8..16).contains(&e)), "row {row:?} leaves rank 1");
+            let mut d = v.clone();
+            d.sort_unstable();
+            d.dedup();
+            assert_eq!(d.len(), v.len(), "row {row:?} repeats an expert");
+        }
+        // Without it rank 1 sends to rank 0 too.
+        assert!(inputs(1, false).topk_idx.iter().any(|&e| (0..8).contains(&e)));
+    }
 }

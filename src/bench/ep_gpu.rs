@@ -51,6 +51,8 @@ pub struct GpuBenchParams {
     /// Low-latency: after one eager step, capture each phase (dispatch, combine) once in a CUDA
     /// graph and replay it, with two input cases alternating in the same buffers.
     pub graph: bool,
+    /// Normal mode: [`NormalBenchParams::one_way`] routing (only rank 0's tokens leave it).
+    pub one_way: bool,
 }
 
 impl GpuBenchParams {
@@ -64,6 +66,7 @@ impl GpuBenchParams {
             iters: self.iters,
             warmup: self.warmup,
             combine_weights: true,
+            one_way: self.one_way,
         }
     }
 
@@ -85,6 +88,7 @@ impl GpuBenchParams {
             worst: false,
             hook: false,
             graph: false,
+            one_way: false,
         }
     }
     /// DeepEP's standard low-latency setting: 128 tokens, otherwise as normal.

@@ -468,6 +468,7 @@ fn run_normal_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult
         iters: c.iters.max(1),
         warmup: 2,
         combine_weights: true,
+        one_way: false,
     };
     let rep = run_normal(&mut buf, &p)?;
     buf.destroy()?;

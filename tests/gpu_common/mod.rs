@@ -35,5 +35,6 @@ pub fn small(ranks: usize, tokens: usize, hidden: usize, fp8: bool) -> GpuBenchP
         worst: false,
         hook: false,
         graph: false,
+        one_way: false,
     }
 }
