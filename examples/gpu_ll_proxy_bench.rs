@@ -205,7 +205,8 @@ fn child(a: &Args) {
         if a.ipc_baseline {
             // The same case, both ranks on one node: the kernels write each other's buffers
             // through CUDA IPC and no message goes through a proxy.
-            let io = LlRunOptions { ranks_per_node: 2, provider: None, trace_pairs: 0, ..o.clone() };
+            let io =
+                LlRunOptions { ranks_per_node: 2, provider: None, trace_pairs: 0, ..o.clone() };
             let rep = run_ll_gpu_rank(&dev, &p, &io, &case, rank, boot.clone())
                 .unwrap_or_else(|e| panic!("rank {rank} case {name} (IPC baseline): {e}"));
             let (dm, _) = stats(&rep.report.dispatch_s);

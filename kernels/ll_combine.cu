@@ -11,8 +11,9 @@
 //   k ascending, one fma per step (acc = fma(y, w, acc)), rounded once to bf16 (RNE). The same
 //   sum whether a row is read from the receive block or (self_pull) from x: bit-identical.
 // Proxy peers (fep_abi.h): rows for them are staged in this rank's send area (unit e * R + dst)
-//   and pushed as one command per (peer, local expert); the receive waits on the arrival counter
-//   of unit g and checks the count (sums) against its own top-k, as it does a flag's.
+//   and pushed as one command per (peer, local expert); the receive waits on the packed counter
+//   word of unit g (arrival and count in one read, fep_ll.cuh px_count) and checks the count
+//   against its own top-k, as it does a flag's.
 #include "fep_abi.h"
 #include "fep_device.cuh"
 #include "fep_ll.cuh"

@@ -12,9 +12,9 @@
 //   recv_count[e]. Rows past recv_count are not written (DeepEP: undefined).
 // Proxy peers (FEP_LL_TRANSPORT_PROXY, another node; fep_abi.h): the send stages their rows in
 //   this rank's send area (unit g) and its last block pushes one command per (peer, local expert)
-//   with the count in the immediate; the receive waits on the proxy's arrival counter of the
-//   unit instead of its flag and reads the count from the sums. Rows land in the same receive
-//   unit either way, so the copy is shared.
+//   with the count in the immediate; instead of the unit's flag, the receive's leader polls the
+//   unit's packed counter word (arrival and count in one read, fep_ll.cuh px_count). Rows land
+//   in the same receive unit either way, so the copy is shared.
 #include "fep_abi.h"
 #include "fep_device.cuh"
 #include "fep_ll.cuh"

@@ -101,7 +101,7 @@ mod tests {
 
     #[test]
     fn constants_and_pod() {
-        assert_eq!(FEP_ABI_VERSION, 3);
+        assert_eq!(FEP_ABI_VERSION, 4);
         assert_eq!(FEP_DEV_OK, 0);
         assert_eq!(FEP_LAYOUT_THREADS, 256);
         let cmd = fep_cmd { length: 7, seq: 9, ..Default::default() };

@@ -1,5 +1,6 @@
-//! GPU: bounded device waits and the proxy ring push (kernels/include/fep_device.cuh), with the
-//! CPU standing in for the proxy. Ignored without `--include-ignored`; scripts/gpu-check.sh runs
+//! GPU: bounded device waits (on a counter, and on a packed counter word's wrapping high half)
+//! and the proxy ring push (kernels/include/fep_device.cuh), with the CPU standing in for the
+//! proxy. Ignored without `--include-ignored`; scripts/gpu-check.sh runs
 //! them.
 
 mod gpu_common;
@@ -78,6 +79,119 @@ fn gpu_wait_sees_a_host_write() {
     c.store(3, Ordering::Release);
     stream.synchronize_within(Duration::from_secs(15)).unwrap();
     err.check().unwrap();
+}
+
+/// `packed` counter word (`(arrivals << 32) | sums`, both modulo 2^32; fep_abi.h
+/// FEP_COUNTER_PACKED_OFFSET) as the proxy writes it: the wait ends on the high half equal to
+/// what it expects modulo 2^32 (here across the wrap: 2^32 - 2, 2^32 - 1, then 0 = expected), and
+/// the word it hands back carries the low half of the same load.
+#[test]
+#[ignore = "needs a GPU: scripts/gpu-check.sh runs it"]
+fn gpu_packed_wait_sees_a_host_write_across_the_wrap() {
+    let Some(dev) = gpu() else { return };
+    let stream = Stream::new(&dev).unwrap();
+    let counter = HostMapped::new(&dev, 16).unwrap();
+    let word = counter.atomic_u64(0).unwrap();
+    let out = counter.atomic_u64(8).unwrap();
+    word.store(0xffff_fffe_0000_0005, Ordering::Release);
+    let err = DevErrorRecord::new(&dev).unwrap();
+    let p = fep_wait_test_params {
+        counter: counter.device_ptr(),
+        dev_error: err.as_abi(),
+        expected: 0x7_0000_0000,       // only the low 32 bits count: 0
+        budget_cycles: 20_000_000_000, // ~10 s: only a broken path runs into it
+        rank: 0,
+        phase: 1,
+        peer: 1,
+        _pad: 0,
+    };
+    // SAFETY: counter and err outlive the synchronisation.
+    unsafe { launch::wait_packed_test(&stream, p) }.unwrap();
+    std::thread::sleep(Duration::from_millis(5));
+    assert!(!stream.query().unwrap(), "2^32 - 2 is behind 0: still waiting");
+    word.store(0xffff_ffff_ffff_fff0, Ordering::Release);
+    std::thread::sleep(Duration::from_millis(5));
+    assert!(!stream.query().unwrap(), "2^32 - 1 is behind 0: still waiting");
+    word.store(0x0000_0000_0000_3ff2, Ordering::Release); // both halves wrapped
+    stream.synchronize_within(Duration::from_secs(15)).unwrap();
+    err.check().unwrap();
+    assert_eq!(out.load(Ordering::Acquire), 0x3ff2, "the word that ended the wait");
+}
+
+/// A high half ahead of the one awaited (modulo 2^32: 1 when 2^32 - 1 is awaited) is an
+/// overrun, reported at once as BAD_COUNT with the two high halves, not a wait to the budget.
+#[test]
+#[ignore = "needs a GPU: scripts/gpu-check.sh runs it"]
+fn gpu_packed_wait_ahead_is_bad_count() {
+    let Some(dev) = gpu() else { return };
+    let stream = Stream::new(&dev).unwrap();
+    let counter = HostMapped::new(&dev, 16).unwrap();
+    counter.atomic_u64(0).unwrap().store(0x0000_0001_0000_0009, Ordering::Release);
+    let err = DevErrorRecord::new(&dev).unwrap();
+    let p = fep_wait_test_params {
+        counter: counter.device_ptr(),
+        dev_error: err.as_abi(),
+        expected: 0xffff_ffff,
+        budget_cycles: 20_000_000_000, // ~10 s: an ahead word must not wait for it
+        rank: 2,
+        phase: 17,
+        peer: 3,
+        _pad: 0,
+    };
+    let t = Instant::now();
+    // SAFETY: counter and err outlive the synchronisation.
+    unsafe { launch::wait_packed_test(&stream, p) }.unwrap();
+    stream.synchronize_within(Duration::from_secs(15)).unwrap();
+    assert!(t.elapsed() < Duration::from_secs(5), "gave up after {:?}", t.elapsed());
+    match err.check() {
+        Err(CudaError::Device {
+            what: "BAD_COUNT",
+            rank: 2,
+            phase: 17,
+            peer: Some(3),
+            expected: 0xffff_ffff,
+            observed: 1,
+            ..
+        }) => {}
+        other => panic!("expected BAD_COUNT, got {other:?}"),
+    }
+    assert_eq!(counter.atomic_u64(8).unwrap().load(Ordering::Acquire), 0, "no word handed back");
+}
+
+/// Far behind (the proxy never wrote): a typed timeout with the expected and last high halves.
+#[test]
+#[ignore = "needs a GPU: scripts/gpu-check.sh runs it"]
+fn gpu_packed_wait_timeout_names_rank_phase_peer() {
+    let Some(dev) = gpu() else { return };
+    let stream = Stream::new(&dev).unwrap();
+    let counter = HostMapped::new(&dev, 16).unwrap();
+    counter.atomic_u64(0).unwrap().store(0x0000_0004_0000_0040, Ordering::Release);
+    let err = DevErrorRecord::new(&dev).unwrap();
+    let p = fep_wait_test_params {
+        counter: counter.device_ptr(),
+        dev_error: err.as_abi(),
+        expected: 5,
+        budget_cycles: SMALL_BUDGET,
+        rank: 1,
+        phase: 19,
+        peer: 0,
+        _pad: 0,
+    };
+    // SAFETY: counter and err outlive the synchronisation.
+    unsafe { launch::wait_packed_test(&stream, p) }.unwrap();
+    stream.synchronize_within(Duration::from_secs(10)).expect("the kernel must give up, not hang");
+    match err.check() {
+        Err(CudaError::Device {
+            what: "WAIT_TIMEOUT",
+            rank: 1,
+            phase: 19,
+            peer: Some(0),
+            expected: 5,
+            observed: 4,
+            ..
+        }) => {}
+        other => panic!("expected a device timeout, got {other:?}"),
+    }
 }
 
 /// The kernel pushes 10 000 commands through an 8-entry ring (so it waits on "ring full" all the

@@ -11,7 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define FEP_ABI_VERSION 3
+#define FEP_ABI_VERSION 4
 
 /* ---- proxy command ring (GPU producer -> CPU proxy consumer) ---------------------------------
  * One single-producer/single-consumer ring per producing block. The producer fills entry
@@ -89,11 +89,15 @@ typedef struct fep_layout_params {
     int32_t _pad;
 } fep_layout_params; /* 96 bytes */
 
-/* ---- test kernels (kernels/test_kernels.cu): the device-wait and proxy-ring paths ------------ */
+/* ---- test kernels (kernels/test_kernels.cu): the device-wait and proxy-ring paths ------------
+ * fep_wait_test waits until *counter >= expected (fep::wait_geq). fep_wait_packed_test takes the
+ * same record and waits until the high half of *counter equals the low 32 bits of `expected`
+ * modulo 2^32 (fep::wait_packed_eq, a counter line's `packed` word); on success it stores the
+ * word that ended the wait at counter + 8 (so that allocation needs 16 bytes). */
 typedef struct fep_wait_test_params {
     uint64_t counter;            /* const uint64_t* (mapped host memory or device): waited on */
     fep_dev_error_ref dev_error;
-    uint64_t expected;      /* wait until *counter >= expected */
+    uint64_t expected;      /* wait until *counter >= expected (packed: see above) */
     uint64_t budget_cycles; /* clock64 cycles before giving up */
     uint32_t rank;
     uint32_t phase;
@@ -181,9 +185,10 @@ typedef struct fep_proxy_pingpong_params {
  *   LlImm's, as the receiver sees them: dispatch set * E + (e * R + src), combine
  *   (2 + set) * E + (src * L + e) - i.e. (phase * 2 + set) * E + the receive unit. For a PROXY
  *   entry `buf` and `flags` are unused and `proxy` is the peer's index among the proxy peers
- *   (the order of its commands in a push batch). The receiver waits (bounded) until
- *   arrivals[slot] >= arr_base[slot] + calls of (phase, set) since the last clean, and the count
- *   is sums[slot] - sums_seen[slot]. */
+ *   (the order of its commands in a push batch). The receiver polls the slot's `packed` counter
+ *   word (below) and waits (bounded) until its high half = arr_base[slot] + calls of (phase, set)
+ *   since the last clean, modulo 2^32; the count is its low half - sums_seen[slot], modulo 2^32
+ *   (fep_ll.cuh px_count). */
 #define FEP_LL_THREADS 512
 #define FEP_LL_SEG_BYTES 4096 /* bytes of a row one warp copies per work item (fep_ll.cuh kSegBytes) */
 #define FEP_LL_TRANSPORT_PEER 0u
@@ -193,9 +198,21 @@ typedef struct fep_proxy_pingpong_params {
 #define FEP_PHASE_LL_COMBINE_SEND 18u
 #define FEP_PHASE_LL_COMBINE_RECV 19u
 
-/* Bytes between two slots' proxy counters (arrivals at +0, sums at +8) and between two rings'
- * sends_completed words: one cache line each (src/proxy/memory.rs COUNTER_STRIDE says why). */
+/* Bytes between two slots' proxy counters and between two rings' sends_completed words: one
+ * cache line each (src/proxy/memory.rs COUNTER_STRIDE says why). A slot's line, written by the
+ * receiving CPU proxy once per arrival (src/proxy/memory.rs CounterMemory::record_arrival):
+ *   +0  arrivals: writes that arrived (u64)
+ *   +8  sums: the sum of their immediate values (u64)
+ *   +16 packed: ((arrivals mod 2^32) << 32) | (sums mod 2^32), each arrival ONE atomic update of
+ *       the whole word with no carry from the low half into the high half. A kernel learns a
+ *       slot's arrival and its count from one 64-bit load (one PCIe round trip instead of two
+ *       dependent ones); arrivals is updated last, so a host waiter that acquires it sees the
+ *       other two words up to date.
+ * sends_completed lines hold one u64 at +0. */
 #define FEP_COUNTER_STRIDE 64u
+#define FEP_COUNTER_ARRIVALS_OFFSET 0u
+#define FEP_COUNTER_SUMS_OFFSET 8u
+#define FEP_COUNTER_PACKED_OFFSET 16u
 
 /* Event trace (diagnosis; kernels/include/fep_trace.cuh, src/trace.rs). When the host has set
  * the module global `fep_trace_words` (FEP_TRACE), marked points of the kernels append a record:
@@ -242,19 +259,22 @@ typedef struct fep_ll_peer {
  *   [0] ring head (the producer's copy)   [1 + set] head after the last push batch on the set
  *   [3 + phase * 2 + set] push batches ever made (cumulative: the clean fence compares them)
  *   [7 + phase * 2 + set] calls since the last clean (receives expect arr_base + this)
- *   [12 + slot] arr_base   [12 + num_slots + slot] sums_seen   (num_slots = 4 * E)
+ *   [12 + slot] arr_base   [12 + num_slots + slot] sums_seen   (num_slots = 4 * E): the slot's
+ *     arrivals and sums at the last clean, and sums as of the last count taken, each modulo 2^32
+ *     (the halves of the `packed` counter word; high 32 bits of these state words zero)
  *   [12 + 2 * num_slots + slot] the count block 0 read for the current call (mirror)
  *   [12 + 3 * num_slots + phase * 2 + set] ready: the call whose counts the mirror holds
  *   [12 + 3 * num_slots + 4] sends_seen: the largest sends_completed a leader block has read   [11] the ring tail last read
  * NOTES: a send kernel first waits (bounded) until sends_completed >= state[1 + set] (the NIC
  * has read the staging of the set's previous use), stages, then its last block pushes the whole
  * batch (entries written by many threads, one system fence, one release store of head). Only
- * block 0 reads the host words (sends_completed, arrivals, sums); other blocks wait for its
+ * block 0 reads the host words (sends_completed, packed counters); other blocks wait for its
  * mirror/ready/staged words in device memory (fep_ll.cuh, "one poller per host word"). */
 typedef struct fep_ll_proxy {
     uint64_t ring;            /* fep_ring_hdr* + capacity fep_cmd (mapped host), 0 = none */
-    uint64_t arrivals;        /* arrivals of slot s at + s * FEP_COUNTER_STRIDE (mapped host) */
-    uint64_t sums;            /* sums, the same stride (mapped host) */
+    uint64_t arrivals;        /* arrivals of slot s at + s * FEP_COUNTER_STRIDE (mapped host);
+                                 not read by the LL kernels since they poll `packed` */
+    uint64_t packed;          /* the slots' packed counter words, the same stride (mapped host) */
     uint64_t sends_completed; /* const uint64_t* of the ring (mapped host) */
     uint64_t state;           /* uint64_t [12 + 3 * num_slots + 5] (device), fep_ll.cuh */
     uint32_t capacity;        /* ring entries, >= E (one call's batch) */
@@ -493,6 +513,9 @@ static_assert(sizeof(fep_ll_combine_params) == 224, "fep_ll_combine_params layou
 static_assert(offsetof(fep_ll_dispatch_params, epoch) == 120, "fep_ll_dispatch_params fields");
 static_assert(offsetof(fep_ll_combine_params, record_bytes) == 120, "fep_ll_combine_params fields");
 static_assert(sizeof(fep_ll_proxy) == 64, "fep_ll_proxy layout");
+static_assert(FEP_COUNTER_PACKED_OFFSET % 8 == 0 &&
+                  FEP_COUNTER_PACKED_OFFSET + 8 <= FEP_COUNTER_STRIDE,
+              "the packed counter word sits inside its slot's line");
 static_assert(sizeof(fep_normal_comm) == 256, "fep_normal_comm layout");
 static_assert(sizeof(fep_normal_handle) == 48, "fep_normal_handle layout");
 static_assert(sizeof(fep_normal_notify_params) == 336, "fep_normal_notify_params layout");

@@ -84,6 +84,43 @@ __device__ __forceinline__ bool wait_geq(const uint64_t* p, uint64_t expected, c
     return true;
 }
 
+// Spins until the high half of *p equals `expected` modulo 2^32 (acquire, system scope), for a
+// word that packs two wrapping 32-bit counters as (hi << 32) | lo and changes by one atomic
+// update at a time (a counter line's `packed` word, fep_abi.h FEP_COUNTER_PACKED_OFFSET): `*seen`
+// gets the word that ended the wait, so both halves come from the same single-copy-atomic 64-bit
+// load. A high half "ahead" (0 < hi - expected < 2^31, wrapping) is an overrun: it records
+// FEP_DEV_BAD_COUNT (expected and the high half seen) and returns false; "behind" keeps waiting.
+// Otherwise bounded as wait_geq: FEP_DEV_WAIT_TIMEOUT (expected, the last high half seen) after
+// `budget_cycles` clock64 cycles, false as soon as another waiter raised an error.
+// NOTES: modular, not >=: the halves wrap (a slot's sums pass 2^32 after ~33 M calls of 128 rows,
+// well within a training run), and the waiter keeps only 32-bit bases, so "reached" is a
+// difference of zero and the sign of the difference tells ahead from behind (serial-number
+// arithmetic; a peer is never 2^31 calls away from its receiver).
+__device__ __forceinline__ bool wait_packed_eq(const uint64_t* p, uint32_t expected,
+                                               const WaitCtx& ctx, uint64_t* seen) {
+    const long long start = clock64();
+    uint64_t v = ld_acquire_sys(p);
+    for (;;) {
+        const uint32_t hi = static_cast<uint32_t>(v >> 32);
+        const uint32_t d = hi - expected;
+        if (d == 0u) break;
+        if (d < 0x80000000u) {
+            report_error(ctx.err, FEP_DEV_BAD_COUNT, ctx.rank, ctx.phase, ctx.peer, expected, hi);
+            return false;
+        }
+        if (static_cast<uint64_t>(clock64() - start) > ctx.budget_cycles) {
+            report_error(ctx.err, FEP_DEV_WAIT_TIMEOUT, ctx.rank, ctx.phase, ctx.peer, expected,
+                         hi);
+            return false;
+        }
+        if (error_raised(ctx.err)) return false;
+        __nanosleep(64);
+        v = ld_acquire_sys(p);
+    }
+    *seen = v;
+    return true;
+}
+
 // The proxy ring (fep_abi.h): one producer thread per ring. `head` is the producer's own copy
 // of hdr->head (it is the only writer), kept by the caller across pushes.
 // NOTES: the entry is written and fenced (system scope) before head is published, so the proxy

@@ -200,6 +200,8 @@ constexpr int kStPushed = 3;      // + phase * 2 + set: push batches ever made
 constexpr int kStCalls = 7;       // + phase * 2 + set: calls since the last clean
 constexpr int kStTailSeen = 11;   // the ring tail the last reserve read from the host
 constexpr int kStBase = 12;       // arr_base[S], sums_seen[S], mirror[S], ready[4], sends_seen
+// arr_base and sums_seen hold 32-bit values (modulo 2^32, as the halves of a counter line's
+// `packed` word; px_count).
 // With S = num_slots = 4 E: where the receive's leader block leaves each proxy unit's count of
 // the current call (mirror), the call it finished (ready, per phase * 2 + set), and the largest
 // sends_completed a send's leader block has read from the host (sends_seen).
@@ -348,27 +350,36 @@ __device__ __forceinline__ fep_cmd px_cmd(uint64_t local, uint64_t remote, uint3
 }
 
 // One thread of the receive's leader block (block 0): waits (bounded) for this call's message
-// on `slot`, returns its row count (sums - sums_seen), advances sums_seen and leaves the count
-// in mirror[slot] for the followers; false after a timeout or an overrun (recorded, naming
-// ctx.peer).
+// on `slot`, returns its row count, advances sums_seen and leaves the count in mirror[slot] for
+// the followers; false after a timeout or an overrun (recorded, naming ctx.peer).
+// NOTES (one PCIe read per poll, seventh session): the proxy keeps a third word in the slot's
+// counter line, packed = (arrivals << 32) | sums, both modulo 2^32, updated as one atomic word
+// (src/proxy/memory.rs CounterMemory::record_arrival). One ld.acquire.sys of it both tells the
+// arrival and carries the count: until the sixth session the leader polled `arrivals` and then
+// read `sums` (+8, same line) with a second, dependent acquire: two PCIe round trips (~1-1.5 us
+// each on the H200) between an arrival and its count. Arithmetic is modulo 2^32 (the halves
+// wrap; fep::wait_packed_eq): the message has arrived when the high half = arr_base + calls of
+// (phase, set) since clean, a high half ahead of that is a peer two calls ahead on this set
+// (contract violation, FEP_DEV_BAD_COUNT as before), and the count is low half - sums_seen.
+// arr_base and sums_seen are 32-bit values in their state words (the clean writes the halves of
+// `packed`: src/ep/gpu/ll_proxy.rs rebase_state; its poll_packed is this logic on the host, run
+// across 2^32 by the CPU tests). One message per slot and call, its count < 2^14, so the low
+// half moves by less than 2^32 between two counts.
 __device__ __forceinline__ bool px_count(const fep_ll_proxy& px, int phase, int set, uint32_t slot,
                                          uint32_t num_slots, const fep::WaitCtx& ctx,
                                          uint64_t* count) {
     uint64_t* st = px_state(px);
-    const uint64_t expected = st[kStBase + slot] + st[kStCalls + phase * 2 + set];
+    const uint32_t expected =
+        static_cast<uint32_t>(st[kStBase + slot] + st[kStCalls + phase * 2 + set]);
     constexpr uint32_t kStride = FEP_COUNTER_STRIDE / 8;  // u64 words per slot line
-    const uint64_t* arr = reinterpret_cast<const uint64_t*>(px.arrivals) + slot * kStride;
+    const uint64_t* word = reinterpret_cast<const uint64_t*>(px.packed) + slot * kStride;
     uint64_t seen = 0;
-    if (!fep::wait_geq(arr, expected, ctx, &seen)) return false;
-    if (seen != expected) {  // a peer two calls ahead on this set: contract violation
-        fep::report_error(ctx.err, FEP_DEV_BAD_COUNT, ctx.rank, ctx.phase, ctx.peer, expected, seen);
-        return false;
-    }
-    const uint64_t sum =
-        fep::ld_acquire_sys(reinterpret_cast<const uint64_t*>(px.sums) + slot * kStride);
-    *count = sum - st[kStBase + num_slots + slot];
+    if (!fep::wait_packed_eq(word, expected, ctx, &seen)) return false;
+    const uint32_t sum = static_cast<uint32_t>(seen);
+    const uint32_t n = sum - static_cast<uint32_t>(st[kStBase + num_slots + slot]);
+    *count = n;
     st[kStBase + num_slots + slot] = sum;
-    st[st_mirror(static_cast<int>(num_slots)) + slot] = *count;
+    st[st_mirror(static_cast<int>(num_slots)) + slot] = n;
     return true;
 }
 

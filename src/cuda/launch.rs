@@ -162,6 +162,17 @@ pub unsafe fn wait_test(stream: &Stream, p: abi::fep_wait_test_params) -> CudaRe
     launch(stream, Kernel::WaitTest, LaunchConfig { grid: 1, block: 32, shared_bytes: 0 }, &p)
 }
 
+/// `fep_wait_packed_test`: one thread waits (bounded) until the high half of `*counter` equals
+/// `expected as u32` modulo 2^32 (a counter line's `packed` word, fep_device.cuh
+/// `wait_packed_eq`); a high half ahead of it is recorded as `FEP_DEV_BAD_COUNT`. On success it
+/// stores the word it saw at `counter + 8`.
+///
+/// # Safety
+/// `p.counter` (16 bytes) and `p.dev_error` are live until the launch completes.
+pub unsafe fn wait_packed_test(stream: &Stream, p: abi::fep_wait_test_params) -> CudaResult<()> {
+    launch(stream, Kernel::WaitPackedTest, LaunchConfig { grid: 1, block: 32, shared_bytes: 0 }, &p)
+}
+
 /// `fep_ring_push_test`: one thread pushes `num_cmds` commands into the ring, then waits
 /// (bounded) for the arrival counter.
 ///

@@ -21,6 +21,7 @@ pub enum Kernel {
     DispatchLayout,
     DispatchLayoutCluster,
     WaitTest,
+    WaitPackedTest,
     RingPushTest,
     ProxyExchangeTest,
     ProxyPingpong,
@@ -37,10 +38,11 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 16] = [
+    pub const ALL: [Kernel; 17] = [
         Kernel::DispatchLayout,
         Kernel::DispatchLayoutCluster,
         Kernel::WaitTest,
+        Kernel::WaitPackedTest,
         Kernel::RingPushTest,
         Kernel::ProxyExchangeTest,
         Kernel::ProxyPingpong,
@@ -62,6 +64,7 @@ impl Kernel {
             Kernel::DispatchLayout => "fep_dispatch_layout",
             Kernel::DispatchLayoutCluster => "fep_dispatch_layout_cluster",
             Kernel::WaitTest => "fep_wait_test",
+            Kernel::WaitPackedTest => "fep_wait_packed_test",
             Kernel::RingPushTest => "fep_ring_push_test",
             Kernel::ProxyExchangeTest => "fep_proxy_exchange_test",
             Kernel::ProxyPingpong => "fep_proxy_pingpong",

@@ -543,13 +543,53 @@ impl Drop for RingConsumer {
 ///
 /// NOTES: kernels poll these words over PCIe. Measured on the H200 (event trace): reads of ONE
 /// host cache line from many SMs are served one after another (about 1-2 us each), so words that
-/// different waiters poll must not share a line; a slot's `arrivals` and `sums` do (they are read
-/// together).
+/// different waiters poll must not share a line; a slot's `arrivals`, `sums` and `packed` do
+/// (they describe the same arrivals).
 pub const COUNTER_STRIDE: usize = crate::abi::FEP_COUNTER_STRIDE as usize;
 
+const ARRIVALS_OFFSET: usize = crate::abi::FEP_COUNTER_ARRIVALS_OFFSET as usize;
+const SUMS_OFFSET: usize = crate::abi::FEP_COUNTER_SUMS_OFFSET as usize;
+const PACKED_OFFSET: usize = crate::abi::FEP_COUNTER_PACKED_OFFSET as usize;
+const _: () = assert!(ARRIVALS_OFFSET % 8 == 0 && ARRIVALS_OFFSET + 8 <= COUNTER_STRIDE);
+const _: () = assert!(SUMS_OFFSET % 8 == 0 && SUMS_OFFSET + 8 <= COUNTER_STRIDE);
+const _: () = assert!(PACKED_OFFSET % 8 == 0 && PACKED_OFFSET + 8 <= COUNTER_STRIDE);
+const _: () = assert!(
+    ARRIVALS_OFFSET != SUMS_OFFSET
+        && SUMS_OFFSET != PACKED_OFFSET
+        && ARRIVALS_OFFSET != PACKED_OFFSET
+);
+
+/// The `packed` word for `arrivals` and `sums`: `((arrivals mod 2^32) << 32) | (sums mod 2^32)`
+/// (fep_abi.h `FEP_COUNTER_PACKED_OFFSET`).
+#[inline]
+pub const fn pack_counters(arrivals: u64, sums: u64) -> u64 {
+    ((arrivals & 0xffff_ffff) << 32) | (sums & 0xffff_ffff)
+}
+
+/// The halves of a `packed` word: (arrivals mod 2^32, sums mod 2^32).
+#[inline]
+pub const fn unpack_counters(packed: u64) -> (u32, u32) {
+    ((packed >> 32) as u32, packed as u32)
+}
+
+/// `packed` after one more arrival carrying `value`: each half advances modulo 2^32 on its own
+/// (no carry from the sums half into the arrivals half).
+#[inline]
+pub const fn packed_add(packed: u64, value: u32) -> u64 {
+    let (a, s) = unpack_counters(packed);
+    ((a.wrapping_add(1) as u64) << 32) | s.wrapping_add(value) as u64
+}
+
 /// Geometry of the counter region: per slot one [`COUNTER_STRIDE`] line holding `arrivals` (u64
-/// at +0) and `sums` (u64 at +8); then, from a [`REGION_ALIGN`] boundary, one line per ring
-/// holding `sends_completed` (u64 at +0).
+/// at +0: writes that arrived), `sums` (u64 at +8: the sum of their immediate values) and
+/// `packed` (u64 at +16: `((arrivals mod 2^32) << 32) | (sums mod 2^32)`, see
+/// [`CounterMemory::record_arrival`]); then, from a [`REGION_ALIGN`] boundary, one line per ring
+/// holding `sends_completed` (u64 at +0). The offsets are fep_abi.h's `FEP_COUNTER_*_OFFSET`.
+///
+/// NOTES: `packed` lets a kernel learn a slot's arrival and its count from ONE 64-bit read of
+/// mapped host memory (one PCIe round trip; fep_ll.cuh px_count) instead of reading `arrivals`
+/// and then `sums`. Its halves wrap, so its readers compare modulo 2^32; host code keeps using
+/// the full-width `arrivals` and `sums`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CounterLayout {
     pub num_slots: u32,
@@ -563,12 +603,17 @@ impl CounterLayout {
 
     /// Offset of `arrivals[0]`; slot `s` at `+ s * COUNTER_STRIDE`.
     pub fn arrivals_offset(&self) -> usize {
-        0
+        ARRIVALS_OFFSET
     }
 
     /// Offset of `sums[0]`; slot `s` at `+ s * COUNTER_STRIDE`.
     pub fn sums_offset(&self) -> usize {
-        8
+        SUMS_OFFSET
+    }
+
+    /// Offset of `packed[0]`; slot `s` at `+ s * COUNTER_STRIDE`.
+    pub fn packed_offset(&self) -> usize {
+        PACKED_OFFSET
     }
 
     /// Offset of ring 0's `sends_completed`; ring `r` at `+ r * COUNTER_STRIDE`.
@@ -665,6 +710,13 @@ impl CounterMemory {
     }
 
     #[inline]
+    pub(crate) fn packed_atomic(&self, slot: u32) -> &AtomicU64 {
+        self.inner
+            .region
+            .atomic_u64(self.inner.layout.packed_offset() + COUNTER_STRIDE * slot as usize)
+    }
+
+    #[inline]
     pub(crate) fn sends_atomic(&self, ring: u32) -> &AtomicU64 {
         let l = &self.inner.layout;
         self.inner.region.atomic_u64(l.sends_completed_offset() + COUNTER_STRIDE * ring as usize)
@@ -682,6 +734,13 @@ impl CounterMemory {
         Ok(self.sums_atomic(slot).load(Ordering::Acquire))
     }
 
+    /// `slot`'s `packed` word: `((arrivals mod 2^32) << 32) | (sums mod 2^32)` (Acquire: what
+    /// the arrivals it counts carried is visible after it). Split it with [`unpack_counters`].
+    pub fn packed(&self, slot: u32) -> Result<u64, ProxyError> {
+        self.check_slot(slot)?;
+        Ok(self.packed_atomic(slot).load(Ordering::Acquire))
+    }
+
     /// Local completions of `ring`'s writes: its send data up to that many commands is reusable.
     pub fn sends_completed(&self, ring: u32) -> Result<u64, ProxyError> {
         let num_rings = self.inner.layout.num_rings;
@@ -694,10 +753,37 @@ impl CounterMemory {
     /// Records one arrival. `slot` was bounds-checked by the caller.
     #[inline]
     pub(crate) fn record_arrival(&self, slot: u32, value: u32) {
-        // NOTES: sums first, then arrivals with Release: whoever Acquires arrivals == n also
-        // sees the n values summed (and the bytes the transport wrote before the event).
+        // NOTES: sums first, then packed, then arrivals, the last two with Release: whoever
+        // Acquires arrivals == n also sees the n values summed in `sums` and in `packed` (and
+        // the bytes the transport wrote before the event); a kernel that Acquires `packed` with
+        // n in its high half sees those bytes too (it reads nothing else of the line).
+        // `packed` changes by a compare-exchange of the whole word, not a fetch_add of
+        // (1 << 32 | value): a fetch_add would carry into the arrivals half whenever the sums
+        // half wraps. Several workers may record on the same slot at once; a lost race retries
+        // from the value that won, so every record lands exactly once, and the word a reader
+        // loads is always the result of whole records (both halves of the same arrivals). Each
+        // record is an RMW, so it continues the release sequence of the records before it.
         self.sums_atomic(slot).fetch_add(u64::from(value), Ordering::Relaxed);
+        let packed = self.packed_atomic(slot);
+        let mut cur = packed.load(Ordering::Relaxed);
+        while let Err(now) = packed.compare_exchange_weak(
+            cur,
+            packed_add(cur, value),
+            Ordering::Release,
+            Ordering::Relaxed,
+        ) {
+            cur = now;
+        }
         self.arrivals_atomic(slot).fetch_add(1, Ordering::Release);
+    }
+
+    /// Sets `slot`'s three counters as if `arrivals` writes summing to `sums` had arrived
+    /// (tests: counters near 2^32). Only while nothing records on the slot.
+    #[cfg(test)]
+    pub(crate) fn preset(&self, slot: u32, arrivals: u64, sums: u64) {
+        self.sums_atomic(slot).store(sums, Ordering::Relaxed);
+        self.packed_atomic(slot).store(pack_counters(arrivals, sums), Ordering::Release);
+        self.arrivals_atomic(slot).store(arrivals, Ordering::Release);
     }
 
     #[inline]
@@ -721,9 +807,151 @@ mod tests {
         let c = CounterLayout { num_slots: 17, num_rings: 3 };
         assert_eq!(COUNTER_STRIDE, 64);
         assert_eq!(c.sums_offset(), 8);
+        assert_eq!(c.packed_offset(), 16);
         assert_eq!(c.arrival_offset(2), 128);
         assert_eq!(c.sends_completed_offset(), 1152); // 17 lines -> 1088 -> 1152
         assert_eq!(c.bytes(), 1152 + 256);
+    }
+
+    const LOW: u64 = 1 << 32;
+
+    /// The line as the kernels address it: `packed` at +16 of the slot's line, beside
+    /// `arrivals` (+0) and `sums` (+8).
+    fn line_word(c: &CounterMemory, slot: u32, offset: usize) -> u64 {
+        let mut b = [0u8; 8];
+        // SAFETY: single-threaded here; in bounds.
+        unsafe { c.region().read(COUNTER_STRIDE * slot as usize + offset, &mut b).unwrap() };
+        u64::from_ne_bytes(b)
+    }
+
+    #[test]
+    fn packed_word_follows_single_records() {
+        let c = CounterMemory::new_host(CounterLayout { num_slots: 3, num_rings: 1 }).unwrap();
+        c.record_arrival(0, 5);
+        c.record_arrival(0, 7);
+        c.record_arrival(2, 0); // an empty write: counted, adds nothing
+        assert_eq!((c.arrivals(0).unwrap(), c.sums(0).unwrap()), (2, 12));
+        assert_eq!(c.packed(0).unwrap(), (2 << 32) | 12);
+        assert_eq!(unpack_counters(c.packed(0).unwrap()), (2, 12));
+        assert_eq!(c.packed(1).unwrap(), 0, "other slots untouched");
+        assert_eq!(c.packed(2).unwrap(), pack_counters(1, 0));
+        assert_eq!(line_word(&c, 0, 0), 2);
+        assert_eq!(line_word(&c, 0, 8), 12);
+        assert_eq!(line_word(&c, 0, 16), (2 << 32) | 12);
+        assert!(matches!(c.packed(3), Err(ProxyError::SlotIndex { slot: 3, num_slots: 3 })));
+        c.reset();
+        assert_eq!(c.packed(0).unwrap(), 0, "reset zeroes packed too");
+    }
+
+    /// The sums half passing 2^32 leaves the arrivals half alone (a fetch_add of
+    /// `1 << 32 | value` would carry into it), and the arrivals half wraps on its own.
+    #[test]
+    fn packed_halves_wrap_without_carry() {
+        assert_eq!(packed_add(pack_counters(5, LOW - 1), 1), pack_counters(6, 0));
+        assert_eq!(packed_add(pack_counters(5, LOW - 3), 16383), pack_counters(6, 16380));
+        assert_eq!(packed_add(u64::MAX, 1), 0);
+        assert_eq!(packed_add(pack_counters(LOW - 1, 9), 0), pack_counters(0, 9));
+        assert_eq!(pack_counters(LOW + 3, 5 * LOW + 4), (3 << 32) | 4);
+
+        let c = CounterMemory::new_host(CounterLayout { num_slots: 2, num_rings: 1 }).unwrap();
+        c.preset(0, 7, LOW - 3);
+        c.record_arrival(0, 5);
+        assert_eq!(c.packed(0).unwrap(), (8 << 32) | 2);
+        assert_eq!((c.arrivals(0).unwrap(), c.sums(0).unwrap()), (8, LOW + 2));
+        c.preset(1, LOW - 1, 3 * LOW - 1);
+        c.record_arrival(1, 1);
+        assert_eq!(c.packed(1).unwrap(), 0, "both halves wrap to zero, nothing spills");
+        assert_eq!((c.arrivals(1).unwrap(), c.sums(1).unwrap()), (LOW, 3 * LOW));
+        c.record_arrival(1, 16383);
+        assert_eq!(c.packed(1).unwrap(), (1 << 32) | 16383);
+    }
+
+    /// Several workers record on the same slots at once (the proxy's workers share the counter
+    /// memory): every record lands in both halves, across 2^32 in both.
+    #[test]
+    fn concurrent_records_all_land_in_packed() {
+        const THREADS: u64 = 4;
+        const PER: u64 = 100_000;
+        let c = CounterMemory::new_host(CounterLayout { num_slots: 2, num_rings: 1 }).unwrap();
+        let (a0, s0) = (LOW - 1_000, LOW - 12_345);
+        c.preset(1, a0, s0);
+        let value = |t: u64, i: u64| ((t * 7_919 + i * 104_729) % 16_384) as u32;
+        std::thread::scope(|s| {
+            for t in 0..THREADS {
+                let c = c.clone();
+                s.spawn(move || {
+                    for i in 0..PER {
+                        c.record_arrival((i % 2) as u32, value(t, i));
+                    }
+                });
+            }
+        });
+        for slot in 0..2u32 {
+            let (base_a, base_s) = if slot == 1 { (a0, s0) } else { (0, 0) };
+            let n = THREADS * PER / 2;
+            let sum: u64 = (0..THREADS)
+                .flat_map(|t| {
+                    (0..PER).filter(move |i| i % 2 == u64::from(slot)).map(move |i| (t, i))
+                })
+                .map(|(t, i)| u64::from(value(t, i)))
+                .sum();
+            assert_eq!(c.arrivals(slot).unwrap(), base_a + n, "slot {slot} arrivals");
+            assert_eq!(c.sums(slot).unwrap(), base_s + sum, "slot {slot} sums");
+            assert_eq!(
+                c.packed(slot).unwrap(),
+                pack_counters(base_a + n, base_s + sum),
+                "slot {slot} packed"
+            );
+        }
+        assert!(c.arrivals(1).unwrap() > LOW && c.sums(1).unwrap() > LOW, "both halves wrapped");
+    }
+
+    /// What a kernel's single load can see while workers record: always whole records (both
+    /// halves of the same arrivals, here all carrying the same value) and never going back.
+    #[test]
+    fn concurrent_readers_see_whole_records() {
+        const THREADS: u64 = 3;
+        const PER: u64 = 100_000;
+        const V: u32 = 3;
+        let c = CounterMemory::new_host(CounterLayout { num_slots: 1, num_rings: 1 }).unwrap();
+        let (a0, s0) = (LOW - 30_000, LOW - 50_000);
+        c.preset(0, a0, s0);
+        let done = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let reader = s.spawn(|| {
+                let (h0, l0) = unpack_counters(pack_counters(a0, s0));
+                let mut last = 0u32;
+                let mut reads = 0u64;
+                loop {
+                    let finished = done.load(Ordering::Acquire);
+                    let (h, l) = unpack_counters(c.packed(0).unwrap());
+                    let n = h.wrapping_sub(h0);
+                    assert_eq!(l.wrapping_sub(l0), n.wrapping_mul(V), "torn or carried: {h} {l}");
+                    assert!(n >= last, "went back from {last} to {n}");
+                    last = n;
+                    reads += 1;
+                    if finished {
+                        return (last, reads);
+                    }
+                }
+            });
+            let writers: Vec<_> = (0..THREADS)
+                .map(|_| {
+                    s.spawn(|| {
+                        for _ in 0..PER {
+                            c.record_arrival(0, V);
+                        }
+                    })
+                })
+                .collect();
+            for w in writers {
+                w.join().unwrap();
+            }
+            done.store(true, Ordering::Release);
+            let (last, reads) = reader.join().unwrap();
+            assert_eq!(u64::from(last), THREADS * PER, "after {reads} reads");
+        });
+        assert_eq!(c.packed(0).unwrap(), pack_counters(a0 + THREADS * PER, s0 + THREADS * PER * 3));
     }
 
     #[test]

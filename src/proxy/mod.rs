@@ -4,7 +4,8 @@
 //!
 //! - [`RingMemory`] / [`RingProducer`]: single-producer/single-consumer rings laid out as
 //!   `fep_ring_hdr` + `capacity` x `fep_cmd` (kernels/include/fep_abi.h).
-//! - [`CounterMemory`]: per-slot `arrivals` and `sums`, per-ring `sends_completed` (u64 each).
+//! - [`CounterMemory`]: per-slot `arrivals`, `sums` and `packed` (both modulo 2^32 in one word,
+//!   what the LL kernels poll), per-ring `sends_completed` (u64 each).
 //! - [`Transport`]: where writes go. [`LoopbackTransport`] (in-process ranks, CI) and the libfabric
 //!   transport implement it.
 //! - [`Proxy`]: the worker threads and the bounded host-side waits.
@@ -25,8 +26,8 @@ pub use fabric::{FabricPeer, FabricTransport};
 pub use imm::ImmCodec;
 pub use loopback::{LoopbackGroup, LoopbackOptions, LoopbackTransport};
 pub use memory::{
-    Command, CounterLayout, CounterMemory, RingLayout, RingMemory, RingProducer, SharedRegion,
-    REGION_ALIGN,
+    pack_counters, packed_add, unpack_counters, Command, CounterLayout, CounterMemory, RingLayout,
+    RingMemory, RingProducer, SharedRegion, REGION_ALIGN,
 };
 pub use transport::{Transport, TransportEvent, WriteOp};
 pub use worker::{ArrivalWait, Lagging, Proxy, ProxyConfig};

@@ -3,8 +3,10 @@
 //! (destination rank, destination local expert) into a ring in mapped host memory; this rank's
 //! CPU proxy ([`crate::proxy`], a worker thread polling the ring) posts one libfabric RMA write
 //! per command with `imm = slot << 14 | row count` (an empty write when the count is 0); the
-//! receiving proxy adds the count to `sums[slot]` and bumps `arrivals[slot]`, which the
-//! receiving kernel polls (bounded). Same-node peers keep the device-pointer path (mixed tables).
+//! receiving proxy adds the count to `sums[slot]` and bumps `arrivals[slot]`, and keeps both
+//! modulo 2^32 in one word, `packed[slot]`, which the receiving kernel polls (bounded): one read
+//! tells the arrival and carries the count ([`poll_packed`] is the kernel's logic on the host).
+//! Same-node peers keep the device-pointer path (mixed tables).
 //! No host synchronisation anywhere in a step, so a step stays capturable in a CUDA graph.
 //!
 //! Wire protocol = the host backend's (`ep::host::ll`): LlImm's counter slots (dispatch
@@ -27,7 +29,14 @@
 // fence: every rank waits until its own writes completed, all-gathers how many push batches it
 // ever made per (phase, set), and every receiver waits (bounded) until each slot's arrivals equal
 // what the sender pushed; then the device state is re-based on the counters (arr_base, sums_seen,
-// calls since clean = 0). A stale write can therefore never pass for a later call's message.
+// calls since clean = 0; [`rebase_state`]). A stale write can therefore never pass for a later
+// call's message.
+//
+// NOTES (wrap): arr_base and sums_seen are the halves of the slot's `packed` word, 32-bit values
+// (fep_ll.cuh px_count compares and subtracts modulo 2^32). Nothing ever resets the counters, and
+// a slot's sums pass 2^32 after ~33 M calls of 128 rows: the receive's arithmetic is modular
+// everywhere, so neither a wrap between two cleans nor a clean just before or after one matters
+// (unit test `counts_and_cleans_across_2_pow_32`).
 //
 // NOTES (layout): the buffer is registered in chunks of `Info::max_region_bytes` and an RMA
 // write must stay inside one, so with a proxy lane units are placed as the host lane's
@@ -46,13 +55,14 @@ use crate::ep::ll_gpu::{LlGpuRank, LlMem};
 use crate::ep::plan::{LlLayout, IMM_VALUE_BITS, IMM_VALUE_MAX};
 use crate::fabric::{find_first, InfoQuery, MemKind, MemoryRegion, Stack};
 use crate::proxy::{
-    ArrivalWait, CounterLayout, CounterMemory, FabricTransport, Proxy, ProxyConfig, ProxyError,
-    RingLayout, RingMemory, SharedRegion,
+    pack_counters, unpack_counters, ArrivalWait, CounterLayout, CounterMemory, FabricTransport,
+    Proxy, ProxyConfig, ProxyError, RingLayout, RingMemory, SharedRegion,
 };
 use crate::{Error, Result};
 
 /// u64 words of the device state before the per-slot arrays (fep_abi.h `fep_ll_proxy`).
 const STATE_HEAD_WORDS: usize = 12;
+const ST_SET_HEAD: usize = 1;
 const ST_PUSHED: usize = 3;
 const ST_CALLS: usize = 7;
 
@@ -70,6 +80,99 @@ pub fn state_words(num_experts: usize) -> usize {
 /// First word of `ready[phase * 2 + set]` (the receive leader's handoff, fep_ll.cuh st_ready).
 fn ready_word(num_experts: usize) -> usize {
     STATE_HEAD_WORDS + 3 * num_slots(num_experts)
+}
+
+/// What one read of a slot's `packed` counter word tells a receive waiting for the call `calls`
+/// since the clean that set `arr_base` and with `sums_seen` counted so far (fep_ll.cuh px_count
+/// and fep_device.cuh wait_packed_eq are its device twins; every comparison modulo 2^32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PackedPoll {
+    /// The call's message is in; `count` rows (the sums half minus `sums_seen`).
+    Arrived { count: u32 },
+    /// Not yet (the arrivals half is behind): keep waiting.
+    Behind,
+    /// The arrivals half is past the call: a peer two calls ahead on the set, a contract
+    /// violation (the kernel records `FEP_DEV_BAD_COUNT`).
+    Ahead,
+}
+
+/// See [`PackedPoll`]. `arr_base` and `sums_seen` are state words; only their low 32 bits count.
+pub fn poll_packed(packed: u64, arr_base: u64, calls: u64, sums_seen: u64) -> PackedPoll {
+    let expected = arr_base.wrapping_add(calls) as u32;
+    let (arrivals, sums) = unpack_counters(packed);
+    match arrivals.wrapping_sub(expected) {
+        0 => PackedPoll::Arrived { count: sums.wrapping_sub(sums_seen as u32) },
+        d if d < 1 << 31 => PackedPoll::Ahead,
+        _ => PackedPoll::Behind,
+    }
+}
+
+/// The rank whose messages land on counter `slot` (the inverse of [`slot`]: dispatch unit
+/// `e * R + src`, combine unit `src * L + e`).
+fn slot_source(slot: usize, num_experts: usize, num_ranks: usize) -> usize {
+    let (e, r) = (num_experts.max(1), num_ranks.max(1));
+    let unit = slot % e;
+    if slot / e < 2 {
+        unit % r
+    } else {
+        unit / (e / r).max(1)
+    }
+}
+
+/// Re-bases the device state `st` at a clean (module NOTES): the ring words at `head`, calls
+/// since clean and the receive leaders' `ready` words to 0, and per slot arr_base and sums_seen
+/// to the halves of its `packed` word. Every slot must be quiet (no write in flight: the clean
+/// fence awaited them all); a `packed` word that disagrees with its slot's `arrivals` and `sums`
+/// (modulo 2^32) is reported as [`Error::Protocol`] naming the slot's source rank.
+fn rebase_state(
+    st: &mut [u64],
+    counters: &CounterMemory,
+    num_experts: usize,
+    num_ranks: usize,
+    rank: usize,
+    head: u64,
+) -> Result<()> {
+    let s = num_slots(num_experts);
+    if st.len() != state_words(num_experts) {
+        return Err(Error::Other(format!(
+            "proxy state of {} words, expected {}",
+            st.len(),
+            state_words(num_experts)
+        )));
+    }
+    st[0] = head;
+    st[ST_SET_HEAD] = head;
+    st[ST_SET_HEAD + 1] = head;
+    for w in &mut st[ST_CALLS..STATE_HEAD_WORDS] {
+        *w = 0;
+    }
+    for i in 0..s {
+        // NOTES: arrivals first: the proxy updates it last (Release), so packed and sums read
+        // after it hold at least those arrivals; on a quiet slot exactly those.
+        let arrivals = counters.arrivals(i as u32)?;
+        let sums = counters.sums(i as u32)?;
+        let packed = counters.packed(i as u32)?;
+        if packed != pack_counters(arrivals, sums) {
+            return Err(Error::Protocol {
+                rank,
+                peer: slot_source(i, num_experts, num_ranks),
+                phase: "clean_low_latency_buffer",
+                msg: format!(
+                    "slot {i} changed during the clean: packed {packed:#x}, arrivals {arrivals}, \
+                     sums {sums}"
+                ),
+            });
+        }
+        let (a, sm) = unpack_counters(packed);
+        st[STATE_HEAD_WORDS + i] = u64::from(a);
+        st[STATE_HEAD_WORDS + s + i] = u64::from(sm);
+    }
+    // Calls since clean restart at 0, so do the receive leaders' handoff words (they hold the
+    // last call number each finished); `staged` is a ring head and only grows.
+    for w in &mut st[ready_word(num_experts)..ready_word(num_experts) + 4] {
+        *w = 0;
+    }
+    Ok(())
 }
 
 /// Counter slot of a message as the receiver names it: `(phase * 2 + set) * E + receive unit`
@@ -262,7 +365,7 @@ impl LlProxyPrep {
         let px = abi::fep_ll_proxy {
             ring: ring_dptr,
             arrivals: counters_dptr + counter_layout.arrivals_offset() as u64,
-            sums: counters_dptr + counter_layout.sums_offset() as u64,
+            packed: counters_dptr + counter_layout.packed_offset() as u64,
             sends_completed: counters_dptr + counter_layout.sends_completed_offset() as u64,
             state: 0,
             capacity,
@@ -331,7 +434,8 @@ impl LlProxyLane {
 
     /// A one-line picture of the lane for error reports: the proxy's health, ring head/tail,
     /// sends completed, the device state's counters, and every slot a remote peer writes whose
-    /// arrivals differ from what the next receive of its (phase, set) expects. Reads the device
+    /// `packed` word is not what the receive of its (phase, set) expects ([`poll_packed`] not
+    /// `Arrived`: behind or ahead), or disagrees with its `arrivals` and `sums`. Reads the device
     /// state: call it only when this rank's stream is idle (after a failed sync).
     pub fn snapshot(&self, rank: &LlGpuRank) -> String {
         let mut out = format!("rank {} proxy lane: ", self.rank);
@@ -359,14 +463,22 @@ impl LlProxyLane {
                     for le in 0..l {
                         let unit = if phase == 0 { le * nr + src } else { src * l + le };
                         let sl = slot(phase, set, e, unit);
+                        // arrivals before packed (the proxy writes it last): packed is then at
+                        // least as recent, so a mismatch on a quiet slot is real.
                         let a = self.counters.arrivals(sl as u32).unwrap_or(u64::MAX);
-                        let base = st[STATE_HEAD_WORDS + sl];
-                        if a != base + calls {
+                        let sums = self.counters.sums(sl as u32).unwrap_or(u64::MAX);
+                        let packed = self.counters.packed(sl as u32).unwrap_or(u64::MAX);
+                        let (base, seen) =
+                            (st[STATE_HEAD_WORDS + sl], st[STATE_HEAD_WORDS + s + sl]);
+                        let poll = poll_packed(packed, base, calls, seen);
+                        let torn = packed != pack_counters(a, sums);
+                        if !matches!(poll, PackedPoll::Arrived { .. }) || torn {
+                            let (pa, ps) = unpack_counters(packed);
                             odd.push(format!(
-                                "src {src} phase {phase} set {set} unit {unit}: arrivals {a}, \
-                                 base {base} + calls {calls}, sums {} seen {}",
-                                self.counters.sums(sl as u32).unwrap_or(u64::MAX),
-                                st[STATE_HEAD_WORDS + s + sl]
+                                "src {src} phase {phase} set {set} unit {unit}: {poll:?}{}: \
+                                 packed arrivals {pa} sums {ps} (arrivals {a}, sums {sums}), \
+                                 base {base} + calls {calls}, sums seen {seen} (mod 2^32)",
+                                if torn { ", packed disagrees" } else { "" }
                             ));
                         }
                     }
@@ -437,22 +549,7 @@ impl LlProxyLane {
                 });
             }
         }
-        let s = num_slots(e);
-        st[0] = head;
-        st[1] = head;
-        st[2] = head;
-        for w in &mut st[ST_CALLS..STATE_HEAD_WORDS] {
-            *w = 0;
-        }
-        for i in 0..s {
-            st[STATE_HEAD_WORDS + i] = self.counters.arrivals(i as u32)?;
-            st[STATE_HEAD_WORDS + s + i] = self.counters.sums(i as u32)?;
-        }
-        // Calls since clean restart at 0, so do the receive leaders' handoff words (they hold
-        // the last call number each finished); `staged` is a ring head and only grows.
-        for w in &mut st[ready_word(e)..ready_word(e) + 4] {
-            *w = 0;
-        }
+        rebase_state(&mut st, &self.counters, e, nr, self.rank, head)?;
         rank.upload_proxy_state(&st)?;
         self.boot.barrier()?;
         Ok(())
@@ -483,6 +580,117 @@ mod tests {
         }
         assert_eq!(state_words(16), 12 + 3 * 64 + 5);
         assert!(ring_capacity(256) >= 256);
+        for set in 0..2 {
+            for le in 0..l {
+                for src in 0..r {
+                    assert_eq!(slot_source(slot(0, set, e, le * r + src), e, r), src);
+                    assert_eq!(slot_source(slot(1, set, e, src * l + le), e, r), src);
+                }
+            }
+        }
+    }
+
+    const LOW: u64 = 1 << 32;
+
+    #[test]
+    fn poll_packed_is_modular() {
+        use crate::proxy::pack_counters as pack;
+        let arrived = |count| PackedPoll::Arrived { count };
+        assert_eq!(poll_packed(pack(5, 100), 4, 1, 90), arrived(10));
+        assert_eq!(poll_packed(pack(4, 100), 4, 1, 90), PackedPoll::Behind);
+        assert_eq!(poll_packed(pack(6, 100), 4, 1, 90), PackedPoll::Ahead);
+        // The arrivals half wraps: expected (2^32 - 1) + 1 = 0 modulo 2^32.
+        assert_eq!(poll_packed(pack(LOW, 5), LOW - 1, 1, LOW - 3), arrived(8));
+        assert_eq!(poll_packed(pack(LOW - 1, 5), LOW - 1, 1, 0), PackedPoll::Behind);
+        assert_eq!(poll_packed(pack(LOW + 1, 5), LOW - 1, 1, 0), PackedPoll::Ahead);
+        // Far behind is behind (a peer that has not sent for many calls), never ahead.
+        assert_eq!(poll_packed(pack(7, 0), 7, 1 << 31, 0), PackedPoll::Behind);
+        // Only the low 32 bits of the state words count.
+        assert_eq!(poll_packed(pack(2, 16383), LOW + 1, 1, 7 * LOW), arrived(16383));
+        assert_eq!(poll_packed(pack(0, 0), 0, 0, 0), arrived(0));
+    }
+
+    /// The receive's modular logic ([`poll_packed`], the kernel's px_count on the host) and the
+    /// clean's re-base ([`rebase_state`]) across 2^32: every slot starts just below 2^32 in both
+    /// counters; 400 calls wrap every slot's arrivals and sums, with cleans in between (some of
+    /// them just before, some just after a slot wraps).
+    #[test]
+    fn counts_and_cleans_across_2_pow_32() {
+        let (nr, e) = (2usize, 4usize);
+        let s = num_slots(e);
+        let layout = CounterLayout { num_slots: s as u32, num_rings: 1 };
+        let counters = CounterMemory::new_host(layout).unwrap();
+        for i in 0..s as u64 {
+            counters.preset(i as u32, LOW - 3 - 11 * i, LOW - 20_000 * (i + 1));
+        }
+        let mut st = vec![0u64; state_words(e)];
+        rebase_state(&mut st, &counters, e, nr, 0, 5).unwrap();
+        assert_eq!(&st[..3], &[5, 5, 5]);
+        assert_eq!(st[STATE_HEAD_WORDS + 2], u64::from((LOW - 25) as u32));
+        // px_count on the host: one read of packed decides; an arrival advances sums_seen.
+        let count = |st: &mut [u64], phase: usize, set: usize, sl: usize| {
+            let packed = counters.packed(sl as u32).unwrap();
+            let (base, calls) = (st[STATE_HEAD_WORDS + sl], st[ST_CALLS + phase * 2 + set]);
+            let p = poll_packed(packed, base, calls, st[STATE_HEAD_WORDS + s + sl]);
+            if let PackedPoll::Arrived { .. } = p {
+                st[STATE_HEAD_WORDS + s + sl] = u64::from(unpack_counters(packed).1);
+            }
+            p
+        };
+        let mut cleans = 0;
+        for call in 0..400u64 {
+            let set = (call % 2) as usize;
+            for phase in 0..2 {
+                st[ST_CALLS + phase * 2 + set] += 1; // the send's px_publish
+                for unit in 0..e {
+                    let sl = slot(phase, set, e, unit);
+                    assert_eq!(count(&mut st, phase, set, sl), PackedPoll::Behind, "call {call}");
+                    let rows = ((call * 7_919 + sl as u64 * 104_729) % 16_384) as u32;
+                    counters.record_arrival(sl as u32, rows);
+                    let got = count(&mut st, phase, set, sl);
+                    assert_eq!(got, PackedPoll::Arrived { count: rows }, "call {call} slot {sl}");
+                }
+            }
+            if call % 9 == 4 || call == 5 || call == 6 {
+                rebase_state(&mut st, &counters, e, nr, 0, 5).unwrap();
+                assert!(st[ST_CALLS..STATE_HEAD_WORDS].iter().all(|&w| w == 0));
+                cleans += 1;
+            }
+        }
+        assert!(cleans > 40);
+        for i in 0..s as u32 {
+            let (a, sums) = (counters.arrivals(i).unwrap(), counters.sums(i).unwrap());
+            assert!(a > LOW && sums > LOW, "slot {i}: arrivals {a} sums {sums} wrapped");
+            assert_eq!(counters.packed(i).unwrap(), crate::proxy::pack_counters(a, sums));
+        }
+
+        // A peer two calls ahead on a set: its next message is in before this receive's.
+        let sl = slot(0, 1, e, 3);
+        st[ST_CALLS + 1] += 1;
+        counters.record_arrival(sl as u32, 1);
+        counters.record_arrival(sl as u32, 1);
+        assert_eq!(count(&mut st, 0, 1, sl), PackedPoll::Ahead);
+    }
+
+    #[test]
+    fn rebase_rejects_a_slot_that_moved() {
+        let (nr, e) = (2usize, 4usize);
+        let layout = CounterLayout { num_slots: num_slots(e) as u32, num_rings: 1 };
+        let counters = CounterMemory::new_host(layout).unwrap();
+        let mut st = vec![0u64; state_words(e)];
+        assert!(matches!(rebase_state(&mut st[1..], &counters, e, nr, 0, 0), Err(Error::Other(_))));
+        // A record half done (sums and packed counted, arrivals not yet): seen as moving.
+        let sl = slot(1, 0, e, 3) as u32; // combine, unit 3 = src 1 * L 2 + e 1
+        counters.sums_atomic(sl).fetch_add(9, std::sync::atomic::Ordering::Relaxed);
+        counters
+            .packed_atomic(sl)
+            .store(crate::proxy::pack_counters(1, 9), std::sync::atomic::Ordering::Release);
+        match rebase_state(&mut st, &counters, e, nr, 3, 0) {
+            Err(Error::Protocol { rank: 3, peer: 1, phase: "clean_low_latency_buffer", msg }) => {
+                assert!(msg.contains(&format!("slot {sl}")), "{msg}");
+            }
+            other => panic!("expected a protocol error, got {other:?}"),
+        }
     }
 
     /// The kernels' `unit_offset` with a proxy lane (fep_ll.cuh) places every unit where the
