@@ -50,6 +50,21 @@ def main():
         "raw_current_stream": best_us(
             lambda: torch._C._cuda_getCurrentRawStream(dev.index)),
     }
+    # A dispatch's four outputs (fp8 recv_x, scales, idx, weights) by spelling, before the shim
+    # part below (it leaks handles into the allocator's pools).
+    g = h // 128
+    f8 = torch.empty(0, dtype=torch.float8_e4m3fn, device=dev)
+    f32 = torch.empty(0, dtype=torch.float32, device=dev)
+    i64 = torch.empty(0, dtype=torch.int64, device=dev)
+    es = torch.empty_strided
+    out["x4_new_empty"] = best_us(
+        lambda: (f8.new_empty((rows, h)), f32.new_empty((rows, g)), i64.new_empty((rows, k)),
+                 f32.new_empty((rows, k))))
+    out["x4_empty_strided"] = best_us(
+        lambda: (es((rows, h), (h, 1), dtype=torch.float8_e4m3fn, device=dev),
+                 es((rows, g), (g, 1), dtype=torch.float32, device=dev),
+                 es((rows, k), (k, 1), dtype=torch.int64, device=dev),
+                 es((rows, k), (k, 1), dtype=torch.float32, device=dev)))
     out.update(aoti_shim(dev, rows, h, k))
     print(json.dumps(out))
 
