@@ -8,7 +8,8 @@ recorded on the communication stream instead (the tensors involved are ``record_
 it). The stream joins are made inside the C call (one ``fep_gpu_order`` per call), not with
 torch calls, to keep the Python cost of a call low.
 
-Outputs are allocated with ``Tensor.new_empty`` on the Buffer's device: on the compute stream, or on
+Normal-mode outputs are allocated with ``torch.empty_strided`` (low-latency ones with
+``Tensor.new_empty``) on the Buffer's device: on the compute stream, or on
 the communication stream with ``allocate_on_comm_stream=True`` (which, as in DeepEP, needs
 ``previous_event`` and ``async_finish=True``).
 
@@ -144,6 +145,8 @@ class GpuPath:
         self._like_i64 = torch.empty(0, dtype=self.i64, device=device)
         self._like_f32 = torch.empty(0, dtype=self.f32, device=device)
         self._like_i32 = torch.empty(0, dtype=self.i32, device=device)
+        self._empty_strided = torch.empty_strided
+        self._device = torch.device("cuda", device)
         # Normal-mode descriptor blocks (see _DISPATCH_IN/_DISPATCH_OUT/_COMBINE).
         self._nblock = ctypes.create_string_buffer(_DISPATCH_IN.size + _DISPATCH_OUT.size)
         self._cblock = ctypes.create_string_buffer(_COMBINE.size)
@@ -449,13 +452,17 @@ class GpuPath:
         every view (a slice, ``.view(dtype)``, ``.view(shape)``) is a dispatcher call about as
         costly as a cached ``new_empty``, a carved output needs one or two of them, and every
         carved output would keep the whole block (recv_x included) alive. The bench measures
-        both (``alloc_separate_us`` vs ``alloc_one_block_us``)."""
-        h, k = self.h, self.k
-        f32 = self._like_f32
-        return (like.new_empty((rows, h)),
-                f32.new_empty((rows, self.g)) if fp8 else None,
-                self._like_i64.new_empty((rows, k)),
-                f32.new_empty((rows, k)))
+        both (``alloc_separate_us`` vs ``alloc_one_block_us``).
+        NOTES (spelling): ``torch.empty_strided(shape, strides, dtype=, device=)`` and not
+        ``like.new_empty(shape)``: measured on the H200 (docs/results/2026-11-29-h200-g run 4,
+        scripts/bench_torch_alloc.py), the four outputs of an fp8 dispatch cost 8.1 us that way
+        against 10.5 us (one output: 2.1 against 2.5 us)."""
+        h, k, g = self.h, self.k, self.g
+        es, d, f32 = self._empty_strided, self._device, self.f32
+        return (es((rows, h), (h, 1), dtype=like.dtype, device=d),
+                es((rows, g), (g, 1), dtype=f32, device=d) if fp8 else None,
+                es((rows, k), (k, 1), dtype=self.i64, device=d),
+                es((rows, k), (k, 1), dtype=f32, device=d))
 
     def _src_scratch(self, rows: int) -> None:
         """(Re)allocates the recv_src_idx scratch for at least ``rows`` int32.
@@ -512,9 +519,11 @@ class GpuPath:
 
     def alloc_combine(self, t: int, like: Any, with_w: bool) -> Tuple[Any, Any]:
         """The tensors a combine returns: combined_x (``like``'s dtype) and, with weights,
-        combined_topk_weights (else None); see alloc_dispatch."""
-        return (like.new_empty((t, self.h)),
-                self._like_f32.new_empty((t, self.k)) if with_w else None)
+        combined_topk_weights (else None); see alloc_dispatch (the spelling too)."""
+        h, k = self.h, self.k
+        es, d = self._empty_strided, self._device
+        return (es((t, h), (h, 1), dtype=like.dtype, device=d),
+                es((t, k), (k, 1), dtype=self.f32, device=d) if with_w else None)
 
     # ------------------------------------------------------------------ low latency
 

@@ -41,7 +41,8 @@ class _Dtype:
 
 class FakeTorch(types.ModuleType):
     """What GpuPath touches of torch: dtypes, Tensor (dtype, shape, get_device, is_contiguous,
-    data_ptr, new_empty, record_stream), torch.empty, the CUDA stream/event calls."""
+    data_ptr, new_empty, record_stream), torch.empty, torch.empty_strided (contiguous strides
+    only), the CUDA stream/event calls."""
 
     def __init__(self):
         super().__init__("torch")
@@ -80,6 +81,14 @@ class FakeTorch(types.ModuleType):
         self.empty = lambda shape, dtype=None, device=None: Tensor(
             shape if isinstance(shape, tuple) else (shape,), dtype, device)
         self.device = lambda *a: a
+
+        def empty_strided(shape, stride, dtype=None, device=None):
+            want = tuple(int(__import__("math").prod(shape[i + 1:])) for i in range(len(shape)))
+            assert tuple(stride) == want, f"strides {stride} of {shape} are not contiguous"
+            assert device == ("cuda", 0), device
+            return Tensor(shape, dtype, device[1])
+
+        self.empty_strided = empty_strided
         self.cuda = types.SimpleNamespace(
             ExternalStream=lambda p, device=None: types.SimpleNamespace(cuda_stream=p),
             current_stream=lambda d=None: types.SimpleNamespace(cuda_stream=self.stream),
