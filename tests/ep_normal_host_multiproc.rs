@@ -89,3 +89,16 @@ fn dead_peer_is_named_within_the_timeout() {
     assert!(t.elapsed() < Duration::from_secs(60), "{:?}", t.elapsed());
     eprintln!("dead peer named in {:?}", t.elapsed());
 }
+
+/// `--cached` times the GPU backend's cached-handle dispatch; on the host backend it is refused
+/// with a message naming the flag, before any rank starts.
+#[test]
+fn cached_flag_is_refused_on_the_host_backend() {
+    let out = ep_bench()
+        .args(["--mode", "normal", "--backend", "host", "--ranks", "2", "--cached"])
+        .output()
+        .expect("run ep-bench");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "accepted: {stderr}");
+    assert!(stderr.contains("--cached"), "{stderr}");
+}

@@ -79,6 +79,11 @@ struct Common {
     /// replayed (each replay checked like an eager step).
     #[arg(long)]
     cuda_graph: bool,
+    /// GPU backend, normal mode: after the first step, dispatch with the cached handle (no
+    /// layout, no notify, no host count sync), so the dispatch row times the data path alone
+    /// (its op reads "dispatch (cached)"; every step still checked).
+    #[arg(long, global = true)]
+    cached: bool,
     /// GPU backend, normal mode: skip the NCCL all-to-all (+ permute) comparison.
     #[arg(long)]
     no_nccl: bool,
@@ -226,6 +231,12 @@ fn main() -> ExitCode {
                 Ok(())
             })
             .map_err(|e| e.into())
+        }
+        _ if cli.common.cached
+            && !(gpu_backend(&cli) || (in_job() && cli.common.backend == Some(Backend::Gpu))) =>
+        {
+            Err("--cached: the GPU backend's normal mode only (this run uses the host backend)"
+                .into())
         }
         _ if in_job() => run_rank(&cli),
         _ if gpu_backend(&cli) => run_gpu(&cli),
@@ -703,6 +714,29 @@ fn gpu_rows(
     labelled_rows(mode, suffix, "gpu", p, r0)
 }
 
+/// Normal-mode GPU rows; `cached`: the dispatch row's op reads "dispatch (cached)".
+fn normal_rows(
+    cached: bool,
+    p: &fabric_ep::bench::ep_gpu::GpuBenchParams,
+    r0: &fabric_ep::bench::ep::NormalBenchReport,
+) -> Vec<EpRow> {
+    let mut rows = gpu_rows("normal", false, p, r0);
+    if cached {
+        for r in rows.iter_mut().filter(|r| r.op == "dispatch") {
+            r.op = "dispatch (cached)".into();
+        }
+    }
+    rows
+}
+
+/// One node, dispatches after the first with the cached handle (`--cached`).
+fn cached_split(ranks: usize) -> fabric_ep::bench::ep_gpu::GpuSplit {
+    fabric_ep::bench::ep_gpu::GpuSplit {
+        cached: true,
+        ..fabric_ep::bench::ep_gpu::GpuSplit::one_node(ranks)
+    }
+}
+
 /// As [`gpu_rows`], with the op's suffix and the backend column given.
 fn labelled_rows(
     mode: &str,
@@ -751,7 +785,9 @@ const MPS_HINT: &str = "ranks as processes sharing one GPU need the MPS control 
 /// `Buffer` (GPU backend), every result checked against the reference, CUDA-event timings.
 /// With `--procs` the ranks are local processes instead ([`run_gpu_rank`] in each).
 fn run_gpu(cli: &Cli) -> AnyResult<()> {
-    use fabric_ep::bench::ep_gpu::{run_ll_gpu, run_normal_gpu, GpuBenchParams};
+    use fabric_ep::bench::ep_gpu::{
+        run_ll_gpu, run_normal_gpu, run_normal_gpu_split, GpuBenchParams,
+    };
     let c = &cli.common;
     if c.ranks == 0 {
         return Err("--ranks must be at least 1".into());
@@ -793,8 +829,12 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
     // world size beside it when it differs from --ranks.
     if matches!(c.mode, Mode::Normal | Mode::Both) {
         let p = base(4096);
-        let r = run_normal_gpu(&dev, &p)?;
-        rows.extend(r.first().map(|r0| gpu_rows("normal", false, &p, r0)).unwrap_or_default());
+        let r = if c.cached {
+            run_normal_gpu_split(&dev, &p, &cached_split(p.num_ranks))?
+        } else {
+            run_normal_gpu(&dev, &p)?
+        };
+        rows.extend(r.first().map(|r0| normal_rows(c.cached, &p, r0)).unwrap_or_default());
         if !c.no_nccl {
             let gpus = fabric_ep::cuda::device_count()?;
             let world = p.num_ranks.min(gpus);
@@ -805,7 +845,13 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
                         .map(fabric_ep::cuda::Device::new)
                         .collect::<Result<Vec<_>, _>>()?;
                     let pn = GpuBenchParams { num_ranks: world, ..p.clone() };
-                    let ours = if world == p.num_ranks { r } else { run_normal_gpu(&dev, &pn)? };
+                    let ours = if world == p.num_ranks {
+                        r
+                    } else if c.cached {
+                        run_normal_gpu_split(&dev, &pn, &cached_split(world))?
+                    } else {
+                        run_normal_gpu(&dev, &pn)?
+                    };
                     let theirs = fabric_ep::bench::nccl::run_nccl_baseline(&devices, &pn)?;
                     println!(
                         "NCCL comparison: {lib}, {world} rank(s) on {world} GPU(s) \
@@ -814,7 +860,7 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
                     );
                     if let (Some(o), Some(t)) = (ours.first(), theirs.first()) {
                         if world != p.num_ranks {
-                            rows.extend(gpu_rows("normal", false, &pn, o));
+                            rows.extend(normal_rows(c.cached, &pn, o));
                         }
                         rows.extend(labelled_rows("normal", "", "nccl+permute", &pn, t));
                     }
@@ -883,9 +929,9 @@ fn run_gpu_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult<()
     let mut rows: Vec<EpRow> = Vec::new();
     if matches!(c.mode, Mode::Normal | Mode::Both) {
         let p = base(4096);
-        let r = run_normal_gpu_rank(&dev, &p, &GpuSplit::one_node(world), boot.clone())
-            .map_err(hint)?;
-        rows.extend(gpu_rows("normal", false, &p, &r));
+        let split = if c.cached { cached_split(world) } else { GpuSplit::one_node(world) };
+        let r = run_normal_gpu_rank(&dev, &p, &split, boot.clone()).map_err(hint)?;
+        rows.extend(normal_rows(c.cached, &p, &r));
         // NCCL's all-to-all + permute on the same inputs, when every process has its own GPU
         // (NCCL refuses two ranks on one GPU).
         if !c.no_nccl {
