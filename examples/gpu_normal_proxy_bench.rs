@@ -126,6 +126,7 @@ fn child(a: &Args) {
             chunk_tokens: Some(a.child_chunk),
             slots_per_peer: Some(a.child_slots),
             cached,
+            back_to_back: 0,
         };
         let r = run_normal_gpu_rank(&dev, &p, &s, boot.clone())
             .unwrap_or_else(|e| panic!("rank {rank} chunk {} cached {cached}: {e}", a.child_chunk));
@@ -167,6 +168,7 @@ fn traced(a: &Args, dev: &Device, p: &GpuBenchParams, rank: usize, boot: Arc<dyn
         chunk_tokens: Some(a.child_chunk),
         slots_per_peer: Some(a.child_slots),
         cached: true,
+        back_to_back: 0,
     };
     run_normal_gpu_rank(dev, &tp, &s, boot).unwrap_or_else(|e| panic!("rank {rank} traced: {e}"));
     let mut recs = tr.read().expect("read the trace");

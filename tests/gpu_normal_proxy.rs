@@ -68,6 +68,7 @@ fn split(rpn: usize, provider: &str, chunk: usize, spp: usize, cached: bool) -> 
         chunk_tokens: Some(chunk),
         slots_per_peer: Some(spp),
         cached,
+        back_to_back: 0,
     }
 }
 

@@ -136,6 +136,14 @@ pub struct GpuSplit {
     pub slots_per_peer: Option<usize>,
     /// After the first step, dispatch with the cached handle (no layout, no notify).
     pub cached: bool,
+    /// After the checked steps, this many steps back to back on the stream (no barrier, no
+    /// poison between them; the outputs are poisoned once before and the last step is checked),
+    /// timed per step; the report then holds these instead of the checked steps' times. With
+    /// ranks as processes, a barrier before each checked step releases the ranks up to tens of
+    /// microseconds apart and the first rank's notify or dispatch waits for the last: timed
+    /// back to back, the ranks stay in step through the protocol itself. 0: time the checked
+    /// steps.
+    pub back_to_back: usize,
 }
 
 impl GpuSplit {
@@ -147,6 +155,7 @@ impl GpuSplit {
             chunk_tokens: None,
             slots_per_peer: None,
             cached: false,
+            back_to_back: 0,
         }
     }
 }
@@ -379,6 +388,11 @@ fn normal_rank(
         let stream = Stream::new(dev)?;
         let ev: Vec<Event> =
             (0..3).map(|_| Event::new(dev)).collect::<std::result::Result<_, _>>()?;
+        // Events of the back-to-back steps: [0] before the first, [2 i + 1] after step i's
+        // dispatch, [2 i + 2] after its combine.
+        let bev: Vec<Event> = (0..2 * split.back_to_back + usize::from(split.back_to_back > 0))
+            .map(|_| Event::new(dev))
+            .collect::<std::result::Result<_, _>>()?;
         let lay =
             dispatch_layout(&me.topk_idx, t, k, cfg.num_experts, cfg.num_ranks, cfg.num_ranks)?;
         let sent: u64 = lay.num_tokens_per_rank.iter().map(|&c| c.max(0) as u64).sum();
@@ -393,38 +407,42 @@ fn normal_rank(
         // NOTES: every device allocation before the first barrier: with ranks as threads of
         // one context, allocating or freeing while a peer's kernel spins on this rank can stall
         // both until the timeout. At most `t` tokens come from each rank.
-        let outs: Option<GpuDispatchBuffers> =
-            Some(GpuDispatchBuffers::new(gpu, worst.unwrap_or(t * cfg.num_ranks).max(1))?);
-        for it in 0..p.warmup + p.iters {
-            boot.barrier()?;
-            if let Some(o) = &outs {
-                for b in [&o.recv_x, &o.recv_topk_idx, &o.recv_topk_weights, &o.recv_src_idx] {
-                    b.memset_async(0xAB, &stream)?;
-                }
-                if let Some(b) = &o.recv_x_scales {
-                    b.memset_async(0xAB, &stream)?;
-                }
+        let o = GpuDispatchBuffers::new(gpu, worst.unwrap_or(t * cfg.num_ranks).max(1))?;
+        let poison = || -> Result<()> {
+            for b in [&o.recv_x, &o.recv_topk_idx, &o.recv_topk_weights, &o.recv_src_idx] {
+                b.memset_async(0xAB, &stream)?;
+            }
+            if let Some(b) = &o.recv_x_scales {
+                b.memset_async(0xAB, &stream)?;
             }
             out_c.memset_async(0xAB, &stream)?;
-            ev[0].record(&stream)?;
+            Ok(())
+        };
+        // One step on the stream: notify (unless `reuse`: the cached handle), dispatch, then
+        // `after_dispatch` is recorded, combine, then `after_combine`.
+        // SAFETY (callers): every buffer lives until the stream synchronises (sync_gpu); all
+        // ranks run the same sequence of calls.
+        let step = |gpu: &mut crate::ep::gpu::GpuBuffer,
+                    handle: &mut crate::ep::gpu::GpuHandle,
+                    reuse: bool,
+                    after_dispatch: &Event,
+                    after_combine: &Event|
+         -> Result<()> {
             let notify = GpuNotifyArgs {
                 num_worst_tokens: worst,
                 ..GpuNotifyArgs::new(DevSlice::of(&ti), t, &stream)
             };
-            // SAFETY: every buffer lives until the stream synchronises at the end of the
-            // iteration (sync_gpu); all ranks run the same sequence of calls.
             unsafe {
-                let rows = if split.cached && it > 0 {
+                let rows = if reuse {
                     // Same routing every iteration: the first notify's handle is reused.
                     handle.num_out_rows().unwrap_or(0)
                 } else {
-                    let info = gpu.notify_gpu(&notify, &mut handle)?;
+                    let info = gpu.notify_gpu(&notify, handle)?;
                     info.map_or(worst.unwrap_or(0), |i| i.num_recv_tokens)
                 };
-                if outs.as_ref().is_none_or(|o| o.rows < rows) {
+                if o.rows < rows {
                     return Err(Error::Other(format!("rank {rank}: {rows} rows exceed the bound")));
                 }
-                let o = outs.as_ref().ok_or_else(|| Error::Other("no outputs".into()))?;
                 let args = GpuDispatchArgs {
                     x: DevSlice::of(&x),
                     x_scales: xs.as_ref().map(DevSlice::of),
@@ -432,8 +450,8 @@ fn normal_rank(
                     topk_weights: DevSlice::of(&tw),
                     stream: &stream,
                 };
-                gpu.dispatch_gpu(&args, &handle, &o.out())?;
-                ev[1].record(&stream)?;
+                gpu.dispatch_gpu(&args, handle, &o.out())?;
+                after_dispatch.record(&stream)?;
                 gpu.combine_gpu(
                     &GpuCombineArgs {
                         x: DevSlice::of(&cx),
@@ -442,15 +460,16 @@ fn normal_rank(
                         combined_topk_weights: Some(DevSlice::of(&out_cw)),
                         stream: &stream,
                     },
-                    &handle,
+                    handle,
                 )?;
-                ev[2].record(&stream)?;
+                after_combine.record(&stream)?;
             }
-            gpu.sync_gpu(&stream)?;
-            let o = outs.as_ref().ok_or_else(|| Error::Other("no outputs".into()))?;
+            Ok(())
+        };
+        let check = |handle: &crate::ep::gpu::GpuHandle, it: usize| -> Result<()> {
             let prefix: Vec<i32> = handle.device().rank_prefix.to_vec()?;
             let experts: Vec<i32> = handle.device().recv_expert_counts.to_vec()?;
-            check_normal_dispatch(rank, it, p.fp8, o, &prefix, &experts, want, h, k)?;
+            check_normal_dispatch(rank, it, p.fp8, &o, &prefix, &experts, want, h, k)?;
             let got: Vec<u16> = out_c.to_vec()?;
             if got[..t * h] != want_c[rank].combined_x[..] {
                 return Err(mismatch(rank, "combined_x", it));
@@ -459,13 +478,41 @@ fn normal_rank(
             if Some(&gw[..t * k]) != want_c[rank].combined_topk_weights.as_deref() {
                 return Err(mismatch(rank, "combined_topk_weights", it));
             }
+            Ok(())
+        };
+        for it in 0..p.warmup + p.iters {
+            boot.barrier()?;
+            poison()?;
+            ev[0].record(&stream)?;
+            step(gpu, &mut handle, split.cached && it > 0, &ev[1], &ev[2])?;
+            gpu.sync_gpu(&stream)?;
+            check(&handle, it)?;
             if it >= p.warmup {
                 rep.dispatch_s.push(elapsed_s(&ev[0], &ev[1])?);
                 rep.combine_s.push(elapsed_s(&ev[1], &ev[2])?);
             }
         }
+        if split.back_to_back > 0 {
+            boot.barrier()?;
+            poison()?;
+            gpu.sync_gpu(&stream)?;
+            boot.barrier()?;
+            bev[0].record(&stream)?;
+            for i in 0..split.back_to_back {
+                step(gpu, &mut handle, split.cached, &bev[2 * i + 1], &bev[2 * i + 2])?;
+            }
+            gpu.sync_gpu(&stream)?;
+            // The last step is still checked (the timed loop must not trade correctness).
+            check(&handle, p.warmup + p.iters + split.back_to_back - 1)?;
+            rep.dispatch_s.clear();
+            rep.combine_s.clear();
+            for i in 0..split.back_to_back {
+                rep.dispatch_s.push(elapsed_s(&bev[2 * i], &bev[2 * i + 1])?);
+                rep.combine_s.push(elapsed_s(&bev[2 * i + 1], &bev[2 * i + 2])?);
+            }
+        }
         boot.barrier()?;
-        drop(outs);
+        drop(o);
         buf.destroy()?;
         Ok(rep)
     }

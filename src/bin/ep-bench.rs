@@ -729,10 +729,13 @@ fn normal_rows(
     rows
 }
 
-/// One node, dispatches after the first with the cached handle (`--cached`).
-fn cached_split(ranks: usize) -> fabric_ep::bench::ep_gpu::GpuSplit {
+/// One node; after the checked steps, `--iters` steps back to back are timed (a barrier before
+/// each checked step releases processes tens of microseconds apart, and a step's notify waits for
+/// the last rank); `--cached`: dispatches after the first with the cached handle.
+fn normal_split(c: &Common, ranks: usize) -> fabric_ep::bench::ep_gpu::GpuSplit {
     fabric_ep::bench::ep_gpu::GpuSplit {
-        cached: true,
+        cached: c.cached,
+        back_to_back: c.iters.max(1),
         ..fabric_ep::bench::ep_gpu::GpuSplit::one_node(ranks)
     }
 }
@@ -773,9 +776,11 @@ fn sm_budget(sms: usize, on_gpu: usize) -> usize {
 const GPU_LEGEND: &str = "rank 0's figures. GB/s = bytes of the tokens rank 0 sends (dispatch: \
     once per destination rank in normal mode, once per selected expert in low-latency mode; fp8 \
     payload + scales) or receives (combine, bf16) per second at the median (DeepEP's \
-    definition). normal dispatch = GPU layout + notify + host count sync + dispatch kernel; \
-    combine = combine kernel; low-latency = send + receive kernels (hook: the receive launched \
-    by the hook right after the send). Times from CUDA events.";
+    definition). normal dispatch = GPU layout + notify + host count sync + dispatch kernel \
+    (--cached: the dispatch kernel with the cached handle); combine = combine kernel; \
+    low-latency = send + receive kernels (hook: the receive launched by the hook right after the \
+    send). Times from CUDA events, of steps back to back after the checked ones (each checked \
+    against the reference, the last timed one too).";
 
 const MPS_HINT: &str = "ranks as processes sharing one GPU need the MPS control daemon \
     (`nvidia-cuda-mps-control -d`, before the ranks start): without it their kernels time-slice \
@@ -785,9 +790,7 @@ const MPS_HINT: &str = "ranks as processes sharing one GPU need the MPS control 
 /// `Buffer` (GPU backend), every result checked against the reference, CUDA-event timings.
 /// With `--procs` the ranks are local processes instead ([`run_gpu_rank`] in each).
 fn run_gpu(cli: &Cli) -> AnyResult<()> {
-    use fabric_ep::bench::ep_gpu::{
-        run_ll_gpu, run_normal_gpu, run_normal_gpu_split, GpuBenchParams,
-    };
+    use fabric_ep::bench::ep_gpu::{run_ll_gpu, run_normal_gpu_split, GpuBenchParams};
     let c = &cli.common;
     if c.ranks == 0 {
         return Err("--ranks must be at least 1".into());
@@ -829,11 +832,7 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
     // world size beside it when it differs from --ranks.
     if matches!(c.mode, Mode::Normal | Mode::Both) {
         let p = base(4096);
-        let r = if c.cached {
-            run_normal_gpu_split(&dev, &p, &cached_split(p.num_ranks))?
-        } else {
-            run_normal_gpu(&dev, &p)?
-        };
+        let r = run_normal_gpu_split(&dev, &p, &normal_split(c, p.num_ranks))?;
         rows.extend(r.first().map(|r0| normal_rows(c.cached, &p, r0)).unwrap_or_default());
         if !c.no_nccl {
             let gpus = fabric_ep::cuda::device_count()?;
@@ -847,10 +846,8 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
                     let pn = GpuBenchParams { num_ranks: world, ..p.clone() };
                     let ours = if world == p.num_ranks {
                         r
-                    } else if c.cached {
-                        run_normal_gpu_split(&dev, &pn, &cached_split(world))?
                     } else {
-                        run_normal_gpu(&dev, &pn)?
+                        run_normal_gpu_split(&dev, &pn, &normal_split(c, world))?
                     };
                     let theirs = fabric_ep::bench::nccl::run_nccl_baseline(&devices, &pn)?;
                     println!(
@@ -894,9 +891,7 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
 /// rank's GPU is `LOCAL_RANK` modulo the visible GPUs, peers in other processes are reached
 /// through CUDA IPC; every result checked; rank 0 prints the rows for the launcher.
 fn run_gpu_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult<()> {
-    use fabric_ep::bench::ep_gpu::{
-        run_ll_gpu_process, run_normal_gpu_rank, GpuBenchParams, GpuSplit,
-    };
+    use fabric_ep::bench::ep_gpu::{run_ll_gpu_process, run_normal_gpu_rank, GpuBenchParams};
     let dev = fabric_ep::cuda::Device::from_env()?;
     let (rank, world, local) = (boot.rank(), boot.world_size(), boot.local_world_size());
     let gpus = fabric_ep::cuda::device_count()?;
@@ -929,8 +924,8 @@ fn run_gpu_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult<()
     let mut rows: Vec<EpRow> = Vec::new();
     if matches!(c.mode, Mode::Normal | Mode::Both) {
         let p = base(4096);
-        let split = if c.cached { cached_split(world) } else { GpuSplit::one_node(world) };
-        let r = run_normal_gpu_rank(&dev, &p, &split, boot.clone()).map_err(hint)?;
+        let r =
+            run_normal_gpu_rank(&dev, &p, &normal_split(c, world), boot.clone()).map_err(hint)?;
         rows.extend(normal_rows(c.cached, &p, &r));
         // NCCL's all-to-all + permute on the same inputs, when every process has its own GPU
         // (NCCL refuses two ranks on one GPU).
