@@ -3,7 +3,7 @@
 //! Ignored without `--include-ignored` (CI has no GPU); scripts/gpu-check.sh runs it with
 //! FEP_NCCL_LIB pointing at the PyTorch wheel's NCCL.
 
-use fabric_ep::bench::ep_gpu::{run_normal_gpu, GpuBenchParams};
+use fabric_ep::bench::ep_gpu::{run_normal_gpu, run_normal_gpu_split, GpuBenchParams, GpuSplit};
 use fabric_ep::bench::nccl::{nccl_library, run_nccl_baseline};
 use fabric_ep::cuda::{device_count, gpu_available, Device};
 use std::time::Duration;
@@ -30,14 +30,18 @@ fn nccl_baseline_matches_reference() {
             timeout: Duration::from_secs(20),
             ..GpuBenchParams::normal_standard(ranks)
         };
-        let r = run_nccl_baseline(&devices, &p)
+        // The last case also times 3 steps back to back (the last one checked).
+        let b2b = if hidden == 7168 { 3 } else { 0 };
+        let r = run_nccl_baseline(&devices, &p, b2b)
             .unwrap_or_else(|e| panic!("{lib}: ranks {ranks} fp8 {fp8} hidden {hidden}: {e}"));
         assert_eq!(r.len(), ranks);
+        let timed = if b2b > 0 { b2b } else { p.iters };
+        assert!(r.iter().all(|x| x.dispatch_s.len() == timed && x.combine_s.len() == timed));
         eprintln!("ok: NCCL baseline ranks {ranks} fp8 {fp8} hidden {hidden} ({lib})");
     }
     // Two ranks on one GPU: NCCL refuses them, and the runner says so before trying.
     let p = GpuBenchParams { num_ranks: gpus + 1, ..GpuBenchParams::normal_standard(gpus + 1) };
-    let e = run_nccl_baseline(&devices, &p).unwrap_err().to_string();
+    let e = run_nccl_baseline(&devices, &p, 0).unwrap_err().to_string();
     assert!(e.contains("one GPU per rank"), "{e}");
     // Our normal path on the same setting still runs (the comparison's other half).
     let p = GpuBenchParams {
@@ -47,4 +51,10 @@ fn nccl_baseline_matches_reference() {
         ..GpuBenchParams::normal_standard(1)
     };
     run_normal_gpu(&devices[0], &p).unwrap();
+    // ... and its back-to-back timing (fresh and cached), as ep-bench runs it.
+    for cached in [false, true] {
+        let s = GpuSplit { cached, back_to_back: 3, ..GpuSplit::one_node(1) };
+        let r = run_normal_gpu_split(&devices[0], &p, &s).unwrap();
+        assert!(r[0].dispatch_s.len() == 3 && r[0].combine_s.len() == 3, "cached {cached}");
+    }
 }

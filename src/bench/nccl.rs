@@ -258,8 +258,15 @@ impl BaselinePrep {
 /// The standard stack on `devices` (rank r on `devices[r]`, one rank per GPU, ranks as threads
 /// of this process): `warmup + iters` dispatches and combines at `p`'s normal-mode setting, each
 /// checked against the reference. Times from CUDA events: dispatch = permute + count exchange +
-/// host sync + row all-to-all; combine = return all-to-all + un-permute.
-pub fn run_nccl_baseline(devices: &[Device], p: &GpuBenchParams) -> Result<GpuReport> {
+/// host sync + row all-to-all; combine = return all-to-all + un-permute. `back_to_back` > 0:
+/// after the checked steps, that many steps back to back are timed instead (as our normal bench
+/// with `GpuSplit::back_to_back`: no barrier between them, outputs poisoned once, the last
+/// checked), so both stacks are timed the same way.
+pub fn run_nccl_baseline(
+    devices: &[Device],
+    p: &GpuBenchParams,
+    back_to_back: usize,
+) -> Result<GpuReport> {
     if devices.len() < p.num_ranks {
         return Err(Error::arg(
             "ranks",
@@ -276,17 +283,19 @@ pub fn run_nccl_baseline(devices: &[Device], p: &GpuBenchParams) -> Result<GpuRe
     // SAFETY: out-pointer valid.
     check(n, "ncclGetUniqueId", unsafe { (n.get_unique_id)(&mut id) })?;
     on_threads(p.num_ranks, p.timeout, |rank, boot| {
-        baseline_rank(&devices[rank], p, &prep, id, rank, boot)
+        baseline_rank(&devices[rank], p, &prep, id, rank, boot, back_to_back)
     })
 }
 
 /// One rank of the baseline when the ranks are processes, one per GPU (`boot`: this rank's
 /// bootstrap, world size `p.num_ranks`; `dev`: this rank's GPU). Rank 0 makes NCCL's unique
-/// id and the bootstrap carries it to the others. Collective.
+/// id and the bootstrap carries it to the others. Collective. `back_to_back` as in
+/// [`run_nccl_baseline`].
 pub fn run_nccl_baseline_rank(
     dev: &Device,
     p: &GpuBenchParams,
     boot: Arc<dyn Bootstrap>,
+    back_to_back: usize,
 ) -> Result<NormalBenchReport> {
     if boot.world_size() != p.num_ranks {
         return Err(Error::arg(
@@ -312,7 +321,7 @@ pub fn run_nccl_baseline_rank(
     for (i, b) in root.iter().enumerate() {
         id.internal[i] = *b as c_char;
     }
-    baseline_rank(dev, p, &prep, id, boot.rank(), boot)
+    baseline_rank(dev, p, &prep, id, boot.rank(), boot, back_to_back)
 }
 
 /// One rank's baseline run (a thread or a process), every step checked.
@@ -323,6 +332,7 @@ fn baseline_rank(
     id: UniqueId,
     rank: usize,
     boot: Arc<dyn Bootstrap>,
+    back_to_back: usize,
 ) -> Result<NormalBenchReport> {
     let n = nccl()?;
     let cfg0 = p.config(0)?;
@@ -362,6 +372,11 @@ fn baseline_rank(
     let out = DeviceBuffer::new(dev, (t * 2 * h).max(16))?;
     let stream = Stream::new(dev)?;
     let ev: Vec<Event> = (0..3).map(|_| Event::new(dev)).collect::<std::result::Result<_, _>>()?;
+    // Back-to-back steps: [0] before the first, [2 i + 1] after step i's dispatch, [2 i + 2]
+    // after its combine.
+    let bev: Vec<Event> = (0..2 * back_to_back + usize::from(back_to_back > 0))
+        .map(|_| Event::new(dev))
+        .collect::<std::result::Result<_, _>>()?;
     let sent = rows_out as u64;
     let mut rep = NormalBenchReport {
         dispatch_s: Vec::new(),
@@ -379,11 +394,9 @@ fn baseline_rank(
         o
     };
     let so = offs(&ro.send_counts);
-    for it in 0..p.warmup + p.iters {
-        boot.barrier()?;
-        recv_x.memset_async(0xAB, &stream)?;
-        out.memset_async(0xAB, &stream)?;
-        ev[0].record(&stream)?;
+    // One step on the stream (dispatch, then `after_dispatch`, combine, then `after_combine`);
+    // returns the rows received. Its count exchange synchronises the host with the stream.
+    let step = |after_dispatch: &Event, after_combine: &Event| -> Result<usize> {
         // SAFETY: every address below is a live buffer of this rank sized for what the
         // kernel or NCCL touches (rows_out send rows, at most t * nr receive rows).
         unsafe {
@@ -435,7 +448,7 @@ fn baseline_rank(
         if sc > 0 {
             exchange(&comm, &stream, &snd(send_s.device_ptr(), sc), &rcv(recv_s.device_ptr(), sc))?;
         }
-        ev[1].record(&stream)?;
+        after_dispatch.record(&stream)?;
         // Combine: the expert outputs (rows as received) go back to their sources.
         exchange(&comm, &stream, &rcv(cx.device_ptr(), 2 * h), &snd(back.device_ptr(), 2 * h))?;
         // SAFETY: as above; offsets/rows index rows_out rows of `back`.
@@ -453,8 +466,10 @@ fn baseline_rank(
                 },
             )?;
         }
-        ev[2].record(&stream)?;
-        stream.synchronize_within(limit)?;
+        after_combine.record(&stream)?;
+        Ok(total)
+    };
+    let check = |total: usize, it: usize| -> Result<()> {
         if total != rows_in {
             return Err(Error::Other(format!(
                 "rank {rank}: NCCL baseline received {total} rows, the reference {rows_in}"
@@ -482,9 +497,40 @@ fn baseline_rank(
                 "rank {rank}: NCCL baseline combine differs from the reference (iteration {it})"
             )));
         }
+        Ok(())
+    };
+    for it in 0..p.warmup + p.iters {
+        boot.barrier()?;
+        recv_x.memset_async(0xAB, &stream)?;
+        out.memset_async(0xAB, &stream)?;
+        ev[0].record(&stream)?;
+        let total = step(&ev[1], &ev[2])?;
+        stream.synchronize_within(limit)?;
+        check(total, it)?;
         if it >= p.warmup {
             rep.dispatch_s.push(ev[0].elapsed_ms(&ev[1])? as f64 * 1e-3);
             rep.combine_s.push(ev[1].elapsed_ms(&ev[2])? as f64 * 1e-3);
+        }
+    }
+    if back_to_back > 0 {
+        boot.barrier()?;
+        recv_x.memset_async(0xAB, &stream)?;
+        out.memset_async(0xAB, &stream)?;
+        stream.synchronize_within(limit)?;
+        boot.barrier()?;
+        bev[0].record(&stream)?;
+        let mut total = 0;
+        for i in 0..back_to_back {
+            total = step(&bev[2 * i + 1], &bev[2 * i + 2])?;
+        }
+        stream.synchronize_within(limit)?;
+        // The last step is still checked.
+        check(total, p.warmup + p.iters + back_to_back - 1)?;
+        rep.dispatch_s.clear();
+        rep.combine_s.clear();
+        for i in 0..back_to_back {
+            rep.dispatch_s.push(bev[2 * i].elapsed_ms(&bev[2 * i + 1])? as f64 * 1e-3);
+            rep.combine_s.push(bev[2 * i + 1].elapsed_ms(&bev[2 * i + 2])? as f64 * 1e-3);
         }
     }
     boot.barrier()?;

@@ -849,7 +849,8 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
                     } else {
                         run_normal_gpu_split(&dev, &pn, &normal_split(c, world))?
                     };
-                    let theirs = fabric_ep::bench::nccl::run_nccl_baseline(&devices, &pn)?;
+                    let theirs =
+                        fabric_ep::bench::nccl::run_nccl_baseline(&devices, &pn, c.iters.max(1))?;
                     println!(
                         "NCCL comparison: {lib}, {world} rank(s) on {world} GPU(s) \
                          ({} ranks requested, {gpus} GPU(s) here)",
@@ -932,7 +933,12 @@ fn run_gpu_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult<()
         if !c.no_nccl {
             match (on_gpu, fabric_ep::bench::nccl::nccl_library()) {
                 (1, Ok(lib)) => {
-                    let t = fabric_ep::bench::nccl::run_nccl_baseline_rank(&dev, &p, boot.clone())?;
+                    let t = fabric_ep::bench::nccl::run_nccl_baseline_rank(
+                        &dev,
+                        &p,
+                        boot.clone(),
+                        c.iters.max(1),
+                    )?;
                     rows.extend(labelled_rows("normal", "", "nccl+permute", &p, &t));
                     if rank == 0 {
                         println!("NCCL comparison: {lib}, {world} processes, one GPU each");
