@@ -298,7 +298,8 @@ fn check_normal_dispatch(
 /// Normal mode: `warmup + iters` fresh dispatches (GPU layout, notify, then either the host
 /// learns the count or `num_worst_tokens`, then dispatch) and combines, every one checked.
 /// Dispatch time: from before the layout to after the dispatch kernel (the host sync included),
-/// combine time: the combine kernel; both from CUDA events. Returns each rank's report.
+/// combine time: the combine kernel; both from CUDA events. Returns each rank's report. (Each
+/// step here is timed between barriers; [`GpuSplit::back_to_back`] times steps back to back.)
 pub fn run_normal_gpu(dev: &Device, p: &GpuBenchParams) -> Result<GpuReport> {
     run_normal_gpu_split(dev, p, &GpuSplit::one_node(p.num_ranks))
 }
