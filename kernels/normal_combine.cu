@@ -1,14 +1,18 @@
 // Normal-mode combine with a dispatch handle (peer stores; the proxy for peers on other nodes).
 // Same queues as dispatch, the other direction; grid: the rank's SM budget, FEP_NORMAL_THREADS
-// threads, first half send, second half receive.
-//   sender   (towards d): the rows this rank received from d (rank_prefix[d] ..), in order,
-//            chunked by C, as combine records (bf16 row, top-k weights) into d's recv slots;
+// threads, first half send, second half receive (a single rank: every block receives).
+//   sender   (towards d != this rank): the rows this rank received from d (rank_prefix[d] ..),
+//            in order, chunked by C, as combine records (bf16 row, top-k weights) into d's recv
+//            slots;
 //   forwarder (peers on other nodes only): the first receiver blocks copy each arrived chunk from
 //            the proxy receive region into the peer's device slot and publish its device flag;
 //   receiver: one warp per token of this rank (tokens gw, gw + W, ... ascending): for every rank
 //            r the token went to, ascending, wait for the chunk holding it (send_pos[t][r] gives
 //            the row), sum the rows in fp32 in that order, round to bf16 once. The last warp to
-//            finish a row of a chunk (per-slot counter) returns its credit.
+//            finish a row of a chunk (per-slot counter) returns its credit. This rank's own rows
+//            are read where they are, in x (row rank_prefix[me] + send_pos[t][me]) and
+//            topk_weights: no chunk, flag or credit, and combine leaves the (me -> me) queue's
+//            bases alone (dispatch's chunks of that pair keep their own numbering).
 // NOTES: no deadlock although a chunk's rows are consumed by many warps: the lowest unfinished
 // token's rows sit in each rank's lowest unconsumed chunk, which its sender may always send
 // (credits for every earlier chunk are back), and every warp walks its tokens in ascending order.
@@ -57,7 +61,7 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
     const int K = p.num_topk;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     constexpr int kWarps = FEP_NORMAL_THREADS / 32;
-    const int num_send = gridDim.x / 2;
+    const int num_send = R > 1 ? static_cast<int>(gridDim.x) / 2 : 0;
     const int num_recv = gridDim.x - num_send;
     const int32_t* prefix = reinterpret_cast<const int32_t*>(p.handle.rank_prefix);
     const int32_t* send_counts = reinterpret_cast<const int32_t*>(p.handle.send_counts);
@@ -76,9 +80,12 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
 
     if (static_cast<int>(blockIdx.x) < num_send) {
         // ---- sender: rows received from d go back to d ----
+        // Peers other than this rank: peer index q = j % (R - 1), nsub blocks per peer.
         const int j = blockIdx.x;
-        const int d = j % R;
-        const int nsub = (num_send - d + R - 1) / R;
+        const int P = R - 1;
+        const int q = j % P;
+        const int d = (me + 1 + q) % R;
+        const int nsub = (num_send - q + P - 1) / P;
         const int32_t row0 = prefix[d];
         const uint32_t n = static_cast<uint32_t>(prefix[d + 1] - row0);
         const uint32_t chunks = div_ceil(n, C);
@@ -88,7 +95,7 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
         const bool px = comm.via_proxy(d);
         Pusher pusher{};
         if (threadIdx.x == 0 && px) pusher = Pusher::at(comm, blockIdx.x, px_head);
-        for (uint32_t k = j / R; k < chunks; k += nsub) {
+        for (uint32_t k = j / P; k < chunks; k += nsub) {
             const uint64_t cum = base + k;
             const uint32_t slot = static_cast<uint32_t>(cum % spp);
             if (threadIdx.x == 0) {
@@ -177,6 +184,9 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
             const int32_t* send_pos = reinterpret_cast<const int32_t*>(p.handle.send_pos);
             uint4* out = reinterpret_cast<uint4*>(p.combined_x);
             float* out_w = reinterpret_cast<float*>(p.combined_weights);
+            const uint8_t* own_x = reinterpret_cast<const uint8_t*>(p.x);
+            const float* own_w = reinterpret_cast<const float*>(p.topk_weights);
+            const int64_t own_row0 = prefix[me];
             bool alive = true;
             for (int64_t t = static_cast<int64_t>(j) * kWarps + warp; t < T && alive;
                  t += num_warps) {
@@ -188,6 +198,10 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
                     if (r >= R) continue;
                     const int32_t pos = send_pos[t * R + r];
                     if (pos < 0) continue;
+                    if (r == me) {  // this rank's own row, in place (x)
+                        rec[r] = own_x + static_cast<uint64_t>(own_row0 + pos) * row16 * 16;
+                        continue;
+                    }
                     const uint64_t cum = comm.recv_base()[r] + static_cast<uint32_t>(pos) / C;
                     const uint32_t slot = static_cast<uint32_t>(cum % spp);
                     bool got = true;
@@ -228,9 +242,14 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
                     float a = 0.0f;
 #pragma unroll
                     for (int q = 0; q < kMaxRanks; ++q) {
-                        if (rec[q] != nullptr)
+                        if (rec[q] == nullptr) continue;
+                        if (q == me) {
+                            const int64_t row = own_row0 + send_pos[t * R + q];
+                            a += own_w != nullptr ? own_w[row * K + lane] : 0.0f;
+                        } else {
                             a += __ldcg(reinterpret_cast<const float*>(rec[q] + p.topk_weights_offset) +
                                         lane);
+                        }
                     }
                     out_w[t * K + lane] = a;
                 }
@@ -242,7 +261,7 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
                     __threadfence();
                     for (int r = 0; r < R; ++r) {
                         const int32_t pos = send_pos[t * R + r];
-                        if (pos < 0) continue;
+                        if (pos < 0 || r == me) continue;  // own rows: no chunk to credit
                         const uint32_t k = static_cast<uint32_t>(pos) / C;
                         const uint64_t cum = comm.recv_base()[r] + k;
                         const uint32_t slot = static_cast<uint32_t>(cum % spp);
@@ -275,8 +294,8 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
     }
 
     if (!last_block(comm.ticket(2))) return;
-    if (threadIdx.x < static_cast<unsigned>(R)) {
-        const int r = threadIdx.x;
+    if (threadIdx.x < static_cast<unsigned>(R) && static_cast<int>(threadIdx.x) != me) {
+        const int r = threadIdx.x;  // the (me -> me) pair had no combine chunk
         comm.sent_base()[r] += div_ceil(static_cast<uint32_t>(prefix[r + 1] - prefix[r]), C);
         comm.recv_base()[r] += div_ceil(static_cast<uint32_t>(send_counts[r]), C);
     }
