@@ -281,9 +281,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let comb_per_rank = copies as f64 / r as f64 * (2 * h) as f64; // bytes each rank receives
                                                                        // Dispatch moves per copy: read x row + meta, write record, read record, write outputs.
         let disp_moved = copies as f64 * (tok + drec + drec + tok + meta);
-        // Combine moves per copy: read row + weights, write record, read record; per token: write
-        // the bf16 row and the weights.
-        let comb_moved = copies as f64 * ((2 * h + 4 * k) as f64 + 2.0 * crec)
+        // Combine moves per copy: read row + weights, and for a copy to another rank write its
+        // record and read it back (a rank reads its own rows in place); per token: write the
+        // bf16 row and the weights. Own copies: rank q's tokens with an expert on q.
+        let lx = a.experts / r;
+        let own: usize = inputs
+            .iter()
+            .enumerate()
+            .map(|(q, inp)| {
+                inp.topk_idx
+                    .chunks(k)
+                    .filter(|row| row.iter().any(|&e| e >= 0 && e as usize / lx == q))
+                    .count()
+            })
+            .sum();
+        let comb_moved = copies as f64 * (2 * h + 4 * k) as f64
+            + (copies - own) as f64 * 2.0 * crec
             + (r * t) as f64 * (2 * h + 4 * k) as f64;
         let disp_floor = (r * t) as f64 * tok + copies as f64 * tok; // read x once, write each copy
         let comb_floor = copies as f64 * (2 * h) as f64 + (r * t * 2 * h) as f64;
