@@ -729,9 +729,9 @@ fn normal_rows(
     rows
 }
 
-/// One node; after the checked steps, `--iters` steps back to back are timed (a barrier before
-/// each checked step releases processes tens of microseconds apart, and a step's notify waits for
-/// the last rank); `--cached`: dispatches after the first with the cached handle.
+/// One node; after the checked steps, `--iters` steps back to back are timed (processes leave the
+/// barrier before each checked step at different moments and a step's notify waits for the last
+/// rank: `GpuSplit::back_to_back`); `--cached`: dispatches after the first with the cached handle.
 fn normal_split(c: &Common, ranks: usize) -> fabric_ep::bench::ep_gpu::GpuSplit {
     fabric_ep::bench::ep_gpu::GpuSplit {
         cached: c.cached,
