@@ -162,6 +162,19 @@ fn msg_bytes(p: &GpuBenchParams, case: &LlCase, src: usize, dst: usize) -> (f64,
     (d, c, msgs)
 }
 
+/// fi_pingpong iterations for one message of `bytes`: `--pingpong-iters`, fewer for large
+/// messages (about 400 MB each way at most, at least 50 round trips).
+fn phase_pingpong_iters(a: &Args, bytes: usize) -> usize {
+    a.pingpong_iters.min((400_000_000 / bytes.max(1)).max(50))
+}
+
+/// The lane's proxy workers as the library reads them (`FEP_LL_PROXY_WORKERS`, else its
+/// default), for the printed lines.
+fn ll_workers() -> String {
+    std::env::var("FEP_LL_PROXY_WORKERS")
+        .unwrap_or_else(|_| fabric_ep::ep::gpu::ll_proxy::DEFAULT_LL_PROXY_WORKERS.to_string())
+}
+
 /// One rank per node over `--provider`, the timed loop and trace the flags ask for.
 fn run_options(a: &Args, ranks_share_process: bool) -> LlRunOptions {
     LlRunOptions {
@@ -235,9 +248,10 @@ fn main() {
     }
     let mps = std::env::var_os("CUDA_MPS_PIPE_DIRECTORY").is_some();
     println!(
-        "gpu_ll_proxy_bench: 2 processes x 1 rank per node on one GPU, provider {}, {} dispatch, \
-         hook {}, {} timed pairs per case after {} checked, MPS env {}",
+        "gpu_ll_proxy_bench: 2 processes x 1 rank per node on one GPU, provider {}, {} proxy \
+         workers, {} dispatch, hook {}, {} timed pairs per case after {} checked, MPS env {}",
         a.provider,
+        ll_workers(),
         if a.bf16 { "bf16" } else { "fp8" },
         a.hook,
         a.iters,
@@ -352,15 +366,47 @@ fn main() {
                      median_us={med:.2} p99_us={p99:.2} fi_pingpong_us={pp_s} added_us={added}",
                     a.provider
                 );
+                // The same bytes as ONE message (every message of the phase to the peer): what
+                // the fabric alone needs to move them, a floor for a bandwidth-bound phase.
+                let phase_bytes = size * msgs;
+                let pp_phase = if msgs > 1 {
+                    Some(fi_pingpong(
+                        &a.provider,
+                        phase_bytes,
+                        phase_pingpong_iters(&a, phase_bytes),
+                    ))
+                } else {
+                    None
+                };
+                let phase_s = match &pp_phase {
+                    Some(Ok(r)) => format!("{:.2}", r.usec_per_xfer),
+                    Some(Err(e)) => format!("n/a ({e})"),
+                    None => "same".into(),
+                };
+                println!(
+                    "LLPROXY_PHASE provider={} case={name} phase={phase} rank={rank} \
+                     workers={} phase_bytes={phase_bytes} median_us={med:.2} \
+                     fi_pingpong_phase_bytes_us={phase_s}",
+                    a.provider,
+                    ll_workers()
+                );
                 if let (Some(v), Ok(r)) = (&ipc, &pp) {
                     // The proxy's share: what the phase costs beyond the same kernels over IPC,
-                    // then what of that is beyond the fabric's own one-way latency.
+                    // then what of that is beyond the fabric's own one-way latency (at the mean
+                    // message size, and at the phase's bytes as one message).
                     let share = med - v[i];
+                    let over_phase = match &pp_phase {
+                        Some(Ok(q)) => format!("{:.2}", share - q.usec_per_xfer),
+                        Some(Err(_)) => "n/a".into(),
+                        None => format!("{:.2}", share - r.usec_per_xfer),
+                    };
                     println!(
                         "LLPROXY_SHARE provider={} case={name} phase={phase} rank={rank} \
-                         proxy_median_us={med:.2} ipc_median_us={:.2} proxy_share_us={share:.2} \
-                         fi_pingpong_us={:.2} share_over_pingpong_us={:.2}",
+                         workers={} proxy_median_us={med:.2} ipc_median_us={:.2} \
+                         proxy_share_us={share:.2} fi_pingpong_us={:.2} \
+                         share_over_pingpong_us={:.2} share_over_phase_bytes_pingpong_us={over_phase}",
                         a.provider,
+                        ll_workers(),
                         v[i],
                         r.usec_per_xfer,
                         share - r.usec_per_xfer

@@ -236,20 +236,36 @@ fn stalled_remote_peer_is_a_timeout_naming_it_then_clean() {
     assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
 }
 
-/// The body of a rank process (`FEP_GPU_LL_PROXY_ROLE=<provider>` or `<provider>|graph`); a
-/// normal run returns at once.
+/// The body of a rank process (`FEP_GPU_LL_PROXY_ROLE=<provider>`, `<provider>|graph` or
+/// `<provider>|mismatch`); a normal run returns at once.
 #[test]
 fn child_rank() {
     let Ok(role) = std::env::var(ROLE) else { return };
-    let (provider, graph) = match role.split_once('|') {
-        Some((p, "graph")) => (p.to_string(), true),
-        _ => (role.clone(), false),
+    let (provider, graph, mismatch) = match role.split_once('|') {
+        Some((p, "graph")) => (p.to_string(), true, false),
+        Some((p, "mismatch")) => (p.to_string(), false, true),
+        _ => (role.clone(), false, false),
     };
     let store = TcpStore::from_env(Duration::from_secs(30)).expect("join the store");
     let rank = store.rank();
     assert_eq!(store.world_size(), 2, "two ranks");
     let boot: Arc<dyn Bootstrap> = Arc::new(store);
     let dev = Device::from_env().expect("open the GPU");
+    if mismatch {
+        // The ranks run different FEP_LL_PROXY_WORKERS: connecting must fail on both, naming it.
+        let p = small(2, true, false);
+        let case = LlCase::new(&p).expect("reference");
+        match run_ll_gpu_rank(&dev, &p, &opts(1, &provider), &case, rank, boot.clone()) {
+            Ok(_) => panic!("rank {rank}: connected with a different worker count"),
+            Err(e) => {
+                let e = e.to_string();
+                assert!(e.contains("FEP_LL_PROXY_WORKERS"), "rank {rank}: {e}");
+                println!("refused in process: rank {rank}: {e}");
+            }
+        }
+        println!("{CHILD_OK}");
+        return;
+    }
     let fp8s: &[bool] = if graph { &[true] } else { &[true, false] };
     for &fp8 in fp8s {
         for hook in [false, true] {
@@ -283,7 +299,34 @@ fn two_processes_cuda_graph_replay_under_mps() {
     two_processes(&["shm".to_string()], "|graph");
 }
 
+/// Three proxy workers per rank (FEP_LL_PROXY_WORKERS=3): one ring's commands go out on three
+/// endpoints; every check of the one-worker run holds.
+#[test]
+#[ignore = "needs a GPU and MPS: scripts/gpu-check.sh's llproxy section runs it"]
+fn two_processes_three_proxy_workers_under_mps() {
+    two_processes_with(&["shm".to_string()], "", &|_| {
+        vec![("FEP_LL_PROXY_WORKERS".to_string(), "3".to_string())]
+    });
+}
+
+/// Ranks with different proxy worker counts fail at connect with an error naming the variable.
+#[test]
+#[ignore = "needs a GPU and MPS: scripts/gpu-check.sh's llproxy section runs it"]
+fn different_proxy_worker_counts_fail_at_connect() {
+    two_processes_with(&["shm".to_string()], "|mismatch", &|r| {
+        vec![("FEP_LL_PROXY_WORKERS".to_string(), (r + 1).to_string())]
+    });
+}
+
 fn two_processes(providers: &[String], suffix: &str) {
+    two_processes_with(providers, suffix, &|_| Vec::new())
+}
+
+fn two_processes_with(
+    providers: &[String],
+    suffix: &str,
+    rank_env: &dyn Fn(usize) -> Vec<(String, String)>,
+) {
     if gpu().is_none() {
         return;
     }
@@ -299,10 +342,12 @@ fn two_processes(providers: &[String], suffix: &str) {
             .map(|s| s.to_string())
             .collect();
         let env = [(ROLE.to_string(), format!("{provider}{suffix}"))];
-        let mut job = LocalJob::spawn(&exe, &args, 2, 2, &env).expect("spawn ranks");
+        let mut job = LocalJob::spawn_with(&exe, &args, 2, 2, &env, rank_env).expect("spawn ranks");
         let out = job.wait(Duration::from_secs(150)).expect("wait for ranks");
         let all = out.iter().map(|o| o.to_string()).collect::<String>();
-        for line in all.lines().filter(|l| l.contains("checked in process")) {
+        for line in
+            all.lines().filter(|l| l.contains("checked in process") || l.contains("refused in"))
+        {
             eprintln!("{line}");
         }
         for (r, o) in out.iter().enumerate() {

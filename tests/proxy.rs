@@ -31,6 +31,8 @@ struct Shape {
     capacity: u32,
     msgs: u32,
     opts: LoopbackOptions,
+    /// Every worker drains every ring (ProxyConfig::stripe_rings).
+    stripe: bool,
 }
 
 fn payload(src: u32, ring: u32, dst: u32, j: u32) -> Vec<u8> {
@@ -55,7 +57,8 @@ fn all_to_all(s: &Shape) {
             CounterMemory::new_host(CounterLayout { num_slots: s.ranks, num_rings: s.rings })
                 .unwrap();
         let transports = (0..s.workers).map(|_| group.transport(r).unwrap()).collect();
-        proxies.push(Proxy::start(config(r), rings.clone(), counters, transports).unwrap());
+        let cfg = ProxyConfig { stripe_rings: s.stripe, ..config(r) };
+        proxies.push(Proxy::start(cfg, rings.clone(), counters, transports).unwrap());
         ring_mems.push(rings);
     }
     // Index of message (ring, dst, j) within a source rank.
@@ -154,6 +157,7 @@ fn all_to_all_every_byte_and_counter() {
         capacity: 64,
         msgs: 48,
         opts: LoopbackOptions::default(),
+        stripe: false,
     });
 }
 
@@ -169,6 +173,7 @@ fn tiny_ring_producer_waits_and_nothing_is_overwritten() {
             capacity,
             msgs: 64,
             opts: LoopbackOptions::default(),
+            stripe: false,
         });
     }
 }
@@ -177,15 +182,67 @@ fn tiny_ring_producer_waits_and_nothing_is_overwritten() {
 fn injected_eagain_loses_nothing() {
     let opts =
         LoopbackOptions { eagain_every: 3, max_outstanding: 5, ..LoopbackOptions::default() };
-    all_to_all(&Shape { ranks: 3, rings: 2, workers: 1, capacity: 8, msgs: 48, opts });
+    all_to_all(&Shape {
+        ranks: 3,
+        rings: 2,
+        workers: 1,
+        capacity: 8,
+        msgs: 48,
+        opts,
+        stripe: false,
+    });
 }
 
 #[test]
 fn reordered_delivery_keeps_counters_right() {
     let opts = LoopbackOptions { reorder_seed: Some(7), ..LoopbackOptions::default() };
-    all_to_all(&Shape { ranks: 3, rings: 2, workers: 2, capacity: 16, msgs: 48, opts });
+    all_to_all(&Shape {
+        ranks: 3,
+        rings: 2,
+        workers: 2,
+        capacity: 16,
+        msgs: 48,
+        opts,
+        stripe: false,
+    });
     let opts = LoopbackOptions { eagain_every: 2, reorder_seed: Some(11), max_outstanding: 3 };
-    all_to_all(&Shape { ranks: 2, rings: 3, workers: 2, capacity: 4, msgs: 32, opts });
+    all_to_all(&Shape {
+        ranks: 2,
+        rings: 3,
+        workers: 2,
+        capacity: 4,
+        msgs: 32,
+        opts,
+        stripe: false,
+    });
+}
+
+#[test]
+fn striped_rings_every_worker_drains_every_ring() {
+    // One ring and three workers (the low-latency lane's shape), then two rings; tiny rings make
+    // the producer wait on the tail the stripes publish together (an early tail would let it
+    // overwrite an entry a stripe has not posted: a seq error or a wrong byte/count).
+    for (rings, capacity) in [(1, 64), (1, 1), (1, 2), (2, 5)] {
+        all_to_all(&Shape {
+            ranks: 3,
+            rings,
+            workers: 3,
+            capacity,
+            msgs: 40,
+            opts: LoopbackOptions::default(),
+            stripe: true,
+        });
+    }
+    let opts = LoopbackOptions { eagain_every: 3, reorder_seed: Some(5), max_outstanding: 4 };
+    all_to_all(&Shape {
+        ranks: 2,
+        rings: 1,
+        workers: 4,
+        capacity: 8,
+        msgs: 48,
+        opts,
+        stripe: true,
+    });
 }
 
 /// One rank, one ring, one worker, over a loopback group of `ranks`.

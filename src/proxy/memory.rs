@@ -323,18 +323,66 @@ impl RingMemory {
     }
 
     pub(crate) fn consumer(&self, ring: u32) -> Result<RingConsumer, ProxyError> {
+        Ok(self.striped_consumers(ring, 1)?.pop().expect("one stripe"))
+    }
+
+    /// The consumer side of `ring` split `n` ways (claimed once, released when the last stripe
+    /// drops): stripe `i` takes the tickets `t` with `t % n == i`, and the tail the producer sees
+    /// is the lowest ticket some stripe has not posted yet (every ticket below it was posted by
+    /// its stripe). With `n == 1` this is the plain single consumer.
+    ///
+    /// NOTES: for a lane whose kernels push into ONE ring (the low-latency lane: one batch of
+    /// commands per call) but whose bytes are copied by the CPU (shm, tcp): several workers then
+    /// post one ring's writes on their own endpoints in parallel. The protocol is order-agnostic
+    /// (receivers count arrivals per slot), so which worker posts a command does not matter.
+    pub(crate) fn striped_consumers(
+        &self,
+        ring: u32,
+        n: u32,
+    ) -> Result<Vec<RingConsumer>, ProxyError> {
+        if n == 0 {
+            return Err(ProxyError::InvalidConfig { what: "stripes", msg: "must be >= 1".into() });
+        }
         self.claim(ring, "consumer")?;
-        let tail = self.tail_atomic(ring).load(Ordering::Acquire);
+        let base = self.tail_atomic(ring).load(Ordering::Acquire);
         let capacity = u64::from(self.inner.layout.capacity);
-        Ok(RingConsumer {
-            entries: self.entries(ring),
+        let stride = u64::from(n);
+        let first = |i: u64| base + (i + stride - base % stride) % stride;
+        let share = Arc::new(StripeShare {
             mem: self.clone(),
             ring,
-            capacity,
-            tail,
-            cached_head: tail,
-            idx: (tail % capacity) as usize,
-        })
+            next: (0..stride).map(|i| AtomicU64::new(first(i))).collect(),
+        });
+        Ok((0..stride)
+            .map(|i| {
+                let tail = first(i);
+                RingConsumer {
+                    entries: self.entries(ring),
+                    share: share.clone(),
+                    stripe: i as usize,
+                    stride,
+                    ring,
+                    capacity,
+                    tail,
+                    cached_head: base,
+                    idx: (tail % capacity) as usize,
+                }
+            })
+            .collect())
+    }
+}
+
+/// What the stripes of one ring share: each stripe's next unposted ticket. Holds the ring's
+/// consumer claim until the last stripe drops.
+struct StripeShare {
+    mem: RingMemory,
+    ring: u32,
+    next: Vec<AtomicU64>,
+}
+
+impl Drop for StripeShare {
+    fn drop(&mut self) {
+        self.mem.release(self.ring, "consumer");
     }
 }
 
@@ -484,29 +532,48 @@ impl Drop for RingProducer {
     }
 }
 
-/// The consumer side of one ring, held by a proxy worker.
+/// The consumer side of one ring (or one stripe of it: [`RingMemory::striped_consumers`]), held
+/// by a proxy worker.
 pub(crate) struct RingConsumer {
-    mem: RingMemory,
+    share: Arc<StripeShare>,
     entries: *const FepCmd,
+    /// This stripe's index and the number of stripes (1: the whole ring).
+    stripe: usize,
+    stride: u64,
     pub(crate) ring: u32,
     pub(crate) capacity: u64,
-    /// Next ticket to consume.
+    /// Next ticket of this stripe to consume.
     pub(crate) tail: u64,
     /// Head as last read.
     pub(crate) cached_head: u64,
     /// `tail % capacity`.
-    pub(crate) idx: usize,
+    idx: usize,
 }
 
 // SAFETY: see RingProducer.
 unsafe impl Send for RingConsumer {}
 
 impl RingConsumer {
-    /// Reloads head (Acquire); returns how many entries are readable.
+    /// This stripe's tickets below `cached_head` not consumed yet; `None` when the head is
+    /// impossible (behind what this stripe consumed, or more than `capacity` ahead of it).
     #[inline]
-    pub(crate) fn refresh(&mut self) -> u64 {
-        self.cached_head = self.mem.head_atomic(self.ring).load(Ordering::Acquire);
-        self.cached_head.wrapping_sub(self.tail)
+    pub(crate) fn pending(&self) -> Option<u64> {
+        let (h, t) = (self.cached_head, self.tail);
+        if h >= t {
+            let d = h - t;
+            (d <= self.capacity).then(|| d.div_ceil(self.stride))
+        } else {
+            // A stripe's next ticket may lie past the head by less than the stride (its
+            // ticket is not pushed yet); further means the head went backwards.
+            (t - h < self.stride).then_some(0)
+        }
+    }
+
+    /// Reloads head (Acquire); returns [`Self::pending`].
+    #[inline]
+    pub(crate) fn refresh(&mut self) -> Option<u64> {
+        self.cached_head = self.share.mem.head_atomic(self.ring).load(Ordering::Acquire);
+        self.pending()
     }
 
     /// The entry at `idx` (a volatile copy: a GPU writes it).
@@ -518,23 +585,31 @@ impl RingConsumer {
 
     #[inline]
     pub(crate) fn advance(&mut self) {
-        self.tail += 1;
-        self.idx += 1;
-        if self.idx as u64 == self.capacity {
-            self.idx = 0;
+        self.tail += self.stride;
+        if self.stride == 1 {
+            self.idx += 1;
+            if self.idx as u64 == self.capacity {
+                self.idx = 0;
+            }
+        } else {
+            self.idx = (self.tail % self.capacity) as usize;
         }
     }
 
-    /// Publishes `tail` (Release): the producer may now reuse the entries before it.
+    /// Publishes what this stripe consumed (Release): the producer may reuse every entry below
+    /// the lowest ticket a stripe has not posted.
     #[inline]
     pub(crate) fn publish_tail(&self) {
-        self.mem.tail_atomic(self.ring).store(self.tail, Ordering::Release);
-    }
-}
-
-impl Drop for RingConsumer {
-    fn drop(&mut self) {
-        self.mem.release(self.ring, "consumer");
+        let tail = self.share.mem.tail_atomic(self.ring);
+        if self.stride == 1 {
+            tail.store(self.tail, Ordering::Release);
+            return;
+        }
+        self.share.next[self.stripe].store(self.tail, Ordering::Release);
+        let low = self.share.next.iter().map(|n| n.load(Ordering::Acquire)).min();
+        // NOTES: stripes publish concurrently; fetch_max keeps the tail monotonic whichever
+        // stripe's store lands last (a stale, lower minimum never moves it back).
+        tail.fetch_max(low.unwrap_or(self.tail), Ordering::AcqRel);
     }
 }
 
@@ -969,18 +1044,61 @@ mod tests {
         assert!(matches!(err, ProxyError::RingFull { ring: 1, head: 3, tail: 0, .. }), "{err}");
         assert_eq!(rings.head(1).unwrap(), 3);
         let mut c = rings.consumer(1).unwrap();
-        assert_eq!(c.refresh(), 3);
+        assert_eq!(c.refresh(), Some(3));
         for t in 0..3u32 {
             assert_eq!(c.entry().seq, t);
             c.advance();
         }
         c.publish_tail();
         assert!(p.try_push(&cmd));
-        assert_eq!(c.refresh(), 1);
+        assert_eq!(c.refresh(), Some(1));
         assert_eq!(c.entry().seq, 3);
         drop(p);
         let p2 = rings.producer(1).unwrap();
         assert_eq!(p2.head(), 4);
+    }
+
+    #[test]
+    fn stripes_share_a_ring_and_publish_the_lowest_unposted_ticket() {
+        let rings = RingMemory::new_host(RingLayout::new(1, 4).unwrap()).unwrap();
+        let mut p = rings.producer(0).unwrap();
+        let cmd = Command { dst_rank: 0, imm: 7, ..Default::default() };
+        assert!(p.try_push(&cmd)); // ticket 0, before the stripes exist
+        {
+            let mut c = rings.consumer(0).unwrap();
+            assert_eq!(c.refresh(), Some(1));
+            c.advance();
+            c.publish_tail();
+        }
+        let mut s = rings.striped_consumers(0, 3).unwrap();
+        assert!(matches!(rings.consumer(0), Err(ProxyError::RingClaimed { .. })));
+        // From tail 1: stripe 1 starts at ticket 1, stripe 2 at 2, stripe 0 at 3.
+        assert_eq!(s.iter().map(|c| c.tail).collect::<Vec<_>>(), [3, 1, 2]);
+        for _ in 0..4 {
+            assert!(p.try_push(&cmd)); // tickets 1..=4
+        }
+        assert!(!p.try_push(&cmd), "ring full: tail 1 + capacity 4");
+        assert_eq!(s[0].refresh(), Some(1)); // ticket 3 (4 is stripe 1's)
+        assert_eq!(s[1].refresh(), Some(2)); // 1 and 4
+        assert_eq!(s[2].refresh(), Some(1)); // 2
+                                             // Stripe 2 posts ticket 2: tickets 1 (stripe 1) is still unposted, the tail stays.
+        assert_eq!(s[2].entry().seq, 2);
+        s[2].advance();
+        s[2].publish_tail();
+        assert_eq!(rings.tail(0).unwrap(), 1);
+        assert_eq!(s[2].refresh(), Some(0), "ticket 5 is not pushed yet");
+        // Stripe 1 posts 1: everything below 3 (stripe 0's next) is posted.
+        assert_eq!(s[1].entry().seq, 1);
+        s[1].advance();
+        s[1].publish_tail();
+        assert_eq!(rings.tail(0).unwrap(), 3);
+        assert_eq!(s[1].entry().seq, 4);
+        // A head behind what a stripe consumed is impossible.
+        s[1].cached_head = 0;
+        assert_eq!(s[1].pending(), None);
+        drop(s);
+        // The claim goes with the last stripe.
+        assert!(rings.consumer(0).is_ok());
     }
 
     #[test]

@@ -36,6 +36,11 @@ pub struct ProxyConfig {
     pub start_timeout: Duration,
     /// On shutdown, how long a worker keeps polling for completions of writes it posted.
     pub drain_timeout: Duration,
+    /// How rings are shared among several workers. `false`: ring `r` belongs to worker
+    /// `r % workers` alone. `true`: every worker drains every ring, worker `i` posting the
+    /// tickets `t` with `t % workers == i` ([`RingMemory`]'s striped consumers), so the writes of
+    /// one ring go out on all workers' endpoints at once.
+    pub stripe_rings: bool,
 }
 
 impl Default for ProxyConfig {
@@ -49,6 +54,7 @@ impl Default for ProxyConfig {
             idle_sleep: Duration::from_micros(20),
             start_timeout: Duration::from_secs(10),
             drain_timeout: Duration::from_secs(1),
+            stripe_rings: false,
         }
     }
 }
@@ -182,13 +188,20 @@ impl Proxy {
             }),
             workers: Vec::with_capacity(num_workers),
         };
-        for (i, transport) in transports.into_iter().enumerate() {
+        // Claims happen here, on the caller's thread, so a claim error is a start error.
+        let mut consumers: Vec<Vec<_>> = (0..num_workers).map(|_| Vec::new()).collect();
+        for r in 0..num_rings {
+            if config.stripe_rings {
+                let stripes = rings.striped_consumers(r, num_workers as u32)?;
+                for (w, c) in stripes.into_iter().enumerate() {
+                    consumers[w].push(c);
+                }
+            } else {
+                consumers[r as usize % num_workers].push(rings.consumer(r)?);
+            }
+        }
+        for (i, (transport, consumers)) in transports.into_iter().zip(consumers).enumerate() {
             let name = format!("fep-proxy-{}-{}", config.rank, i);
-            // Claims happen here, on the caller's thread, so a claim error is a start error.
-            let consumers = (0..num_rings)
-                .filter(|r| *r as usize % num_workers == i)
-                .map(|r| rings.consumer(r))
-                .collect::<Result<Vec<_>, _>>()?;
             let worker = Worker {
                 name: name.clone(),
                 rank: config.rank,
@@ -551,15 +564,15 @@ impl<T: Transport> Worker<T> {
     #[inline]
     fn drain_ring(&mut self, i: usize) -> Result<(u64, bool), ProxyError> {
         let c = &mut self.consumers[i];
-        let mut avail = c.cached_head.wrapping_sub(c.tail);
-        if avail == 0 {
+        let mut avail = c.pending();
+        if avail == Some(0) {
             avail = c.refresh();
-            if avail == 0 {
+            if avail == Some(0) {
                 return Ok((0, false));
             }
-            host_event(abi::FEP_TRACE_PROXY_RING_SEEN, self.rank, avail as u32);
+            host_event(abi::FEP_TRACE_PROXY_RING_SEEN, self.rank, avail.unwrap_or(0) as u32);
         }
-        if avail > c.capacity {
+        let Some(avail) = avail else {
             return Err(ProxyError::BadHead {
                 rank: self.rank,
                 ring: c.ring,
@@ -567,9 +580,9 @@ impl<T: Transport> Worker<T> {
                 tail: c.tail,
                 capacity: c.capacity,
             });
-        }
+        };
         let n = avail.min(self.batch);
-        let start = c.tail;
+        let mut posted = 0u64;
         let mut full = false;
         let mut failed = None;
         for _ in 0..n {
@@ -593,7 +606,10 @@ impl<T: Transport> Worker<T> {
                 ring: c.ring,
             };
             match self.transport.post_write(&op) {
-                Ok(true) => c.advance(),
+                Ok(true) => {
+                    c.advance();
+                    posted += 1;
+                }
                 Ok(false) => {
                     full = true;
                     break;
@@ -604,7 +620,6 @@ impl<T: Transport> Worker<T> {
                 }
             }
         }
-        let posted = c.tail - start;
         if posted > 0 {
             // NOTES: tail is published after posting, once per batch: an entry stays in the ring
             // until the transport has accepted it, so EAGAIN needs no side queue (the refused entry

@@ -1,8 +1,9 @@
 //! The low-latency GPU path to peers on other nodes (`ranks_per_node < num_ranks`): the LL
 //! kernels stage those peers' rows in this rank's send area and push one command per
 //! (destination rank, destination local expert) into a ring in mapped host memory; this rank's
-//! CPU proxy ([`crate::proxy`], a worker thread polling the ring) posts one libfabric RMA write
-//! per command with `imm = slot << 14 | row count` (an empty write when the count is 0); the
+//! CPU proxy ([`crate::proxy`]: `FEP_LL_PROXY_WORKERS` worker threads, each with its own
+//! endpoint, each posting a stripe of the ring's tickets) posts one libfabric RMA write per
+//! command with `imm = slot << 14 | row count` (an empty write when the count is 0); the
 //! receiving proxy adds the count to `sums[slot]` and bumps `arrivals[slot]`, and keeps both
 //! modulo 2^32 in one word, `packed[slot]`, which the receiving kernel polls (bounded): one read
 //! tells the arrival and carries the count ([`poll_packed`] is the kernel's logic on the host).
@@ -222,12 +223,22 @@ fn mapped_region(dev: &Device, len: usize) -> Result<(SharedRegion, u64)> {
     Ok((region, dptr))
 }
 
-/// The first half of the lane, before the LL buffer exists: the provider is opened and decides
-/// where the buffer lives.
+/// Default proxy workers of the low-latency lane when `FEP_LL_PROXY_WORKERS` is not set.
+/// Measured on the H200 (2 processes x 1 rank per node under MPS, shm, 128 tokens, hidden 7168,
+/// top-8 of 256, fp8: 128 writes of 28-59 KB per phase; docs/results/2026-11-29-h200-h run 1):
+/// dispatch / combine phase 2510 / 2407 us with 1 worker, 1018 / 1221 with 2, 980 / 924 with 4,
+/// 976 / 760 with 6; one token per phase unchanged (22.9 / 21.5 us with 1, 22.4 / 21.6 with 4).
+/// Like the normal lane's default: each worker is a spinning thread (it backs off after 50 ms
+/// without work), and more only pay where the provider's copies run on the CPU.
+pub const DEFAULT_LL_PROXY_WORKERS: usize = 4;
+
+/// The first half of the lane, before the LL buffer exists: the provider is opened (one stack
+/// per proxy worker) and decides where the buffer lives.
 pub(crate) struct LlProxyPrep {
-    // NOTES: field order is drop order: the registration before the stack and the memory.
-    mr: Arc<MemoryRegion>,
-    stack: Stack,
+    // NOTES: field order is drop order: the registrations before the stacks and the memory.
+    /// The LL buffer's registration with each stack (`mrs[i]` belongs to `stacks[i]`).
+    mrs: Vec<Arc<MemoryRegion>>,
+    stacks: Vec<Stack>,
     mem: LlMem,
     kind: MemKind,
     geo: LlGeometry,
@@ -239,13 +250,19 @@ impl LlProxyPrep {
     /// Opens `provider` (with `FI_HMEM` when it has it) and allocates the LL buffer of `layout`
     /// where that provider can register it, its units placed per registered chunk
     /// ([`LlGeometry`]: no message crosses a chunk). `provider` `None`: libfabric's choice
-    /// (`FI_PROVIDER`, else the first match).
+    /// (`FI_PROVIDER`, else the first match). One stack (endpoint) per proxy worker:
+    /// `FEP_LL_PROXY_WORKERS` (1 to 16, default [`DEFAULT_LL_PROXY_WORKERS`]).
     pub fn open(
         dev: &Device,
         provider: Option<&str>,
         num_ranks: usize,
         layout: LlLayout,
     ) -> Result<Self> {
+        let workers = super::normal_proxy::parse_workers(
+            "FEP_LL_PROXY_WORKERS",
+            std::env::var("FEP_LL_PROXY_WORKERS").ok().as_deref(),
+            DEFAULT_LL_PROXY_WORKERS,
+        )?;
         let query = InfoQuery { provider: provider.map(str::to_string), ..Default::default() };
         let try_hmem = std::env::var("FEP_LL_HMEM").map_or(true, |v| v != "0");
         let hmem_info = if try_hmem {
@@ -255,25 +272,30 @@ impl LlProxyPrep {
         };
         // NOTES: a provider may list FI_HMEM and still refuse CUDA memory at registration
         // (a libfabric built without CUDA support answers ENOSYS, seen with Debian's shm on the
-        // H200 machine): the registration itself is the test, host memory the fallback.
+        // H200 machine): the first registration is the test, host memory the fallback.
         let mut hmem_refused = None;
         if let Some(info) = hmem_info {
             let stack = Stack::open_info(info, num_ranks)?;
             let geo = Self::geometry(&stack, layout)?;
             let b = Arc::new(DeviceBuffer::new(dev, geo_bytes(&geo)?)?);
             let kind = MemKind::Cuda { device: dev.ordinal() as i32 };
+            let (ptr, len) = (b.device_ptr() as usize as *mut u8, b.len());
             // SAFETY: `b` is device memory of `len` bytes, kept alive by the rank's `LlMem`
             // (which outlives the lane holding this registration).
-            match unsafe { stack.register(b.device_ptr() as usize as *mut u8, b.len(), kind) } {
+            match unsafe { stack.register(ptr, len, kind) } {
                 Ok(mr) => {
+                    // SAFETY: as above.
+                    let (stacks, mrs) = unsafe {
+                        Self::more_stacks(stack, num_ranks, mr, workers, ptr, len, kind)?
+                    };
                     return Ok(LlProxyPrep {
-                        mr: Arc::new(mr),
-                        stack,
+                        mrs,
+                        stacks,
                         mem: LlMem::Device(b),
                         kind,
                         geo,
                         hmem_refused: None,
-                    })
+                    });
                 }
                 Err(e) => hmem_refused = Some(e.to_string()),
             }
@@ -283,14 +305,36 @@ impl LlProxyPrep {
         let m = Arc::new(HostMapped::new(dev, geo_bytes(&geo)?)?);
         // SAFETY: as above, for pinned host memory.
         let mr = unsafe { stack.register(m.as_ptr(), m.len(), MemKind::Host)? };
-        Ok(LlProxyPrep {
-            mr: Arc::new(mr),
-            stack,
-            mem: LlMem::Host(m),
-            kind: MemKind::Host,
-            geo,
-            hmem_refused,
-        })
+        // SAFETY: as above.
+        let (stacks, mrs) = unsafe {
+            Self::more_stacks(stack, num_ranks, mr, workers, m.as_ptr(), m.len(), MemKind::Host)?
+        };
+        Ok(LlProxyPrep { mrs, stacks, mem: LlMem::Host(m), kind: MemKind::Host, geo, hmem_refused })
+    }
+
+    /// `first` (with the buffer's registration `mr`) and `workers - 1` more stacks on the same
+    /// `fi_info` entry, each with its own registration of the buffer.
+    ///
+    /// # Safety
+    /// `ptr` / `len` / `kind` name the LL buffer, which outlives every registration.
+    unsafe fn more_stacks(
+        first: Stack,
+        num_peers: usize,
+        mr: MemoryRegion,
+        workers: usize,
+        ptr: *mut u8,
+        len: usize,
+        kind: MemKind,
+    ) -> Result<(Vec<Stack>, Vec<Arc<MemoryRegion>>)> {
+        let info = first.info.clone();
+        let (mut stacks, mut mrs) = (vec![first], vec![Arc::new(mr)]);
+        for _ in 1..workers {
+            let s = Stack::open_info(info.clone(), num_peers)?;
+            // SAFETY: the caller's.
+            mrs.push(Arc::new(unsafe { s.register(ptr, len, kind)? }));
+            stacks.push(s);
+        }
+        Ok((stacks, mrs))
     }
 
     fn geometry(stack: &Stack, layout: LlLayout) -> Result<LlGeometry> {
@@ -318,17 +362,32 @@ impl LlProxyPrep {
         check_limits(cfg.max_tokens_per_rank, e)?;
         let dev = rank.stream().device().clone();
         let bytes = self.geo.bytes;
-        let mr = self.mr.clone();
-        let peers =
-            crate::ep::connect::exchange_fabric(&**boot, &self.stack, &mr.remote(), &[], bytes)?;
         let remote: Vec<bool> = (0..nr).map(|p| is_remote(me, p, ranks_per_node)).collect();
-        let peers = peers
-            .into_proxy_peers()
-            .into_iter()
-            .zip(&remote)
-            .map(|(p, &r)| if r { p } else { None })
-            .collect();
-        let transport = FabricTransport::new(me as u32, self.stack.ep.clone(), mr.clone(), peers)?;
+        // Every rank must run as many workers (worker i writes to worker i of each peer): the
+        // first exchange carries the count and every rank checks it before the next one.
+        let workers = self.stacks.len();
+        let hdr = (workers as u64).to_le_bytes();
+        let mut transports = Vec::with_capacity(workers);
+        for (stack, mr) in self.stacks.iter().zip(&self.mrs) {
+            let peers =
+                crate::ep::connect::exchange_fabric(&**boot, stack, &mr.remote(), &hdr, bytes)?;
+            for (peer, h) in peers.headers.iter().enumerate() {
+                if h[..] != hdr[..] {
+                    return Err(Error::ConfigMismatch(format!(
+                        "rank {peer}'s low-latency proxy lane runs a different number of workers \
+                         than rank {me}'s {workers} (FEP_LL_PROXY_WORKERS must be equal on every \
+                         rank)"
+                    )));
+                }
+            }
+            let peers = peers
+                .into_proxy_peers()
+                .into_iter()
+                .zip(&remote)
+                .map(|(p, &r)| if r { p } else { None })
+                .collect();
+            transports.push(FabricTransport::new(me as u32, stack.ep.clone(), mr.clone(), peers)?);
+        }
         let capacity = ring_capacity(e);
         let ring_layout = RingLayout::new(1, capacity)?;
         let (ring_region, ring_dptr) = mapped_region(&dev, ring_layout.bytes())?;
@@ -344,9 +403,12 @@ impl LlProxyPrep {
             value_bits: IMM_VALUE_BITS,
             idle_spin: spin,
             idle_yield: spin + Duration::from_millis(5),
+            // The kernels push one call's commands into the one ring: every worker posts a
+            // stripe of them on its own endpoint.
+            stripe_rings: true,
             ..ProxyConfig::default()
         };
-        let proxy = Proxy::start(pcfg, rings.clone(), counters.clone(), vec![transport])?;
+        let proxy = Proxy::start(pcfg, rings.clone(), counters.clone(), transports)?;
         // Every rank's proxy runs and every region is registered before anyone writes.
         boot.barrier()?;
         let mut n_proxy = 0u32;
@@ -382,8 +444,8 @@ impl LlProxyPrep {
             proxy,
             rings,
             counters,
-            _mr: mr,
-            _stack: self.stack,
+            _mrs: self.mrs,
+            _stacks: self.stacks,
             boot: boot.clone(),
             rank: me,
             remote,
@@ -401,8 +463,8 @@ pub(crate) struct LlProxyLane {
     proxy: Proxy,
     rings: RingMemory,
     counters: CounterMemory,
-    _mr: Arc<MemoryRegion>,
-    _stack: Stack,
+    _mrs: Vec<Arc<MemoryRegion>>,
+    _stacks: Vec<Stack>,
     boot: Arc<dyn Bootstrap>,
     rank: usize,
     /// `remote[p]`: rank `p` is reached through the proxy.
@@ -423,6 +485,11 @@ impl LlProxyLane {
         self.proxy.check().map_err(Error::Proxy)
     }
 
+    /// Proxy workers of the lane (each with its own endpoint).
+    pub fn workers(&self) -> usize {
+        self._stacks.len()
+    }
+
     /// Whether the LL buffer is GPU memory registered with `FI_HMEM`.
     pub fn hmem(&self) -> bool {
         self.hmem
@@ -438,7 +505,7 @@ impl LlProxyLane {
     /// `Arrived`: behind or ahead), or disagrees with its `arrivals` and `sums`. Reads the device
     /// state: call it only when this rank's stream is idle (after a failed sync).
     pub fn snapshot(&self, rank: &LlGpuRank) -> String {
-        let mut out = format!("rank {} proxy lane: ", self.rank);
+        let mut out = format!("rank {} proxy lane ({} workers): ", self.rank, self.workers());
         match self.proxy.check() {
             Ok(()) => out.push_str("proxy ok"),
             Err(e) => out.push_str(&format!("proxy FAILED: {e}")),

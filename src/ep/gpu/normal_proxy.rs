@@ -185,13 +185,16 @@ impl ProxyLaneSettings {
 
 /// `FEP_GPU_PROXY_WORKERS`'s value (unset: the default).
 fn workers_from_env(v: Option<&str>) -> Result<usize> {
-    let Some(v) = v else { return Ok(DEFAULT_PROXY_WORKERS) };
+    parse_workers("FEP_GPU_PROXY_WORKERS", v, DEFAULT_PROXY_WORKERS)
+}
+
+/// A proxy-worker count from environment variable `name`'s value `v` (unset: `default`):
+/// a whole number from 1 to [`MAX_PROXY_WORKERS`], else an error naming the variable.
+pub(crate) fn parse_workers(name: &'static str, v: Option<&str>, default: usize) -> Result<usize> {
+    let Some(v) = v else { return Ok(default) };
     match v.trim().parse::<usize>() {
         Ok(n) if (1..=MAX_PROXY_WORKERS).contains(&n) => Ok(n),
-        _ => Err(Error::arg(
-            "FEP_GPU_PROXY_WORKERS",
-            format!("{v:?}: a whole number from 1 to {MAX_PROXY_WORKERS}"),
-        )),
+        _ => Err(Error::arg(name, format!("{v:?}: a whole number from 1 to {MAX_PROXY_WORKERS}"))),
     }
 }
 
@@ -520,6 +523,11 @@ mod tests {
             let e = workers_from_env(Some(bad)).unwrap_err().to_string();
             assert!(e.contains("FEP_GPU_PROXY_WORKERS"), "{bad:?}: {e}");
         }
+        // The low-latency lane's variable: its own default, its own name in errors.
+        assert_eq!(parse_workers("FEP_LL_PROXY_WORKERS", None, 1).unwrap(), 1);
+        assert_eq!(parse_workers("FEP_LL_PROXY_WORKERS", Some("16"), 1).unwrap(), 16);
+        let e = parse_workers("FEP_LL_PROXY_WORKERS", Some("-1"), 1).unwrap_err().to_string();
+        assert!(e.contains("FEP_LL_PROXY_WORKERS"), "{e}");
     }
 
     #[test]
