@@ -25,15 +25,23 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     fep_ll_dispatch_send(const fep_ll_dispatch_params p) {
     using namespace fep::ll;
     pdl_enter();  // before any read (fep_ll.cuh)
-    // NOTES: dynamic shared memory = K * 8 (destination rows) + (T * K + E) * 4; src/ep/ll_gpu.rs
-    // sizes it the same way.
+    // NOTES: dynamic shared memory = tail (record_bytes - scales_offset, a multiple of 16) +
+    // K * 8 (destination rows) + (T * K + E) * 4; src/ep/ll_gpu.rs send_smem sizes it the same.
+    // NOTES (whole lines): records are 128-byte aligned (plan.rs LL_DISPATCH_RECORD_ALIGN) and
+    // every store below writes whole lines: each warp 512 payload bytes, and one warp per
+    // destination the record's tail (scales, source index, zero padding) from shared memory,
+    // 16 bytes per lane. Through the proxy lane without FI_HMEM the stores cross PCIe into host
+    // memory, where a partial line (a lone 4-byte scale) costs a read-modify-write.
     extern __shared__ __align__(16) unsigned char smem[];
     const int T = p.num_tokens, K = p.num_topk, E = p.num_experts, R = p.num_ranks;
     const int L = E / R;
     const int H = p.hidden;
     const int TK = T * K;
-    uint64_t* s_dst = reinterpret_cast<uint64_t*>(smem);
-    int32_t* s_topk = reinterpret_cast<int32_t*>(smem + static_cast<size_t>(K) * 8);
+    const int tail16 = static_cast<int>((p.record_bytes - p.scales_offset) / 16);
+    uint4* s_tail = reinterpret_cast<uint4*>(smem);
+    unsigned char* smem_rest = smem + static_cast<size_t>(tail16) * 16;
+    uint64_t* s_dst = reinterpret_cast<uint64_t*>(smem_rest);
+    int32_t* s_topk = reinterpret_cast<int32_t*>(smem_rest + static_cast<size_t>(K) * 8);
     int32_t* s_count = s_topk + TK;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const bool marker = blockIdx.x == 0 && tid == 0;  // the thread that marks trace points
@@ -49,6 +57,8 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
         }
         s_topk[i] = static_cast<int32_t>(g);
     }
+    // The tail's padding stays zero; scales and the source index are rewritten per token.
+    for (int j = tid; j < tail16; j += kThreads) s_tail[j] = make_uint4(0, 0, 0, 0);
     __syncthreads();
 
     const fep_ll_peer* peers = reinterpret_cast<const fep_ll_peer*>(p.peers);
@@ -116,13 +126,11 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
                 }
                 const uint4 qv = make_uint4(q[0], q[1], q[2], q[3]);
                 if (valid) {
+                    if ((lane & 7) == 0) reinterpret_cast<float*>(s_tail)[i >> 3] = scale;
                     for (int k = 0; k < K; ++k) {
                         const uint64_t d = s_dst[k];
                         if (d == 0) continue;
                         reinterpret_cast<uint4*>(d)[i] = qv;
-                        if ((lane & 7) == 0) {
-                            reinterpret_cast<float*>(d + p.scales_offset)[i >> 3] = scale;
-                        }
                     }
                 }
             } else if (valid) {
@@ -134,11 +142,18 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
                 }
             }
         }
-        if (tid < K) {
-            const uint64_t d = s_dst[tid];
-            if (d != 0) *reinterpret_cast<int32_t*>(d + p.src_idx_offset) = t;
+        if (tid == 0) {
+            reinterpret_cast<int32_t*>(reinterpret_cast<unsigned char*>(s_tail) +
+                                       (p.src_idx_offset - p.scales_offset))[0] = t;
         }
-        __syncthreads();  // s_dst is rewritten for the next token
+        __syncthreads();  // the tail is complete
+        for (int k = warp; k < K; k += kWarps) {
+            const uint64_t d = s_dst[k];
+            if (d == 0) continue;
+            uint4* dt = reinterpret_cast<uint4*>(d + p.scales_offset);
+            for (int j = lane; j < tail16; j += 32) dt[j] = s_tail[j];
+        }
+        __syncthreads();  // s_dst and the tail are rewritten for the next token
     }
 
     if (!last_block_ticket(reinterpret_cast<uint32_t*>(p.workspace))) return;

@@ -307,7 +307,7 @@ typedef struct fep_ll_dispatch_params {
                                stores it back; the receive expects tag = epoch[set] */
     uint64_t budget_cycles; /* per bounded wait */
     uint64_t unit_bytes;
-    uint32_t record_bytes;  /* LL dispatch record (payload, scales, src idx, padded to 16) */
+    uint32_t record_bytes;  /* LL dispatch record (payload, scales, src idx, padded to 128) */
     uint32_t scales_offset;
     uint32_t src_idx_offset;
     int32_t num_tokens;

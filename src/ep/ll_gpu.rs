@@ -43,7 +43,7 @@ use crate::abi;
 use crate::cuda::launch::{self, LaunchConfig};
 use crate::cuda::{DevErrorRecord, Device, DeviceBuffer, Event, HostMapped, Stream};
 use crate::ep::config::DispatchDtype;
-use crate::ep::plan::LlLayout;
+use crate::ep::plan::{LlLayout, RecordLayout};
 use crate::{Error, Result};
 use std::sync::Arc;
 use std::time::Duration;
@@ -158,8 +158,18 @@ impl LlGpuConfig {
         Ok(layout)
     }
 
+    /// Dispatch send: the record tail one token's writes share (kernels/ll_dispatch.cu: scales,
+    /// source index, padding; a multiple of 16 bytes), destination rows, top-k and counts.
     fn send_smem(&self, num_tokens: usize) -> usize {
-        self.num_topk * 8 + (num_tokens * self.num_topk + self.num_experts) * 4
+        self.dispatch_tail_bytes()
+            + self.num_topk * 8
+            + (num_tokens * self.num_topk + self.num_experts) * 4
+    }
+    /// Bytes of a dispatch record after its payload (`record_bytes - scales_offset`).
+    fn dispatch_tail_bytes(&self) -> usize {
+        let dtype = if self.use_fp8 { DispatchDtype::Fp8E4m3 } else { DispatchDtype::Bf16 };
+        RecordLayout::ll_dispatch(self.hidden as u64, dtype)
+            .map_or(0, |r| (r.bytes - r.scales_offset) as usize)
     }
     fn scan_smem(&self) -> usize {
         (2 * self.num_experts + 1) * 4
@@ -913,7 +923,7 @@ mod tests {
         let c = LlGpuConfig::bench(4);
         let l = c.layout().unwrap();
         assert_eq!(l.num_local_experts, 64);
-        assert_eq!(l.dispatch_record.bytes, 7408);
+        assert_eq!(l.dispatch_record.bytes, 7424);
         assert!(c.send_smem(128) <= SMEM_LIMIT);
         let mut bad = c.clone();
         bad.hidden = 7160;

@@ -30,6 +30,16 @@ use crate::{Error, Result};
 
 /// Records are padded to this many bytes.
 pub const RECORD_ALIGN: u64 = 16;
+/// Low-latency dispatch records are padded to this many bytes (one GPU cache line).
+///
+/// NOTES: so every record starts on a line and the kernel writes each line whole: the payload
+/// by whole warps, the tail (scales, source index, padding) by one warp from shared memory
+/// (kernels/ll_dispatch.cu). Over the proxy lane without `FI_HMEM` those writes cross PCIe into
+/// host memory, where a partial line costs a read-modify-write: with 16-byte records (7408 bytes
+/// at hidden 7168, fp8) and each scale stored alone, the send moved 3.6 MB in ~200 us against
+/// ~50 GB/s for the combine's whole-line rows (docs/results/2026-11-29-h200-h run 2). Cost: 16
+/// bytes per fp8 record at hidden 7168 (0.2%), 112 per bf16 record.
+pub const LL_DISPATCH_RECORD_ALIGN: u64 = 128;
 /// Bits of the immediate data's value field.
 pub const IMM_VALUE_BITS: u32 = 14;
 /// Largest value an immediate can carry.
@@ -162,6 +172,7 @@ impl RecordLayout {
         num_topk_idx: u64,
         num_topk_weights: u64,
         with_src: bool,
+        align: u64,
     ) -> Result<Self> {
         check_hidden(usize::try_from(hidden).unwrap_or(usize::MAX), dtype)?;
         if num_topk_idx > MAX_TOPK as u64 || num_topk_weights > MAX_TOPK as u64 {
@@ -187,29 +198,30 @@ impl RecordLayout {
             topk_weights_offset,
             num_topk_weights,
             src_idx_offset,
-            bytes: align_up(end, RECORD_ALIGN),
+            bytes: align_up(end, align),
         })
     }
 
     /// Normal-mode dispatch record: payload, scales (fp8), `num_topk` local ids, `num_topk`
     /// weights, source token index.
     pub fn normal_dispatch(hidden: u64, dtype: DispatchDtype, num_topk: u64) -> Result<Self> {
-        Self::build(hidden, dtype, num_topk, num_topk, true)
+        Self::build(hidden, dtype, num_topk, num_topk, true, RECORD_ALIGN)
     }
 
     /// Normal-mode combine record: bf16 payload and `num_topk` weights.
     pub fn normal_combine(hidden: u64, num_topk: u64) -> Result<Self> {
-        Self::build(hidden, DispatchDtype::Bf16, 0, num_topk, false)
+        Self::build(hidden, DispatchDtype::Bf16, 0, num_topk, false, RECORD_ALIGN)
     }
 
-    /// Low-latency dispatch record: payload, scales (fp8), source token index.
+    /// Low-latency dispatch record: payload, scales (fp8), source token index; padded to
+    /// [`LL_DISPATCH_RECORD_ALIGN`].
     pub fn ll_dispatch(hidden: u64, dtype: DispatchDtype) -> Result<Self> {
-        Self::build(hidden, dtype, 0, 0, true)
+        Self::build(hidden, dtype, 0, 0, true, LL_DISPATCH_RECORD_ALIGN)
     }
 
     /// Low-latency combine record: the bf16 row alone.
     pub fn ll_combine(hidden: u64) -> Result<Self> {
-        Self::build(hidden, DispatchDtype::Bf16, 0, 0, false)
+        Self::build(hidden, DispatchDtype::Bf16, 0, 0, false, RECORD_ALIGN)
     }
 
     /// Write one record into `out[..self.bytes]` (padding zeroed). Field lengths must match.
@@ -1505,8 +1517,15 @@ mod tests {
             (7168, 7168, 56, 7392, 7472)
         );
         assert_eq!(RecordLayout::normal_combine(7168, 8).unwrap().bytes, 14368);
-        assert_eq!(RecordLayout::ll_dispatch(7168, BF16).unwrap().bytes, 14352);
-        assert_eq!(RecordLayout::ll_dispatch(7168, FP8).unwrap().bytes, 7408);
+        assert_eq!(RecordLayout::ll_dispatch(7168, BF16).unwrap().bytes, 14464);
+        assert_eq!(RecordLayout::ll_dispatch(7168, FP8).unwrap().bytes, 7424);
+        for h in (128..8192).step_by(128) {
+            for dt in [BF16, FP8] {
+                let r = RecordLayout::ll_dispatch(h, dt).unwrap();
+                assert_eq!(r.bytes % LL_DISPATCH_RECORD_ALIGN, 0, "{h} {dt:?}");
+                assert_eq!(r.scales_offset % 16, 0, "{h} {dt:?}: the tail is written in 16 B");
+            }
+        }
         assert_eq!(RecordLayout::ll_combine(7168).unwrap().bytes, 14336);
         for h in (8..2048).step_by(8) {
             for k in [0, 1, 3, 8, 9] {
