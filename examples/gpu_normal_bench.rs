@@ -44,7 +44,8 @@ struct Args {
     bf16: bool,
     #[arg(long, default_value = "16")]
     chunks: String,
-    #[arg(long, default_value_t = 8)]
+    /// Chunk slots per peer queue (the Buffer's default, `GpuOptions::slots_per_peer`: 16).
+    #[arg(long, default_value_t = 16)]
     spp: usize,
     #[arg(long, default_value_t = 50)]
     iters: usize,

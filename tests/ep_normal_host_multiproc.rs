@@ -101,4 +101,13 @@ fn cached_flag_is_refused_on_the_host_backend() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "accepted: {stderr}");
     assert!(stderr.contains("--cached"), "{stderr}");
+    for flag in ["--gpu-chunk", "--gpu-slots"] {
+        let out = ep_bench()
+            .args(["--mode", "normal", "--backend", "host", "--ranks", "2", flag, "32"])
+            .output()
+            .expect("run ep-bench");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flag} accepted: {stderr}");
+        assert!(stderr.contains(flag), "{stderr}");
+    }
 }

@@ -146,11 +146,12 @@ typedef struct fep_config {
    */
   int32_t num_sms;
   /**
-   * Normal-mode chunk tokens; 0: 64.
+   * Normal-mode chunk tokens; 0: the backend's default (host 64, GPU 16).
    */
   int32_t chunk_tokens;
   /**
-   * Normal-mode slots per peer; 0: 4.
+   * Normal-mode slots per peer; 0: the backend's default (host 4; GPU 32 up to 8 ranks,
+   * else 16).
    */
   int32_t slots_per_peer;
   /**

@@ -375,7 +375,7 @@ fn normal_rank(
         let mut opts =
             GpuOptions { proxy_provider: split.provider.clone(), ..p.gpu_options(dev, true) };
         opts.chunk_tokens = split.chunk_tokens.unwrap_or(opts.chunk_tokens);
-        opts.slots_per_peer = split.slots_per_peer.unwrap_or(opts.slots_per_peer);
+        opts.slots_per_peer = split.slots_per_peer.or(opts.slots_per_peer);
         let mut buf = Buffer::new(cfg.clone(), boot.clone(), BufferOptions::gpu(opts))?;
         let me = &inputs[rank];
         let want = &want_d[rank];

@@ -87,6 +87,14 @@ struct Common {
     /// GPU backend, normal mode: skip the NCCL all-to-all (+ permute) comparison.
     #[arg(long)]
     no_nccl: bool,
+    /// GPU backend, normal mode: records per chunk of the per-peer queues (default: the
+    /// Buffer's, `GpuOptions::chunk_tokens`, 16).
+    #[arg(long, global = true)]
+    gpu_chunk: Option<usize>,
+    /// GPU backend, normal mode: chunks in flight per peer queue (default: the Buffer's,
+    /// `GpuOptions::slots_per_peer`, 16).
+    #[arg(long, global = true)]
+    gpu_slots: Option<usize>,
     #[arg(long, default_value_t = 20, global = true)]
     iters: usize,
 }
@@ -232,11 +240,22 @@ fn main() -> ExitCode {
             })
             .map_err(|e| e.into())
         }
-        _ if cli.common.cached
+        _ if (cli.common.cached
+            || cli.common.gpu_chunk.is_some()
+            || cli.common.gpu_slots.is_some())
             && !(gpu_backend(&cli) || (in_job() && cli.common.backend == Some(Backend::Gpu))) =>
         {
-            Err("--cached: the GPU backend's normal mode only (this run uses the host backend)"
-                .into())
+            let flag = if cli.common.cached {
+                "--cached"
+            } else if cli.common.gpu_chunk.is_some() {
+                "--gpu-chunk"
+            } else {
+                "--gpu-slots"
+            };
+            Err(format!(
+                "{flag}: the GPU backend's normal mode only (this run uses the host backend)"
+            )
+            .into())
         }
         _ if in_job() => run_rank(&cli),
         _ if gpu_backend(&cli) => run_gpu(&cli),
@@ -731,11 +750,14 @@ fn normal_rows(
 
 /// One node; after the checked steps, `--iters` steps back to back are timed (processes leave the
 /// barrier before each checked step at different moments and a step's notify waits for the last
-/// rank: `GpuSplit::back_to_back`); `--cached`: dispatches after the first with the cached handle.
+/// rank: `GpuSplit::back_to_back`); `--cached`: dispatches after the first with the cached handle;
+/// `--gpu-chunk` / `--gpu-slots`: the queue shape.
 fn normal_split(c: &Common, ranks: usize) -> fabric_ep::bench::ep_gpu::GpuSplit {
     fabric_ep::bench::ep_gpu::GpuSplit {
         cached: c.cached,
         back_to_back: c.iters.max(1),
+        chunk_tokens: c.gpu_chunk,
+        slots_per_peer: c.gpu_slots,
         ..fabric_ep::bench::ep_gpu::GpuSplit::one_node(ranks)
     }
 }

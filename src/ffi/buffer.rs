@@ -75,9 +75,10 @@ pub struct fep_config {
     pub dispatch_dtype: i32,
     /// SM budget; 0: 20.
     pub num_sms: i32,
-    /// Normal-mode chunk tokens; 0: 64.
+    /// Normal-mode chunk tokens; 0: the backend's default (host 64, GPU 16).
     pub chunk_tokens: i32,
-    /// Normal-mode slots per peer; 0: 4.
+    /// Normal-mode slots per peer; 0: the backend's default (host 4; GPU 32 up to 8 ranks,
+    /// else 16).
     pub slots_per_peer: i32,
     /// `FEP_BACKEND_HOST` or `FEP_BACKEND_GPU`.
     pub backend: i32,

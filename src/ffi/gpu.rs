@@ -167,7 +167,7 @@ pub(crate) fn options(c: &fep_config, local_rank: usize) -> Result<(GpuOptions, 
         o.chunk_tokens = c.chunk_tokens as usize;
     }
     if c.slots_per_peer > 0 {
-        o.slots_per_peer = c.slots_per_peer as usize;
+        o.slots_per_peer = Some(c.slots_per_peer as usize);
     }
     Ok((o, dev))
 }

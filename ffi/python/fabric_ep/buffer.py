@@ -324,7 +324,8 @@ class Buffer:
             # Reserved inside fep_buffer_create, before its closing barrier (no allocation may
             # happen while a peer's kernel spins).
             cfg.gpu_reserve_tokens = gpu_reserve_tokens if gpu_reserve_tokens else -1
-            # The GPU defaults (SMs / ranks, 16-token chunks, 8 slots) unless the caller chose.
+            # The GPU defaults (SMs / ranks, 16-token chunks, 32 slots up to 8 ranks, else 16)
+            # unless the caller chose.
             if not explicit_config:
                 cfg.chunk_tokens = cfg.slots_per_peer = 0
                 if Buffer.num_sms == DEFAULT_NUM_SMS:

@@ -98,8 +98,9 @@ pub struct GpuOptions {
     pub num_sms: Option<usize>,
     /// Normal mode: records per queue chunk (same on every rank).
     pub chunk_tokens: usize,
-    /// Normal mode: chunks in flight per (sender, receiver) pair (same on every rank).
-    pub slots_per_peer: usize,
+    /// Normal mode: chunks in flight per (sender, receiver) pair (same on every rank); `None`:
+    /// [`default_slots_per_peer`] for the job's number of ranks.
+    pub slots_per_peer: Option<usize>,
     /// Allocate the normal-mode comm buffer.
     pub normal: bool,
     /// Allocate the low-latency buffers (two sets, sized from `max_tokens_per_rank`; dispatch
@@ -114,14 +115,14 @@ pub struct GpuOptions {
 }
 
 impl GpuOptions {
-    /// Both modes, default SM budget, 16-token chunks, 16 slots per peer (the best of chunk
-    /// 16/32/64 x slots 8/16/32 at 4 ranks x 32 SMs on the H200: docs/results/).
+    /// Both modes, default SM budget, 16-token chunks, slots per peer by the number of ranks
+    /// ([`default_slots_per_peer`]).
     pub fn new(device: Device) -> Self {
         GpuOptions {
             device,
             num_sms: None,
             chunk_tokens: 16,
-            slots_per_peer: 16,
+            slots_per_peer: None,
             normal: true,
             low_latency: true,
             proxy_provider: "shm".to_string(),
@@ -443,6 +444,24 @@ fn check_work_queues(in_ctx: usize, max_connections: Option<&str>, under_mps: bo
     Ok(())
 }
 
+/// Normal mode's default chunks in flight per (sender, receiver) pair: 32 up to 8 ranks, 16
+/// beyond.
+///
+/// NOTES: measured on the H200 (ep-bench normal, 4096 tokens, hidden 7168, top-8 of 256, fp8,
+/// 16-token chunks; docs/results/2026-11-29-h200-h run 5): two GPUs over NVLink, one process
+/// each, combine 512.1 us with 16 slots and 349.4 us with 32 (NCCL all-to-all + permute: 310.7),
+/// 357.1 with 64; 4 ranks as threads on one GPU 748.6 / 722.1 us. A combine chunk goes to its
+/// peer and comes back as a credit: across NVLink 16 chunks in flight left the links idle. The
+/// comm buffer holds `num_ranks x slots x chunk` records (8 ranks x 32 x 16 x 14.4 KB = 59 MB),
+/// so beyond one node's 8 ranks the default stays 16 (256 ranks: 0.94 GB).
+pub fn default_slots_per_peer(num_ranks: usize) -> usize {
+    if num_ranks <= 8 {
+        32
+    } else {
+        16
+    }
+}
+
 impl GpuBuffer {
     /// Allocates this rank's buffers, exchanges their device pointers (and IPC handles for peers
     /// in other processes) through `boot`, checks that every rank has the same config and can be
@@ -462,6 +481,7 @@ impl GpuBuffer {
         // them) can wait for those kernels: the first step could stall until the timeout.
         dev.load_module()?;
         let (rank, r) = (cfg.rank, cfg.num_ranks);
+        let slots_per_peer = opts.slots_per_peer.unwrap_or_else(|| default_slots_per_peer(r));
         // How each peer is reached (pointers, peer access, CUDA IPC): see ipc.rs.
         let remote = |peer: usize| cfg.node_of(peer) != cfg.node_of(rank);
         let peers = ipc::Peers::exchange(&**boot, &dev, rank, &remote)?;
@@ -496,7 +516,7 @@ impl GpuBuffer {
         let normal = if opts.normal {
             let settings = NormalGpuSettings {
                 chunk_tokens: opts.chunk_tokens,
-                slots_per_peer: opts.slots_per_peer,
+                slots_per_peer,
                 num_sms,
                 timeout,
                 ..NormalGpuSettings::new(
@@ -547,7 +567,7 @@ impl GpuBuffer {
             pid,
             ctx,
             opts.chunk_tokens as u64,
-            opts.slots_per_peer as u64,
+            slots_per_peer as u64,
             opts.normal as u64 | (opts.low_latency as u64) << 1,
             normal.as_ref().map_or(0, |(_, b)| b.device_ptr()),
         ] {
@@ -578,7 +598,7 @@ impl GpuBuffer {
             let theirs = (v(3)?, v(4)?, v(5)?);
             let ours = (
                 opts.chunk_tokens as u64,
-                opts.slots_per_peer as u64,
+                slots_per_peer as u64,
                 opts.normal as u64 | (opts.low_latency as u64) << 1,
             );
             if theirs != ours {
