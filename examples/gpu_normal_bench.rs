@@ -44,9 +44,10 @@ struct Args {
     bf16: bool,
     #[arg(long, default_value = "16")]
     chunks: String,
-    /// Chunk slots per peer queue (the Buffer's default, `GpuOptions::slots_per_peer`: 16).
-    #[arg(long, default_value_t = 16)]
-    spp: usize,
+    /// Chunk slots per peer queue (default: the Buffer's for `--ranks`,
+    /// `ep::gpu::default_slots_per_peer`).
+    #[arg(long)]
+    spp: Option<usize>,
     #[arg(long, default_value_t = 50)]
     iters: usize,
     #[arg(long, default_value_t = 5)]
@@ -104,6 +105,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dev = Device::from_env()?;
     let dtype = if a.bf16 { DispatchDtype::Bf16 } else { DispatchDtype::Fp8E4m3 };
     let (t, h, k, r) = (a.tokens, a.hidden, a.topk, a.ranks);
+    let spp = a.spp.unwrap_or_else(|| fabric_ep::ep::gpu::default_slots_per_peer(r));
     println!(
         "device {} ({} SMs); {r} ranks x {} SMs, {t} tokens, hidden {h}, top-{k} of {} experts, {:?} dispatch",
         dev.name(),
@@ -194,7 +196,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let chunk = chunk?;
         let settings = NormalGpuSettings {
             chunk_tokens: chunk,
-            slots_per_peer: a.spp,
+            slots_per_peer: spp,
             num_sms: a.sms,
             timeout: Duration::from_secs(10),
             ..NormalGpuSettings::new(r, a.experts, h, k, dtype)
@@ -305,7 +307,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let gbs = |b: f64, ms: f64| b / (ms * 1e-3) / 1e9;
         println!(
             "NORMAL_RESULT chunk {chunk} spp {} sms {}: layout+notify {:.1} us | dispatch {:.1} us {:.1} GB/s per rank | combine {:.1} us {:.1} GB/s per rank",
-            a.spp,
+            spp,
             a.sms,
             us(notify_ms),
             us(disp_ms),
