@@ -492,8 +492,11 @@ run() {
     # --nocapture: the tests' own lines (timeout paths, what each rank checked) reach the log.
     # Ranks as threads of one context: a hardware work queue per stream (GpuBuffer's
     # check_work_queues refuses fewer).
+    # The two-process cases need MPS (they fail without it): the ipc, nproxy and llproxy
+    # sections run them under the daemon.
     CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32} \
-      timeout 300 "$t" --include-ignored --test-threads=1 --nocapture >>"$tests_log" 2>&1
+      timeout 300 "$t" --include-ignored --test-threads=1 --nocapture \
+      --skip two_processes --skip different_proxy_worker_counts >>"$tests_log" 2>&1
     rc=$?
     set -e
     line=$(awk -v n="===== $name" '$0==n{f=1} f && /^test result:/{print; exit}' "$tests_log")

@@ -12,8 +12,11 @@
 //!   checked call on the same buffers.
 //! - two processes x 1 rank per node (no CUDA IPC: all traffic goes through the proxy); needs MPS
 //!   so both processes' kernels are resident (scripts/gpu-check.sh's `llproxy` section starts
-//!   it); without `CUDA_MPS_PIPE_DIRECTORY` it says SKIP. The same with the step captured into
-//!   a CUDA graph and replayed (the capturability claim: no host synchronisation in a step).
+//!   it); without `CUDA_MPS_PIPE_DIRECTORY` they fail (asked for, not run, is not a pass: skip
+//!   them with `--skip two_processes --skip different_proxy_worker_counts`). The same with the
+//!   step captured into a CUDA graph and replayed (the capturability claim: no host
+//!   synchronisation in a step), with 3 proxy workers, and with different worker counts on the
+//!   two ranks (a typed error at connect naming `FEP_LL_PROXY_WORKERS`).
 //!
 //! Ignored without `--include-ignored` (CI has no GPU); without a GPU they say SKIP.
 //! Providers from `FEP_TEST_PROVIDERS` (comma list), default `shm,tcp;ofi_rxm`.
@@ -330,10 +333,12 @@ fn two_processes_with(
     if gpu().is_none() {
         return;
     }
-    if std::env::var_os("CUDA_MPS_PIPE_DIRECTORY").is_none() {
-        eprintln!("SKIP: no CUDA_MPS_PIPE_DIRECTORY (two processes' kernels need MPS to overlap)");
-        return;
-    }
+    // NOTES: asked for explicitly on a GPU without MPS, this fails instead of passing unrun.
+    assert!(
+        std::env::var_os("CUDA_MPS_PIPE_DIRECTORY").is_some(),
+        "two processes' kernels need MPS to overlap: start nvidia-cuda-mps-control -d and set \
+         CUDA_MPS_PIPE_DIRECTORY, or --skip two_processes --skip different_proxy_worker_counts"
+    );
     let exe: PathBuf = std::env::current_exe().expect("current_exe");
     for provider in providers {
         let t0 = Instant::now();
