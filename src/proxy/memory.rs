@@ -605,11 +605,16 @@ impl RingConsumer {
             tail.store(self.tail, Ordering::Release);
             return;
         }
-        self.share.next[self.stripe].store(self.tail, Ordering::Release);
-        let low = self.share.next.iter().map(|n| n.load(Ordering::Acquire)).min();
-        // NOTES: stripes publish concurrently; fetch_max keeps the tail monotonic whichever
-        // stripe's store lands last (a stale, lower minimum never moves it back).
-        tail.fetch_max(low.unwrap_or(self.tail), Ordering::AcqRel);
+        // NOTES (SeqCst): two stripes publishing at once each store their own position and then
+        // load the others': with release/acquire both loads may miss the other's store (store
+        // buffering, allowed on x86), both minima would be stale and, if those were the last
+        // posts before the producer waits for space, nobody would raise the tail again. In the
+        // single total order of SeqCst operations the later store's thread sees the earlier one,
+        // so one of the two minima is current. fetch_max keeps the tail monotonic whichever
+        // stripe's update lands last (a stale, lower minimum never moves it back).
+        self.share.next[self.stripe].store(self.tail, Ordering::SeqCst);
+        let low = self.share.next.iter().map(|n| n.load(Ordering::SeqCst)).min();
+        tail.fetch_max(low.unwrap_or(self.tail), Ordering::SeqCst);
     }
 }
 
