@@ -34,10 +34,11 @@ pub const RECORD_ALIGN: u64 = 16;
 ///
 /// NOTES: so every record starts on a line and the kernel writes each line whole: the payload
 /// by whole warps, the tail (scales, source index, padding) by one warp from shared memory
-/// (kernels/ll_dispatch.cu). Over the proxy lane without `FI_HMEM` those writes cross PCIe into
-/// host memory, where a partial line costs a read-modify-write: with 16-byte records (7408 bytes
-/// at hidden 7168, fp8) and each scale stored alone, the send moved 3.6 MB in ~200 us against
-/// ~50 GB/s for the combine's whole-line rows (docs/results/2026-11-29-h200-h run 2). Cost: 16
+/// (kernels/ll_dispatch.cu). Tried because over the proxy lane without `FI_HMEM` those writes
+/// cross PCIe into host memory, and the send staged 3.6 MB in ~200 us while the combine's
+/// whole-line rows went at ~50 GB/s (docs/results/2026-11-29-h200-h run 2). Measured after (run
+/// 3): `gpu_ll_bench` dispatch 18.30 us at 1 rank (19.2 before), 48.22 at 4 (50.1); the traced
+/// proxy send span did not shrink, so partial lines were not what slows that staging. Cost: 16
 /// bytes per fp8 record at hidden 7168 (0.2%), 112 per bf16 record.
 pub const LL_DISPATCH_RECORD_ALIGN: u64 = 128;
 /// Bits of the immediate data's value field.
