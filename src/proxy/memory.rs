@@ -323,7 +323,10 @@ impl RingMemory {
     }
 
     pub(crate) fn consumer(&self, ring: u32) -> Result<RingConsumer, ProxyError> {
-        Ok(self.striped_consumers(ring, 1)?.pop().expect("one stripe"))
+        // One stripe is the whole ring; `pop` of the one-element list cannot come back empty.
+        self.striped_consumers(ring, 1)?
+            .pop()
+            .ok_or(ProxyError::RingIndex { ring, num_rings: self.inner.layout.num_rings })
     }
 
     /// The consumer side of `ring` split `n` ways (claimed once, released when the last stripe

@@ -567,10 +567,11 @@ impl<T: Transport> Worker<T> {
         let mut avail = c.pending();
         if avail == Some(0) {
             avail = c.refresh();
-            if avail == Some(0) {
-                return Ok((0, false));
+            match avail {
+                Some(0) => return Ok((0, false)),
+                Some(n) => host_event(abi::FEP_TRACE_PROXY_RING_SEEN, self.rank, n as u32),
+                None => {}
             }
-            host_event(abi::FEP_TRACE_PROXY_RING_SEEN, self.rank, avail.unwrap_or(0) as u32);
         }
         let Some(avail) = avail else {
             return Err(ProxyError::BadHead {
