@@ -4,7 +4,9 @@
 
 use std::time::Instant;
 
-use crate::ep::buffer::{Buffer, CombineArgs, DispatchArgs, DispatchOutput, Tokens};
+use crate::ep::buffer::{Buffer, CombineArgs, CombineOutput, DispatchArgs, DispatchOutput, Tokens};
+use crate::ep::hier::{HierBuffer, HierDispatchArgs, HierDispatchOutput, META_CHANNELS};
+use crate::ep::layout::Layout;
 use crate::ep::config::{DispatchDtype, EpConfig};
 use crate::ep::layout::{random_topk_idx, LayoutShape};
 use crate::ep::quant::{dequantize_row, f32_to_bf16, quantize_bf16};
@@ -108,6 +110,20 @@ pub fn reference(
     num_worst_tokens: Option<usize>,
     combine_weights: bool,
 ) -> Result<(Vec<NormalDispatchOut>, Vec<NormalCombineOut>)> {
+    let opts = (expert_alignment, num_worst_tokens, combine_weights);
+    reference_grouped(cfg, inputs, opts, cfg.num_ranks)
+}
+
+/// [`reference`] with the combine summed per `group` ranks, as the hierarchy sums
+/// ([`refm::normal_combine_grouped`]); `opts` = (expert_alignment, num_worst_tokens,
+/// combine_weights).
+pub fn reference_grouped(
+    cfg: &EpConfig,
+    inputs: &[RankInputs],
+    opts: (usize, Option<usize>, bool),
+    group: usize,
+) -> Result<(Vec<NormalDispatchOut>, Vec<NormalCombineOut>)> {
+    let (expert_alignment, num_worst_tokens, combine_weights) = opts;
     let params = refm::NormalParams {
         num_experts: cfg.num_experts,
         hidden: cfg.hidden,
@@ -134,35 +150,84 @@ pub fn reference(
             topk_weights: combine_weights.then_some(&o.recv_topk_weights[..]),
         })
         .collect();
-    let c = refm::normal_combine(&params, &d, &cin)?;
+    let c = refm::normal_combine_grouped(&params, &d, &cin, group)?;
     Ok((d, c))
 }
 
 /// Compares a dispatch result with the reference; the error names the rank and the field.
 pub fn check_dispatch(rank: usize, got: &DispatchOutput, want: &NormalDispatchOut) -> Result<()> {
+    check_dispatch_view(rank, &DispatchView::direct(got), want)
+}
+
+/// The fields of a dispatch result that [`check_dispatch_view`] compares, for both routings.
+#[derive(Clone, Copy, Debug)]
+pub struct DispatchView<'a> {
+    pub recv_x: &'a refm::Tokens,
+    pub recv_topk_idx: &'a [i64],
+    pub recv_topk_weights: &'a [f32],
+    pub num_recv_tokens_per_expert: &'a [usize],
+    pub num_recv_tokens: usize,
+    pub rank_prefix: &'a [u64],
+    pub recv_src_idx: &'a [i32],
+}
+
+impl<'a> DispatchView<'a> {
+    /// The direct path's result.
+    pub fn direct(o: &'a DispatchOutput) -> Self {
+        DispatchView {
+            recv_x: &o.recv_x,
+            recv_topk_idx: &o.recv_topk_idx,
+            recv_topk_weights: &o.recv_topk_weights,
+            num_recv_tokens_per_expert: &o.num_recv_tokens_per_expert,
+            num_recv_tokens: o.num_recv_tokens,
+            rank_prefix: o.handle.rank_prefix(),
+            recv_src_idx: o.handle.recv_src_idx(),
+        }
+    }
+
+    /// The hierarchy's result.
+    pub fn hier(o: &'a HierDispatchOutput) -> Self {
+        DispatchView {
+            recv_x: &o.recv_x,
+            recv_topk_idx: &o.recv_topk_idx,
+            recv_topk_weights: &o.recv_topk_weights,
+            num_recv_tokens_per_expert: &o.num_recv_tokens_per_expert,
+            num_recv_tokens: o.num_recv_tokens,
+            rank_prefix: o.handle.rank_prefix(),
+            recv_src_idx: o.handle.recv_src_idx(),
+        }
+    }
+}
+
+/// [`check_dispatch`] of either routing's result.
+pub fn check_dispatch_view(
+    rank: usize,
+    got: &DispatchView<'_>,
+    want: &NormalDispatchOut,
+) -> Result<()> {
     let bad = |what: &str| {
         Err(Error::Other(format!("rank {rank}: dispatch {what} differs from the reference")))
     };
-    if got.recv_x != want.recv_x {
+    if *got.recv_x != want.recv_x {
         return bad("recv_x");
     }
-    if !got.recv_topk_idx.is_empty() && got.recv_topk_idx != want.recv_topk_idx {
+    if !got.recv_topk_idx.is_empty() && got.recv_topk_idx != &want.recv_topk_idx[..] {
         return bad("recv_topk_idx");
     }
-    if !got.recv_topk_weights.is_empty() && got.recv_topk_weights != want.recv_topk_weights {
+    if !got.recv_topk_weights.is_empty() && got.recv_topk_weights != &want.recv_topk_weights[..] {
         return bad("recv_topk_weights");
     }
-    if got.num_recv_tokens_per_expert != want.num_recv_tokens_per_expert {
+    if got.num_recv_tokens_per_expert != &want.num_recv_tokens_per_expert[..] {
         return bad("num_recv_tokens_per_expert");
     }
     if got.num_recv_tokens != want.num_recv_tokens {
         return bad("num_recv_tokens");
     }
-    let prefix: Vec<usize> = got.handle.rank_prefix().iter().map(|&v| v as usize).collect();
+    let prefix: Vec<usize> = got.rank_prefix.iter().map(|&v| v as usize).collect();
     if prefix != want.rank_prefix {
         return bad("rank_prefix");
     }
-    if got.handle.recv_src_idx() != &want.recv_src_idx[..] {
+    if got.recv_src_idx != &want.recv_src_idx[..] {
         return bad("source indices");
     }
     Ok(())
@@ -206,17 +271,139 @@ impl NormalBenchReport {
     }
 }
 
+/// One routing of normal mode as [`run_normal`] and [`run_normal_hier`] drive it.
+trait NormalPath {
+    type Out;
+    fn dispatch(&mut self, me: &RankInputs, layout: &Layout) -> Result<Self::Out>;
+    fn view(out: &Self::Out) -> DispatchView<'_>;
+    fn combine(&mut self, out: &Self::Out, x: &[u16], w: Option<&[f32]>)
+        -> Result<CombineOutput>;
+    /// The hierarchy's measured rows of this dispatch: (rail rows to other nodes, rows this
+    /// rank forwarded as a gateway); `None` for the direct path.
+    fn hier_rows(&self, out: &Self::Out) -> Option<(u64, u64)>;
+}
+
+impl NormalPath for Buffer {
+    type Out = DispatchOutput;
+    fn dispatch(&mut self, me: &RankInputs, layout: &Layout) -> Result<DispatchOutput> {
+        Buffer::dispatch(
+            self,
+            &DispatchArgs {
+                x: me.tokens(),
+                topk_idx: Some(&me.topk_idx),
+                topk_weights: Some(&me.topk_weights),
+                layout: Some(layout),
+                ..DispatchArgs::default()
+            },
+        )
+    }
+    fn view(out: &DispatchOutput) -> DispatchView<'_> {
+        DispatchView::direct(out)
+    }
+    fn combine(
+        &mut self,
+        out: &DispatchOutput,
+        x: &[u16],
+        w: Option<&[f32]>,
+    ) -> Result<CombineOutput> {
+        Buffer::combine(self, &CombineArgs { x, handle: &out.handle, topk_weights: w })
+    }
+    fn hier_rows(&self, _: &DispatchOutput) -> Option<(u64, u64)> {
+        None
+    }
+}
+
+impl NormalPath for HierBuffer {
+    type Out = HierDispatchOutput;
+    fn dispatch(&mut self, me: &RankInputs, _layout: &Layout) -> Result<HierDispatchOutput> {
+        HierBuffer::dispatch(
+            self,
+            &HierDispatchArgs {
+                x: me.tokens(),
+                topk_idx: Some(&me.topk_idx),
+                topk_weights: Some(&me.topk_weights),
+                ..HierDispatchArgs::default()
+            },
+        )
+    }
+    fn view(out: &HierDispatchOutput) -> DispatchView<'_> {
+        DispatchView::hier(out)
+    }
+    fn combine(
+        &mut self,
+        out: &HierDispatchOutput,
+        x: &[u16],
+        w: Option<&[f32]>,
+    ) -> Result<CombineOutput> {
+        HierBuffer::combine(self, x, &out.handle, w)
+    }
+    fn hier_rows(&self, out: &HierDispatchOutput) -> Option<(u64, u64)> {
+        let (node, local) = self.position();
+        Some((out.handle.internode_rows_sent(node), out.handle.forwarded_rows(local)))
+    }
+}
+
 /// Runs `warmup + iters` fresh dispatches + combines on `buf` with this rank's deterministic
 /// inputs, checks every result against the reference computed from every rank's inputs, and
 /// times the checked iterations. Collective.
 pub fn run_normal(buf: &mut Buffer, p: &NormalBenchParams) -> Result<NormalBenchReport> {
     let cfg = buf.config().clone();
+    run_path(buf, &cfg, p, cfg.num_ranks).map(|(rep, _)| rep)
+}
+
+/// Bytes one rank's dispatch puts on the network (to other nodes) per step, measured on the
+/// routing structures of the run: the direct path's `is_token_in_rank` (one copy per destination
+/// rank on another node) and the hierarchy's rail stage (one per destination node), plus the
+/// bytes this rank forwarded as a gateway inside its node (rows with the metadata lane).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct InternodeBytes {
+    pub direct: u64,
+    pub hier: u64,
+    pub hier_forwarded: u64,
+}
+
+/// [`run_normal`] through DeepEP's hierarchy ([`HierBuffer`]): the same inputs and checks, the
+/// combine checked against the node-grouped sum ([`reference_grouped`]); also returns the
+/// internode bytes of both routings.
+pub fn run_normal_hier(
+    buf: &mut HierBuffer,
+    p: &NormalBenchParams,
+) -> Result<(NormalBenchReport, InternodeBytes)> {
+    let cfg = buf.config().clone();
+    let group = cfg.ranks_per_node;
+    run_path(buf, &cfg, p, group)
+}
+
+/// Direct internode bytes of [`InternodeBytes`] for this layout (see [`run_path`]).
+fn direct_internode_rows(cfg: &EpConfig, layout: &Layout) -> u64 {
+    let (rpn, r) = (cfg.ranks_per_node, cfg.num_ranks);
+    let my_node = cfg.rank / rpn;
+    layout
+        .is_token_in_rank
+        .chunks(r)
+        .map(|row| (0..r).filter(|&d| d / rpn != my_node && row[d]).count() as u64)
+        .sum()
+}
+
+fn run_path<P: NormalPath>(
+    buf: &mut P,
+    cfg: &EpConfig,
+    p: &NormalBenchParams,
+    group: usize,
+) -> Result<(NormalBenchReport, InternodeBytes)> {
     let rank = cfg.rank;
     let inputs: Vec<RankInputs> =
-        (0..cfg.num_ranks).map(|r| rank_inputs(&cfg, p, r)).collect::<Result<_>>()?;
-    let (want_d, want_c) = reference(&cfg, &inputs, 1, None, p.combine_weights)?;
+        (0..cfg.num_ranks).map(|r| rank_inputs(cfg, p, r)).collect::<Result<_>>()?;
+    let (want_d, want_c) = reference_grouped(cfg, &inputs, (1, None, p.combine_weights), group)?;
     let me = &inputs[rank];
-    let layout = buf.get_dispatch_layout(&me.topk_idx)?;
+    let layout = crate::ep::layout::dispatch_layout(
+        &me.topk_idx,
+        me.topk_idx.len() / cfg.num_topk,
+        cfg.num_topk,
+        cfg.num_experts,
+        cfg.num_ranks,
+        cfg.ranks_per_node,
+    )?;
     let token_bytes = cfg.dispatch_dtype.token_bytes(cfg.hidden as u64);
     let sent: u64 = layout.num_tokens_per_rank.iter().map(|&c| c.max(0) as u64).sum();
     let mut rep = NormalBenchReport {
@@ -225,28 +412,24 @@ pub fn run_normal(buf: &mut Buffer, p: &NormalBenchParams) -> Result<NormalBench
         dispatch_bytes: sent * token_bytes,
         combine_bytes: sent * 2 * cfg.hidden as u64,
     };
+    let mut bytes = InternodeBytes {
+        direct: direct_internode_rows(cfg, &layout) * token_bytes,
+        ..Default::default()
+    };
     if std::env::var("FEP_TEST_EP_DIE_RANK").ok().and_then(|v| v.parse().ok()) == Some(rank) {
         // Failure tests: this rank vanishes right before its first dispatch.
         std::process::exit(3);
     }
     for it in 0..p.warmup + p.iters {
         let t0 = Instant::now();
-        let out = buf.dispatch(&DispatchArgs {
-            x: me.tokens(),
-            topk_idx: Some(&me.topk_idx),
-            topk_weights: Some(&me.topk_weights),
-            layout: Some(&layout),
-            ..DispatchArgs::default()
-        })?;
+        let out = buf.dispatch(me, &layout)?;
         let td = t0.elapsed().as_secs_f64();
-        check_dispatch(rank, &out, &want_d[rank])?;
-        let x = combine_input(&out.recv_x, cfg.hidden)?;
+        let v = P::view(&out);
+        check_dispatch_view(rank, &v, &want_d[rank])?;
+        let x = combine_input(v.recv_x, cfg.hidden)?;
+        let w = p.combine_weights.then_some(v.recv_topk_weights);
         let t1 = Instant::now();
-        let c = buf.combine(&CombineArgs {
-            x: &x,
-            handle: &out.handle,
-            topk_weights: p.combine_weights.then_some(&out.recv_topk_weights[..]),
-        })?;
+        let c = buf.combine(&out, &x, w)?;
         let tc = t1.elapsed().as_secs_f64();
         if c.combined_x != want_c[rank].combined_x
             || c.combined_topk_weights != want_c[rank].combined_topk_weights
@@ -255,12 +438,17 @@ pub fn run_normal(buf: &mut Buffer, p: &NormalBenchParams) -> Result<NormalBench
                 "rank {rank}: combine differs from the reference (iteration {it})"
             )));
         }
+        if let (0, Some((hier, fwd))) = (it, buf.hier_rows(&out)) {
+            bytes.hier = hier * token_bytes;
+            let lane = cfg.dispatch_dtype.token_bytes(META_CHANNELS as u64);
+            bytes.hier_forwarded = fwd * (token_bytes + lane);
+        }
         if it >= p.warmup {
             rep.dispatch_s.push(td);
             rep.combine_s.push(tc);
         }
     }
-    Ok(rep)
+    Ok((rep, bytes))
 }
 
 // ---------------------------------------------------------------------------------------------

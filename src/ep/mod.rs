@@ -6,6 +6,7 @@ pub mod config;
 pub mod connect;
 pub mod gpu;
 pub mod handle;
+pub mod hier;
 pub mod host;
 pub mod layout;
 pub mod ll_gpu;

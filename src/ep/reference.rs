@@ -309,7 +309,24 @@ pub fn normal_combine(
     dispatched: &[NormalDispatchOut],
     inputs: &[NormalCombineInput<'_>],
 ) -> Result<Vec<NormalCombineOut>> {
+    normal_combine_grouped(p, dispatched, inputs, dispatched.len().max(1))
+}
+
+/// [`normal_combine`] summed as the hierarchy sums (`ep::hier`): destination ranks in groups of
+/// `group` consecutive ranks (a node); each group's fp32 partial (ranks ascending) is rounded to
+/// bf16 (the gateway's output), then the partials are summed in fp32 (groups ascending) and
+/// rounded again. Weights: the same grouping, without rounding. `group = num_ranks` is
+/// [`normal_combine`] exactly (a bf16 value converts to fp32 and back unchanged).
+pub fn normal_combine_grouped(
+    p: &NormalParams,
+    dispatched: &[NormalDispatchOut],
+    inputs: &[NormalCombineInput<'_>],
+    group: usize,
+) -> Result<Vec<NormalCombineOut>> {
     let r_count = dispatched.len();
+    if group == 0 || r_count % group != 0 {
+        return Err(Error::arg("group", format!("{group} does not divide {r_count} ranks")));
+    }
     check_common(r_count, p.num_experts, p.hidden, p.num_topk)?;
     if inputs.len() != r_count {
         return Err(Error::arg("inputs", format!("{} inputs for {r_count} ranks", inputs.len())));
@@ -338,10 +355,11 @@ pub fn normal_combine(
             _ => {}
         }
     }
-    let mut acc_x: Vec<Vec<f32>> =
-        dispatched.iter().map(|d| vec![0f32; d.num_tokens * h]).collect();
-    let mut acc_w: Vec<Vec<f32>> =
-        dispatched.iter().map(|d| vec![0f32; d.num_tokens * k]).collect();
+    let zeros = |w: usize| -> Vec<Vec<f32>> {
+        dispatched.iter().map(|d| vec![0f32; d.num_tokens * w]).collect()
+    };
+    let (mut acc_x, mut acc_w) = (zeros(h), zeros(k));
+    let (mut part_x, mut part_w) = (zeros(h), zeros(k));
     // Destination ranks ascending: the fixed fp32 summation order.
     for (r, d) in dispatched.iter().enumerate() {
         for row in 0..d.num_recv_tokens {
@@ -353,11 +371,25 @@ pub fn normal_combine(
                 ));
             }
             for c in 0..h {
-                acc_x[s][t * h + c] += bf16_to_f32(inputs[r].x[row * h + c]);
+                part_x[s][t * h + c] += bf16_to_f32(inputs[r].x[row * h + c]);
             }
             if let Some(w) = inputs[r].topk_weights {
                 for j in 0..k {
-                    acc_w[s][t * k + j] += w[row * k + j];
+                    part_w[s][t * k + j] += w[row * k + j];
+                }
+            }
+        }
+        if (r + 1) % group == 0 {
+            for (acc, part) in acc_x.iter_mut().zip(&mut part_x) {
+                for (a, v) in acc.iter_mut().zip(part.iter_mut()) {
+                    *a += bf16_to_f32(f32_to_bf16(*v));
+                    *v = 0.0;
+                }
+            }
+            for (acc, part) in acc_w.iter_mut().zip(&mut part_w) {
+                for (a, v) in acc.iter_mut().zip(part.iter_mut()) {
+                    *a += *v;
+                    *v = 0.0;
                 }
             }
         }

@@ -1,0 +1,618 @@
+//! DeepEP's internode hierarchy for normal mode, host backend: one network copy of a token per
+//! destination *node*, then a fan-out inside the node; built from two [`Buffer`]s so it reuses
+//! the direct path's protocol, proxy and transport unchanged.
+//!
+//! ```text
+//!  rank (m, l) --rail buffer (ranks with local index l, one per node)--> gateway (n, l)
+//!  gateway (n, l) --node buffer (the ranks of node n)--> rank (n, j)
+//! ```
+//!
+//! * **Rail stage** ([`Buffer`] over the `nodes` ranks with this rank's local index, 1 rank per
+//!   node, the world's experts): rail rank `n` owns exactly node `n`'s experts, so a token goes
+//!   once to every node where it has an expert, to the gateway with the sender's local index
+//!   (DeepEP's rule), carrying its top-k as node-local expert ids.
+//! * **Node stage** ([`Buffer`] over the node's ranks, the node's experts, hidden + 128): the
+//!   gateway forwards what it received. The 128 extra channels are a metadata lane: the source
+//!   node and the token's index on its source (bytes copied verbatim by both dtypes' dispatch),
+//!   so the final rank can restore the direct path's row order (source rank ascending, token
+//!   order within a source) and source indices.
+//! * **Combine** mirrors it: node-stage combine to the gateway (the node's partial sum, rounded
+//!   to bf16 there, as DeepEP's gateway does), then rail-stage combine to the source.
+//!
+//! The outputs equal the direct path's exactly in dispatch; the combine's sum is grouped by node
+//! (`reference::normal_combine_grouped` with `ranks_per_node`), so it may differ from the
+//! direct sum by the partial's bf16 rounding.
+//!
+//! NOTES (why host only): the stages are whole dispatches, with a host pass between them that
+//! widens rows and, at the end, reorders them. On GPUs the gateway would forward from its receive
+//! buffer inside the kernel (DeepEP's design); that is not built (docs/ARCHITECTURE.md,
+//! "Internode: direct per-rank sends vs DeepEP's hierarchy", has the measurements that decided).
+
+use std::sync::Arc;
+
+use super::buffer::{
+    Backend, Buffer, BufferOptions, CombineArgs, CombineOutput, DispatchArgs, OwnedTokens,
+    Tokens, TransportKind,
+};
+use super::config::{EpConfig, EpSettings};
+use super::handle::DispatchHandle;
+use super::quant::FP8_GROUP;
+use crate::bootstrap::{Bootstrap, BootstrapError};
+use crate::{Error, Result};
+
+/// Channels of the node stage's metadata lane (one fp8 scale group).
+pub const META_CHANNELS: usize = FP8_GROUP;
+
+/// Tag mixed into the world's config hash exchange (a hierarchical rank never connects to a
+/// direct one).
+const HIER_HASH_TAG: u64 = 0x6869_6572_6172_6368; // "hierarch"
+
+/// A sub-communicator of a parent bootstrap: every collective is the parent's (all ranks call
+/// it in the same order), filtered to `members`.
+struct SubGroup {
+    parent: Arc<dyn Bootstrap>,
+    members: Vec<usize>,
+    index: usize,
+    /// The members share one node (the node stage) or are one per node (the rail stage).
+    one_node: bool,
+}
+
+impl Bootstrap for SubGroup {
+    fn rank(&self) -> usize {
+        self.index
+    }
+    fn world_size(&self) -> usize {
+        self.members.len()
+    }
+    fn local_rank(&self) -> usize {
+        if self.one_node {
+            self.index
+        } else {
+            0
+        }
+    }
+    fn local_world_size(&self) -> usize {
+        if self.one_node {
+            self.members.len()
+        } else {
+            1
+        }
+    }
+    fn all_gather(&self, data: &[u8]) -> std::result::Result<Vec<Vec<u8>>, BootstrapError> {
+        let mut all = self.parent.all_gather(data)?;
+        Ok(self.members.iter().map(|&m| std::mem::take(&mut all[m])).collect())
+    }
+}
+
+/// Arguments of a hierarchical dispatch (as [`DispatchArgs`], without `layout`: each stage
+/// computes its own).
+#[derive(Clone, Copy, Debug)]
+pub struct HierDispatchArgs<'a> {
+    pub x: Tokens<'a>,
+    pub topk_idx: Option<&'a [i64]>,
+    pub topk_weights: Option<&'a [f32]>,
+    /// Cached-handle dispatch: both stages reuse their routing (no notify).
+    pub handle: Option<&'a HierHandle>,
+    pub expert_alignment: usize,
+    pub num_worst_tokens: Option<usize>,
+}
+
+impl Default for HierDispatchArgs<'_> {
+    fn default() -> Self {
+        HierDispatchArgs {
+            x: Tokens::Bf16(&[]),
+            topk_idx: None,
+            topk_weights: None,
+            handle: None,
+            expert_alignment: 1,
+            num_worst_tokens: None,
+        }
+    }
+}
+
+/// The routing of one hierarchical dispatch: both stages' handles and the final row order.
+#[derive(Clone, Debug)]
+pub struct HierHandle {
+    buffer_id: usize,
+    rail: DispatchHandle,
+    node: DispatchHandle,
+    /// `perm[p]` = the node stage's row that is output row `p`.
+    perm: Vec<u32>,
+    rank_prefix: Vec<u64>,
+    recv_src_idx: Vec<i32>,
+    num_out_rows: usize,
+}
+
+impl HierHandle {
+    /// Tokens this rank dispatched.
+    pub fn num_tokens(&self) -> usize {
+        self.rail.num_tokens()
+    }
+    /// `[num_ranks + 1]` prefix of received rows per source rank (as the direct path's).
+    pub fn rank_prefix(&self) -> &[u64] {
+        &self.rank_prefix
+    }
+    /// `[num_recv_tokens]` token index of each row on its source rank.
+    pub fn recv_src_idx(&self) -> &[i32] {
+        &self.recv_src_idx
+    }
+    pub fn num_recv_tokens(&self) -> usize {
+        self.perm.len()
+    }
+    /// Rows of the dispatch outputs (`num_worst_tokens` when it was given).
+    pub fn num_out_rows(&self) -> usize {
+        self.num_out_rows
+    }
+    /// Rows the rail stage sent to gateways on other nodes: the tokens that crossed the
+    /// network (each once per destination node).
+    pub fn internode_rows_sent(&self, my_node: usize) -> u64 {
+        let nodes = self.rail.rank_prefix().len() - 1;
+        let t = self.rail.num_tokens();
+        let in_rank = self.rail.is_token_in_rank();
+        (0..t)
+            .map(|i| (0..nodes).filter(|&n| n != my_node && in_rank[i * nodes + n]).count() as u64)
+            .sum()
+    }
+    /// Rows the node stage forwarded to other ranks of this node (this rank as a gateway).
+    pub fn forwarded_rows(&self, my_local: usize) -> u64 {
+        let rpn = self.node.rank_prefix().len() - 1;
+        let t = self.node.num_tokens();
+        let in_rank = self.node.is_token_in_rank();
+        (0..t)
+            .map(|i| (0..rpn).filter(|&j| j != my_local && in_rank[i * rpn + j]).count() as u64)
+            .sum()
+    }
+}
+
+/// Result of a hierarchical dispatch: the fields of [`super::buffer::DispatchOutput`], equal to
+/// the direct path's, with a [`HierHandle`].
+#[derive(Clone, Debug)]
+pub struct HierDispatchOutput {
+    pub recv_x: OwnedTokens,
+    pub recv_topk_idx: Vec<i64>,
+    pub recv_topk_weights: Vec<f32>,
+    pub num_recv_tokens_per_expert: Vec<usize>,
+    pub num_recv_tokens: usize,
+    pub handle: HierHandle,
+}
+
+/// One rank's normal-mode buffer with DeepEP's internode hierarchy (host backend, libfabric).
+pub struct HierBuffer {
+    cfg: EpConfig,
+    rail: Buffer,
+    node: Buffer,
+    id: usize,
+}
+
+impl std::fmt::Debug for HierBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HierBuffer").field("rank", &self.cfg.rank).finish_non_exhaustive()
+    }
+}
+
+impl HierBuffer {
+    /// The settings of the two stages' buffers for world config `cfg`: (rail, node).
+    pub fn stage_settings(cfg: &EpConfig) -> Result<(EpSettings, EpSettings)> {
+        let s = cfg.settings();
+        let rpn = s.ranks_per_node;
+        let nodes = s.num_ranks / rpn;
+        let rail = EpSettings {
+            rank: s.rank / rpn,
+            num_ranks: nodes,
+            ranks_per_node: 1,
+            ..s.clone()
+        };
+        let node = EpSettings {
+            rank: s.rank % rpn,
+            num_ranks: rpn,
+            ranks_per_node: rpn,
+            num_experts: s.num_experts / nodes,
+            hidden: s.hidden + META_CHANNELS,
+            ..s.clone()
+        };
+        if s.hidden % FP8_GROUP != 0 {
+            return Err(Error::arg(
+                "hidden",
+                format!("{} is not a multiple of 128, as the hierarchy's metadata lane needs", s.hidden),
+            ));
+        }
+        Ok((rail, node))
+    }
+
+    /// Connects both stages (collective: every rank of `boot` calls it). Host backend over
+    /// libfabric only; the world's config hash is checked first, so a rank built for the
+    /// direct path or with other settings fails here.
+    pub fn new(cfg: EpConfig, boot: Arc<dyn Bootstrap>, opts: BufferOptions) -> Result<Self> {
+        if opts.backend != Backend::Host {
+            return Err(Error::arg("backend", "the hierarchical buffer is built for the host backend only"));
+        }
+        if !matches!(opts.transport, TransportKind::Fabric) {
+            return Err(Error::arg("transport", "the hierarchical buffer runs over libfabric only"));
+        }
+        if boot.rank() != cfg.rank || boot.world_size() != cfg.num_ranks {
+            return Err(Error::arg(
+                "boot",
+                format!(
+                    "bootstrap is rank {} of {}, config says rank {} of {}",
+                    boot.rank(),
+                    boot.world_size(),
+                    cfg.rank,
+                    cfg.num_ranks
+                ),
+            ));
+        }
+        let (rs, ns) = Self::stage_settings(&cfg)?;
+        let all = boot.all_gather(&(cfg.hash() ^ HIER_HASH_TAG).to_le_bytes())?;
+        for (peer, b) in all.iter().enumerate() {
+            let h = b.get(..8).and_then(|s| s.try_into().ok()).map(u64::from_le_bytes);
+            match h {
+                Some(h) => cfg.check_peer_hash(peer, h ^ HIER_HASH_TAG)?,
+                None => {
+                    return Err(Error::ConfigMismatch(format!(
+                        "rank {peer} sent a {}-byte config hash (not a hierarchical rank?)",
+                        b.len()
+                    )))
+                }
+            }
+        }
+        let (rpn, nodes) = (cfg.ranks_per_node, cfg.num_ranks / cfg.ranks_per_node);
+        let (node_i, local) = (cfg.rank / rpn, cfg.rank % rpn);
+        let rail_boot = SubGroup {
+            parent: boot.clone(),
+            members: (0..nodes).map(|n| n * rpn + local).collect(),
+            index: node_i,
+            one_node: false,
+        };
+        let node_boot = SubGroup {
+            parent: boot,
+            members: (0..rpn).map(|j| node_i * rpn + j).collect(),
+            index: local,
+            one_node: true,
+        };
+        let rail = Buffer::new(EpConfig::new(rs)?, Arc::new(rail_boot), opts.clone())?;
+        let node = Buffer::new(EpConfig::new(ns)?, Arc::new(node_boot), opts)?;
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
+        let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(HierBuffer { cfg, rail, node, id })
+    }
+
+    pub fn config(&self) -> &EpConfig {
+        &self.cfg
+    }
+
+    /// This rank's node and local index.
+    pub fn position(&self) -> (usize, usize) {
+        (self.cfg.rank / self.cfg.ranks_per_node, self.cfg.rank % self.cfg.ranks_per_node)
+    }
+
+    /// Both stages' registered bytes.
+    pub fn registered_bytes(&self) -> u64 {
+        self.rail.registered_bytes() + self.node.registered_bytes()
+    }
+
+    /// Tears both stages down (collective, like [`Buffer::destroy`]).
+    pub fn destroy(self) -> Result<()> {
+        let r = self.rail.destroy();
+        let n = self.node.destroy();
+        r.and(n)
+    }
+
+    /// Dispatch through the rail stage, then the node stage; outputs as the direct path's.
+    pub fn dispatch(&mut self, args: &HierDispatchArgs<'_>) -> Result<HierDispatchOutput> {
+        let h = self.cfg.hidden;
+        if let Some(hd) = args.handle {
+            if hd.buffer_id != self.id {
+                return Err(Error::arg("handle", "comes from another hierarchical buffer"));
+            }
+        }
+        let rail_out = self.rail.dispatch(&DispatchArgs {
+            x: args.x,
+            topk_idx: args.topk_idx,
+            topk_weights: args.topk_weights,
+            layout: None,
+            handle: args.handle.map(|hd| &hd.rail),
+            expert_alignment: 1,
+            num_worst_tokens: None,
+        })?;
+        let n1 = rail_out.num_recv_tokens;
+        let src_node = rows_by_source(rail_out.handle.rank_prefix(), n1);
+        let wide = widen(&rail_out.recv_x, h, n1, |i| {
+            (src_node[i] as u32, rail_out.handle.recv_src_idx()[i] as u32)
+        });
+        let cached = args.handle.is_some();
+        let node_out = self.node.dispatch(&DispatchArgs {
+            x: wide.as_ref(),
+            topk_idx: (!cached).then_some(&rail_out.recv_topk_idx[..]),
+            topk_weights: (!cached).then_some(&rail_out.recv_topk_weights[..]),
+            layout: None,
+            handle: args.handle.map(|hd| &hd.node),
+            expert_alignment: args.expert_alignment,
+            num_worst_tokens: None,
+        })?;
+        let n2 = node_out.num_recv_tokens;
+        let rows = match args.num_worst_tokens {
+            None => n2,
+            Some(w) if w >= n2 => w,
+            Some(w) => {
+                return Err(Error::arg(
+                    "num_worst_tokens",
+                    format!("rank {} receives {n2} tokens, more than {w}", self.cfg.rank),
+                ))
+            }
+        };
+        // Final order: key = source rank = m * rpn + l (l: the gateway, m: the source node
+        // carried in the lane); a stable counting sort keeps token order within a source.
+        let (rpn, r) = (self.cfg.ranks_per_node, self.cfg.num_ranks);
+        let gateway = rows_by_source(node_out.handle.rank_prefix(), n2);
+        let meta = read_meta(&node_out.recv_x, h, n2);
+        let mut count = vec![0u64; r + 1];
+        let mut keys = Vec::with_capacity(n2);
+        for (i, &(m, _)) in meta.iter().enumerate() {
+            let key = m as usize * rpn + gateway[i];
+            if key >= r {
+                return Err(Error::Protocol {
+                    rank: self.cfg.rank,
+                    peer: gateway[i],
+                    phase: "hierarchical dispatch",
+                    msg: format!("row {i} names source node {m} of {}", r / rpn),
+                });
+            }
+            count[key + 1] += 1;
+            keys.push(key);
+        }
+        for s in 0..r {
+            count[s + 1] += count[s];
+        }
+        let rank_prefix = count.clone();
+        let mut perm = vec![0u32; n2];
+        let mut src_idx = vec![0i32; n2];
+        for (i, &key) in keys.iter().enumerate() {
+            let p = count[key] as usize;
+            count[key] += 1;
+            perm[p] = i as u32;
+            src_idx[p] = meta[i].1 as i32;
+        }
+        let k = self.cfg.num_topk;
+        let recv_x = narrow(&node_out.recv_x, h, &perm, rows);
+        let permute = |v: &[i64], fill: i64| -> Vec<i64> {
+            if v.is_empty() {
+                return Vec::new();
+            }
+            let mut o = vec![fill; rows * k];
+            for (p, &i) in perm.iter().enumerate() {
+                o[p * k..(p + 1) * k].copy_from_slice(&v[i as usize * k..(i as usize + 1) * k]);
+            }
+            o
+        };
+        let recv_topk_idx = permute(&node_out.recv_topk_idx, -1);
+        let recv_topk_weights = if node_out.recv_topk_weights.is_empty() {
+            Vec::new()
+        } else {
+            let mut o = vec![0f32; rows * k];
+            for (p, &i) in perm.iter().enumerate() {
+                let i = i as usize;
+                o[p * k..(p + 1) * k].copy_from_slice(&node_out.recv_topk_weights[i * k..(i + 1) * k]);
+            }
+            o
+        };
+        let num_recv_tokens_per_expert = node_out.num_recv_tokens_per_expert.clone();
+        Ok(HierDispatchOutput {
+            recv_x,
+            recv_topk_idx,
+            recv_topk_weights,
+            num_recv_tokens_per_expert,
+            num_recv_tokens: n2,
+            handle: HierHandle {
+                buffer_id: self.id,
+                rail: rail_out.handle,
+                node: node_out.handle,
+                perm,
+                rank_prefix,
+                recv_src_idx: src_idx,
+                num_out_rows: rows,
+            },
+        })
+    }
+
+    /// Combine through the node stage (to the gateways), then the rail stage (to the sources).
+    /// `x [rows, H]` and `topk_weights [rows, K]` in the dispatch's output order.
+    pub fn combine(
+        &mut self,
+        x: &[u16],
+        handle: &HierHandle,
+        topk_weights: Option<&[f32]>,
+    ) -> Result<CombineOutput> {
+        if handle.buffer_id != self.id {
+            return Err(Error::arg("handle", "comes from another hierarchical buffer"));
+        }
+        let (h, k) = (self.cfg.hidden, self.cfg.num_topk);
+        let rows = handle.num_out_rows;
+        if x.len() != rows * h {
+            return Err(Error::arg("x", format!("length {}, expected {rows} * {h}", x.len())));
+        }
+        if let Some(w) = topk_weights {
+            if w.len() != rows * k {
+                return Err(Error::arg(
+                    "topk_weights",
+                    format!("length {}, expected {rows} * {k}", w.len()),
+                ));
+            }
+        }
+        let n2 = handle.perm.len();
+        let hw = h + META_CHANNELS;
+        let mut node_x = vec![0u16; n2 * hw];
+        let mut node_w = topk_weights.map(|_| vec![0f32; n2 * k]);
+        for (p, &i) in handle.perm.iter().enumerate() {
+            let i = i as usize;
+            node_x[i * hw..i * hw + h].copy_from_slice(&x[p * h..(p + 1) * h]);
+            if let (Some(nw), Some(w)) = (node_w.as_mut(), topk_weights) {
+                nw[i * k..(i + 1) * k].copy_from_slice(&w[p * k..(p + 1) * k]);
+            }
+        }
+        let at_gateway = self.node.combine(&CombineArgs {
+            x: &node_x,
+            handle: &handle.node,
+            topk_weights: node_w.as_deref(),
+        })?;
+        let n1 = handle.node.num_tokens();
+        let mut rail_x = vec![0u16; n1 * h];
+        for i in 0..n1 {
+            rail_x[i * h..(i + 1) * h]
+                .copy_from_slice(&at_gateway.combined_x[i * hw..i * hw + h]);
+        }
+        self.rail.combine(&CombineArgs {
+            x: &rail_x,
+            handle: &handle.rail,
+            topk_weights: at_gateway.combined_topk_weights.as_deref(),
+        })
+    }
+}
+
+/// The source of each of `n` rows grouped by a `[sources + 1]` prefix.
+fn rows_by_source(prefix: &[u64], n: usize) -> Vec<usize> {
+    let mut v = Vec::with_capacity(n);
+    for s in 0..prefix.len().saturating_sub(1) {
+        let c = (prefix[s + 1] - prefix[s]) as usize;
+        v.extend(std::iter::repeat_n(s, c));
+    }
+    v.truncate(n);
+    v
+}
+
+/// The node stage's rows: each of `n` rows of `x` (hidden `h`) followed by the metadata lane,
+/// whose first 8 bytes are `meta(row)` = (source node, token index on the source), LE.
+fn widen(
+    x: &OwnedTokens,
+    h: usize,
+    n: usize,
+    meta: impl Fn(usize) -> (u32, u32),
+) -> OwnedTokens {
+    let hw = h + META_CHANNELS;
+    let bytes = |i: usize| {
+        let (m, t) = meta(i);
+        let mut b = [0u8; 8];
+        b[..4].copy_from_slice(&m.to_le_bytes());
+        b[4..].copy_from_slice(&t.to_le_bytes());
+        b
+    };
+    match x {
+        OwnedTokens::Bf16(v) => {
+            let mut o = vec![0u16; n * hw];
+            for i in 0..n {
+                o[i * hw..i * hw + h].copy_from_slice(&v[i * h..(i + 1) * h]);
+                let b = bytes(i);
+                for j in 0..4 {
+                    o[i * hw + h + j] = u16::from_le_bytes([b[2 * j], b[2 * j + 1]]);
+                }
+            }
+            OwnedTokens::Bf16(o)
+        }
+        OwnedTokens::Fp8 { x: v, scales } => {
+            let (g, gw) = (h / FP8_GROUP, hw / FP8_GROUP);
+            let mut o = vec![0u8; n * hw];
+            let mut s = vec![1f32; n * gw];
+            for i in 0..n {
+                o[i * hw..i * hw + h].copy_from_slice(&v[i * h..(i + 1) * h]);
+                o[i * hw + h..i * hw + h + 8].copy_from_slice(&bytes(i));
+                s[i * gw..i * gw + g].copy_from_slice(&scales[i * g..(i + 1) * g]);
+            }
+            OwnedTokens::Fp8 { x: o, scales: s }
+        }
+    }
+}
+
+/// The (source node, token index) lane of each of the first `n` node-stage rows.
+fn read_meta(x: &OwnedTokens, h: usize, n: usize) -> Vec<(u32, u32)> {
+    let hw = h + META_CHANNELS;
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        let mut b = [0u8; 8];
+        match x {
+            OwnedTokens::Bf16(v) => {
+                for j in 0..4 {
+                    b[2 * j..2 * j + 2].copy_from_slice(&v[i * hw + h + j].to_le_bytes());
+                }
+            }
+            OwnedTokens::Fp8 { x: v, .. } => b.copy_from_slice(&v[i * hw + h..i * hw + h + 8]),
+        }
+        let m = u32::from_le_bytes(b[..4].try_into().expect("4 bytes"));
+        let t = u32::from_le_bytes(b[4..].try_into().expect("4 bytes"));
+        out.push((m, t));
+    }
+    out
+}
+
+/// The node stage's rows without the lane, in output order (`perm`), padded to `rows`.
+fn narrow(x: &OwnedTokens, h: usize, perm: &[u32], rows: usize) -> OwnedTokens {
+    let hw = h + META_CHANNELS;
+    match x {
+        OwnedTokens::Bf16(v) => {
+            let mut o = vec![0u16; rows * h];
+            for (p, &i) in perm.iter().enumerate() {
+                let i = i as usize;
+                o[p * h..(p + 1) * h].copy_from_slice(&v[i * hw..i * hw + h]);
+            }
+            OwnedTokens::Bf16(o)
+        }
+        OwnedTokens::Fp8 { x: v, scales } => {
+            let (g, gw) = (h / FP8_GROUP, hw / FP8_GROUP);
+            let mut o = vec![0u8; rows * h];
+            let mut s = vec![0f32; rows * g];
+            for (p, &i) in perm.iter().enumerate() {
+                let i = i as usize;
+                o[p * h..(p + 1) * h].copy_from_slice(&v[i * hw..i * hw + h]);
+                s[p * g..(p + 1) * g].copy_from_slice(&scales[i * gw..i * gw + g]);
+            }
+            OwnedTokens::Fp8 { x: o, scales: s }
+        }
+    }
+}
+
+impl OwnedTokens {
+    /// A borrowed view.
+    pub fn as_ref(&self) -> Tokens<'_> {
+        match self {
+            OwnedTokens::Bf16(v) => Tokens::Bf16(v),
+            OwnedTokens::Fp8 { x, scales } => Tokens::Fp8 { x, scales },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_lane_round_trips_both_dtypes() {
+        let h = 128;
+        let bf = OwnedTokens::Bf16((0..2 * h as u16).collect());
+        let w = widen(&bf, h, 2, |i| (7 + i as u32, 0xdead_0000 + i as u32));
+        assert_eq!(read_meta(&w, h, 2), vec![(7, 0xdead_0000), (8, 0xdead_0001)]);
+        match narrow(&w, h, &[1, 0], 3) {
+            OwnedTokens::Bf16(v) => {
+                assert_eq!(v.len(), 3 * h);
+                assert_eq!(&v[..h], &(h as u16..2 * h as u16).collect::<Vec<_>>()[..]);
+                assert_eq!(&v[h..2 * h], &(0..h as u16).collect::<Vec<_>>()[..]);
+                assert!(v[2 * h..].iter().all(|&c| c == 0), "padding rows are zero");
+            }
+            _ => panic!("bf16 in, bf16 out"),
+        }
+        let f8 = OwnedTokens::Fp8 { x: (0..2 * h).map(|v| v as u8).collect(), scales: vec![0.5, 2.0] };
+        let w = widen(&f8, h, 2, |i| (i as u32, 40 + i as u32));
+        assert_eq!(read_meta(&w, h, 2), vec![(0, 40), (1, 41)]);
+        match narrow(&w, h, &[1, 0], 2) {
+            OwnedTokens::Fp8 { x, scales } => {
+                assert_eq!(scales, vec![2.0, 0.5]);
+                assert_eq!(x[0], 128u8);
+                assert_eq!(x[h], 0u8);
+            }
+            _ => panic!("fp8 in, fp8 out"),
+        }
+    }
+
+    #[test]
+    fn rows_by_source_follows_the_prefix() {
+        assert_eq!(rows_by_source(&[0, 2, 2, 3], 3), vec![0, 0, 2]);
+        assert_eq!(rows_by_source(&[0], 0), Vec::<usize>::new());
+    }
+}

@@ -1,0 +1,205 @@
+//! DeepEP's internode hierarchy (`ep::hier`) on the host backend, ranks as threads over libfabric
+//! providers with node splits: dispatch equals the direct path's reference exactly, combine the
+//! node-grouped sum, cached handle, num_worst_tokens, expert_alignment, zero-token ranks, and
+//! settings the hierarchy refuses.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use fabric_ep::bench::ep::{
+    check_dispatch_view, combine_input, rank_inputs, reference_grouped, run_normal_hier,
+    DispatchView, NormalBenchParams, RankInputs,
+};
+use fabric_ep::bootstrap::{Bootstrap, InProcGroup};
+use fabric_ep::ep::buffer::{Backend, BufferOptions};
+use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
+use fabric_ep::ep::hier::{HierBuffer, HierDispatchArgs};
+use fabric_ep::Error;
+
+#[derive(Clone, Debug)]
+struct Case {
+    nodes: usize,
+    rpn: usize,
+    provider: &'static str,
+    fp8: bool,
+    /// Tokens per rank (cycled).
+    tokens: Vec<usize>,
+}
+
+impl Case {
+    fn world(&self) -> usize {
+        self.nodes * self.rpn
+    }
+    fn settings(&self, rank: usize) -> EpSettings {
+        let mut s = EpSettings::new(rank, self.world(), 4 * self.world(), 256, 4);
+        s.ranks_per_node = self.rpn;
+        s.chunk_tokens = 8;
+        s.slots_per_peer = 2;
+        s.timeout = Duration::from_secs(30);
+        if self.fp8 {
+            s.dispatch_dtype = DispatchDtype::Fp8E4m3;
+        }
+        s
+    }
+    fn inputs(&self, cfg: &EpConfig) -> Vec<RankInputs> {
+        (0..self.world())
+            .map(|r| {
+                let p = params(self.tokens[r % self.tokens.len()], 31 + r as u64);
+                rank_inputs(cfg, &p, r).unwrap()
+            })
+            .collect()
+    }
+}
+
+fn params(num_tokens: usize, seed: u64) -> NormalBenchParams {
+    NormalBenchParams {
+        num_tokens,
+        seed,
+        drop_pct: 10,
+        iters: 2,
+        warmup: 1,
+        combine_weights: true,
+        one_way: false,
+    }
+}
+
+/// Runs `body` on every rank of `case` (threads, each with its own HierBuffer).
+fn run_ranks<T: Send>(
+    case: &Case,
+    body: impl Fn(usize, &mut HierBuffer) -> Result<T, Error> + Sync,
+) -> Vec<Result<T, Error>> {
+    let boots = InProcGroup::new(case.world(), case.rpn, Duration::from_secs(60)).unwrap();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = boots
+            .into_iter()
+            .enumerate()
+            .map(|(rank, boot)| {
+                let body = &body;
+                s.spawn(move || {
+                    let cfg = EpConfig::new(case.settings(rank))?;
+                    let boot: Arc<dyn Bootstrap> = Arc::new(boot);
+                    let mut buf = HierBuffer::new(cfg, boot, BufferOptions::host(case.provider))?;
+                    let out = body(rank, &mut buf)?;
+                    buf.destroy()?;
+                    Ok(out)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
+    })
+}
+
+/// Fresh dispatch == the direct reference (expert_alignment 4), cached == fresh, combine == the
+/// node-grouped reference, num_worst_tokens pads (and refuses too few rows).
+fn full_check(case: &Case) {
+    let cfg0 = EpConfig::new(case.settings(0)).unwrap();
+    let inputs = case.inputs(&cfg0);
+    let (want, want_c) = reference_grouped(&cfg0, &inputs, (4, None, true), case.rpn).unwrap();
+    let worst = want.iter().map(|w| w.num_recv_tokens).max().unwrap() + 3;
+    let (want_worst, _) =
+        reference_grouped(&cfg0, &inputs, (4, Some(worst), true), case.rpn).unwrap();
+    let results = run_ranks(case, |rank, buf| {
+        let me = &inputs[rank];
+        let args = HierDispatchArgs {
+            x: me.tokens(),
+            topk_idx: Some(&me.topk_idx),
+            topk_weights: Some(&me.topk_weights),
+            expert_alignment: 4,
+            ..HierDispatchArgs::default()
+        };
+        let out = buf.dispatch(&args)?;
+        check_dispatch_view(rank, &DispatchView::hier(&out), &want[rank])?;
+        let cached = buf.dispatch(&HierDispatchArgs {
+            topk_idx: None,
+            topk_weights: None,
+            handle: Some(&out.handle),
+            ..args
+        })?;
+        assert_eq!(cached.recv_x, out.recv_x, "rank {rank}: cached-handle recv_x");
+        assert!(cached.recv_topk_idx.is_empty(), "a cached dispatch returns no top-k");
+        assert_eq!(cached.num_recv_tokens_per_expert, out.num_recv_tokens_per_expert);
+        let x = combine_input(&out.recv_x, case.hidden())?;
+        let c = buf.combine(&x, &out.handle, Some(&out.recv_topk_weights))?;
+        assert_eq!(c.combined_x, want_c[rank].combined_x, "rank {rank}: combined_x");
+        assert_eq!(c.combined_topk_weights, want_c[rank].combined_topk_weights, "rank {rank}");
+        let w = buf.dispatch(&HierDispatchArgs { num_worst_tokens: Some(worst), ..args })?;
+        check_dispatch_view(rank, &DispatchView::hier(&w), &want_worst[rank])?;
+        assert_eq!(w.handle.num_out_rows(), worst);
+        // Combine takes the padded rows (padding ignored).
+        let xw = combine_input(&w.recv_x, case.hidden())?;
+        let cw = buf.combine(&xw, &w.handle, None)?;
+        assert_eq!(cw.combined_x, want_c[rank].combined_x, "rank {rank}: combine of padded rows");
+        let few = buf.dispatch(&HierDispatchArgs { num_worst_tokens: Some(0), ..args });
+        let n = want[rank].num_recv_tokens;
+        match few {
+            Err(Error::InvalidArgument { arg: "num_worst_tokens", .. }) if n > 0 => {}
+            Ok(_) if n == 0 => {}
+            other => panic!("rank {rank} ({n} rows): num_worst_tokens 0 gave {other:?}"),
+        }
+        Ok(())
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        r.unwrap_or_else(|e| panic!("{case:?} rank {rank}: {e}"));
+    }
+}
+
+impl Case {
+    fn hidden(&self) -> usize {
+        256
+    }
+}
+
+#[test]
+fn two_nodes_of_two_over_shm_bf16() {
+    full_check(&Case { nodes: 2, rpn: 2, provider: "shm", fp8: false, tokens: vec![40, 0, 23, 57] });
+}
+
+#[test]
+fn two_nodes_of_four_over_tcp_fp8() {
+    full_check(&Case { nodes: 2, rpn: 4, provider: "tcp;ofi_rxm", fp8: true, tokens: vec![33, 5, 0, 21] });
+}
+
+#[test]
+fn four_nodes_of_two_over_udp_rxd_out_of_order() {
+    full_check(&Case { nodes: 4, rpn: 2, provider: "udp;ofi_rxd", fp8: false, tokens: vec![17, 29, 0] });
+}
+
+#[test]
+fn one_rank_per_node_is_the_rail_alone() {
+    full_check(&Case { nodes: 3, rpn: 1, provider: "shm", fp8: true, tokens: vec![12, 0, 30] });
+}
+
+/// The bench loop (every iteration checked), and its internode byte counts: the hierarchy's rail
+/// stage never sends more across nodes than the direct path, and strictly less in this routing.
+#[test]
+fn bench_loop_counts_fewer_internode_bytes_than_direct() {
+    let case = Case { nodes: 2, rpn: 4, provider: "shm", fp8: true, tokens: vec![64] };
+    let res = run_ranks(&case, |rank, buf| {
+        let (rep, bytes) = run_normal_hier(buf, &params(64, 5))?;
+        assert_eq!(rep.dispatch_s.len(), 2, "rank {rank}: timed iterations");
+        Ok(bytes)
+    });
+    let mut total = (0, 0);
+    for (rank, r) in res.into_iter().enumerate() {
+        let b = r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert!(b.hier <= b.direct, "rank {rank}: {b:?}");
+        assert!(b.hier > 0 && b.hier_forwarded > 0, "rank {rank}: {b:?}");
+        total.0 += b.direct;
+        total.1 += b.hier;
+    }
+    assert!(total.1 < total.0, "top-4 of 32 experts over 2 nodes must dedupe: {total:?}");
+}
+
+#[test]
+fn settings_the_hierarchy_refuses() {
+    let boots = InProcGroup::new(1, 1, Duration::from_secs(5)).unwrap();
+    let boot: Arc<dyn Bootstrap> = Arc::new(boots.into_iter().next().unwrap());
+    let mut s = EpSettings::new(0, 1, 8, 256, 2);
+    let cfg = EpConfig::new(s.clone()).unwrap();
+    let e = HierBuffer::new(cfg.clone(), boot.clone(), BufferOptions { backend: Backend::Gpu, ..BufferOptions::host("shm") })
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { arg: "backend", .. }), "{e}");
+    s.hidden = 200;
+    let e = HierBuffer::new(EpConfig::new(s).unwrap(), boot, BufferOptions::host("shm")).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { arg: "hidden", .. }), "{e}");
+}
