@@ -14,6 +14,8 @@ use fabric_ep::bootstrap::{Bootstrap, InProcGroup};
 use fabric_ep::ep::buffer::{Backend, BufferOptions};
 use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::ep::hier::{HierBuffer, HierDispatchArgs};
+use fabric_ep::ep::quant::{bf16_to_f32, f32_to_bf16};
+use fabric_ep::ep::reference as refm;
 use fabric_ep::Error;
 
 #[derive(Clone, Debug)]
@@ -98,6 +100,35 @@ fn full_check(case: &Case) {
     let worst = want.iter().map(|w| w.num_recv_tokens).max().unwrap() + 3;
     let (want_worst, _) =
         reference_grouped(&cfg0, &inputs, (4, Some(worst), true), case.rpn).unwrap();
+    // "Expert outputs" that differ per rank (each rank scales what it returns), so the node's
+    // partial is a sum of different values and its bf16 rounding shows: the grouped reference
+    // must then differ from the direct sum somewhere (else this case could not tell them apart).
+    let scaled = |rank: usize, x: &[u16]| -> Vec<u16> {
+        let f = 1.0 + 0.13 * (rank + 1) as f32;
+        x.iter().map(|&v| f32_to_bf16(bf16_to_f32(v) * f)).collect()
+    };
+    let xs: Vec<Vec<u16>> = want
+        .iter()
+        .enumerate()
+        .map(|(r, o)| scaled(r, &combine_input(&o.recv_x, case.hidden()).unwrap()))
+        .collect();
+    let cin: Vec<refm::NormalCombineInput> = want
+        .iter()
+        .zip(&xs)
+        .map(|(o, x)| refm::NormalCombineInput { x, topk_weights: Some(&o.recv_topk_weights) })
+        .collect();
+    let p = refm::NormalParams {
+        num_experts: cfg0.num_experts,
+        hidden: case.hidden(),
+        num_topk: cfg0.num_topk,
+        expert_alignment: 4,
+        num_worst_tokens: None,
+    };
+    let want_s = refm::normal_combine_grouped(&p, &want, &cin, case.rpn).unwrap();
+    let direct_s = refm::normal_combine(&p, &want, &cin).unwrap();
+    if case.nodes > 1 && case.rpn > 1 {
+        assert_ne!(want_s, direct_s, "{case:?}: grouping changes no sum; the check is blind");
+    }
     let results = run_ranks(case, |rank, buf| {
         let me = &inputs[rank];
         let args = HierDispatchArgs {
@@ -122,6 +153,9 @@ fn full_check(case: &Case) {
         let c = buf.combine(&x, &out.handle, Some(&out.recv_topk_weights))?;
         assert_eq!(c.combined_x, want_c[rank].combined_x, "rank {rank}: combined_x");
         assert_eq!(c.combined_topk_weights, want_c[rank].combined_topk_weights, "rank {rank}");
+        let cs = buf.combine(&scaled(rank, &x), &out.handle, Some(&out.recv_topk_weights))?;
+        assert_eq!(cs.combined_x, want_s[rank].combined_x, "rank {rank}: scaled rows, node-grouped");
+        assert_eq!(cs.combined_topk_weights, want_s[rank].combined_topk_weights, "rank {rank}");
         let w = buf.dispatch(&HierDispatchArgs { num_worst_tokens: Some(worst), ..args })?;
         check_dispatch_view(rank, &DispatchView::hier(&w), &want_worst[rank])?;
         assert_eq!(w.handle.num_out_rows(), worst);

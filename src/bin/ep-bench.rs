@@ -92,9 +92,15 @@ struct Common {
     #[arg(long, global = true)]
     gpu_chunk: Option<usize>,
     /// GPU backend, normal mode: chunks in flight per peer queue (default: the Buffer's,
-    /// `GpuOptions::slots_per_peer`, 16).
+    /// `ep::gpu::default_slots_per_peer`: 32 up to 8 ranks, else 16).
     #[arg(long, global = true)]
     gpu_slots: Option<usize>,
+    /// Host backend, normal mode: after the direct run, run DeepEP's internode hierarchy
+    /// (`ep::hier`: one copy per destination node to a gateway, then a fan-out inside the node)
+    /// on the same inputs, every result checked, and print both routings' internode bytes.
+    /// Needs --ranks-per-node below the number of ranks.
+    #[arg(long)]
+    hierarchy: bool,
     #[arg(long, default_value_t = 20, global = true)]
     iters: usize,
 }
@@ -239,6 +245,15 @@ fn main() -> ExitCode {
                 Ok(())
             })
             .map_err(|e| e.into())
+        }
+        _ if cli.common.hierarchy
+            && (gpu_backend(&cli)
+                || cli.common.backend == Some(Backend::Gpu)
+                || cli.common.mode == Mode::LowLatency) =>
+        {
+            Err("--hierarchy: the host backend's normal mode only (pass --backend host; the GPU \
+                 kernels send directly per rank, docs/ARCHITECTURE.md says why)"
+                .into())
         }
         _ if (cli.common.cached
             || cli.common.gpu_chunk.is_some()
@@ -479,8 +494,9 @@ fn run_rank(cli: &Cli) -> AnyResult<()> {
 
 /// `--mode normal` (and the normal half of `--mode both`) on this rank.
 fn run_normal_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult<()> {
-    use fabric_ep::bench::ep::{run_normal, NormalBenchParams};
+    use fabric_ep::bench::ep::{run_normal, run_normal_hier, NormalBenchParams};
     use fabric_ep::ep::buffer::{Buffer, BufferOptions};
+    use fabric_ep::ep::hier::HierBuffer;
     use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
     let (rank, world) = (boot.rank(), boot.world_size());
     let mut s = EpSettings::new(rank, world, c.experts, c.hidden, c.topk);
@@ -502,6 +518,26 @@ fn run_normal_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult
     };
     let rep = run_normal(&mut buf, &p)?;
     buf.destroy()?;
+    let hier = if c.hierarchy {
+        if cfg.ranks_per_node >= world {
+            return Err("--hierarchy: needs --ranks-per-node below the number of ranks".into());
+        }
+        let mut hb = HierBuffer::new(cfg.clone(), boot.clone(), BufferOptions::host(&c.provider))?;
+        let (hrep, bytes) = run_normal_hier(&mut hb, &p)?;
+        hb.destroy()?;
+        let words = [bytes.direct, bytes.hier, bytes.hier_forwarded];
+        let blob: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let all = boot.all_gather(&blob)?;
+        let mut sum = [0u64; 3];
+        for b in &all {
+            for (i, w) in b.chunks_exact(8).take(3).enumerate() {
+                sum[i] += u64::from_le_bytes(w.try_into()?);
+            }
+        }
+        Some((hrep, sum))
+    } else {
+        None
+    };
     if rank == 0 {
         let (dg, dm, dp) = rep.dispatch_figures();
         let (cg, cm, cp) = rep.combine_figures();
@@ -533,6 +569,23 @@ fn run_normal_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult
         };
         println!("{}", row("dispatch", dg, dm, dp, rep.dispatch_bytes).to_line());
         println!("{}", row("combine", cg, cm, cp, rep.combine_bytes).to_line());
+        if let Some((h, sum)) = &hier {
+            let (dg, dm, dp) = h.dispatch_figures();
+            let (cg, cm, cp) = h.combine_figures();
+            let hrow = |op: &str, g, m, p, b| EpRow { mode: "normal-hier".into(), ..row(op, g, m, p, b) };
+            println!("{}", hrow("dispatch", dg, dm, dp, h.dispatch_bytes).to_line());
+            println!("{}", hrow("combine", cg, cm, cp, h.combine_bytes).to_line());
+            let mb = |b: u64| b as f64 / world as f64 / 1e6;
+            println!(
+                "internode bytes per rank per dispatch (mean of {world} ranks, measured on the \
+                 routings): direct {:.3} MB, hierarchy {:.3} MB ({:.2}x fewer); the hierarchy's \
+                 gateways also forward {:.3} MB inside their node (metadata lane included)",
+                mb(sum[0]),
+                mb(sum[1]),
+                sum[0] as f64 / sum[1].max(1) as f64,
+                mb(sum[2])
+            );
+        }
         println!(
             "GB/s = bytes of the tokens rank 0 sends (dispatch) / receives (combine) per second \
              (DeepEP's definition), at the median time"
