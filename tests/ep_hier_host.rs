@@ -7,11 +7,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fabric_ep::bench::ep::{
-    check_dispatch_view, combine_input, rank_inputs, reference_grouped, run_normal_hier,
-    DispatchView, NormalBenchParams, RankInputs,
+    check_dispatch_view, combine_input, rank_inputs, reference_grouped, run_normal,
+    run_normal_hier, DispatchView, NormalBenchParams, RankInputs,
 };
 use fabric_ep::bootstrap::{Bootstrap, InProcGroup};
-use fabric_ep::ep::buffer::{Backend, BufferOptions};
+use fabric_ep::ep::buffer::{Backend, Buffer, BufferOptions};
 use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::ep::hier::{HierBuffer, HierDispatchArgs};
 use fabric_ep::ep::quant::{bf16_to_f32, f32_to_bf16};
@@ -154,7 +154,10 @@ fn full_check(case: &Case) {
         assert_eq!(c.combined_x, want_c[rank].combined_x, "rank {rank}: combined_x");
         assert_eq!(c.combined_topk_weights, want_c[rank].combined_topk_weights, "rank {rank}");
         let cs = buf.combine(&scaled(rank, &x), &out.handle, Some(&out.recv_topk_weights))?;
-        assert_eq!(cs.combined_x, want_s[rank].combined_x, "rank {rank}: scaled rows, node-grouped");
+        assert_eq!(
+            cs.combined_x, want_s[rank].combined_x,
+            "rank {rank}: scaled rows, node-grouped"
+        );
         assert_eq!(cs.combined_topk_weights, want_s[rank].combined_topk_weights, "rank {rank}");
         let w = buf.dispatch(&HierDispatchArgs { num_worst_tokens: Some(worst), ..args })?;
         check_dispatch_view(rank, &DispatchView::hier(&w), &want_worst[rank])?;
@@ -185,17 +188,35 @@ impl Case {
 
 #[test]
 fn two_nodes_of_two_over_shm_bf16() {
-    full_check(&Case { nodes: 2, rpn: 2, provider: "shm", fp8: false, tokens: vec![40, 0, 23, 57] });
+    full_check(&Case {
+        nodes: 2,
+        rpn: 2,
+        provider: "shm",
+        fp8: false,
+        tokens: vec![40, 0, 23, 57],
+    });
 }
 
 #[test]
 fn two_nodes_of_four_over_tcp_fp8() {
-    full_check(&Case { nodes: 2, rpn: 4, provider: "tcp;ofi_rxm", fp8: true, tokens: vec![33, 5, 0, 21] });
+    full_check(&Case {
+        nodes: 2,
+        rpn: 4,
+        provider: "tcp;ofi_rxm",
+        fp8: true,
+        tokens: vec![33, 5, 0, 21],
+    });
 }
 
 #[test]
 fn four_nodes_of_two_over_udp_rxd_out_of_order() {
-    full_check(&Case { nodes: 4, rpn: 2, provider: "udp;ofi_rxd", fp8: false, tokens: vec![17, 29, 0] });
+    full_check(&Case {
+        nodes: 4,
+        rpn: 2,
+        provider: "udp;ofi_rxd",
+        fp8: false,
+        tokens: vec![17, 29, 0],
+    });
 }
 
 #[test]
@@ -230,10 +251,82 @@ fn settings_the_hierarchy_refuses() {
     let boot: Arc<dyn Bootstrap> = Arc::new(boots.into_iter().next().unwrap());
     let mut s = EpSettings::new(0, 1, 8, 256, 2);
     let cfg = EpConfig::new(s.clone()).unwrap();
-    let e = HierBuffer::new(cfg.clone(), boot.clone(), BufferOptions { backend: Backend::Gpu, ..BufferOptions::host("shm") })
-        .unwrap_err();
+    let e = HierBuffer::new(
+        cfg.clone(),
+        boot.clone(),
+        BufferOptions { backend: Backend::Gpu, ..BufferOptions::host("shm") },
+    )
+    .unwrap_err();
     assert!(matches!(e, Error::InvalidArgument { arg: "backend", .. }), "{e}");
     s.hidden = 200;
-    let e = HierBuffer::new(EpConfig::new(s).unwrap(), boot, BufferOptions::host("shm")).unwrap_err();
+    let e =
+        HierBuffer::new(EpConfig::new(s).unwrap(), boot, BufferOptions::host("shm")).unwrap_err();
     assert!(matches!(e, Error::InvalidArgument { arg: "hidden", .. }), "{e}");
+}
+
+/// Both routings with the network and the node on different providers (`tcp;ofi_rxm` between
+/// nodes, `shm` inside one, as NIC and NVLink on GPUs): the direct path through
+/// `BufferOptions::intranode_provider` (its SplitTransport) and the hierarchy, every result
+/// checked by the bench loop.
+#[test]
+fn network_and_node_on_different_providers() {
+    let case = Case { nodes: 2, rpn: 2, provider: "tcp;ofi_rxm", fp8: false, tokens: vec![48] };
+    let boots = InProcGroup::new(case.world(), case.rpn, Duration::from_secs(60)).unwrap();
+    let opts = BufferOptions {
+        intranode_provider: Some("shm".to_string()),
+        ..BufferOptions::host(case.provider)
+    };
+    std::thread::scope(|s| {
+        let hs: Vec<_> = boots
+            .into_iter()
+            .enumerate()
+            .map(|(rank, boot)| {
+                let (case, opts) = (&case, opts.clone());
+                s.spawn(move || -> Result<(), Error> {
+                    let cfg = EpConfig::new(case.settings(rank))?;
+                    let boot: Arc<dyn Bootstrap> = Arc::new(boot);
+                    let mut b = Buffer::new(cfg.clone(), boot.clone(), opts.clone())?;
+                    let rep = run_normal(&mut b, &params(48, 9))?;
+                    assert_eq!(rep.dispatch_s.len(), 2);
+                    b.destroy()?;
+                    let mut h = HierBuffer::new(cfg, boot, opts)?;
+                    run_normal_hier(&mut h, &params(48, 9))?;
+                    h.destroy()
+                })
+            })
+            .collect();
+        for (rank, h) in hs.into_iter().enumerate() {
+            h.join().expect("rank thread").unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        }
+    });
+}
+
+/// Ranks that disagree on `intranode_provider` fail at connect, each with a ConfigMismatch.
+#[test]
+fn ranks_that_disagree_on_the_intranode_provider_fail_at_connect() {
+    let case = Case { nodes: 2, rpn: 1, provider: "shm", fp8: false, tokens: vec![4] };
+    let boots = InProcGroup::new(2, 1, Duration::from_secs(20)).unwrap();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = boots
+            .into_iter()
+            .enumerate()
+            .map(|(rank, boot)| {
+                let case = &case;
+                s.spawn(move || {
+                    let cfg = EpConfig::new(case.settings(rank)).unwrap();
+                    let mut opts = BufferOptions::host("shm");
+                    if rank == 1 {
+                        opts.intranode_provider = Some("shm".to_string());
+                    }
+                    Buffer::new(cfg, Arc::new(boot), opts).map(|_| ())
+                })
+            })
+            .collect();
+        for (rank, h) in hs.into_iter().enumerate() {
+            match h.join().expect("rank thread") {
+                Err(Error::ConfigMismatch(m)) => assert!(m.contains("intranode_provider"), "{m}"),
+                other => panic!("rank {rank}: {other:?}"),
+            }
+        }
+    });
 }

@@ -5,9 +5,9 @@
 use std::time::Instant;
 
 use crate::ep::buffer::{Buffer, CombineArgs, CombineOutput, DispatchArgs, DispatchOutput, Tokens};
+use crate::ep::config::{DispatchDtype, EpConfig};
 use crate::ep::hier::{HierBuffer, HierDispatchArgs, HierDispatchOutput, META_CHANNELS};
 use crate::ep::layout::Layout;
-use crate::ep::config::{DispatchDtype, EpConfig};
 use crate::ep::layout::{random_topk_idx, LayoutShape};
 use crate::ep::quant::{dequantize_row, f32_to_bf16, quantize_bf16};
 use crate::ep::reference::{self as refm, NormalCombineOut, NormalDispatchOut};
@@ -276,8 +276,7 @@ trait NormalPath {
     type Out;
     fn dispatch(&mut self, me: &RankInputs, layout: &Layout) -> Result<Self::Out>;
     fn view(out: &Self::Out) -> DispatchView<'_>;
-    fn combine(&mut self, out: &Self::Out, x: &[u16], w: Option<&[f32]>)
-        -> Result<CombineOutput>;
+    fn combine(&mut self, out: &Self::Out, x: &[u16], w: Option<&[f32]>) -> Result<CombineOutput>;
     /// The hierarchy's measured rows of this dispatch: (rail rows to other nodes, rows this
     /// rank forwarded as a gateway); `None` for the direct path.
     fn hier_rows(&self, out: &Self::Out) -> Option<(u64, u64)>;

@@ -101,6 +101,11 @@ struct Common {
     /// Needs --ranks-per-node below the number of ranks.
     #[arg(long)]
     hierarchy: bool,
+    /// Host backend: write to the ranks of this rank's node through this provider (e.g. shm)
+    /// and to the other nodes through --provider, as GPUs use NVLink inside a node and the NIC
+    /// between nodes (`BufferOptions::intranode_provider`; the hierarchy's node stage too).
+    #[arg(long)]
+    intranode_provider: Option<String>,
     #[arg(long, default_value_t = 20, global = true)]
     iters: usize,
 }
@@ -246,14 +251,17 @@ fn main() -> ExitCode {
             })
             .map_err(|e| e.into())
         }
-        _ if cli.common.hierarchy
+        _ if (cli.common.hierarchy || cli.common.intranode_provider.is_some())
             && (gpu_backend(&cli)
                 || cli.common.backend == Some(Backend::Gpu)
                 || cli.common.mode == Mode::LowLatency) =>
         {
-            Err("--hierarchy: the host backend's normal mode only (pass --backend host; the GPU \
+            let flag = if cli.common.hierarchy { "--hierarchy" } else { "--intranode-provider" };
+            Err(format!(
+                "{flag}: the host backend's normal mode only (pass --backend host; the GPU \
                  kernels send directly per rank, docs/ARCHITECTURE.md says why)"
-                .into())
+            )
+            .into())
         }
         _ if (cli.common.cached
             || cli.common.gpu_chunk.is_some()
@@ -496,8 +504,8 @@ fn run_rank(cli: &Cli) -> AnyResult<()> {
 fn run_normal_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult<()> {
     use fabric_ep::bench::ep::{run_normal, run_normal_hier, NormalBenchParams};
     use fabric_ep::ep::buffer::{Buffer, BufferOptions};
-    use fabric_ep::ep::hier::HierBuffer;
     use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
+    use fabric_ep::ep::hier::HierBuffer;
     let (rank, world) = (boot.rank(), boot.world_size());
     let mut s = EpSettings::new(rank, world, c.experts, c.hidden, c.topk);
     s.ranks_per_node = c.ranks_per_node.unwrap_or(world).min(world);
@@ -506,7 +514,11 @@ fn run_normal_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult
         s.dispatch_dtype = DispatchDtype::Fp8E4m3;
     }
     let cfg = EpConfig::new(s)?;
-    let mut buf = Buffer::new(cfg.clone(), boot.clone(), BufferOptions::host(&c.provider))?;
+    let opts = BufferOptions {
+        intranode_provider: c.intranode_provider.clone(),
+        ..BufferOptions::host(&c.provider)
+    };
+    let mut buf = Buffer::new(cfg.clone(), boot.clone(), opts.clone())?;
     let p = NormalBenchParams {
         num_tokens: c.tokens.unwrap_or(512),
         seed: 0x5eed,
@@ -522,7 +534,7 @@ fn run_normal_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult
         if cfg.ranks_per_node >= world {
             return Err("--hierarchy: needs --ranks-per-node below the number of ranks".into());
         }
-        let mut hb = HierBuffer::new(cfg.clone(), boot.clone(), BufferOptions::host(&c.provider))?;
+        let mut hb = HierBuffer::new(cfg.clone(), boot.clone(), opts)?;
         let (hrep, bytes) = run_normal_hier(&mut hb, &p)?;
         hb.destroy()?;
         let words = [bytes.direct, bytes.hier, bytes.hier_forwarded];
@@ -542,11 +554,15 @@ fn run_normal_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult
         let (dg, dm, dp) = rep.dispatch_figures();
         let (cg, cm, cp) = rep.combine_figures();
         println!(
-            "ep-bench normal (host backend): {world} ranks, {} per node, provider {}, \
+            "ep-bench normal (host backend): {world} ranks, {} per node, provider {}{}, \
              tokens {}, hidden {}, top-{} of {} experts, {}, {} iters (+{} warm-up), \
              every result checked against the reference",
             cfg.ranks_per_node,
             c.provider,
+            c.intranode_provider
+                .as_ref()
+                .map(|p| format!(" (inside a node: {p})"))
+                .unwrap_or_default(),
             p.num_tokens,
             cfg.hidden,
             cfg.num_topk,
@@ -572,7 +588,8 @@ fn run_normal_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult
         if let Some((h, sum)) = &hier {
             let (dg, dm, dp) = h.dispatch_figures();
             let (cg, cm, cp) = h.combine_figures();
-            let hrow = |op: &str, g, m, p, b| EpRow { mode: "normal-hier".into(), ..row(op, g, m, p, b) };
+            let hrow =
+                |op: &str, g, m, p, b| EpRow { mode: "normal-hier".into(), ..row(op, g, m, p, b) };
             println!("{}", hrow("dispatch", dg, dm, dp, h.dispatch_bytes).to_line());
             println!("{}", hrow("combine", cg, cm, cp, h.combine_bytes).to_line());
             let mb = |b: u64| b as f64 / world as f64 / 1e6;

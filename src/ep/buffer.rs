@@ -44,7 +44,7 @@ use crate::bootstrap::Bootstrap;
 use crate::fabric::{InfoQuery, MemKind, MemoryRegion, Stack};
 use crate::proxy::{
     CounterLayout, CounterMemory, FabricTransport, LoopbackGroup, LoopbackOptions, Proxy,
-    ProxyConfig, RingLayout, RingMemory, SharedRegion,
+    ProxyConfig, RingLayout, RingMemory, SharedRegion, SplitTransport,
 };
 use crate::{Error, Result};
 
@@ -89,6 +89,11 @@ pub struct BufferOptions {
     pub ll_loopback: Option<LoopbackGroup>,
     /// The GPU backend's options (required with [`Backend::Gpu`]).
     pub gpu: Option<GpuOptions>,
+    /// Host backend over libfabric: peers on this rank's node are written through a second
+    /// endpoint of this provider (e.g. "shm"), the others through [`Self::provider`], as a GPU
+    /// job's intranode traffic takes NVLink and not the NIC. Every rank must pass the same
+    /// (a mismatch is [`Error::ConfigMismatch`] at connect). `None`: one provider for all.
+    pub intranode_provider: Option<String>,
 }
 
 impl BufferOptions {
@@ -102,6 +107,7 @@ impl BufferOptions {
             ring_capacity: 1024,
             ll_loopback: None,
             gpu: None,
+            intranode_provider: None,
         }
     }
 
@@ -121,6 +127,9 @@ impl BufferOptions {
         self
     }
 }
+
+/// Mixed into the connect header's config hash when an intranode provider is used.
+const SPLIT_HASH_TAG: u64 = 0x7370_6c69_7470_7276; // "splitprv"
 
 /// Region chunk used for the loopback transport (no provider limit; same as fabric's default).
 const LOOPBACK_STRIDE: u64 = 1 << 30;
@@ -214,6 +223,8 @@ pub struct CombineOutput {
 /// Keeps the libfabric objects alive behind the proxy.
 struct FabricHold {
     // NOTES: field order is drop order: regions before the stack that registered them.
+    /// The intranode provider's registrations and stack (`BufferOptions::intranode_provider`).
+    _near: Option<(Arc<MemoryRegion>, Arc<MemoryRegion>, Stack)>,
     _recv_mr: Arc<MemoryRegion>,
     _send_mr: Arc<MemoryRegion>,
     _stack: Stack,
@@ -363,32 +374,89 @@ impl Buffer {
             }
             TransportKind::Fabric => {
                 let stack = Stack::open(&InfoQuery::provider(&opts.provider), r)?;
-                let stride = stack.info.max_region_bytes().max(4096) as u64;
+                let near_stack = match &opts.intranode_provider {
+                    Some(p) => Some(Stack::open(&InfoQuery::provider(p), r)?),
+                    None => None,
+                };
+                // NOTES: with two providers the slots must sit inside both one's and the other's
+                // registration chunks: both are powers of two, so the smaller stride serves both.
+                let stride = std::iter::once(&stack)
+                    .chain(near_stack.as_ref())
+                    .map(|s| s.info.max_region_bytes().max(4096) as u64)
+                    .min()
+                    .unwrap_or(4096);
                 let geo = geometry(&cfg, stride)?;
                 let send = Arc::new(SharedRegion::alloc_host(geo.bytes as usize)?);
                 let recv = Arc::new(SharedRegion::alloc_host(geo.bytes as usize)?);
-                // SAFETY: both regions are kept alive by `Buffer::_mem`, which drops after the
-                // proxy (whose transport posts writes naming them) and after the registrations.
-                let send_mr =
-                    Arc::new(unsafe { stack.register(send.as_ptr(), send.len(), MemKind::Host)? });
-                let recv_mr =
-                    Arc::new(unsafe { stack.register(recv.as_ptr(), recv.len(), MemKind::Host)? });
-                let fp = super::connect::exchange_fabric(
-                    &*boot,
-                    &stack,
-                    &recv_mr.remote(),
-                    &hash.to_le_bytes(),
-                    geo.bytes,
-                )?;
-                for (peer, h) in fp.headers.iter().enumerate() {
-                    let h = read_u64(h, 0).ok_or_else(|| blob_err(rank, peer, h.len()))?;
-                    cfg.check_peer_hash(peer, h)?;
-                }
-                let peers = fp.into_proxy_peers();
-                let transport =
-                    FabricTransport::new(rank as u32, stack.ep.clone(), send_mr.clone(), peers)?;
-                let proxy = Proxy::start(pcfg, rings.clone(), counters, vec![transport])?;
-                let hold = FabricHold { _recv_mr: recv_mr, _send_mr: send_mr, _stack: stack };
+                // The header: the config hash, tagged when an intranode provider is used (so
+                // ranks that disagree on it fail here, before the second exchange).
+                let tag = if near_stack.is_some() { SPLIT_HASH_TAG } else { 0 };
+                let header = (hash ^ tag).to_le_bytes();
+                let connect = |stack: &Stack| -> Result<_> {
+                    // SAFETY: both regions are kept alive by `Buffer::_mem`, which drops after
+                    // the proxy (whose transport posts writes naming them) and after the
+                    // registrations.
+                    let send_mr = Arc::new(unsafe {
+                        stack.register(send.as_ptr(), send.len(), MemKind::Host)?
+                    });
+                    let recv_mr = Arc::new(unsafe {
+                        stack.register(recv.as_ptr(), recv.len(), MemKind::Host)?
+                    });
+                    let fp = super::connect::exchange_fabric(
+                        &*boot,
+                        stack,
+                        &recv_mr.remote(),
+                        &header,
+                        geo.bytes,
+                    )?;
+                    for (peer, h) in fp.headers.iter().enumerate() {
+                        let h = read_u64(h, 0).ok_or_else(|| blob_err(rank, peer, h.len()))?;
+                        cfg.check_peer_hash(peer, h ^ tag).map_err(|e| match e {
+                            Error::ConfigMismatch(m) => Error::ConfigMismatch(format!(
+                                "{m}; or the ranks disagree on BufferOptions::intranode_provider"
+                            )),
+                            e => e,
+                        })?;
+                    }
+                    Ok((send_mr, recv_mr, fp.into_proxy_peers()))
+                };
+                let (send_mr, recv_mr, peers) = connect(&stack)?;
+                let far = FabricTransport::new(rank as u32, stack.ep.clone(), send_mr.clone(), {
+                    let mut p = peers;
+                    if near_stack.is_some() {
+                        for (d, slot) in p.iter_mut().enumerate() {
+                            if d / cfg.ranks_per_node == rank / cfg.ranks_per_node {
+                                *slot = None;
+                            }
+                        }
+                    }
+                    p
+                })?;
+                let (proxy, near_hold) = match near_stack {
+                    None => (Proxy::start(pcfg, rings.clone(), counters, vec![far])?, None),
+                    Some(ns) => {
+                        let (nsend, nrecv, mut np) = connect(&ns)?;
+                        let near: Vec<bool> = (0..cfg.num_ranks)
+                            .map(|d| d / cfg.ranks_per_node == rank / cfg.ranks_per_node)
+                            .collect();
+                        for (d, slot) in np.iter_mut().enumerate() {
+                            if !near[d] {
+                                *slot = None;
+                            }
+                        }
+                        let near_t =
+                            FabricTransport::new(rank as u32, ns.ep.clone(), nsend.clone(), np)?;
+                        let t = SplitTransport { near, near_t, far_t: far };
+                        let proxy = Proxy::start(pcfg, rings.clone(), counters, vec![t])?;
+                        (proxy, Some((nrecv, nsend, ns)))
+                    }
+                };
+                let hold = FabricHold {
+                    _near: near_hold,
+                    _recv_mr: recv_mr,
+                    _send_mr: send_mr,
+                    _stack: stack,
+                };
                 (geo, send, recv, proxy, Some(hold))
             }
         };

@@ -31,8 +31,8 @@
 use std::sync::Arc;
 
 use super::buffer::{
-    Backend, Buffer, BufferOptions, CombineArgs, CombineOutput, DispatchArgs, OwnedTokens,
-    Tokens, TransportKind,
+    Backend, Buffer, BufferOptions, CombineArgs, CombineOutput, DispatchArgs, OwnedTokens, Tokens,
+    TransportKind,
 };
 use super::config::{EpConfig, EpSettings};
 use super::handle::DispatchHandle;
@@ -196,12 +196,8 @@ impl HierBuffer {
         let s = cfg.settings();
         let rpn = s.ranks_per_node;
         let nodes = s.num_ranks / rpn;
-        let rail = EpSettings {
-            rank: s.rank / rpn,
-            num_ranks: nodes,
-            ranks_per_node: 1,
-            ..s.clone()
-        };
+        let rail =
+            EpSettings { rank: s.rank / rpn, num_ranks: nodes, ranks_per_node: 1, ..s.clone() };
         let node = EpSettings {
             rank: s.rank % rpn,
             num_ranks: rpn,
@@ -213,21 +209,31 @@ impl HierBuffer {
         if s.hidden % FP8_GROUP != 0 {
             return Err(Error::arg(
                 "hidden",
-                format!("{} is not a multiple of 128, as the hierarchy's metadata lane needs", s.hidden),
+                format!(
+                    "{} is not a multiple of 128, as the hierarchy's metadata lane needs",
+                    s.hidden
+                ),
             ));
         }
         Ok((rail, node))
     }
 
     /// Connects both stages (collective: every rank of `boot` calls it). Host backend over
-    /// libfabric only; the world's config hash is checked first, so a rank built for the
-    /// direct path or with other settings fails here.
+    /// libfabric only: the rail stage over `opts.provider`, the node stage over
+    /// `opts.intranode_provider` (else the same provider). The world's config hash is checked
+    /// first, so a rank built for the direct path or with other settings fails here.
     pub fn new(cfg: EpConfig, boot: Arc<dyn Bootstrap>, opts: BufferOptions) -> Result<Self> {
         if opts.backend != Backend::Host {
-            return Err(Error::arg("backend", "the hierarchical buffer is built for the host backend only"));
+            return Err(Error::arg(
+                "backend",
+                "the hierarchical buffer is built for the host backend only",
+            ));
         }
         if !matches!(opts.transport, TransportKind::Fabric) {
-            return Err(Error::arg("transport", "the hierarchical buffer runs over libfabric only"));
+            return Err(Error::arg(
+                "transport",
+                "the hierarchical buffer runs over libfabric only",
+            ));
         }
         if boot.rank() != cfg.rank || boot.world_size() != cfg.num_ranks {
             return Err(Error::arg(
@@ -269,8 +275,16 @@ impl HierBuffer {
             index: local,
             one_node: true,
         };
-        let rail = Buffer::new(EpConfig::new(rs)?, Arc::new(rail_boot), opts.clone())?;
-        let node = Buffer::new(EpConfig::new(ns)?, Arc::new(node_boot), opts)?;
+        // The rail stage's peers are all on other nodes (`provider`); the node stage's all on
+        // this one (`intranode_provider` when given).
+        let node_opts = BufferOptions {
+            provider: opts.intranode_provider.clone().unwrap_or_else(|| opts.provider.clone()),
+            intranode_provider: None,
+            ..opts.clone()
+        };
+        let rail_opts = BufferOptions { intranode_provider: None, ..opts };
+        let rail = Buffer::new(EpConfig::new(rs)?, Arc::new(rail_boot), rail_opts)?;
+        let node = Buffer::new(EpConfig::new(ns)?, Arc::new(node_boot), node_opts)?;
         static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
         let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(HierBuffer { cfg, rail, node, id })
@@ -391,7 +405,8 @@ impl HierBuffer {
             let mut o = vec![0f32; rows * k];
             for (p, &i) in perm.iter().enumerate() {
                 let i = i as usize;
-                o[p * k..(p + 1) * k].copy_from_slice(&node_out.recv_topk_weights[i * k..(i + 1) * k]);
+                o[p * k..(p + 1) * k]
+                    .copy_from_slice(&node_out.recv_topk_weights[i * k..(i + 1) * k]);
             }
             o
         };
@@ -457,8 +472,7 @@ impl HierBuffer {
         let n1 = handle.node.num_tokens();
         let mut rail_x = vec![0u16; n1 * h];
         for i in 0..n1 {
-            rail_x[i * h..(i + 1) * h]
-                .copy_from_slice(&at_gateway.combined_x[i * hw..i * hw + h]);
+            rail_x[i * h..(i + 1) * h].copy_from_slice(&at_gateway.combined_x[i * hw..i * hw + h]);
         }
         self.rail.combine(&CombineArgs {
             x: &rail_x,
@@ -481,12 +495,7 @@ fn rows_by_source(prefix: &[u64], n: usize) -> Vec<usize> {
 
 /// The node stage's rows: each of `n` rows of `x` (hidden `h`) followed by the metadata lane,
 /// whose first 8 bytes are `meta(row)` = (source node, token index on the source), LE.
-fn widen(
-    x: &OwnedTokens,
-    h: usize,
-    n: usize,
-    meta: impl Fn(usize) -> (u32, u32),
-) -> OwnedTokens {
+fn widen(x: &OwnedTokens, h: usize, n: usize, meta: impl Fn(usize) -> (u32, u32)) -> OwnedTokens {
     let hw = h + META_CHANNELS;
     let bytes = |i: usize| {
         let (m, t) = meta(i);
@@ -597,7 +606,8 @@ mod tests {
             }
             _ => panic!("bf16 in, bf16 out"),
         }
-        let f8 = OwnedTokens::Fp8 { x: (0..2 * h).map(|v| v as u8).collect(), scales: vec![0.5, 2.0] };
+        let f8 =
+            OwnedTokens::Fp8 { x: (0..2 * h).map(|v| v as u8).collect(), scales: vec![0.5, 2.0] };
         let w = widen(&f8, h, 2, |i| (i as u32, 40 + i as u32));
         assert_eq!(read_meta(&w, h, 2), vec![(0, 40), (1, 41)]);
         match narrow(&w, h, &[1, 0], 2) {

@@ -43,3 +43,80 @@ pub trait Transport: Send + 'static {
     /// Appends completions and arrivals to `events` (does not clear it) and makes progress.
     fn poll(&mut self, events: &mut Vec<TransportEvent>) -> Result<(), ProxyError>;
 }
+
+/// Two transports behind one: writes to the peers `near[dst]` marks go to `near_t` (this
+/// node's ranks over an intranode provider), the others to `far_t` (the network); `poll` drains
+/// both. Used by the host backend's `BufferOptions::intranode_provider`, so the direct path's
+/// intranode traffic takes the node's own link as it would on GPUs (NVLink), not the NIC.
+#[derive(Debug)]
+pub struct SplitTransport<A, B> {
+    pub near: Vec<bool>,
+    pub near_t: A,
+    pub far_t: B,
+}
+
+impl<A: Transport, B: Transport> Transport for SplitTransport<A, B> {
+    fn on_start(&mut self) -> Result<(), ProxyError> {
+        self.near_t.on_start()?;
+        self.far_t.on_start()
+    }
+
+    fn post_write(&mut self, op: &WriteOp) -> Result<bool, ProxyError> {
+        if self.near.get(op.dst_rank as usize).copied().unwrap_or(false) {
+            self.near_t.post_write(op)
+        } else {
+            self.far_t.post_write(op)
+        }
+    }
+
+    fn poll(&mut self, events: &mut Vec<TransportEvent>) -> Result<(), ProxyError> {
+        self.near_t.poll(events)?;
+        self.far_t.poll(events)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Records the destinations it is asked to write to; reports one arrival per poll.
+    #[derive(Default)]
+    struct Log {
+        posted: Vec<u32>,
+        imm: u32,
+    }
+
+    impl Transport for Log {
+        fn post_write(&mut self, op: &WriteOp) -> Result<bool, ProxyError> {
+            self.posted.push(op.dst_rank);
+            Ok(true)
+        }
+        fn poll(&mut self, events: &mut Vec<TransportEvent>) -> Result<(), ProxyError> {
+            events.push(TransportEvent::Arrival { imm: self.imm, len: 0 });
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn split_routes_by_peer_and_polls_both() {
+        let mut t = SplitTransport {
+            near: vec![true, true, false, false],
+            near_t: Log { imm: 1, ..Log::default() },
+            far_t: Log { imm: 2, ..Log::default() },
+        };
+        for d in [0, 2, 1, 3, 3, 7] {
+            assert!(t.post_write(&WriteOp { dst_rank: d, ..WriteOp::default() }).unwrap());
+        }
+        assert_eq!(t.near_t.posted, vec![0, 1]);
+        assert_eq!(t.far_t.posted, vec![2, 3, 3, 7], "unknown peers go to the network");
+        let mut ev = Vec::new();
+        t.poll(&mut ev).unwrap();
+        assert_eq!(
+            ev,
+            vec![
+                TransportEvent::Arrival { imm: 1, len: 0 },
+                TransportEvent::Arrival { imm: 2, len: 0 }
+            ]
+        );
+    }
+}
