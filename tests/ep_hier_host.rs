@@ -265,15 +265,18 @@ fn settings_the_hierarchy_refuses() {
 }
 
 /// Both routings with the network and the node on different providers (`tcp;ofi_rxm` between
-/// nodes, `shm` inside one, as NIC and NVLink on GPUs): the direct path through
-/// `BufferOptions::intranode_provider` (its SplitTransport) and the hierarchy, every result
-/// checked by the bench loop.
+/// nodes, `shm` inside one, as NIC and NVLink on GPUs) and the network rate-capped: the direct
+/// path through `BufferOptions::intranode_provider` (its SplitTransport) and the hierarchy,
+/// every result checked by the bench loop.
 #[test]
 fn network_and_node_on_different_providers() {
     let case = Case { nodes: 2, rpn: 2, provider: "tcp;ofi_rxm", fp8: false, tokens: vec![48] };
     let boots = InProcGroup::new(case.world(), case.rpn, Duration::from_secs(60)).unwrap();
+    // The network capped at 0.5 GB/s per rank: writes held back by the cap (backpressure)
+    // must still all arrive, in any order.
     let opts = BufferOptions {
         intranode_provider: Some("shm".to_string()),
+        emulate_network_gbps: Some(0.5),
         ..BufferOptions::host(case.provider)
     };
     std::thread::scope(|s| {

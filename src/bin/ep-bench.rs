@@ -106,6 +106,12 @@ struct Common {
     /// between nodes (`BufferOptions::intranode_provider`; the hierarchy's node stage too).
     #[arg(long)]
     intranode_provider: Option<String>,
+    /// Host backend, a bench aid: cap each rank's writes to other nodes at this many GB/s
+    /// (`BufferOptions::emulate_network_gbps`), so a NIC-bound cluster can be imitated on one
+    /// machine where every link is a memory copy. Applies to the direct path and the
+    /// hierarchy's rail stage alike.
+    #[arg(long)]
+    emulate_network_gbps: Option<f64>,
     #[arg(long, default_value_t = 20, global = true)]
     iters: usize,
 }
@@ -251,7 +257,9 @@ fn main() -> ExitCode {
             })
             .map_err(|e| e.into())
         }
-        _ if (cli.common.hierarchy || cli.common.intranode_provider.is_some())
+        _ if (cli.common.hierarchy
+            || cli.common.intranode_provider.is_some()
+            || cli.common.emulate_network_gbps.is_some())
             && (gpu_backend(&cli)
                 || cli.common.backend == Some(Backend::Gpu)
                 || cli.common.mode == Mode::LowLatency) =>
@@ -514,8 +522,14 @@ fn run_normal_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult
         s.dispatch_dtype = DispatchDtype::Fp8E4m3;
     }
     let cfg = EpConfig::new(s)?;
+    if let Some(g) = c.emulate_network_gbps {
+        if !(g > 0.0 && g.is_finite()) {
+            return Err(format!("--emulate-network-gbps: {g} must be a positive number").into());
+        }
+    }
     let opts = BufferOptions {
         intranode_provider: c.intranode_provider.clone(),
+        emulate_network_gbps: c.emulate_network_gbps,
         ..BufferOptions::host(&c.provider)
     };
     let mut buf = Buffer::new(cfg.clone(), boot.clone(), opts.clone())?;
@@ -562,7 +576,10 @@ fn run_normal_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult
             c.intranode_provider
                 .as_ref()
                 .map(|p| format!(" (inside a node: {p})"))
-                .unwrap_or_default(),
+                .unwrap_or_default()
+                + &c.emulate_network_gbps
+                    .map(|g| format!("; writes to other nodes capped at {g} GB/s per rank"))
+                    .unwrap_or_default(),
             p.num_tokens,
             cfg.hidden,
             cfg.num_topk,

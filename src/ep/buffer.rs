@@ -44,7 +44,7 @@ use crate::bootstrap::Bootstrap;
 use crate::fabric::{InfoQuery, MemKind, MemoryRegion, Stack};
 use crate::proxy::{
     CounterLayout, CounterMemory, FabricTransport, LoopbackGroup, LoopbackOptions, Proxy,
-    ProxyConfig, RingLayout, RingMemory, SharedRegion, SplitTransport,
+    ProxyConfig, RingLayout, RingMemory, SharedRegion, SplitTransport, Throttled,
 };
 use crate::{Error, Result};
 
@@ -94,6 +94,10 @@ pub struct BufferOptions {
     /// job's intranode traffic takes NVLink and not the NIC. Every rank must pass the same
     /// (a mismatch is [`Error::ConfigMismatch`] at connect). `None`: one provider for all.
     pub intranode_provider: Option<String>,
+    /// Host backend over libfabric, a bench aid: cap this rank's writes to ranks on other nodes
+    /// at this many GB/s (`proxy::Throttled`), to stand in for a NIC slower than the node's
+    /// own link where both are memory copies (one machine). `None`: no cap.
+    pub emulate_network_gbps: Option<f64>,
 }
 
 impl BufferOptions {
@@ -108,6 +112,7 @@ impl BufferOptions {
             ll_loopback: None,
             gpu: None,
             intranode_provider: None,
+            emulate_network_gbps: None,
         }
     }
 
@@ -432,8 +437,15 @@ impl Buffer {
                     }
                     p
                 })?;
+                let far_peers: Vec<bool> = (0..cfg.num_ranks)
+                    .map(|d| d / cfg.ranks_per_node != rank / cfg.ranks_per_node)
+                    .collect();
+                let rate = opts.emulate_network_gbps.map(|g| g * 1e9);
                 let (proxy, near_hold) = match near_stack {
-                    None => (Proxy::start(pcfg, rings.clone(), counters, vec![far])?, None),
+                    None => {
+                        let t = Throttled::new(far, far_peers, rate);
+                        (Proxy::start(pcfg, rings.clone(), counters, vec![t])?, None)
+                    }
                     Some(ns) => {
                         let (nsend, nrecv, mut np) = connect(&ns)?;
                         let near: Vec<bool> = (0..cfg.num_ranks)
@@ -447,6 +459,7 @@ impl Buffer {
                         let near_t =
                             FabricTransport::new(rank as u32, ns.ep.clone(), nsend.clone(), np)?;
                         let t = SplitTransport { near, near_t, far_t: far };
+                        let t = Throttled::new(t, far_peers, rate);
                         let proxy = Proxy::start(pcfg, rings.clone(), counters, vec![t])?;
                         (proxy, Some((nrecv, nsend, ns)))
                     }

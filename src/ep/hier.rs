@@ -280,6 +280,7 @@ impl HierBuffer {
         let node_opts = BufferOptions {
             provider: opts.intranode_provider.clone().unwrap_or_else(|| opts.provider.clone()),
             intranode_provider: None,
+            emulate_network_gbps: None,
             ..opts.clone()
         };
         let rail_opts = BufferOptions { intranode_provider: None, ..opts };

@@ -29,7 +29,7 @@ pub use memory::{
     pack_counters, packed_add, unpack_counters, Command, CounterLayout, CounterMemory, RingLayout,
     RingMemory, RingProducer, SharedRegion, REGION_ALIGN,
 };
-pub use transport::{SplitTransport, Transport, TransportEvent, WriteOp};
+pub use transport::{SplitTransport, Throttled, Transport, TransportEvent, WriteOp};
 pub use worker::{ArrivalWait, Lagging, Proxy, ProxyConfig};
 
 /// Errors from the proxy. Each names the rank, ring, peer, slot or immediate it is about.
