@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Device run 4 (ninth session), one H200: the normal-mode descriptor blocks written word by word
+# through int64 views (was one struct.pack_into per block): the overhead bench three times, the
+# profile once, then the Python GPU tests (pytest). Bundle: FEP_GPU_BUILD=python.
+set -u
+B=$PWD/gpu-bundle
+export LD_LIBRARY_PATH="$B/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" CUDA_MODULE_LOADING=EAGER
+L=$OUT/logs; mkdir -p "$L"
+S=$L/summary.txt
+say() { echo "== $(date +%T) $*" | tee -a "$S"; }
+say "start $(head -1 $B/MANIFEST)"
+cd "$B/python/tests"
+export PYTHONPATH=$B/python:$B/python/tests FABRIC_EP_LIBRARY=$B/python/fabric_ep/libfabric_ep.so CUDA_DEVICE_MAX_CONNECTIONS=32
+for i in 1 2 3; do
+  timeout 60 python3 bench_overhead_gpu.py >"$L/overhead_gpu-$i.json" 2>"$L/overhead_gpu-$i.err"; say "overhead $i rc=$?"
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(k, {c: round(v, 2) for c, v in d[k].items()}) for k in ('python_side_us','python_side_prealloc_us','paired_median_difference_us')]" "$L/overhead_gpu-$i.json" | tee -a "$S"
+done
+timeout 120 python3 profile_overhead_gpu.py >"$L/profile.log" 2>&1; say "profile rc=$?"
+grep -A30 '"parts_us"' "$L/profile.log" | tr -d '\n ' | tee -a "$S"; echo | tee -a "$S"
+timeout 300 python3 -m pytest -q -p no:cacheprovider test_gpu.py test_gpu_abi.py test_torch.py >"$L/pytest-gpu.log" 2>&1
+say "python GPU tests (pytest) rc=$? $(tail -1 "$L/pytest-gpu.log")"; grep -E "FAILED|Error" "$L/pytest-gpu.log" | head -5 | tee -a "$S"
