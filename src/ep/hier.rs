@@ -578,16 +578,6 @@ fn narrow(x: &OwnedTokens, h: usize, perm: &[u32], rows: usize) -> OwnedTokens {
     }
 }
 
-impl OwnedTokens {
-    /// A borrowed view.
-    pub fn as_ref(&self) -> Tokens<'_> {
-        match self {
-            OwnedTokens::Bf16(v) => Tokens::Bf16(v),
-            OwnedTokens::Fp8 { x, scales } => Tokens::Fp8 { x, scales },
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

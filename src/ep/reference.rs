@@ -30,6 +30,16 @@ pub enum Tokens {
     Fp8 { x: Vec<u8>, scales: Vec<f32> },
 }
 
+impl Tokens {
+    /// A borrowed view (what dispatch takes).
+    pub fn as_ref(&self) -> TokensRef<'_> {
+        match self {
+            Tokens::Bf16(v) => TokensRef::Bf16(v),
+            Tokens::Fp8 { x, scales } => TokensRef::Fp8 { x, scales },
+        }
+    }
+}
+
 impl TokensRef<'_> {
     /// Rows, after checking the shapes against `hidden`.
     fn num_rows(&self, hidden: usize) -> Result<usize> {
