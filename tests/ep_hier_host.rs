@@ -333,3 +333,58 @@ fn ranks_that_disagree_on_the_intranode_provider_fail_at_connect() {
         }
     });
 }
+
+/// A rank that never dispatches: every other rank gets a timeout within its bound, naming job
+/// ranks (not the stages' sub-ranks): rank 3's rail partner (rank 1) and node partner (rank 2)
+/// name rank 3.
+#[test]
+fn a_stalled_rank_is_named_in_job_ranks() {
+    let case = Case { nodes: 2, rpn: 2, provider: "shm", fp8: false, tokens: vec![24] };
+    let boots = InProcGroup::new(4, 2, Duration::from_secs(60)).unwrap();
+    let cfg0 = EpConfig::new(case.settings(0)).unwrap();
+    let inputs = case.inputs(&cfg0);
+    let t0 = std::time::Instant::now();
+    let errs: Vec<Option<Error>> = std::thread::scope(|s| {
+        let hs: Vec<_> = boots
+            .into_iter()
+            .enumerate()
+            .map(|(rank, boot)| {
+                let (case, inputs) = (&case, &inputs);
+                s.spawn(move || {
+                    let mut st = case.settings(rank);
+                    st.timeout = Duration::from_secs(2);
+                    let cfg = EpConfig::new(st).unwrap();
+                    let boot: Arc<dyn Bootstrap> = Arc::new(boot);
+                    let mut buf = HierBuffer::new(cfg, boot, BufferOptions::host("shm")).unwrap();
+                    if rank == 3 {
+                        std::thread::sleep(Duration::from_secs(5));
+                        return None;
+                    }
+                    let me = &inputs[rank];
+                    let r = buf.dispatch(&HierDispatchArgs {
+                        x: me.tokens(),
+                        topk_idx: Some(&me.topk_idx),
+                        topk_weights: Some(&me.topk_weights),
+                        ..HierDispatchArgs::default()
+                    });
+                    Some(r.err().unwrap_or_else(|| panic!("rank {rank}: dispatch without rank 3")))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    });
+    assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
+    for (rank, e) in errs.iter().enumerate().take(3) {
+        match e {
+            Some(Error::Timeout { rank: r, peers, detail, .. }) => {
+                assert_eq!(*r, rank, "the error names this rank in job ranks");
+                assert!(!peers.is_empty() && !peers.contains(&rank), "rank {rank}: {peers:?}");
+                if rank > 0 {
+                    assert_eq!(peers, &vec![3], "rank {rank} waits on rank 3 directly");
+                }
+                assert!(detail.contains("stage"), "{detail}");
+            }
+            other => panic!("rank {rank}: {other:?}"),
+        }
+    }
+}

@@ -300,6 +300,18 @@ impl HierBuffer {
         (self.cfg.rank / self.cfg.ranks_per_node, self.cfg.rank % self.cfg.ranks_per_node)
     }
 
+    /// [`world_err`] for the rail stage (sub-rank = node index).
+    fn rail_err(&self, e: Error) -> Error {
+        let (rpn, local) = (self.cfg.ranks_per_node, self.cfg.rank % self.cfg.ranks_per_node);
+        world_err(e, "rail", |n| n * rpn + local)
+    }
+
+    /// [`world_err`] for the node stage (sub-rank = local index).
+    fn node_err(&self, e: Error) -> Error {
+        let first = self.cfg.rank / self.cfg.ranks_per_node * self.cfg.ranks_per_node;
+        world_err(e, "node", |j| first + j)
+    }
+
     /// Both stages' registered bytes.
     pub fn registered_bytes(&self) -> u64 {
         self.rail.registered_bytes() + self.node.registered_bytes()
@@ -328,7 +340,8 @@ impl HierBuffer {
             handle: args.handle.map(|hd| &hd.rail),
             expert_alignment: 1,
             num_worst_tokens: None,
-        })?;
+        });
+        let rail_out = rail_out.map_err(|e| self.rail_err(e))?;
         let n1 = rail_out.num_recv_tokens;
         let src_node = rows_by_source(rail_out.handle.rank_prefix(), n1);
         let wide = widen(&rail_out.recv_x, h, n1, |i| {
@@ -343,7 +356,8 @@ impl HierBuffer {
             handle: args.handle.map(|hd| &hd.node),
             expert_alignment: args.expert_alignment,
             num_worst_tokens: None,
-        })?;
+        });
+        let node_out = node_out.map_err(|e| self.node_err(e))?;
         let n2 = node_out.num_recv_tokens;
         let rows = match args.num_worst_tokens {
             None => n2,
@@ -469,17 +483,40 @@ impl HierBuffer {
             x: &node_x,
             handle: &handle.node,
             topk_weights: node_w.as_deref(),
-        })?;
+        });
+        let at_gateway = at_gateway.map_err(|e| self.node_err(e))?;
         let n1 = handle.node.num_tokens();
         let mut rail_x = vec![0u16; n1 * h];
         for i in 0..n1 {
             rail_x[i * h..(i + 1) * h].copy_from_slice(&at_gateway.combined_x[i * hw..i * hw + h]);
         }
-        self.rail.combine(&CombineArgs {
+        let out = self.rail.combine(&CombineArgs {
             x: &rail_x,
             handle: &handle.rail,
             topk_weights: at_gateway.combined_topk_weights.as_deref(),
-        })
+        });
+        out.map_err(|e| self.rail_err(e))
+    }
+}
+
+/// An error of a stage's buffer with its ranks (indices in the stage's sub-communicator)
+/// turned into the job's ranks, so a timeout names the rank an operator must look at.
+fn world_err(e: Error, stage: &str, to_world: impl Fn(usize) -> usize) -> Error {
+    match e {
+        Error::Timeout { rank, phase, peers, waited, detail } => Error::Timeout {
+            rank: to_world(rank),
+            phase,
+            peers: peers.into_iter().map(&to_world).collect(),
+            waited,
+            detail: format!("{detail} (the hierarchy's {stage} stage)"),
+        },
+        Error::Protocol { rank, peer, phase, msg } => Error::Protocol {
+            rank: to_world(rank),
+            peer: to_world(peer),
+            phase,
+            msg: format!("{msg} (the hierarchy's {stage} stage)"),
+        },
+        e => e,
     }
 }
 
