@@ -111,3 +111,31 @@ fn cached_flag_is_refused_on_the_host_backend() {
         assert!(stderr.contains(flag), "{stderr}");
     }
 }
+
+/// DeepEP's hierarchy with ranks as processes (`ep-bench --hierarchy`: the direct path, then the
+/// hierarchy on the same inputs, every result of both checked), the network over tcp;ofi_rxm and
+/// a node's ranks over shm, the network capped; refused on the GPU backend.
+#[test]
+fn processes_hierarchy_2_nodes_of_2_tcp_and_shm() {
+    let out = ep_bench()
+        .args(["--mode", "normal", "--backend", "host", "--provider", "tcp;ofi_rxm"])
+        .args(["--intranode-provider", "shm", "--emulate-network-gbps", "1", "--hierarchy"])
+        .args(["--ranks", "4", "--ranks-per-node", "2", "--fp8"])
+        .args(["--tokens", "40", "--hidden", "256", "--topk", "4", "--experts", "32"])
+        .args(["--iters", "2", "--timeout", "30"])
+        .output()
+        .expect("run ep-bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    for mode in ["normal", "normal-hier"] {
+        for op in ["dispatch", "combine"] {
+            let found = stdout.lines().any(|l| l.split_whitespace().take(2).eq([mode, op]));
+            assert!(found, "no `{mode} {op}` row: {stdout}");
+        }
+    }
+    assert!(stdout.contains("internode bytes per rank per dispatch"), "{stdout}");
+    let out = ep_bench().args(["--backend", "gpu", "--hierarchy"]).output().expect("run");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--hierarchy") && err.contains("host backend"), "{err}");
+}
