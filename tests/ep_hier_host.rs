@@ -388,3 +388,31 @@ fn a_stalled_rank_is_named_in_job_ranks() {
         }
     }
 }
+
+/// The two host-backend options are refused, naming themselves, where they cannot apply or
+/// with a rate that is not positive.
+#[test]
+fn network_options_are_checked() {
+    let cfg = EpConfig::new(EpSettings::new(0, 1, 8, 256, 2)).unwrap();
+    let boot = || -> Arc<dyn Bootstrap> {
+        Arc::new(InProcGroup::new(1, 1, Duration::from_secs(5)).unwrap().pop().unwrap())
+    };
+    let cases = [
+        ("emulate_network_gbps", Some(-1.0), None, Backend::Host),
+        ("emulate_network_gbps", Some(f64::NAN), None, Backend::Host),
+        ("emulate_network_gbps", Some(1.0), None, Backend::Gpu),
+        ("intranode_provider", None, Some("shm"), Backend::Gpu),
+    ];
+    for (arg, rate, near, backend) in cases {
+        let opts = BufferOptions {
+            backend,
+            emulate_network_gbps: rate,
+            intranode_provider: near.map(str::to_string),
+            ..BufferOptions::host("shm")
+        };
+        match Buffer::new(cfg.clone(), boot(), opts) {
+            Err(Error::InvalidArgument { arg: a, .. }) => assert_eq!(a, arg),
+            other => panic!("{arg} {rate:?} {near:?}: {other:?}"),
+        }
+    }
+}

@@ -6,7 +6,7 @@ use std::fmt::Write;
 /// One measured operation.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct EpRow {
-    /// "normal" or "low-latency".
+    /// "normal", "normal-hier" (DeepEP's hierarchy, host backend) or "low-latency".
     pub mode: String,
     /// "dispatch", "combine", "dispatch+hook", "combine+hook".
     pub op: String,

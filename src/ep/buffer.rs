@@ -306,6 +306,25 @@ impl Buffer {
                 ),
             ));
         }
+        let fabric_host =
+            opts.backend == Backend::Host && matches!(opts.transport, TransportKind::Fabric);
+        if !fabric_host && opts.intranode_provider.is_some() {
+            return Err(Error::arg(
+                "intranode_provider",
+                "only the host backend over libfabric takes it (not the GPU backend or loopback)",
+            ));
+        }
+        if let Some(g) = opts.emulate_network_gbps {
+            if !fabric_host {
+                return Err(Error::arg(
+                    "emulate_network_gbps",
+                    "only the host backend over libfabric takes it (not the GPU backend or loopback)",
+                ));
+            }
+            if !(g > 0.0 && g.is_finite()) {
+                return Err(Error::arg("emulate_network_gbps", format!("{g} must be > 0 GB/s")));
+            }
+        }
         if opts.backend == Backend::Gpu {
             let g = opts.gpu.as_ref().ok_or_else(|| {
                 Error::arg("backend", "Backend::Gpu needs GPU options: use BufferOptions::gpu")
@@ -416,12 +435,13 @@ impl Buffer {
                     )?;
                     for (peer, h) in fp.headers.iter().enumerate() {
                         let h = read_u64(h, 0).ok_or_else(|| blob_err(rank, peer, h.len()))?;
-                        cfg.check_peer_hash(peer, h ^ tag).map_err(|e| match e {
-                            Error::ConfigMismatch(m) => Error::ConfigMismatch(format!(
-                                "{m}; or the ranks disagree on BufferOptions::intranode_provider"
-                            )),
-                            e => e,
-                        })?;
+                        if h ^ tag ^ SPLIT_HASH_TAG == hash {
+                            return Err(Error::ConfigMismatch(format!(
+                                "rank {rank} and rank {peer} disagree on \
+                                 BufferOptions::intranode_provider (set on one, not the other)"
+                            )));
+                        }
+                        cfg.check_peer_hash(peer, h ^ tag)?;
                     }
                     Ok((send_mr, recv_mr, fp.into_proxy_peers()))
                 };
