@@ -304,9 +304,16 @@ fn network_and_node_on_different_providers() {
     });
 }
 
-/// Ranks that disagree on `intranode_provider` fail at connect, each with a ConfigMismatch.
+/// Ranks that disagree on `intranode_provider` fail at connect, each with a ConfigMismatch
+/// naming it: direct buffers and hierarchical ones.
 #[test]
 fn ranks_that_disagree_on_the_intranode_provider_fail_at_connect() {
+    for hier in [false, true] {
+        disagree_on_intranode_provider(hier);
+    }
+}
+
+fn disagree_on_intranode_provider(hier: bool) {
     let case = Case { nodes: 2, rpn: 1, provider: "shm", fp8: false, tokens: vec![4] };
     let boots = InProcGroup::new(2, 1, Duration::from_secs(20)).unwrap();
     std::thread::scope(|s| {
@@ -321,14 +328,18 @@ fn ranks_that_disagree_on_the_intranode_provider_fail_at_connect() {
                     if rank == 1 {
                         opts.intranode_provider = Some("shm".to_string());
                     }
-                    Buffer::new(cfg, Arc::new(boot), opts).map(|_| ())
+                    if hier {
+                        HierBuffer::new(cfg, Arc::new(boot), opts).map(|_| ())
+                    } else {
+                        Buffer::new(cfg, Arc::new(boot), opts).map(|_| ())
+                    }
                 })
             })
             .collect();
         for (rank, h) in hs.into_iter().enumerate() {
             match h.join().expect("rank thread") {
                 Err(Error::ConfigMismatch(m)) => assert!(m.contains("intranode_provider"), "{m}"),
-                other => panic!("rank {rank}: {other:?}"),
+                other => panic!("rank {rank} (hierarchy {hier}): {other:?}"),
             }
         }
     });

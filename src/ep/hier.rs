@@ -248,17 +248,28 @@ impl HierBuffer {
             ));
         }
         let (rs, ns) = Self::stage_settings(&cfg)?;
-        let all = boot.all_gather(&(cfg.hash() ^ HIER_HASH_TAG).to_le_bytes())?;
+        // The config hash, and which provider the node stage uses (every rank the same).
+        let near = opts.intranode_provider.as_deref().unwrap_or("").as_bytes();
+        let mut blob = (cfg.hash() ^ HIER_HASH_TAG).to_le_bytes().to_vec();
+        blob.extend_from_slice(near);
+        let all = boot.all_gather(&blob)?;
         for (peer, b) in all.iter().enumerate() {
             let h = b.get(..8).and_then(|s| s.try_into().ok()).map(u64::from_le_bytes);
-            match h {
-                Some(h) => cfg.check_peer_hash(peer, h ^ HIER_HASH_TAG)?,
-                None => {
-                    return Err(Error::ConfigMismatch(format!(
-                        "rank {peer} sent a {}-byte config hash (not a hierarchical rank?)",
-                        b.len()
-                    )))
-                }
+            let Some(h) = h else {
+                return Err(Error::ConfigMismatch(format!(
+                    "rank {peer} sent a {}-byte config hash (not a hierarchical rank?)",
+                    b.len()
+                )));
+            };
+            cfg.check_peer_hash(peer, h ^ HIER_HASH_TAG)?;
+            if &b[8..] != near {
+                return Err(Error::ConfigMismatch(format!(
+                    "rank {} and rank {peer} disagree on BufferOptions::intranode_provider \
+                     ({:?} here, {:?} there)",
+                    cfg.rank,
+                    String::from_utf8_lossy(near),
+                    String::from_utf8_lossy(&b[8..])
+                )));
             }
         }
         let (rpn, nodes) = (cfg.ranks_per_node, cfg.num_ranks / cfg.ranks_per_node);
