@@ -99,12 +99,31 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
         for (int base = warp * 32; base < n_items; base += kThreads) {
             const int i = base + lane;
             const bool valid = i < n_items;
+            if (!p.use_fp8) {
+                // bf16: the warp's 32 items are 64 uint4; lane l moves uint4 l and l + 32 of
+                // them, so each store instruction writes 512 contiguous bytes. NOTES: lane l
+                // storing its item's two uint4 (2l, 2l + 1) left every instruction half its span
+                // in holes: into mapped host memory (the proxy's staging) that cost 9x (run 6 of
+                // docs/results/2026-11-29-h200-i: 1.4 ms to stage 7 MB, fp8's 3.6 MB took 157 us).
+                const int nu = H / 8;
+                const int u0 = 2 * base + lane, u1 = u0 + 32;
+                const uint4 z = make_uint4(0, 0, 0, 0);
+                const uint4 c0 = u0 < nu ? __ldg(xrow + u0) : z;
+                const uint4 c1 = u1 < nu ? __ldg(xrow + u1) : z;
+                for (int k = 0; k < K; ++k) {
+                    const uint64_t d = s_dst[k];
+                    if (d == 0) continue;
+                    if (u0 < nu) reinterpret_cast<uint4*>(d)[u0] = c0;
+                    if (u1 < nu) reinterpret_cast<uint4*>(d)[u1] = c1;
+                }
+                continue;
+            }
             uint4 a = make_uint4(0, 0, 0, 0), b = make_uint4(0, 0, 0, 0);
             if (valid) {
                 a = __ldg(xrow + 2 * i);
                 b = __ldg(xrow + 2 * i + 1);
             }
-            if (p.use_fp8) {
+            {  // fp8: lane l casts channels 16l .. 16l + 15 (8 lanes = one 128-channel group)
                 const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
                 float f[16];
                 float amax = 0.0f;
@@ -133,13 +152,6 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
                         if (d == 0) continue;
                         reinterpret_cast<uint4*>(d)[i] = qv;
                     }
-                }
-            } else if (valid) {
-                for (int k = 0; k < K; ++k) {
-                    const uint64_t d = s_dst[k];
-                    if (d == 0) continue;
-                    reinterpret_cast<uint4*>(d)[2 * i] = a;
-                    reinterpret_cast<uint4*>(d)[2 * i + 1] = b;
                 }
             }
         }
