@@ -41,14 +41,6 @@ pub const RECORD_ALIGN: u64 = 16;
 /// proxy send span did not shrink, so partial lines were not what slows that staging. Cost: 16
 /// bytes per fp8 record at hidden 7168 (0.2%), 112 per bf16 record.
 pub const LL_DISPATCH_RECORD_ALIGN: u64 = 128;
-/// Normal-mode records (dispatch and combine) are padded to this many bytes (one GPU cache line),
-/// so each record starts on a line and the payload's 512-byte warp stores cover whole lines.
-///
-/// NOTES: over the proxy lane without `FI_HMEM` these records are staged across PCIe into host
-/// memory, where stores that leave holes in a line cost far more than in device memory (the LL
-/// bf16 dispatch's half-hole stores staged 9x slower: kernels/ll_notes.md, ninth session). Cost:
-/// 80 bytes per fp8 dispatch record at hidden 7168 (7472 -> 7552, 1.1%), 96 per combine record.
-pub const NORMAL_RECORD_ALIGN: u64 = 128;
 /// Bits of the immediate data's value field.
 pub const IMM_VALUE_BITS: u32 = 14;
 /// Largest value an immediate can carry.
@@ -212,15 +204,14 @@ impl RecordLayout {
     }
 
     /// Normal-mode dispatch record: payload, scales (fp8), `num_topk` local ids, `num_topk`
-    /// weights, source token index; padded to [`NORMAL_RECORD_ALIGN`].
+    /// weights, source token index.
     pub fn normal_dispatch(hidden: u64, dtype: DispatchDtype, num_topk: u64) -> Result<Self> {
-        Self::build(hidden, dtype, num_topk, num_topk, true, NORMAL_RECORD_ALIGN)
+        Self::build(hidden, dtype, num_topk, num_topk, true, RECORD_ALIGN)
     }
 
-    /// Normal-mode combine record: bf16 payload and `num_topk` weights; padded to
-    /// [`NORMAL_RECORD_ALIGN`].
+    /// Normal-mode combine record: bf16 payload and `num_topk` weights.
     pub fn normal_combine(hidden: u64, num_topk: u64) -> Result<Self> {
-        Self::build(hidden, DispatchDtype::Bf16, 0, num_topk, false, NORMAL_RECORD_ALIGN)
+        Self::build(hidden, DispatchDtype::Bf16, 0, num_topk, false, RECORD_ALIGN)
     }
 
     /// Low-latency dispatch record: payload, scales (fp8), source token index; padded to
@@ -1519,14 +1510,14 @@ mod tests {
         let r = RecordLayout::normal_dispatch(7168, BF16, 8).unwrap();
         assert_eq!(
             (r.payload_bytes, r.topk_idx_offset, r.topk_weights_offset, r.src_idx_offset, r.bytes),
-            (14336, 14336, 14368, Some(14400), 14464)
+            (14336, 14336, 14368, Some(14400), 14416)
         );
         let r = RecordLayout::normal_dispatch(7168, FP8, 8).unwrap();
         assert_eq!(
             (r.payload_bytes, r.scales_offset, r.num_scales, r.topk_idx_offset, r.bytes),
-            (7168, 7168, 56, 7392, 7552)
+            (7168, 7168, 56, 7392, 7472)
         );
-        assert_eq!(RecordLayout::normal_combine(7168, 8).unwrap().bytes, 14464);
+        assert_eq!(RecordLayout::normal_combine(7168, 8).unwrap().bytes, 14368);
         assert_eq!(RecordLayout::ll_dispatch(7168, BF16).unwrap().bytes, 14464);
         assert_eq!(RecordLayout::ll_dispatch(7168, FP8).unwrap().bytes, 7424);
         for h in (128..8192).step_by(128) {
@@ -1540,8 +1531,8 @@ mod tests {
         for h in (8..2048).step_by(8) {
             for k in [0, 1, 3, 8, 9] {
                 let r = RecordLayout::normal_dispatch(h, BF16, k).unwrap();
-                assert_eq!(r.bytes % NORMAL_RECORD_ALIGN, 0);
-                assert!(r.bytes >= 2 * h + 8 * k + 4 && r.bytes < 2 * h + 8 * k + 4 + 128);
+                assert_eq!(r.bytes % RECORD_ALIGN, 0);
+                assert!(r.bytes >= 2 * h + 8 * k + 4 && r.bytes < 2 * h + 8 * k + 4 + 16);
             }
         }
         assert!(matches!(
