@@ -29,6 +29,12 @@ use super::config::DispatchDtype;
 use crate::{Error, Result};
 
 /// Records are padded to this many bytes.
+///
+/// NOTES: padding normal-mode records to 128 bytes (whole lines for the payload's warp stores)
+/// was tried and reverted (docs/results/2026-11-29-h200-i runs 8-9): the host-staged proxy lane
+/// gained 0-10% (7 of 8 alternated pairs), the intranode path lost 1.6-1.8% in dispatch and
+/// 0.7-1.0% in combine (the 1.1% / 0.7% more bytes), and intranode (and EFA with FI_HMEM, where
+/// records stay in device memory) is the path that matters.
 pub const RECORD_ALIGN: u64 = 16;
 /// Low-latency dispatch records are padded to this many bytes (one GPU cache line).
 ///
