@@ -134,6 +134,13 @@ fn processes_hierarchy_2_nodes_of_2_tcp_and_shm() {
         }
     }
     assert!(stdout.contains("internode bytes per rank per dispatch"), "{stdout}");
+    let out = ep_bench()
+        .args(["--backend", "host", "--ranks", "2", "--emulate-network-gbps", "0"])
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--emulate-network-gbps") && err.contains("positive"), "{err}");
     let out = ep_bench().args(["--backend", "gpu", "--hierarchy"]).output().expect("run");
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);

@@ -257,6 +257,13 @@ fn main() -> ExitCode {
             })
             .map_err(|e| e.into())
         }
+        _ if cli.common.emulate_network_gbps.is_some_and(|g| !(g > 0.0 && g.is_finite())) => {
+            Err(format!(
+                "--emulate-network-gbps: {} must be a positive number of GB/s",
+                cli.common.emulate_network_gbps.unwrap_or_default()
+            )
+            .into())
+        }
         _ if (cli.common.hierarchy
             || cli.common.intranode_provider.is_some()
             || cli.common.emulate_network_gbps.is_some())
@@ -522,11 +529,6 @@ fn run_normal_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult
         s.dispatch_dtype = DispatchDtype::Fp8E4m3;
     }
     let cfg = EpConfig::new(s)?;
-    if let Some(g) = c.emulate_network_gbps {
-        if !(g > 0.0 && g.is_finite()) {
-            return Err(format!("--emulate-network-gbps: {g} must be a positive number").into());
-        }
-    }
     let opts = BufferOptions {
         intranode_provider: c.intranode_provider.clone(),
         emulate_network_gbps: c.emulate_network_gbps,
