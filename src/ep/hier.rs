@@ -392,7 +392,7 @@ impl HierBuffer {
             if key >= r {
                 return Err(Error::Protocol {
                     rank: self.cfg.rank,
-                    peer: gateway[i],
+                    peer: self.cfg.rank / rpn * rpn + gateway[i],
                     phase: "hierarchical dispatch",
                     msg: format!("row {i} names source node {m} of {}", r / rpn),
                 });
@@ -414,28 +414,8 @@ impl HierBuffer {
         }
         let k = self.cfg.num_topk;
         let recv_x = narrow(&node_out.recv_x, h, &perm, rows);
-        let permute = |v: &[i64], fill: i64| -> Vec<i64> {
-            if v.is_empty() {
-                return Vec::new();
-            }
-            let mut o = vec![fill; rows * k];
-            for (p, &i) in perm.iter().enumerate() {
-                o[p * k..(p + 1) * k].copy_from_slice(&v[i as usize * k..(i as usize + 1) * k]);
-            }
-            o
-        };
-        let recv_topk_idx = permute(&node_out.recv_topk_idx, -1);
-        let recv_topk_weights = if node_out.recv_topk_weights.is_empty() {
-            Vec::new()
-        } else {
-            let mut o = vec![0f32; rows * k];
-            for (p, &i) in perm.iter().enumerate() {
-                let i = i as usize;
-                o[p * k..(p + 1) * k]
-                    .copy_from_slice(&node_out.recv_topk_weights[i * k..(i + 1) * k]);
-            }
-            o
-        };
+        let recv_topk_idx = permute_rows(&node_out.recv_topk_idx, &perm, rows, k, -1);
+        let recv_topk_weights = permute_rows(&node_out.recv_topk_weights, &perm, rows, k, 0.0);
         let num_recv_tokens_per_expert = node_out.num_recv_tokens_per_expert.clone();
         Ok(HierDispatchOutput {
             recv_x,
@@ -529,6 +509,20 @@ fn world_err(e: Error, stage: &str, to_world: impl Fn(usize) -> usize) -> Error 
         },
         e => e,
     }
+}
+
+/// Rows of `k` values of `v` in output order (`perm`), padded to `rows` with `fill`; empty
+/// stays empty (a cached dispatch returns no top-k).
+fn permute_rows<T: Copy>(v: &[T], perm: &[u32], rows: usize, k: usize, fill: T) -> Vec<T> {
+    if v.is_empty() {
+        return Vec::new();
+    }
+    let mut o = vec![fill; rows * k];
+    for (p, &i) in perm.iter().enumerate() {
+        let i = i as usize;
+        o[p * k..(p + 1) * k].copy_from_slice(&v[i * k..(i + 1) * k]);
+    }
+    o
 }
 
 /// The source of each of `n` rows grouped by a `[sources + 1]` prefix.
