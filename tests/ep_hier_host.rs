@@ -427,3 +427,8 @@ fn network_options_are_checked() {
         }
     }
 }
+
+#[test]
+fn four_nodes_of_four_over_shm_fp8() {
+    full_check(&Case { nodes: 4, rpn: 4, provider: "shm", fp8: true, tokens: vec![19, 0, 33, 8] });
+}
