@@ -43,8 +43,8 @@ use super::quant::{bf16_to_f32, f32_to_bf16, quantize_row_bf16};
 use crate::bootstrap::Bootstrap;
 use crate::fabric::{InfoQuery, MemKind, MemoryRegion, Stack};
 use crate::proxy::{
-    CounterLayout, CounterMemory, FabricTransport, LoopbackGroup, LoopbackOptions, Proxy,
-    ProxyConfig, RingLayout, RingMemory, SharedRegion, SplitTransport, Throttled,
+    CounterLayout, CounterMemory, FabricPeer, FabricTransport, LoopbackGroup, LoopbackOptions,
+    Proxy, ProxyConfig, RingLayout, RingMemory, SharedRegion, SplitTransport, Throttled,
 };
 use crate::{Error, Result};
 
@@ -445,21 +445,25 @@ impl Buffer {
                     }
                     Ok((send_mr, recv_mr, fp.into_proxy_peers()))
                 };
-                let (send_mr, recv_mr, peers) = connect(&stack)?;
-                let far = FabricTransport::new(rank as u32, stack.ep.clone(), send_mr.clone(), {
-                    let mut p = peers;
-                    if near_stack.is_some() {
-                        for (d, slot) in p.iter_mut().enumerate() {
-                            if d / cfg.ranks_per_node == rank / cfg.ranks_per_node {
-                                *slot = None;
-                            }
+                let (send_mr, recv_mr, mut peers) = connect(&stack)?;
+                // Peers on this rank's node: written over the intranode provider when one is
+                // given (dropped from the network transport), never rate-capped.
+                let same_node: Vec<bool> = (0..cfg.num_ranks)
+                    .map(|d| d / cfg.ranks_per_node == rank / cfg.ranks_per_node)
+                    .collect();
+                let far_peers: Vec<bool> = same_node.iter().map(|&n| !n).collect();
+                let keep = |p: &mut Vec<Option<FabricPeer>>, near: bool| {
+                    for (slot, &n) in p.iter_mut().zip(&same_node) {
+                        if n != near {
+                            *slot = None;
                         }
                     }
-                    p
-                })?;
-                let far_peers: Vec<bool> = (0..cfg.num_ranks)
-                    .map(|d| d / cfg.ranks_per_node != rank / cfg.ranks_per_node)
-                    .collect();
+                };
+                if near_stack.is_some() {
+                    keep(&mut peers, false);
+                }
+                let far =
+                    FabricTransport::new(rank as u32, stack.ep.clone(), send_mr.clone(), peers)?;
                 let rate = opts.emulate_network_gbps.map(|g| g * 1e9);
                 let (proxy, near_hold) = match near_stack {
                     None => {
@@ -468,17 +472,10 @@ impl Buffer {
                     }
                     Some(ns) => {
                         let (nsend, nrecv, mut np) = connect(&ns)?;
-                        let near: Vec<bool> = (0..cfg.num_ranks)
-                            .map(|d| d / cfg.ranks_per_node == rank / cfg.ranks_per_node)
-                            .collect();
-                        for (d, slot) in np.iter_mut().enumerate() {
-                            if !near[d] {
-                                *slot = None;
-                            }
-                        }
+                        keep(&mut np, true);
                         let near_t =
                             FabricTransport::new(rank as u32, ns.ep.clone(), nsend.clone(), np)?;
-                        let t = SplitTransport { near, near_t, far_t: far };
+                        let t = SplitTransport { near: same_node.clone(), near_t, far_t: far };
                         let t = Throttled::new(t, far_peers, rate);
                         let proxy = Proxy::start(pcfg, rings.clone(), counters, vec![t])?;
                         (proxy, Some((nrecv, nsend, ns)))

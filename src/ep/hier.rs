@@ -492,6 +492,10 @@ impl HierBuffer {
 
 /// An error of a stage's buffer with its ranks (indices in the stage's sub-communicator)
 /// turned into the job's ranks, so a timeout names the rank an operator must look at.
+/// NOTES: only `Timeout` and `Protocol` are mapped; the proxy's and libfabric's own errors
+/// (`Error::Proxy`, `Error::Fabric`) still name the stage's sub-ranks (rail: node index; node:
+/// local index). Bootstrap errors name job ranks already (the sub-groups use the job's
+/// all-gather).
 fn world_err(e: Error, stage: &str, to_world: impl Fn(usize) -> usize) -> Error {
     match e {
         Error::Timeout { rank, phase, peers, waited, detail } => Error::Timeout {

@@ -29,7 +29,6 @@ def best_us(fn, n=2000, reps=5):
 
 def main():
     os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
-    import numpy as np
     import torch
 
     import fabric_ep
