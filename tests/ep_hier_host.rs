@@ -14,6 +14,7 @@ use fabric_ep::bootstrap::{Bootstrap, InProcGroup};
 use fabric_ep::ep::buffer::{Backend, Buffer, BufferOptions};
 use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::ep::hier::{HierBuffer, HierDispatchArgs};
+use fabric_ep::ep::hier_gpu::GpuHierBuffer;
 use fabric_ep::ep::quant::{bf16_to_f32, f32_to_bf16};
 use fabric_ep::ep::reference as refm;
 use fabric_ep::Error;
@@ -257,6 +258,9 @@ fn settings_the_hierarchy_refuses() {
         BufferOptions { backend: Backend::Gpu, ..BufferOptions::host("shm") },
     )
     .unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { arg: "backend", .. }), "{e}");
+    // The GPU hierarchy refuses the host backend's buffers (before touching any GPU).
+    let e = GpuHierBuffer::new(cfg.clone(), boot.clone(), BufferOptions::host("shm")).unwrap_err();
     assert!(matches!(e, Error::InvalidArgument { arg: "backend", .. }), "{e}");
     s.hidden = 200;
     let e =

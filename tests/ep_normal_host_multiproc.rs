@@ -141,8 +141,18 @@ fn processes_hierarchy_2_nodes_of_2_tcp_and_shm() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--emulate-network-gbps") && err.contains("positive"), "{err}");
-    let out = ep_bench().args(["--backend", "gpu", "--hierarchy"]).output().expect("run");
+    let out =
+        ep_bench().args(["--backend", "gpu", "--hierarchy", "--procs"]).output().expect("run");
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("--hierarchy") && err.contains("host backend"), "{err}");
+    assert!(err.contains("--hierarchy") && err.contains("threads only"), "{err}");
+    let out =
+        ep_bench().args(["--backend", "gpu", "--intranode-provider", "shm"]).output().expect("run");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--intranode-provider") && err.contains("host backend"), "{err}");
+    let out = ep_bench().args(["--mode", "low-latency", "--hierarchy"]).output().expect("run");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--hierarchy") && err.contains("normal mode"), "{err}");
 }

@@ -18,6 +18,7 @@ use crate::ep::gpu::{
     DevSlice, GpuCombineArgs, GpuDispatchArgs, GpuDispatchBuffers, GpuLlCombineArgs,
     GpuLlDispatchArgs, GpuNotifyArgs, GpuOptions,
 };
+use crate::ep::hier_gpu::{GpuHierBuffer, GpuHierDispatchArgs, GpuHierHandle};
 use crate::ep::layout::{dispatch_layout, random_topk_idx, LayoutShape};
 use crate::ep::ll_gpu::LlDispatchHost;
 use crate::ep::quant::f32_to_bf16;
@@ -328,6 +329,166 @@ pub fn run_normal_gpu_rank(
     normal_rank(dev, p, split, &prep, boot.rank(), boot)
 }
 
+/// [`run_normal_gpu_split`] through DeepEP's hierarchy ([`GpuHierBuffer`]: the rail stage to
+/// other nodes through the proxy lane, then the node stage): ranks as threads of this process,
+/// the same inputs, dispatch checked against the direct reference, combine against the
+/// node-grouped sum; timed as [`run_normal_gpu_split`] (each dispatch includes its host
+/// synchronisations). `split.ranks_per_node` must divide the ranks and be below them.
+pub fn run_normal_gpu_hier(
+    dev: &Device,
+    p: &GpuBenchParams,
+    split: &GpuSplit,
+) -> Result<GpuReport> {
+    let rpn = split.ranks_per_node;
+    if rpn == 0 || rpn >= p.num_ranks || p.num_ranks % rpn != 0 {
+        return Err(Error::arg(
+            "ranks_per_node",
+            format!(
+                "{rpn}: the hierarchy needs 2 or more nodes of equal size ({} ranks)",
+                p.num_ranks
+            ),
+        ));
+    }
+    let prep = NormalPrep::grouped(p, split, rpn)?;
+    on_threads(p.num_ranks, p.timeout, |rank, boot| hier_rank(dev, p, split, &prep, rank, boot))
+}
+
+fn hier_rank(
+    dev: &Device,
+    p: &GpuBenchParams,
+    split: &GpuSplit,
+    prep: &NormalPrep,
+    rank: usize,
+    boot: Arc<dyn Bootstrap>,
+) -> Result<NormalBenchReport> {
+    let (inputs, want_d, want_c, worst) = (&prep.inputs, &prep.want_d, &prep.want_c, prep.worst);
+    let cfg = p.config_split(rank, split.ranks_per_node)?;
+    let (t, h, k) = (p.num_tokens, cfg.hidden, cfg.num_topk);
+    let mut opts =
+        GpuOptions { proxy_provider: split.provider.clone(), ..p.gpu_options(dev, true) };
+    opts.chunk_tokens = split.chunk_tokens.unwrap_or(opts.chunk_tokens);
+    opts.slots_per_peer = split.slots_per_peer.or(opts.slots_per_peer);
+    let mut hb = GpuHierBuffer::new(cfg.clone(), boot.clone(), BufferOptions::gpu(opts))?;
+    let me = &inputs[rank];
+    let want = &want_d[rank];
+    let (x, xs) = upload_tokens(dev, me)?;
+    let ti = upload(dev, &me.topk_idx)?;
+    let tw = upload(dev, &me.topk_weights)?;
+    let cx = upload(dev, &host_bench::combine_input(&want.recv_x, h)?)?;
+    let cw = upload(dev, &want.recv_topk_weights)?;
+    let out_c = DeviceBuffer::new(dev, (t * h * 2).max(16))?;
+    let out_cw = DeviceBuffer::new(dev, (t * k * 4).max(16))?;
+    let stream = Stream::new(dev)?;
+    let nb = split.back_to_back;
+    let ev: Vec<Event> =
+        (0..3 + 2 * nb).map(|_| Event::new(dev)).collect::<std::result::Result<_, _>>()?;
+    let lay = dispatch_layout(&me.topk_idx, t, k, cfg.num_experts, cfg.num_ranks, cfg.num_ranks)?;
+    let sent: u64 = lay.num_tokens_per_rank.iter().map(|&c| c.max(0) as u64).sum();
+    let mut rep = NormalBenchReport {
+        dispatch_s: Vec::new(),
+        combine_s: Vec::new(),
+        dispatch_bytes: sent * cfg.dispatch_dtype.token_bytes(h as u64),
+        combine_bytes: sent * 2 * h as u64,
+    };
+    // Every allocation before the first barrier (see normal_rank).
+    let mut handle = hb.new_handle(t)?;
+    let o = GpuDispatchBuffers::for_config(dev, &cfg, worst.unwrap_or(t * cfg.num_ranks).max(1))?;
+    let poison = || -> Result<()> {
+        for b in [&o.recv_x, &o.recv_topk_idx, &o.recv_topk_weights, &o.recv_src_idx, &out_c] {
+            b.memset_async(0xAB, &stream)?;
+        }
+        if let Some(b) = &o.recv_x_scales {
+            b.memset_async(0xAB, &stream)?;
+        }
+        Ok(())
+    };
+    let step = |hb: &mut GpuHierBuffer,
+                handle: &mut GpuHierHandle,
+                cached: bool,
+                after_dispatch: &Event,
+                after_combine: &Event|
+     -> Result<()> {
+        let args = GpuHierDispatchArgs {
+            x: DevSlice::of(&x),
+            x_scales: xs.as_ref().map(DevSlice::of),
+            topk_idx: DevSlice::of(&ti),
+            topk_weights: DevSlice::of(&tw),
+            num_tokens: t,
+            expert_alignment: 1,
+            num_worst_tokens: worst,
+            cached,
+            stream: &stream,
+        };
+        // SAFETY: every buffer lives until the stream synchronises (sync_gpu below); all ranks
+        // run the same sequence of calls.
+        unsafe {
+            hb.dispatch_gpu(&args, handle, &o.out())?;
+            after_dispatch.record(&stream)?;
+            hb.combine_gpu(
+                &GpuCombineArgs {
+                    x: DevSlice::of(&cx),
+                    topk_weights: Some(DevSlice::of(&cw)),
+                    combined_x: DevSlice::of(&out_c),
+                    combined_topk_weights: Some(DevSlice::of(&out_cw)),
+                    stream: &stream,
+                },
+                handle,
+            )?;
+        }
+        after_combine.record(&stream)?;
+        Ok(())
+    };
+    let check = |handle: &GpuHierHandle, it: usize| -> Result<()> {
+        let prefix: Vec<i32> = handle.rank_prefix().iter().map(|&v| v as i32).collect();
+        let experts = handle.num_recv_tokens_per_expert();
+        check_normal_dispatch(rank, it, p.fp8, &o, &prefix, experts, want, h, k)?;
+        let got: Vec<u16> = out_c.to_vec()?;
+        if got[..t * h] != want_c[rank].combined_x[..] {
+            return Err(mismatch(rank, "combined_x (hierarchy)", it));
+        }
+        let gw: Vec<f32> = out_cw.to_vec()?;
+        if Some(&gw[..t * k]) != want_c[rank].combined_topk_weights.as_deref() {
+            return Err(mismatch(rank, "combined_topk_weights (hierarchy)", it));
+        }
+        Ok(())
+    };
+    for it in 0..p.warmup + p.iters {
+        boot.barrier()?;
+        poison()?;
+        ev[0].record(&stream)?;
+        step(&mut hb, &mut handle, split.cached && it > 0, &ev[1], &ev[2])?;
+        hb.sync_gpu(&stream)?;
+        check(&handle, it)?;
+        if it >= p.warmup {
+            rep.dispatch_s.push(elapsed_s(&ev[0], &ev[1])?);
+            rep.combine_s.push(elapsed_s(&ev[1], &ev[2])?);
+        }
+    }
+    if nb > 0 {
+        boot.barrier()?;
+        poison()?;
+        hb.sync_gpu(&stream)?;
+        boot.barrier()?;
+        ev[3].record(&stream)?;
+        for i in 0..nb {
+            step(&mut hb, &mut handle, split.cached, &ev[4 + 2 * i], &ev[5 + 2 * i])?;
+        }
+        hb.sync_gpu(&stream)?;
+        check(&handle, p.warmup + p.iters + nb - 1)?;
+        rep.dispatch_s.clear();
+        rep.combine_s.clear();
+        for i in 0..nb {
+            let start = if i == 0 { &ev[3] } else { &ev[3 + 2 * i] };
+            rep.dispatch_s.push(elapsed_s(start, &ev[4 + 2 * i])?);
+            rep.combine_s.push(elapsed_s(&ev[4 + 2 * i], &ev[5 + 2 * i])?);
+        }
+    }
+    boot.barrier()?;
+    drop(o);
+    hb.destroy()?;
+    Ok(rep)
+}
+
 fn check_world(p: &GpuBenchParams, boot: &dyn Bootstrap) -> Result<()> {
     if boot.world_size() != p.num_ranks {
         return Err(Error::arg(
@@ -348,6 +509,11 @@ struct NormalPrep {
 
 impl NormalPrep {
     fn new(p: &GpuBenchParams, split: &GpuSplit) -> Result<Self> {
+        Self::grouped(p, split, p.num_ranks)
+    }
+
+    /// As [`Self::new`] with the combine summed per `group` ranks (the hierarchy's order).
+    fn grouped(p: &GpuBenchParams, split: &GpuSplit, group: usize) -> Result<Self> {
         let cfg0 = p.config_split(0, split.ranks_per_node)?;
         let hp = p.host_params();
         let inputs: Vec<RankInputs> = (0..p.num_ranks)
@@ -355,7 +521,8 @@ impl NormalPrep {
             .collect::<Result<_>>()?;
         let total: usize = p.num_tokens * p.num_ranks;
         let worst = p.worst.then_some(total.max(1));
-        let (want_d, want_c) = host_bench::reference(&cfg0, &inputs, 1, worst, true)?;
+        let (want_d, want_c) =
+            host_bench::reference_grouped(&cfg0, &inputs, (1, worst, true), group)?;
         Ok(NormalPrep { inputs, want_d, want_c, worst })
     }
 }

@@ -95,10 +95,12 @@ struct Common {
     /// `ep::gpu::default_slots_per_peer`: 32 up to 8 ranks, else 16).
     #[arg(long, global = true)]
     gpu_slots: Option<usize>,
-    /// Host backend, normal mode: after the direct run, run DeepEP's internode hierarchy
-    /// (`ep::hier`: one copy per destination node to a gateway, then a fan-out inside the node)
-    /// on the same inputs, every result checked, and print both routings' internode bytes.
-    /// Needs --ranks-per-node below the number of ranks.
+    /// Normal mode: after the direct run, run DeepEP's internode hierarchy (one copy per
+    /// destination node to a gateway, then a fan-out inside the node) on the same inputs, every
+    /// result checked. Host backend (`ep::hier`): also prints both routings' internode bytes.
+    /// GPU backend (`ep::hier_gpu`, ranks as threads): both runs split the ranks into nodes of
+    /// --ranks-per-node, other nodes reached through the proxy lane over --provider (no
+    /// NCCL comparison). Needs --ranks-per-node below the number of ranks.
     #[arg(long)]
     hierarchy: bool,
     /// Host backend: write to the ranks of this rank's node through this provider (e.g. shm)
@@ -264,19 +266,27 @@ fn main() -> ExitCode {
             )
             .into())
         }
-        _ if (cli.common.hierarchy
-            || cli.common.intranode_provider.is_some()
+        _ if (cli.common.intranode_provider.is_some()
             || cli.common.emulate_network_gbps.is_some())
             && (gpu_backend(&cli)
                 || cli.common.backend == Some(Backend::Gpu)
                 || cli.common.mode == Mode::LowLatency) =>
         {
-            let flag = if cli.common.hierarchy { "--hierarchy" } else { "--intranode-provider" };
-            Err(format!(
-                "{flag}: the host backend's normal mode only (pass --backend host; the GPU \
-                 kernels send directly per rank, docs/ARCHITECTURE.md says why)"
-            )
-            .into())
+            let flag = if cli.common.intranode_provider.is_some() {
+                "--intranode-provider"
+            } else {
+                "--emulate-network-gbps"
+            };
+            Err(format!("{flag}: the host backend's normal mode only (pass --backend host)").into())
+        }
+        _ if cli.common.hierarchy && cli.common.mode == Mode::LowLatency => {
+            Err("--hierarchy: normal mode only (pass --mode normal)".into())
+        }
+        _ if cli.common.hierarchy
+            && (gpu_backend(&cli) || cli.common.backend == Some(Backend::Gpu))
+            && (cli.common.procs || in_job()) =>
+        {
+            Err("--hierarchy: on the GPU backend, ranks as threads only (drop --procs)".into())
         }
         _ if (cli.common.cached
             || cli.common.gpu_chunk.is_some()
@@ -941,7 +951,34 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
     // NCCL's all-to-all with the permute around it, on the same inputs: one rank per GPU (NCCL
     // refuses two ranks on one GPU), so at min(ranks, GPUs) ranks, with our figure at that
     // world size beside it when it differs from --ranks.
-    if matches!(c.mode, Mode::Normal | Mode::Both) {
+    if c.hierarchy && matches!(c.mode, Mode::Normal | Mode::Both) {
+        // Direct and hierarchy on the same node split and inputs.
+        let rpn = c.ranks_per_node.unwrap_or(c.ranks);
+        if rpn == 0 || rpn >= c.ranks || c.ranks % rpn != 0 {
+            return Err("--hierarchy: needs --ranks-per-node dividing --ranks, below it".into());
+        }
+        let p = base(4096);
+        let split = fabric_ep::bench::ep_gpu::GpuSplit {
+            ranks_per_node: rpn,
+            provider: c.provider.clone(),
+            ..normal_split(c, c.ranks)
+        };
+        let r = run_normal_gpu_split(&dev, &p, &split)?;
+        rows.extend(r.first().map(|r0| normal_rows(c.cached, &p, r0)).unwrap_or_default());
+        let h = fabric_ep::bench::ep_gpu::run_normal_gpu_hier(&dev, &p, &split)?;
+        if let Some(r0) = h.first() {
+            let mut hr = normal_rows(c.cached, &p, r0);
+            for row in hr.iter_mut() {
+                row.mode = "normal-hier".into();
+            }
+            rows.extend(hr);
+        }
+        println!(
+            "nodes of {rpn} ranks: other nodes through the proxy lane over {} (mapped host \
+             memory); the hierarchy's stages take half of each rank's SM budget each",
+            c.provider
+        );
+    } else if matches!(c.mode, Mode::Normal | Mode::Both) {
         let p = base(4096);
         let r = run_normal_gpu_split(&dev, &p, &normal_split(c, p.num_ranks))?;
         rows.extend(r.first().map(|r0| normal_rows(c.cached, &p, r0)).unwrap_or_default());

@@ -14,6 +14,102 @@ fn bad(arg: &'static str, msg: String) -> CudaError {
     CudaError::InvalidArgument { arg, msg }
 }
 
+/// Enqueues a strided copy on `stream`: `height` rows of `width` bytes, row `i` from
+/// `src + i * src_pitch` to `dst + i * dst_pitch` (`cuMemcpy2DAsync`). Either side may be device
+/// memory or page-locked host memory (unified addressing names both); nothing is enqueued for an
+/// empty copy.
+///
+/// # Safety
+/// Both ranges are valid for the copy and stay so until the stream has reached it; a host side
+/// is page-locked.
+pub unsafe fn copy_2d_async(
+    stream: &Stream,
+    dst: u64,
+    dst_pitch: usize,
+    src: u64,
+    src_pitch: usize,
+    width: usize,
+    height: usize,
+) -> CudaResult<()> {
+    if width == 0 || height == 0 {
+        return Ok(());
+    }
+    if dst_pitch < width || src_pitch < width {
+        return Err(bad(
+            "pitch",
+            format!("rows of {width} bytes with pitches {dst_pitch} (dst) / {src_pitch} (src)"),
+        ));
+    }
+    if height == 1 || (dst_pitch == width && src_pitch == width) {
+        // One contiguous range: the plain copy (no pitch limits apply).
+        stream.device().bind()?;
+        return call!(cuMemcpyAsync(dst, src, width * height, stream.as_raw()));
+    }
+    let p = sys::CUDA_MEMCPY2D {
+        srcXInBytes: 0,
+        srcY: 0,
+        srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
+        srcHost: std::ptr::null(),
+        srcDevice: src,
+        srcArray: std::ptr::null_mut(),
+        srcPitch: src_pitch,
+        dstXInBytes: 0,
+        dstY: 0,
+        dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
+        dstHost: std::ptr::null_mut(),
+        dstDevice: dst,
+        dstArray: std::ptr::null_mut(),
+        dstPitch: dst_pitch,
+        WidthInBytes: width,
+        Height: height,
+    };
+    stream.device().bind()?;
+    call!(cuMemcpy2DAsync_v2(&p, stream.as_raw()))
+}
+
+/// Enqueues `len` bytes at device address `dst` set to `byte` on `stream`.
+///
+/// # Safety
+/// The range is device memory that stays valid until the stream has reached the set.
+pub unsafe fn memset_range_async(
+    stream: &Stream,
+    dst: u64,
+    byte: u8,
+    len: usize,
+) -> CudaResult<()> {
+    if len == 0 {
+        return Ok(());
+    }
+    stream.device().bind()?;
+    call!(cuMemsetD8Async(dst, byte, len, stream.as_raw()))
+}
+
+/// Enqueues `height` rows of `words` 32-bit values `value` at `dst + i * pitch` on `stream`
+/// (`cuMemsetD2D32Async`; `dst` and `pitch` 4-byte aligned).
+///
+/// # Safety
+/// Every row lies in device memory that stays valid until the stream has reached the set.
+pub unsafe fn memset_2d_u32_async(
+    stream: &Stream,
+    dst: u64,
+    pitch: usize,
+    value: u32,
+    words: usize,
+    height: usize,
+) -> CudaResult<()> {
+    if words == 0 || height == 0 {
+        return Ok(());
+    }
+    if dst % 4 != 0 || pitch % 4 != 0 || pitch < 4 * words {
+        return Err(bad(
+            "dst",
+            format!("{words} words per row at {dst:#x}, pitch {pitch}: 4-byte aligned rows needed"),
+        ));
+    }
+    stream.device().bind()?;
+    call!(cuMemsetD2D32Async(dst, pitch, value, words, height, stream.as_raw()))
+}
+
 /// Device memory (`cuMemAlloc`). A zero-length buffer holds no allocation (pointer 0).
 /// NOTES: Drop calls `cuMemFree`; keep a buffer alive until the streams that use it have
 /// synchronised (the launchers in [`super::launch`] are `unsafe` for exactly this reason).

@@ -24,7 +24,10 @@ mod trace;
 pub use dev_error::DevErrorRecord;
 pub use device::Device;
 pub use graph::GraphExec;
-pub use memory::{ipc_export, DeviceBuffer, HostMapped, IpcHandle, IpcMapping, PeerMemory};
+pub use memory::{
+    copy_2d_async, ipc_export, memset_2d_u32_async, memset_range_async, DeviceBuffer, HostMapped,
+    IpcHandle, IpcMapping, PeerMemory,
+};
 pub use module::{Kernel, FATBIN};
 pub use stream::{Event, Stream};
 pub use trace::{DeviceTrace, NORMAL_TRACE_POINTS};

@@ -49,7 +49,7 @@ const HIER_HASH_TAG: u64 = 0x6869_6572_6172_6368; // "hierarch"
 
 /// A sub-communicator of a parent bootstrap: every collective is the parent's (all ranks call
 /// it in the same order), filtered to `members`.
-struct SubGroup {
+pub(crate) struct SubGroup {
     parent: Arc<dyn Bootstrap>,
     members: Vec<usize>,
     index: usize,
@@ -248,44 +248,9 @@ impl HierBuffer {
             ));
         }
         let (rs, ns) = Self::stage_settings(&cfg)?;
-        // The config hash, and which provider the node stage uses (every rank the same).
-        let near = opts.intranode_provider.as_deref().unwrap_or("").as_bytes();
-        let mut blob = (cfg.hash() ^ HIER_HASH_TAG).to_le_bytes().to_vec();
-        blob.extend_from_slice(near);
-        let all = boot.all_gather(&blob)?;
-        for (peer, b) in all.iter().enumerate() {
-            let h = b.get(..8).and_then(|s| s.try_into().ok()).map(u64::from_le_bytes);
-            let Some(h) = h else {
-                return Err(Error::ConfigMismatch(format!(
-                    "rank {peer} sent a {}-byte config hash (not a hierarchical rank?)",
-                    b.len()
-                )));
-            };
-            cfg.check_peer_hash(peer, h ^ HIER_HASH_TAG)?;
-            if &b[8..] != near {
-                return Err(Error::ConfigMismatch(format!(
-                    "rank {} and rank {peer} disagree on BufferOptions::intranode_provider \
-                     ({:?} here, {:?} there)",
-                    cfg.rank,
-                    String::from_utf8_lossy(near),
-                    String::from_utf8_lossy(&b[8..])
-                )));
-            }
-        }
-        let (rpn, nodes) = (cfg.ranks_per_node, cfg.num_ranks / cfg.ranks_per_node);
-        let (node_i, local) = (cfg.rank / rpn, cfg.rank % rpn);
-        let rail_boot = SubGroup {
-            parent: boot.clone(),
-            members: (0..nodes).map(|n| n * rpn + local).collect(),
-            index: node_i,
-            one_node: false,
-        };
-        let node_boot = SubGroup {
-            parent: boot,
-            members: (0..rpn).map(|j| node_i * rpn + j).collect(),
-            index: local,
-            one_node: true,
-        };
+        let near = opts.intranode_provider.as_deref().unwrap_or("");
+        check_world(&cfg, &*boot, "BufferOptions::intranode_provider", near.as_bytes(), &[])?;
+        let (rail_boot, node_boot) = stage_boots(&cfg, boot);
         // The rail stage's peers are all on other nodes (`provider`); the node stage's all on
         // this one (`intranode_provider` when given).
         let node_opts = BufferOptions {
@@ -382,36 +347,9 @@ impl HierBuffer {
         };
         // Final order: key = source rank = m * rpn + l (l: the gateway, m: the source node
         // carried in the lane); a stable counting sort keeps token order within a source.
-        let (rpn, r) = (self.cfg.ranks_per_node, self.cfg.num_ranks);
         let gateway = rows_by_source(node_out.handle.rank_prefix(), n2);
         let meta = read_meta(&node_out.recv_x, h, n2);
-        let mut count = vec![0u64; r + 1];
-        let mut keys = Vec::with_capacity(n2);
-        for (i, &(m, _)) in meta.iter().enumerate() {
-            let key = m as usize * rpn + gateway[i];
-            if key >= r {
-                return Err(Error::Protocol {
-                    rank: self.cfg.rank,
-                    peer: self.cfg.rank / rpn * rpn + gateway[i],
-                    phase: "hierarchical dispatch",
-                    msg: format!("row {i} names source node {m} of {}", r / rpn),
-                });
-            }
-            count[key + 1] += 1;
-            keys.push(key);
-        }
-        for s in 0..r {
-            count[s + 1] += count[s];
-        }
-        let rank_prefix = count.clone();
-        let mut perm = vec![0u32; n2];
-        let mut src_idx = vec![0i32; n2];
-        for (i, &key) in keys.iter().enumerate() {
-            let p = count[key] as usize;
-            count[key] += 1;
-            perm[p] = i as u32;
-            src_idx[p] = meta[i].1 as i32;
-        }
+        let (perm, rank_prefix, src_idx) = final_order(&self.cfg, &meta, &gateway)?;
         let k = self.cfg.num_topk;
         let recv_x = narrow(&node_out.recv_x, h, &perm, rows);
         let recv_topk_idx = permute_rows(&node_out.recv_topk_idx, &perm, rows, k, -1);
@@ -490,13 +428,123 @@ impl HierBuffer {
     }
 }
 
+/// Exchanges the world's config hash (tagged: a hierarchical rank never connects to a direct
+/// one) plus `agree` bytes every rank must send alike (the setting `what` names, for the error)
+/// and `free` bytes each rank may differ in; returns every rank's `free` bytes. Collective.
+pub(crate) fn check_world(
+    cfg: &EpConfig,
+    boot: &dyn Bootstrap,
+    what: &str,
+    agree: &[u8],
+    free: &[u8],
+) -> Result<Vec<Vec<u8>>> {
+    let mut blob = (cfg.hash() ^ HIER_HASH_TAG).to_le_bytes().to_vec();
+    blob.extend_from_slice(&(free.len() as u64).to_le_bytes());
+    blob.extend_from_slice(free);
+    blob.extend_from_slice(agree);
+    let all = boot.all_gather(&blob)?;
+    let mut frees = Vec::with_capacity(all.len());
+    for (peer, b) in all.iter().enumerate() {
+        let word =
+            |i: usize| b.get(i..i + 8).and_then(|s| s.try_into().ok()).map(u64::from_le_bytes);
+        let (Some(h), Some(n)) = (word(0), word(8)) else {
+            return Err(Error::ConfigMismatch(format!(
+                "rank {peer} sent a {}-byte config hash (not a hierarchical rank?)",
+                b.len()
+            )));
+        };
+        cfg.check_peer_hash(peer, h ^ HIER_HASH_TAG)?;
+        let n = n as usize;
+        let (their_free, their_agree) = match b.get(16..16 + n) {
+            Some(f) => (f, &b[16 + n..]),
+            None => {
+                return Err(Error::ConfigMismatch(format!(
+                    "rank {peer} sent a malformed hierarchy blob ({} bytes)",
+                    b.len()
+                )))
+            }
+        };
+        if their_agree != agree {
+            return Err(Error::ConfigMismatch(format!(
+                "rank {} and rank {peer} disagree on {what} ({:?} here, {:?} there)",
+                cfg.rank,
+                String::from_utf8_lossy(agree),
+                String::from_utf8_lossy(their_agree)
+            )));
+        }
+        frees.push(their_free.to_vec());
+    }
+    Ok(frees)
+}
+
+/// The two stages' sub-communicators of `boot` for this rank: (rail, node).
+pub(crate) fn stage_boots(cfg: &EpConfig, boot: Arc<dyn Bootstrap>) -> (SubGroup, SubGroup) {
+    let (rpn, nodes) = (cfg.ranks_per_node, cfg.num_ranks / cfg.ranks_per_node);
+    let (node_i, local) = (cfg.rank / rpn, cfg.rank % rpn);
+    let rail = SubGroup {
+        parent: boot.clone(),
+        members: (0..nodes).map(|n| n * rpn + local).collect(),
+        index: node_i,
+        one_node: false,
+    };
+    let node = SubGroup {
+        parent: boot,
+        members: (0..rpn).map(|j| node_i * rpn + j).collect(),
+        index: local,
+        one_node: true,
+    };
+    (rail, node)
+}
+
+/// The direct path's row order for the node stage's `n2` rows, from each row's metadata lane
+/// (`meta`: source node, token index) and the gateway it came from (`gateway`, its local
+/// index): a stable counting sort by source rank = node * rpn + gateway. Returns (`perm`:
+/// output row -> node-stage row, `rank_prefix [R + 1]`, `recv_src_idx` in output order). A
+/// source node out of range is a protocol error naming the gateway's job rank.
+pub(crate) fn final_order(
+    cfg: &EpConfig,
+    meta: &[(u32, u32)],
+    gateway: &[usize],
+) -> Result<(Vec<u32>, Vec<u64>, Vec<i32>)> {
+    let (rpn, r) = (cfg.ranks_per_node, cfg.num_ranks);
+    let n2 = meta.len();
+    let mut count = vec![0u64; r + 1];
+    let mut keys = Vec::with_capacity(n2);
+    for (i, &(m, _)) in meta.iter().enumerate() {
+        let key = m as usize * rpn + gateway[i];
+        if key >= r {
+            return Err(Error::Protocol {
+                rank: cfg.rank,
+                peer: cfg.rank / rpn * rpn + gateway[i],
+                phase: "hierarchical dispatch",
+                msg: format!("row {i} names source node {m} of {}", r / rpn),
+            });
+        }
+        count[key + 1] += 1;
+        keys.push(key);
+    }
+    for s in 0..r {
+        count[s + 1] += count[s];
+    }
+    let rank_prefix = count.clone();
+    let mut perm = vec![0u32; n2];
+    let mut src_idx = vec![0i32; n2];
+    for (i, &key) in keys.iter().enumerate() {
+        let p = count[key] as usize;
+        count[key] += 1;
+        perm[p] = i as u32;
+        src_idx[p] = meta[i].1 as i32;
+    }
+    Ok((perm, rank_prefix, src_idx))
+}
+
 /// An error of a stage's buffer with its ranks (indices in the stage's sub-communicator)
 /// turned into the job's ranks, so a timeout names the rank an operator must look at.
 /// NOTES: only `Timeout` and `Protocol` are mapped; the proxy's and libfabric's own errors
 /// (`Error::Proxy`, `Error::Fabric`) still name the stage's sub-ranks (rail: node index; node:
 /// local index). Bootstrap errors name job ranks already (the sub-groups use the job's
 /// all-gather).
-fn world_err(e: Error, stage: &str, to_world: impl Fn(usize) -> usize) -> Error {
+pub(crate) fn world_err(e: Error, stage: &str, to_world: impl Fn(usize) -> usize) -> Error {
     match e {
         Error::Timeout { rank, phase, peers, waited, detail } => Error::Timeout {
             rank: to_world(rank),
@@ -530,7 +578,7 @@ fn permute_rows<T: Copy>(v: &[T], perm: &[u32], rows: usize, k: usize, fill: T) 
 }
 
 /// The source of each of `n` rows grouped by a `[sources + 1]` prefix.
-fn rows_by_source(prefix: &[u64], n: usize) -> Vec<usize> {
+pub(crate) fn rows_by_source(prefix: &[u64], n: usize) -> Vec<usize> {
     let mut v = Vec::with_capacity(n);
     for s in 0..prefix.len().saturating_sub(1) {
         let c = (prefix[s + 1] - prefix[s]) as usize;

@@ -7,6 +7,7 @@ pub mod connect;
 pub mod gpu;
 pub mod handle;
 pub mod hier;
+pub mod hier_gpu;
 pub mod host;
 pub mod layout;
 pub mod ll_gpu;

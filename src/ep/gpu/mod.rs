@@ -238,7 +238,12 @@ pub struct GpuDispatchBuffers {
 impl GpuDispatchBuffers {
     /// Outputs of `rows` rows for `gpu`'s config (at least one row, so pointers are valid).
     pub fn new(gpu: &GpuBuffer, rows: usize) -> Result<Self> {
-        let (c, dev) = (&gpu.cfg, &gpu.dev);
+        Self::for_config(&gpu.dev, &gpu.cfg, rows)
+    }
+
+    /// Outputs of `rows` rows for config `c` on `dev` (a buffer built over `c`'s settings, e.g.
+    /// `ep::hier_gpu::GpuHierBuffer`, whose stages have other shapes).
+    pub fn for_config(dev: &Device, c: &EpConfig, rows: usize) -> Result<Self> {
         let n = rows.max(1);
         let fp8 = c.dispatch_dtype == DispatchDtype::Fp8E4m3;
         let payload = if fp8 { c.hidden } else { 2 * c.hidden };
