@@ -380,8 +380,10 @@ fn hier_rank(
     let out_cw = DeviceBuffer::new(dev, (t * k * 4).max(16))?;
     let stream = Stream::new(dev)?;
     let nb = split.back_to_back;
+    // [0..3]: the checked steps; [3 + 2 i]: before back-to-back step i, [4 + 2 i] after its
+    // dispatch, [5 + 2 i] after its combine (= before step i + 1).
     let ev: Vec<Event> =
-        (0..3 + 2 * nb).map(|_| Event::new(dev)).collect::<std::result::Result<_, _>>()?;
+        (0..4 + 2 * nb).map(|_| Event::new(dev)).collect::<std::result::Result<_, _>>()?;
     let lay = dispatch_layout(&me.topk_idx, t, k, cfg.num_experts, cfg.num_ranks, cfg.num_ranks)?;
     let sent: u64 = lay.num_tokens_per_rank.iter().map(|&c| c.max(0) as u64).sum();
     let mut rep = NormalBenchReport {
@@ -478,8 +480,7 @@ fn hier_rank(
         rep.dispatch_s.clear();
         rep.combine_s.clear();
         for i in 0..nb {
-            let start = if i == 0 { &ev[3] } else { &ev[3 + 2 * i] };
-            rep.dispatch_s.push(elapsed_s(start, &ev[4 + 2 * i])?);
+            rep.dispatch_s.push(elapsed_s(&ev[3 + 2 * i], &ev[4 + 2 * i])?);
             rep.combine_s.push(elapsed_s(&ev[4 + 2 * i], &ev[5 + 2 * i])?);
         }
     }
