@@ -165,6 +165,7 @@ typedef struct fep_config {
   double timeout_s;
   /**
    * libfabric provider ("shm", "tcp;ofi_rxm", "efa", ...); NULL: `FI_PROVIDER`, else "shm".
+   * On the GPU backend, the provider of both modes' proxy lanes to other nodes.
    */
   const char *provider;
   /**
@@ -176,6 +177,14 @@ typedef struct fep_config {
    * tokens, so steps allocate no device memory; 0: 4096; -1: none.
    */
   int32_t gpu_reserve_tokens;
+  /**
+   * `FEP_BACKEND_GPU`, normal mode across nodes (`ranks_per_node < num_ranks`): 1 = DeepEP's
+   * hierarchy (`ep::hier_gpu`: one copy of a token per destination node, then the gateway's
+   * fan-out inside its node), 0 = direct per-rank sends (the default). Low-latency mode
+   * always sends directly.
+   */
+  int32_t internode_hierarchy;
+  int32_t reserved2;
 } fep_config;
 
 /**
@@ -467,7 +476,8 @@ enum fep_status fep_gpu_reserve(struct fep_buffer *buf, int64_t max_tokens, int3
  * `num_worst_tokens > 0` it returns at once with `*num_recv_tokens = num_worst_tokens` and
  * leaves the per-expert counts untouched. `*out_handle` receives the handle for
  * `fep_gpu_dispatch`, `fep_gpu_combine` and cached dispatches (free it with
- * `fep_handle_destroy`). The "then" stream of `order` is not used here.
+ * `fep_handle_destroy`). The "then" stream of `order` is not used here. A buffer created with
+ * `internode_hierarchy` needs the tokens at this step: call [`fep_gpu_notify_inputs`].
  *
  * # Safety
  * Every pointer must be valid; `topk_idx` stays alive until the stream has run the call.
@@ -482,13 +492,39 @@ enum fep_status fep_gpu_notify(struct fep_buffer *buf,
                                int32_t *num_recv_tokens_per_expert);
 
 /**
+ * [`fep_gpu_notify`] with the dispatch's inputs (`x` `[T, H]`, `x_scales` `[T, H / 128]` f32
+ * for fp8 else NULL, `topk_weights` `[T, K]` f32, as [`fep_gpu_dispatch`] takes them): on a
+ * buffer created with `internode_hierarchy` this step moves the tokens through both stages
+ * (the rows counted at the end of the node stage; the host synchronises with the stream three
+ * times, also with `num_worst_tokens`), and [`fep_gpu_dispatch`] with its handle only places
+ * them, in the direct path's order, into the outputs. On a direct buffer it is
+ * [`fep_gpu_notify`] (the inputs are checked, then used by the dispatch). The inputs stay alive
+ * until the stream has run the dispatch.
+ *
+ * # Safety
+ * As [`fep_gpu_notify`].
+ */
+enum fep_status fep_gpu_notify_inputs(struct fep_buffer *buf,
+                                      const struct fep_tensor *x,
+                                      const struct fep_tensor *x_scales,
+                                      const struct fep_tensor *topk_idx,
+                                      const struct fep_tensor *topk_weights,
+                                      int32_t expert_alignment,
+                                      int64_t num_worst_tokens,
+                                      const struct fep_gpu_order *order,
+                                      struct fep_handle **out_handle,
+                                      int64_t *num_recv_tokens,
+                                      int32_t *num_recv_tokens_per_expert);
+
+/**
  * Normal dispatch, step 2 on the GPU (also a cached dispatch: any earlier handle of the same
  * routing). Inputs: `x` `[T, H]` (bf16, or fp8 e4m3 with `x_scales` `[T, H/128]` f32, as the
  * buffer's `dispatch_dtype`), `topk_idx` `[T, K]` int64, `topk_weights` `[T, K]` f32, `T` as
  * given to the notify. Outputs, `rows = *num_recv_tokens` of the notify: `recv_x` `[rows, H]`
  * (+ `recv_x_scales` `[rows, H/128]` for fp8), `recv_topk_idx` `[rows, K]` int64 (local expert
  * ids, -1 elsewhere), `recv_topk_weights` `[rows, K]` f32, `recv_src_idx` `[rows]` int32.
- * Asynchronous on `order->stream`; collective.
+ * Asynchronous on `order->stream`; collective. With a hierarchy handle fresh from
+ * [`fep_gpu_notify_inputs`] the tokens have moved already (the inputs are checked, not read).
  *
  * # Safety
  * Every pointer must be valid; device memory stays alive until the stream has run the call.
@@ -509,8 +545,9 @@ enum fep_status fep_gpu_dispatch(struct fep_buffer *buf,
 /**
  * Normal combine on the GPU: `x` `[rows, H]` bf16 (rows as the dispatch's outputs), optional
  * `topk_weights` `[rows, K]` f32; writes `combined_x` `[T, H]` bf16 (per token, the fp32 sum
- * over the ranks it went to) and, exactly when `topk_weights` is given,
- * `combined_topk_weights` `[T, K]` f32. Asynchronous on `order->stream`; collective.
+ * over the ranks it went to; with the hierarchy, the sum of each node's bf16 partial) and,
+ * exactly when `topk_weights` is given, `combined_topk_weights` `[T, K]` f32. Asynchronous on
+ * `order->stream`; collective.
  *
  * # Safety
  * As `fep_gpu_dispatch`.

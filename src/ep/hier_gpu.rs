@@ -83,6 +83,14 @@ pub struct GpuHierHandle {
     n2: usize,
     rows: usize,
     filled: bool,
+    /// Prepared and not yet finished.
+    prepared: bool,
+    /// Input tokens of the last dispatch, and its `num_worst_tokens` (a cached dispatch keeps
+    /// the fresh one's output shape).
+    tokens: usize,
+    worst: Option<usize>,
+    /// Unique among the buffer's handles (which one the scratch holds).
+    serial: u64,
 }
 
 impl GpuHierHandle {
@@ -101,6 +109,18 @@ impl GpuHierHandle {
     /// Tokens per local expert (rounded up to the alignment).
     pub fn num_recv_tokens_per_expert(&self) -> &[i32] {
         &self.per_expert
+    }
+    /// Input tokens of the dispatch this handle describes.
+    pub fn num_tokens(&self) -> usize {
+        self.tokens
+    }
+    /// Prepared ([`GpuHierBuffer::prepare`]) and not yet finished.
+    pub fn is_prepared(&self) -> bool {
+        self.prepared
+    }
+    /// A dispatch has filled it (a cached dispatch may reuse it).
+    pub fn is_filled(&self) -> bool {
+        self.filled
     }
     /// Rows the rail stage received (this rank as a gateway) and forwarded inside its node.
     pub fn gateway_rows(&self) -> usize {
@@ -135,6 +155,9 @@ pub struct GpuHierBuffer {
     node: Buffer,
     id: u64,
     sc: Option<Scratch>,
+    /// The handle whose dispatch the scratch holds, prepared and not finished.
+    prepared: Option<u64>,
+    next_serial: u64,
 }
 
 impl std::fmt::Debug for GpuHierBuffer {
@@ -147,9 +170,9 @@ impl GpuHierBuffer {
     /// Connects both stages (collective). `opts` is a GPU buffer's (`BufferOptions::gpu`, normal
     /// mode): the rail stage reaches the other nodes through the proxy lane over
     /// `opts.gpu.proxy_provider`, the node stage its node's ranks through device pointers or
-    /// CUDA IPC. Each stage takes `num_sms` blocks (default: the GPU's SMs over twice the job's
-    /// ranks on this GPU, at most 32, even), so both stages' kernels of every rank sharing the
-    /// GPU fit at once.
+    /// CUDA IPC. Each stage takes half of the rank's `num_sms` (default: the GPU's SMs over twice
+    /// the job's ranks on this GPU, at most 32, even, per stage), so both stages' kernels of every
+    /// rank sharing the GPU fit at once.
     pub fn new(cfg: EpConfig, boot: Arc<dyn Bootstrap>, opts: BufferOptions) -> Result<Self> {
         if opts.backend != Backend::Gpu {
             return Err(Error::arg(
@@ -186,7 +209,23 @@ impl GpuHierBuffer {
         let all = check_world(&cfg, &*boot, "the backend", b"gpu", &uuid)?;
         let on_gpu = all.iter().filter(|u| u[..] == uuid[..]).count().max(1);
         let sms = g.device.sm_count() as usize;
-        let num_sms = g.num_sms.unwrap_or((sms / (2 * on_gpu)).min(DEFAULT_MAX_SMS) & !1);
+        // `num_sms` is the rank's budget: each stage takes half of it. Every rank's two stages'
+        // kernels must be resident at once (a rank may be in the node stage while its peer is
+        // still in the rail stage).
+        let num_sms = match g.num_sms {
+            Some(n) => (n / 2) & !1,
+            None => (sms / (2 * on_gpu)).min(DEFAULT_MAX_SMS) & !1,
+        };
+        if num_sms == 0 || 2 * num_sms * on_gpu > sms {
+            return Err(Error::arg(
+                "num_sms",
+                format!(
+                    "{} per rank: the hierarchy's two stages take {num_sms} blocks each, and {on_gpu} \
+                     ranks' stages on this GPU of {sms} SMs must fit at once",
+                    g.num_sms.map_or("default".to_string(), |n| n.to_string())
+                ),
+            ));
+        }
         let stage = GpuOptions { num_sms: Some(num_sms), low_latency: false, ..g };
         let (rail_boot, node_boot) = stage_boots(&cfg, boot);
         let (rpn, local) = (cfg.ranks_per_node, cfg.rank % cfg.ranks_per_node);
@@ -198,7 +237,7 @@ impl GpuHierBuffer {
             .map_err(|e| world_err(e, "node", |j| first + j))?;
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(GpuHierBuffer { cfg, rail, node, id, sc: None })
+        Ok(GpuHierBuffer { cfg, rail, node, id, sc: None, prepared: None, next_serial: 1 })
     }
 
     pub fn config(&self) -> &EpConfig {
@@ -257,6 +296,13 @@ impl GpuHierBuffer {
             n2: 0,
             rows: 0,
             filled: false,
+            prepared: false,
+            tokens: 0,
+            worst: None,
+            serial: {
+                self.next_serial += 1;
+                self.next_serial
+            },
         })
     }
 
@@ -293,9 +339,9 @@ impl GpuHierBuffer {
     }
 
     /// Dispatch through the rail stage, then the node stage, into `out` (the direct path's
-    /// outputs and order; `out` holds at least the returned number of rows). Returns the output
-    /// rows (received, or `num_worst_tokens`). A fresh dispatch synchronises the host with the
-    /// stream three times; a cached one never. Collective.
+    /// outputs and order; `out` holds at least the returned number of rows): [`Self::prepare`]
+    /// then [`Self::finish`]. Returns the output rows (received, or `num_worst_tokens`).
+    /// Collective.
     ///
     /// # Safety
     /// Every slice addresses device memory of this context that stays alive until the stream has
@@ -306,9 +352,28 @@ impl GpuHierBuffer {
         handle: &mut GpuHierHandle,
         out: &GpuDispatchOut,
     ) -> Result<usize> {
+        let rows = self.prepare(a, handle)?;
+        self.finish(handle, out, a.stream)?;
+        Ok(rows)
+    }
+
+    /// Step 1 of a dispatch: both stages' notifies (fresh) and dispatches into the buffer's
+    /// scratch, and the final order; returns the output rows, so a caller can allocate outputs
+    /// of that size before [`Self::finish`] (the C ABI's two-step form). A fresh dispatch
+    /// synchronises the host with the stream three times (the two notifies and the lanes), a
+    /// cached one never. The scratch holds one prepared dispatch: finish it before preparing
+    /// another. Collective.
+    ///
+    /// # Safety
+    /// As [`Self::dispatch_gpu`].
+    pub unsafe fn prepare(
+        &mut self,
+        a: &GpuHierDispatchArgs<'_>,
+        handle: &mut GpuHierHandle,
+    ) -> Result<usize> {
         let (h, k, e) = (self.cfg.hidden, self.cfg.num_topk, self.elt());
         let (hw, g) = (h + META_CHANNELS, h / FP8_GROUP);
-        let (gw, fp8) = (g + 1, e == 1);
+        let gw = g + 1;
         let (t, s) = (a.num_tokens, a.stream);
         if handle.buffer_id != self.id {
             return Err(Error::arg("handle", "made by another GpuHierBuffer"));
@@ -322,12 +387,21 @@ impl GpuHierBuffer {
         if a.cached && !handle.filled {
             return Err(Error::arg("handle", "cached dispatch with a handle no dispatch filled"));
         }
+        if a.cached && t != handle.tokens {
+            return Err(Error::arg(
+                "num_tokens",
+                format!("{t}: a cached dispatch reuses a routing of {} tokens", handle.tokens),
+            ));
+        }
         if a.expert_alignment == 0 {
             return Err(Error::arg("expert_alignment", "must be at least 1"));
         }
         if !a.cached {
             handle.filled = false;
         }
+        // Whatever was prepared and not finished is overwritten from here on.
+        self.prepared = None;
+        handle.prepared = false;
         let Some(sc) = self.sc.as_ref() else {
             return Err(Error::arg("handle", "no handle was made (new_handle)"));
         };
@@ -461,7 +535,11 @@ impl GpuHierBuffer {
             uploaded.record(s)?;
             handle.filled = true;
         }
-        let rows = match a.num_worst_tokens {
+        if !a.cached {
+            handle.worst = a.num_worst_tokens;
+            handle.tokens = t;
+        }
+        let rows = match a.num_worst_tokens.or(handle.worst) {
             None => n2,
             Some(w) if w >= n2 => w,
             Some(w) => {
@@ -472,6 +550,40 @@ impl GpuHierBuffer {
             }
         };
         handle.rows = rows;
+        handle.prepared = true;
+        self.prepared = Some(handle.serial);
+        Ok(rows)
+    }
+
+    /// Step 2 of a dispatch: the prepared rows into `out` in the direct path's order (one strided
+    /// copy per run and tensor), padding rows for `num_worst_tokens`, on `stream`.
+    ///
+    /// # Safety
+    /// `out` addresses device memory of this context that stays alive until the stream has
+    /// finished.
+    pub unsafe fn finish(
+        &mut self,
+        handle: &mut GpuHierHandle,
+        out: &GpuDispatchOut,
+        s: &Stream,
+    ) -> Result<()> {
+        if handle.buffer_id != self.id {
+            return Err(Error::arg("handle", "made by another GpuHierBuffer"));
+        }
+        if !handle.prepared || self.prepared != Some(handle.serial) {
+            return Err(Error::arg(
+                "handle",
+                "not the dispatch prepared last (prepare, then finish, one dispatch at a time)",
+            ));
+        }
+        let Some(sc) = self.sc.as_ref() else {
+            return Err(Error::arg("handle", "no handle was made (new_handle)"));
+        };
+        let no = sc.node_out.out();
+        let (h, k, e) = (self.cfg.hidden, self.cfg.num_topk, self.elt());
+        let (hw, g) = (h + META_CHANNELS, h / FP8_GROUP);
+        let (gw, fp8) = (g + 1, e == 1);
+        let (rows, n2) = (handle.rows, handle.n2);
         let need = |name: &'static str, sl: DevSlice, row: usize| -> Result<()> {
             if sl.ptr == 0 || sl.bytes < rows * row {
                 return Err(Error::arg(
@@ -541,7 +653,9 @@ impl GpuHierBuffer {
         memset_range_async(s, out.recv_topk_idx.ptr + (n2 * k * 8) as u64, 0xFF, pad * k * 8)?;
         memset_range_async(s, out.recv_topk_weights.ptr + (n2 * k * 4) as u64, 0, pad * k * 4)?;
         memset_range_async(s, out.recv_src_idx.ptr + (n2 * 4) as u64, 0xFF, pad * 4)?;
-        Ok(rows)
+        handle.prepared = false;
+        self.prepared = None;
+        Ok(())
     }
 
     /// Combine through the node stage (to the gateways, whose partial is bf16), then the rail

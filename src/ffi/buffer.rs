@@ -17,7 +17,9 @@ use crate::ep::buffer::{
     Backend, Buffer, BufferOptions, CombineArgs, DispatchArgs, OwnedTokens, Tokens,
 };
 use crate::ep::config::{DispatchDtype, EpConfig, EpSettings};
+use crate::ep::gpu::GpuOptions;
 use crate::ep::handle::DispatchHandle;
+use crate::ep::hier_gpu::GpuHierBuffer;
 use crate::error::Error;
 
 /// `fep_tensor.dtype`: bf16 (as 16-bit words).
@@ -86,6 +88,7 @@ pub struct fep_config {
     /// Bound on every wait, seconds; 0: 60.
     pub timeout_s: f64,
     /// libfabric provider ("shm", "tcp;ofi_rxm", "efa", ...); NULL: `FI_PROVIDER`, else "shm".
+    /// On the GPU backend, the provider of both modes' proxy lanes to other nodes.
     pub provider: *const c_char,
     // ---- Appended after the first release (a caller whose `struct_size` ends before a field
     // gets that field's default; see `FEP_CONFIG_V1_SIZE`).
@@ -94,6 +97,12 @@ pub struct fep_config {
     /// `FEP_BACKEND_GPU`: dispatch handles (4) reserved at creation for up to this many input
     /// tokens, so steps allocate no device memory; 0: 4096; -1: none.
     pub gpu_reserve_tokens: i32,
+    /// `FEP_BACKEND_GPU`, normal mode across nodes (`ranks_per_node < num_ranks`): 1 = DeepEP's
+    /// hierarchy (`ep::hier_gpu`: one copy of a token per destination node, then the gateway's
+    /// fan-out inside its node), 0 = direct per-rank sends (the default). Low-latency mode
+    /// always sends directly.
+    pub internode_hierarchy: i32,
+    pub reserved2: i32,
 }
 
 /// `struct_size` of the first `fep_config` (up to and including `provider`): still accepted;
@@ -145,13 +154,14 @@ pub struct fep_handle {
 pub(crate) enum HandleKind {
     Host { handle: DispatchHandle, out: Option<DispatchOutput> },
     Gpu(super::gpu::PooledHandle),
+    GpuHier(super::gpu::PooledHierHandle),
 }
 
 impl fep_handle {
     fn host(&self) -> Result<&DispatchHandle, Error> {
         match &self.kind {
             HandleKind::Host { handle, .. } => Ok(handle),
-            HandleKind::Gpu(_) => {
+            HandleKind::Gpu(_) | HandleKind::GpuHier(_) => {
                 Err(Error::arg("handle", "a GPU backend handle: use the fep_gpu_* calls"))
             }
         }
@@ -187,6 +197,8 @@ pub unsafe extern "C" fn fep_config_init(cfg: *mut fep_config) -> super::fep_sta
             provider: std::ptr::null(),
             device: -1,
             gpu_reserve_tokens: 0,
+            internode_hierarchy: 0,
+            reserved2: 0,
         };
         Ok(())
     })
@@ -405,22 +417,48 @@ pub unsafe extern "C" fn fep_buffer_create(
                 ),
             ));
         }
-        let (opts, dev) = match r.backend {
-            Backend::Host => (BufferOptions::host(&r.provider), None),
+        let hier = r.raw.internode_hierarchy;
+        if hier != 0 && (hier != 1 || r.backend != Backend::Gpu || s.ranks_per_node >= s.num_ranks)
+        {
+            return Err(Error::arg(
+                "internode_hierarchy",
+                format!(
+                    "{hier}: 1 (on) is for the GPU backend across nodes (ranks_per_node {} < \
+                     num_ranks {}), 0 off",
+                    s.ranks_per_node, s.num_ranks
+                ),
+            ));
+        }
+        let (opts, dev, hier_opts) = match r.backend {
+            Backend::Host => (BufferOptions::host(&r.provider), None, None),
             Backend::Gpu => {
-                let (o, dev) = super::gpu::options(&r.raw, r.local_rank)?;
-                (BufferOptions::gpu(o), Some(dev))
+                let (mut o, dev) = super::gpu::options(&r.raw, r.local_rank)?;
+                // The provider to other nodes, for both modes' proxy lanes.
+                o.proxy_provider = r.provider.clone();
+                o.ll_provider = Some(r.provider.clone());
+                // With the hierarchy, normal mode is its stages' and this buffer keeps low
+                // latency only.
+                let h = (hier == 1).then(|| GpuOptions { low_latency: false, ..o.clone() });
+                if h.is_some() {
+                    o.normal = false;
+                }
+                (BufferOptions::gpu(o), Some(dev), h)
             }
         };
-        let mut buf = Buffer::new(EpConfig::new(r.settings)?, boot.clone(), opts)?;
+        let cfg = EpConfig::new(r.settings)?;
+        let mut buf = Buffer::new(cfg.clone(), boot.clone(), opts)?;
         let gpu = match dev {
             Some(d) => {
-                let st = super::gpu::GpuState::new(d)?;
+                let mut st = super::gpu::GpuState::new(d)?;
                 let tokens = match r.raw.gpu_reserve_tokens {
                     0 => super::gpu::DEFAULT_RESERVE_TOKENS,
                     t if t < 0 => 0,
                     t => t as usize,
                 };
+                if let Some(o) = hier_opts {
+                    let hb = GpuHierBuffer::new(cfg, boot.clone(), BufferOptions::gpu(o))?;
+                    st.set_hier(hb);
+                }
                 if tokens > 0 {
                     st.reserve(&mut buf, tokens, super::gpu::RESERVED_HANDLES)?;
                 }
@@ -449,9 +487,15 @@ pub unsafe extern "C" fn fep_buffer_destroy(buf: *mut fep_buffer) -> super::fep_
             return Ok(());
         }
         let mut b = Box::from_raw(buf);
+        // The hierarchy's stages first (collective, in the same order on every rank).
+        let hier = b.gpu.as_mut().and_then(|g| g.take_hier()).map(|h| h.destroy());
         let res = match b.inner.take() {
             Some(inner) => inner.destroy(),
             None => Ok(()),
+        };
+        let res = match hier {
+            Some(Err(e)) => Err(e),
+            _ => res,
         };
         // NOTES: pooled GPU handles are freed here, after the collective teardown (no peer
         // kernel can be spinning any more); handles the caller still holds free their own.
@@ -757,6 +801,7 @@ pub unsafe extern "C" fn fep_handle_num_recv_tokens(handle: *const fep_handle) -
     handle.as_ref().map_or(-1, |h| match &h.kind {
         HandleKind::Host { handle, .. } => handle.num_out_rows() as i64,
         HandleKind::Gpu(p) => p.num_out_rows().map_or(-1, |r| r as i64),
+        HandleKind::GpuHier(p) => p.get().map_or(-1, |h| h.num_out_rows() as i64),
     })
 }
 

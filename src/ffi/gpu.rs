@@ -39,6 +39,7 @@ use crate::ep::gpu::{
     DevSlice, GpuCombineArgs, GpuDispatchArgs, GpuDispatchOut, GpuHandle, GpuLlCombineArgs,
     GpuLlDispatchArgs, GpuNotifyArgs, GpuOptions, LlCombineHook, LlDispatchHook,
 };
+use crate::ep::hier_gpu::{GpuHierBuffer, GpuHierDispatchArgs, GpuHierHandle};
 use crate::ep::ll_gpu::LlDispatchOut;
 use crate::error::Error;
 
@@ -83,7 +84,15 @@ pub struct fep_gpu_ll_buffers {
     pub pos: fep_tensor,
 }
 
-type Pool = Arc<Mutex<Vec<(usize, GpuHandle)>>>;
+type PoolOf<T> = Arc<Mutex<Vec<(usize, T)>>>;
+type Pool = PoolOf<GpuHandle>;
+
+/// The hierarchy's part of a `fep_buffer` (`fep_config.internode_hierarchy`): its buffer (both
+/// stages) and its handle pool.
+struct HierPart {
+    buf: GpuHierBuffer,
+    pool: PoolOf<GpuHierHandle>,
+}
 
 /// The GPU part of a `fep_buffer`.
 pub(crate) struct GpuState {
@@ -94,6 +103,8 @@ pub(crate) struct GpuState {
     /// A communication stream the buffer owns (`fep_gpu_info`), for callers that follow
     /// DeepEP's comm-stream pattern; destroyed with the buffer.
     comm: Stream,
+    /// Normal mode through DeepEP's hierarchy (then the direct buffer has low latency only).
+    hier: Option<HierPart>,
 }
 
 /// `fep_config.gpu_reserve_tokens` 0: handles for this many input tokens.
@@ -102,12 +113,21 @@ pub(crate) const DEFAULT_RESERVE_TOKENS: usize = 4096;
 pub(crate) const RESERVED_HANDLES: usize = 4;
 
 impl GpuState {
-    /// Adds `n` handles for up to `tokens` input tokens to the pool (device allocations).
-    pub(crate) fn reserve(&self, b: &mut Buffer, tokens: usize, n: usize) -> Result<(), Error> {
+    /// Adds `n` handles for up to `tokens` input tokens to the pool (device allocations; the
+    /// hierarchy's when it is on).
+    pub(crate) fn reserve(&mut self, b: &mut Buffer, tokens: usize, n: usize) -> Result<(), Error> {
         let cap = tokens.max(1);
         for _ in 0..n {
-            let h = b.gpu()?.new_handle(cap)?;
-            self.pool.lock().unwrap_or_else(PoisonError::into_inner).push((cap, h));
+            match &mut self.hier {
+                Some(hp) => {
+                    let h = hp.buf.new_handle(cap)?;
+                    hp.pool.lock().unwrap_or_else(PoisonError::into_inner).push((cap, h));
+                }
+                None => {
+                    let h = b.gpu()?.new_handle(cap)?;
+                    self.pool.lock().unwrap_or_else(PoisonError::into_inner).push((cap, h));
+                }
+            }
         }
         Ok(())
     }
@@ -119,32 +139,79 @@ impl GpuState {
             pool: Arc::new(Mutex::new(Vec::new())),
             comm: Stream::new(&dev)?,
             dev,
+            hier: None,
         })
+    }
+
+    /// Normal mode goes through `h` from now on.
+    pub(crate) fn set_hier(&mut self, h: GpuHierBuffer) {
+        self.hier = Some(HierPart { buf: h, pool: Arc::new(Mutex::new(Vec::new())) });
+    }
+
+    /// The hierarchy's buffer, for the collective teardown; its pooled handles are freed.
+    pub(crate) fn take_hier(&mut self) -> Option<GpuHierBuffer> {
+        self.hier.take().map(|hp| hp.buf)
     }
 }
 
-/// A GPU handle on loan from its buffer's pool (returned when dropped).
-pub(crate) struct PooledHandle {
+/// A handle on loan from its buffer's pool (returned when dropped).
+pub(crate) struct Pooled<T> {
     cap: usize,
-    h: Option<GpuHandle>,
-    pool: Pool,
+    h: Option<T>,
+    pool: PoolOf<T>,
+}
+
+/// A direct-path GPU handle on loan.
+pub(crate) type PooledHandle = Pooled<GpuHandle>;
+/// A hierarchy handle on loan.
+pub(crate) type PooledHierHandle = Pooled<GpuHierHandle>;
+
+impl<T> Pooled<T> {
+    pub(crate) fn get(&self) -> Result<&T, Error> {
+        self.h.as_ref().ok_or_else(|| Error::arg("handle", "already returned to its pool"))
+    }
+    fn get_mut(&mut self) -> Result<&mut T, Error> {
+        self.h.as_mut().ok_or_else(|| Error::arg("handle", "already returned to its pool"))
+    }
 }
 
 impl PooledHandle {
     pub(crate) fn num_out_rows(&self) -> Option<usize> {
         self.h.as_ref().and_then(|h| h.num_out_rows())
     }
-    fn get(&self) -> Result<&GpuHandle, Error> {
-        self.h.as_ref().ok_or_else(|| Error::arg("handle", "already returned to its pool"))
-    }
 }
 
-impl Drop for PooledHandle {
+impl<T> Drop for Pooled<T> {
     fn drop(&mut self) {
         if let Some(h) = self.h.take() {
             self.pool.lock().unwrap_or_else(PoisonError::into_inner).push((self.cap, h));
         }
     }
+}
+
+/// The smallest pooled handle for `tokens`, else a new one from `make(capacity)`.
+fn take_from<T>(
+    pool: &PoolOf<T>,
+    tokens: usize,
+    make: impl FnOnce(usize) -> Result<T, Error>,
+) -> Result<Pooled<T>, Error> {
+    let mut p = pool.lock().unwrap_or_else(PoisonError::into_inner);
+    let best = p
+        .iter()
+        .enumerate()
+        .filter(|(_, (c, _))| *c >= tokens)
+        .min_by_key(|(_, (c, _))| *c)
+        .map(|(i, _)| i);
+    let (cap, h) = match best {
+        Some(i) => p.swap_remove(i),
+        None => {
+            drop(p);
+            // NOTES: an allocation inside a step (see the module notes): callers reserve first.
+            let cap = tokens.max(1);
+            (cap, make(cap)?)
+        }
+    };
+    Ok(Pooled { cap, h: Some(h), pool: pool.clone() })
 }
 
 /// GPU options from a config: device (`-1`: `LOCAL_RANK`, else 0), SM budget and chunking
@@ -242,12 +309,21 @@ unsafe fn begin(
     st: &GpuState,
     order: *const fep_gpu_order,
 ) -> Result<(Stream, fep_gpu_order), Error> {
+    begin_on(&st.dev, &st.ev_in, order)
+}
+
+/// [`begin`] with the state's parts (when the rest of it is borrowed elsewhere).
+unsafe fn begin_on(
+    dev: &Device,
+    ev_in: &Event,
+    order: *const fep_gpu_order,
+) -> Result<(Stream, fep_gpu_order), Error> {
     let o = *order.as_ref().ok_or_else(|| Error::arg("order", "NULL pointer"))?;
-    let s = Stream::borrowed(&st.dev, o.stream as CUstream);
+    let s = Stream::borrowed(dev, o.stream as CUstream);
     if !o.wait_stream.is_null() && o.wait_stream != o.stream {
-        let w = Stream::borrowed(&st.dev, o.wait_stream as CUstream);
-        st.ev_in.record(&w)?;
-        s.wait_event(&st.ev_in)?;
+        let w = Stream::borrowed(dev, o.wait_stream as CUstream);
+        ev_in.record(&w)?;
+        s.wait_event(ev_in)?;
     }
     if !o.wait_event.is_null() {
         s.wait_raw_event(o.wait_event as CUevent)?;
@@ -265,23 +341,7 @@ unsafe fn finish(st: &GpuState, o: &fep_gpu_order, s: &Stream) -> Result<(), Err
 }
 
 fn take_handle(st: &GpuState, b: &mut Buffer, tokens: usize) -> Result<PooledHandle, Error> {
-    let mut pool = st.pool.lock().unwrap_or_else(PoisonError::into_inner);
-    let best = pool
-        .iter()
-        .enumerate()
-        .filter(|(_, (c, _))| *c >= tokens)
-        .min_by_key(|(_, (c, _))| *c)
-        .map(|(i, _)| i);
-    let (cap, h) = match best {
-        Some(i) => pool.swap_remove(i),
-        None => {
-            drop(pool);
-            // NOTES: an allocation inside a step (see the module notes): callers reserve first.
-            let cap = tokens.max(1);
-            (cap, b.gpu()?.new_handle(cap)?)
-        }
-    };
-    Ok(PooledHandle { cap, h: Some(h), pool: st.pool.clone() })
+    take_from(&st.pool, tokens, |cap| b.gpu()?.new_handle(cap))
 }
 
 /// Reserves `num_handles` more dispatch handles for up to `max_tokens` input tokens each
@@ -315,7 +375,8 @@ pub unsafe extern "C" fn fep_gpu_reserve(
 /// `num_worst_tokens > 0` it returns at once with `*num_recv_tokens = num_worst_tokens` and
 /// leaves the per-expert counts untouched. `*out_handle` receives the handle for
 /// `fep_gpu_dispatch`, `fep_gpu_combine` and cached dispatches (free it with
-/// `fep_handle_destroy`). The "then" stream of `order` is not used here.
+/// `fep_handle_destroy`). The "then" stream of `order` is not used here. A buffer created with
+/// `internode_hierarchy` needs the tokens at this step: call [`fep_gpu_notify_inputs`].
 ///
 /// # Safety
 /// Every pointer must be valid; `topk_idx` stays alive until the stream has run the call.
@@ -332,57 +393,223 @@ pub unsafe extern "C" fn fep_gpu_notify(
     num_recv_tokens_per_expert: *mut i32,
 ) -> fep_status {
     guard(|| {
-        let out_handle =
-            out_handle.as_mut().ok_or_else(|| Error::arg("out_handle", "NULL pointer"))?;
-        *out_handle = std::ptr::null_mut();
-        let (b, st) = parts(buf)?;
-        let k = b.config().num_topk as i64;
-        let (idx, shape) = dev("topk_idx", topk_idx, FEP_DTYPE_I64, &[None, Some(k)])?;
-        let t = shape[0] as usize;
-        if expert_alignment < 1 {
-            return Err(Error::arg(
-                "expert_alignment",
-                format!("{expert_alignment}: must be >= 1"),
-            ));
-        }
-        if num_worst_tokens < 0 {
-            return Err(Error::arg("num_worst_tokens", format!("{num_worst_tokens} is negative")));
-        }
+        let step = Step1 { expert_alignment, num_worst_tokens, order };
+        let out = Step1Out { out_handle, num_recv_tokens, num_recv_tokens_per_expert };
+        notify(buf, None, topk_idx, step, out)
+    })
+}
+
+/// [`fep_gpu_notify`] with the dispatch's inputs (`x` `[T, H]`, `x_scales` `[T, H / 128]` f32
+/// for fp8 else NULL, `topk_weights` `[T, K]` f32, as [`fep_gpu_dispatch`] takes them): on a
+/// buffer created with `internode_hierarchy` this step moves the tokens through both stages
+/// (the rows counted at the end of the node stage; the host synchronises with the stream three
+/// times, also with `num_worst_tokens`), and [`fep_gpu_dispatch`] with its handle only places
+/// them, in the direct path's order, into the outputs. On a direct buffer it is
+/// [`fep_gpu_notify`] (the inputs are checked, then used by the dispatch). The inputs stay alive
+/// until the stream has run the dispatch.
+///
+/// # Safety
+/// As [`fep_gpu_notify`].
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn fep_gpu_notify_inputs(
+    buf: *mut fep_buffer,
+    x: *const fep_tensor,
+    x_scales: *const fep_tensor,
+    topk_idx: *const fep_tensor,
+    topk_weights: *const fep_tensor,
+    expert_alignment: i32,
+    num_worst_tokens: i64,
+    order: *const fep_gpu_order,
+    out_handle: *mut *mut fep_handle,
+    num_recv_tokens: *mut i64,
+    num_recv_tokens_per_expert: *mut i32,
+) -> fep_status {
+    guard(|| {
+        let step = Step1 { expert_alignment, num_worst_tokens, order };
+        let out = Step1Out { out_handle, num_recv_tokens, num_recv_tokens_per_expert };
+        notify(buf, Some((x, x_scales, topk_weights)), topk_idx, step, out)
+    })
+}
+
+/// Step 1's scalar arguments.
+#[derive(Clone, Copy)]
+struct Step1 {
+    expert_alignment: i32,
+    num_worst_tokens: i64,
+    order: *const fep_gpu_order,
+}
+
+/// Step 1's out-pointers.
+#[derive(Clone, Copy)]
+struct Step1Out {
+    out_handle: *mut *mut fep_handle,
+    num_recv_tokens: *mut i64,
+    num_recv_tokens_per_expert: *mut i32,
+}
+
+/// A dispatch's checked inputs.
+struct Inputs {
+    x: DevSlice,
+    x_scales: Option<DevSlice>,
+    topk_idx: DevSlice,
+    topk_weights: DevSlice,
+}
+
+/// `x`, `x_scales`, `topk_idx`, `topk_weights` of `t` tokens (`None`: any) for `b`'s config.
+unsafe fn inputs(
+    b: &Buffer,
+    t: Option<i64>,
+    x: *const fep_tensor,
+    x_scales: *const fep_tensor,
+    topk_idx: *const fep_tensor,
+    topk_weights: *const fep_tensor,
+) -> Result<Inputs, Error> {
+    let c = b.config();
+    let (hd, k) = (c.hidden as i64, c.num_topk as i64);
+    let fp8 = c.dispatch_dtype == DispatchDtype::Fp8E4m3;
+    let xd = if fp8 { FEP_DTYPE_FP8_E4M3 } else { FEP_DTYPE_BF16 };
+    let (xs, shape) = dev("x", x, xd, &[t, Some(hd)])?;
+    let t = Some(shape[0]);
+    Ok(Inputs {
+        x: xs,
+        x_scales: scales(fp8, hd, "x_scales", x_scales, t)?,
+        topk_idx: dev("topk_idx", topk_idx, FEP_DTYPE_I64, &[t, Some(k)])?.0,
+        topk_weights: dev("topk_weights", topk_weights, FEP_DTYPE_F32, &[t, Some(k)])?.0,
+    })
+}
+
+/// An fp8 buffer's scales `[n, H / 128]` f32 (required exactly for fp8).
+unsafe fn scales(
+    fp8: bool,
+    hd: i64,
+    name: &'static str,
+    p: *const fep_tensor,
+    n: Option<i64>,
+) -> Result<Option<DevSlice>, Error> {
+    match (fp8, p.is_null()) {
+        (true, true) => Err(Error::arg(name, "NULL: required for an fp8 buffer")),
+        (true, false) => Ok(Some(dev(name, p, FEP_DTYPE_F32, &[n, Some(hd / 128)])?.0)),
+        (false, true) => Ok(None),
+        (false, false) => Err(Error::arg(name, "given, but the buffer dispatches bf16")),
+    }
+}
+
+unsafe fn notify(
+    buf: *mut fep_buffer,
+    with: Option<(*const fep_tensor, *const fep_tensor, *const fep_tensor)>,
+    topk_idx: *const fep_tensor,
+    a: Step1,
+    out: Step1Out,
+) -> Result<(), Error> {
+    let out_handle =
+        out.out_handle.as_mut().ok_or_else(|| Error::arg("out_handle", "NULL pointer"))?;
+    *out_handle = std::ptr::null_mut();
+    let (b, st) = parts(buf)?;
+    let k = b.config().num_topk as i64;
+    let (idx, shape) = dev("topk_idx", topk_idx, FEP_DTYPE_I64, &[None, Some(k)])?;
+    let t = shape[0] as usize;
+    if a.expert_alignment < 1 {
+        return Err(Error::arg(
+            "expert_alignment",
+            format!("{}: must be >= 1", a.expert_alignment),
+        ));
+    }
+    if a.num_worst_tokens < 0 {
+        return Err(Error::arg(
+            "num_worst_tokens",
+            format!("{} is negative", a.num_worst_tokens),
+        ));
+    }
+    let inp = match with {
+        Some((x, xs, w)) => Some(inputs(b, Some(t as i64), x, xs, topk_idx, w)?),
+        None => None,
+    };
+    let worst = (a.num_worst_tokens > 0).then_some(a.num_worst_tokens as usize);
+    let (kind, rows, per_expert) = if let Some(hp) = st.hier.as_mut() {
+        let inp = inp.ok_or_else(|| {
+            Error::arg(
+                "buf",
+                "created with internode_hierarchy: its step 1 moves the tokens, call \
+                 fep_gpu_notify_inputs",
+            )
+        })?;
+        let HierPart { buf: hb, pool } = hp;
+        let mut ph = take_from(pool, t, |cap| hb.new_handle(cap))?;
+        let (s, _) = begin_on(&st.dev, &st.ev_in, a.order)?;
+        let args = GpuHierDispatchArgs {
+            x: inp.x,
+            x_scales: inp.x_scales,
+            topk_idx: inp.topk_idx,
+            topk_weights: inp.topk_weights,
+            num_tokens: t,
+            expert_alignment: a.expert_alignment as usize,
+            num_worst_tokens: worst,
+            cached: false,
+            stream: &s,
+        };
+        let rows = hb.prepare(&args, ph.get_mut()?)?;
+        let per: Vec<i32> = ph.get()?.num_recv_tokens_per_expert().to_vec();
+        (HandleKind::GpuHier(ph), rows, (worst.is_none()).then_some(per))
+    } else {
         let mut ph = take_handle(st, b, t)?;
-        let (s, _) = begin(st, order)?;
+        let (s, _) = begin(st, a.order)?;
         let args = GpuNotifyArgs {
             topk_idx: idx,
             num_tokens: t,
-            expert_alignment: expert_alignment as usize,
-            num_worst_tokens: (num_worst_tokens > 0).then_some(num_worst_tokens as usize),
+            expert_alignment: a.expert_alignment as usize,
+            num_worst_tokens: worst,
             stream: &s,
         };
         let h = ph.h.as_mut().ok_or_else(|| Error::Other("pooled handle missing".into()))?;
         let info = b.gpu()?.notify_gpu(&args, h)?;
         let rows = ph.num_out_rows().ok_or_else(|| Error::Other("notify set no rows".into()))?;
-        if let (Some(info), false) = (info, num_recv_tokens_per_expert.is_null()) {
-            std::ptr::copy_nonoverlapping(
-                info.num_recv_tokens_per_expert.as_ptr(),
-                num_recv_tokens_per_expert,
-                info.num_recv_tokens_per_expert.len(),
-            );
-        }
-        if let Some(n) = num_recv_tokens.as_mut() {
-            *n = rows as i64;
-        }
-        *out_handle = Box::into_raw(Box::new(fep_handle { kind: HandleKind::Gpu(ph) }));
-        Ok(())
-    })
+        (HandleKind::Gpu(ph), rows, info.map(|i| i.num_recv_tokens_per_expert))
+    };
+    if let (Some(per), false) = (per_expert, out.num_recv_tokens_per_expert.is_null()) {
+        std::ptr::copy_nonoverlapping(per.as_ptr(), out.num_recv_tokens_per_expert, per.len());
+    }
+    if let Some(n) = out.num_recv_tokens.as_mut() {
+        *n = rows as i64;
+    }
+    *out_handle = Box::into_raw(Box::new(fep_handle { kind }));
+    Ok(())
 }
 
 unsafe fn gpu_handle<'a>(handle: *const fep_handle) -> Result<&'a GpuHandle, Error> {
     match &handle.as_ref().ok_or_else(|| Error::arg("handle", "NULL pointer"))?.kind {
         HandleKind::Gpu(p) => p.get(),
+        HandleKind::GpuHier(_) => Err(Error::arg(
+            "handle",
+            "a hierarchy handle (internode_hierarchy) where a direct one was expected",
+        )),
         HandleKind::Host { .. } => Err(Error::arg(
             "handle",
             "a host backend handle (from fep_dispatch): GPU calls take fep_gpu_notify's",
         )),
     }
+}
+
+/// The hierarchy handle `handle` points to, if it is one.
+///
+/// # Safety
+/// `handle` comes from `fep_gpu_notify_inputs` (a boxed, mutable allocation) and no other
+/// reference to it is alive during the call (the C ABI's calls on one handle are sequential).
+unsafe fn hier_handle<'a>(handle: *const fep_handle) -> Result<Option<&'a mut GpuHierHandle>, Error> {
+    // NOTES: the ABI passes handles as const pointers; the hierarchy handle records the step it
+    // is at, so it is reached mutably through the box it lives in.
+    match &mut handle.cast_mut().as_mut().ok_or_else(|| Error::arg("handle", "NULL pointer"))?.kind {
+        HandleKind::GpuHier(p) => Ok(Some(p.get_mut()?)),
+        _ => Ok(None),
+    }
+}
+
+/// The buffer's hierarchy (an error naming `handle` when it has none).
+fn hier_of(st: &mut GpuState) -> Result<&mut GpuHierBuffer, Error> {
+    st.hier
+        .as_mut()
+        .map(|hp| &mut hp.buf)
+        .ok_or_else(|| Error::arg("handle", "a hierarchy handle on a buffer without one"))
 }
 
 /// Normal dispatch, step 2 on the GPU (also a cached dispatch: any earlier handle of the same
@@ -391,7 +618,8 @@ unsafe fn gpu_handle<'a>(handle: *const fep_handle) -> Result<&'a GpuHandle, Err
 /// given to the notify. Outputs, `rows = *num_recv_tokens` of the notify: `recv_x` `[rows, H]`
 /// (+ `recv_x_scales` `[rows, H/128]` for fp8), `recv_topk_idx` `[rows, K]` int64 (local expert
 /// ids, -1 elsewhere), `recv_topk_weights` `[rows, K]` f32, `recv_src_idx` `[rows]` int32.
-/// Asynchronous on `order->stream`; collective.
+/// Asynchronous on `order->stream`; collective. With a hierarchy handle fresh from
+/// [`fep_gpu_notify_inputs`] the tokens have moved already (the inputs are checked, not read).
 ///
 /// # Safety
 /// Every pointer must be valid; device memory stays alive until the stream has run the call.
@@ -413,31 +641,26 @@ pub unsafe extern "C" fn fep_gpu_dispatch(
 ) -> fep_status {
     guard(|| {
         let (b, st) = parts(buf)?;
-        let h = gpu_handle(handle)?;
+        let hh = hier_handle(handle)?;
+        let (t, rows) = match &hh {
+            Some(h) => (h.num_tokens(), h.num_out_rows()),
+            None => {
+                let h = gpu_handle(handle)?;
+                let rows = h
+                    .num_out_rows()
+                    .ok_or_else(|| Error::arg("handle", "no notify has filled it"))?;
+                (h.num_tokens(), rows)
+            }
+        };
         let c = b.config();
         let (hd, k) = (c.hidden as i64, c.num_topk as i64);
         let fp8 = c.dispatch_dtype == DispatchDtype::Fp8E4m3;
         let xd = if fp8 { FEP_DTYPE_FP8_E4M3 } else { FEP_DTYPE_BF16 };
-        let t = Some(h.num_tokens() as i64);
-        let rows =
-            Some(h.num_out_rows().ok_or_else(|| Error::arg("handle", "no notify has filled it"))?
-                as i64);
-        let g = Some(hd / 128);
-        let scales = |name, p: *const fep_tensor, n| -> Result<Option<DevSlice>, Error> {
-            match (fp8, p.is_null()) {
-                (true, true) => Err(Error::arg(name, "NULL: required for an fp8 buffer")),
-                (true, false) => Ok(Some(dev(name, p, FEP_DTYPE_F32, &[n, g])?.0)),
-                (false, true) => Ok(None),
-                (false, false) => Err(Error::arg(name, "given, but the buffer dispatches bf16")),
-            }
-        };
-        let args_x = dev("x", x, xd, &[t, Some(hd)])?.0;
-        let args_xs = scales("x_scales", x_scales, t)?;
-        let args_i = dev("topk_idx", topk_idx, FEP_DTYPE_I64, &[t, Some(k)])?.0;
-        let args_w = dev("topk_weights", topk_weights, FEP_DTYPE_F32, &[t, Some(k)])?.0;
+        let inp = inputs(b, Some(t as i64), x, x_scales, topk_idx, topk_weights)?;
+        let rows = Some(rows as i64);
         let out = GpuDispatchOut {
             recv_x: dev("recv_x", recv_x, xd, &[rows, Some(hd)])?.0,
-            recv_x_scales: scales("recv_x_scales", recv_x_scales, rows)?,
+            recv_x_scales: scales(fp8, hd, "recv_x_scales", recv_x_scales, rows)?,
             recv_topk_idx: dev("recv_topk_idx", recv_topk_idx, FEP_DTYPE_I64, &[rows, Some(k)])?.0,
             recv_topk_weights: dev(
                 "recv_topk_weights",
@@ -449,22 +672,46 @@ pub unsafe extern "C" fn fep_gpu_dispatch(
             recv_src_idx: dev("recv_src_idx", recv_src_idx, FEP_DTYPE_I32, &[rows])?.0,
         };
         let (s, o) = begin(st, order)?;
-        let args = GpuDispatchArgs {
-            x: args_x,
-            x_scales: args_xs,
-            topk_idx: args_i,
-            topk_weights: args_w,
-            stream: &s,
-        };
-        b.gpu()?.dispatch_gpu(&args, h, &out)?;
+        match hh {
+            Some(h) => {
+                let hb = hier_of(st)?;
+                if !h.is_prepared() {
+                    // A cached dispatch: both stages again with the handle's routing.
+                    let args = GpuHierDispatchArgs {
+                        x: inp.x,
+                        x_scales: inp.x_scales,
+                        topk_idx: inp.topk_idx,
+                        topk_weights: inp.topk_weights,
+                        num_tokens: t,
+                        expert_alignment: 1,
+                        num_worst_tokens: None,
+                        cached: true,
+                        stream: &s,
+                    };
+                    hb.prepare(&args, h)?;
+                }
+                hb.finish(h, &out, &s)?;
+            }
+            None => {
+                let args = GpuDispatchArgs {
+                    x: inp.x,
+                    x_scales: inp.x_scales,
+                    topk_idx: inp.topk_idx,
+                    topk_weights: inp.topk_weights,
+                    stream: &s,
+                };
+                b.gpu()?.dispatch_gpu(&args, gpu_handle(handle)?, &out)?;
+            }
+        }
         finish(st, &o, &s)
     })
 }
 
 /// Normal combine on the GPU: `x` `[rows, H]` bf16 (rows as the dispatch's outputs), optional
 /// `topk_weights` `[rows, K]` f32; writes `combined_x` `[T, H]` bf16 (per token, the fp32 sum
-/// over the ranks it went to) and, exactly when `topk_weights` is given,
-/// `combined_topk_weights` `[T, K]` f32. Asynchronous on `order->stream`; collective.
+/// over the ranks it went to; with the hierarchy, the sum of each node's bf16 partial) and,
+/// exactly when `topk_weights` is given, `combined_topk_weights` `[T, K]` f32. Asynchronous on
+/// `order->stream`; collective.
 ///
 /// # Safety
 /// As `fep_gpu_dispatch`.
@@ -480,13 +727,23 @@ pub unsafe extern "C" fn fep_gpu_combine(
 ) -> fep_status {
     guard(|| {
         let (b, st) = parts(buf)?;
-        let h = gpu_handle(handle)?;
+        let hh = hier_handle(handle)?;
+        let (t, rows) = match &hh {
+            Some(h) if h.is_filled() && !h.is_prepared() => (h.num_tokens(), h.num_out_rows()),
+            Some(_) => {
+                return Err(Error::arg("handle", "its dispatch has not finished (fep_gpu_dispatch)"))
+            }
+            None => {
+                let h = gpu_handle(handle)?;
+                let rows = h
+                    .num_out_rows()
+                    .ok_or_else(|| Error::arg("handle", "no notify has filled it"))?;
+                (h.num_tokens(), rows)
+            }
+        };
         let c = b.config();
         let (hd, k) = (c.hidden as i64, c.num_topk as i64);
-        let t = Some(h.num_tokens() as i64);
-        let rows =
-            Some(h.num_out_rows().ok_or_else(|| Error::arg("handle", "no notify has filled it"))?
-                as i64);
+        let (t, rows) = (Some(t as i64), Some(rows as i64));
         if topk_weights.is_null() != combined_topk_weights.is_null() {
             return Err(Error::arg(
                 "combined_topk_weights",
@@ -506,7 +763,10 @@ pub unsafe extern "C" fn fep_gpu_combine(
             combined_topk_weights: cw,
             stream: &s,
         };
-        b.gpu()?.combine_gpu(&args, h)?;
+        match hh {
+            Some(h) => hier_of(st)?.combine_gpu(&args, h)?,
+            None => b.gpu()?.combine_gpu(&args, gpu_handle(handle)?)?,
+        }
         finish(st, &o, &s)
     })
 }
@@ -781,6 +1041,9 @@ pub unsafe extern "C" fn fep_gpu_sync(buf: *mut fep_buffer, stream: *mut c_void)
     guard(|| {
         let (b, st) = parts(buf)?;
         let s = Stream::borrowed(&st.dev, stream as CUstream);
+        if let Some(hp) = st.hier.as_mut() {
+            hp.buf.sync_gpu(&s)?;
+        }
         b.gpu()?.sync_gpu(&s)
     })
 }

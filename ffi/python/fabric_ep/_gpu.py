@@ -102,6 +102,7 @@ class GpuPath:
     def __init__(self, buf: Any, torch: Any, device: int, threads: bool, comm_ptr: int,
                  reserve_tokens: int = 0):
         self.buf = buf
+        self.hier = bool(getattr(buf, "internode_hierarchy", False))
         self.torch = torch
         self.dev = device
         self.threads = threads
@@ -405,8 +406,17 @@ class GpuPath:
             hp, rows, order = handle._ptr, handle.num_recv_tokens, a_o0
             new_handle = None
         else:
-            st = lib.fep_gpu_notify(p, a_i, expert_alignment, num_worst_tokens, a_o0,
-                                    b._out_handle_addr, b._out_rows_addr, self._per_expert_ptr)
+            if self.hier:
+                # The hierarchy moves the tokens in this step (both stages), the dispatch below
+                # only places them.
+                st = lib.fep_gpu_notify_inputs(p, a_x, a_xs if fp8 else None, a_i, a_w,
+                                               expert_alignment, num_worst_tokens, a_o0,
+                                               b._out_handle_addr, b._out_rows_addr,
+                                               self._per_expert_ptr)
+            else:
+                st = lib.fep_gpu_notify(p, a_i, expert_alignment, num_worst_tokens, a_o0,
+                                        b._out_handle_addr, b._out_rows_addr,
+                                        self._per_expert_ptr)
             if st:
                 raise _lib.error("fep_gpu_notify", st)
             hp = b._out_handle.value

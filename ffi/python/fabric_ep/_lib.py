@@ -56,6 +56,8 @@ class fep_config(ctypes.Structure):
         # Appended after the first release (FEP_CONFIG_V1_SIZE = 80 bytes is still accepted).
         ("device", ctypes.c_int32),
         ("gpu_reserve_tokens", ctypes.c_int32),
+        ("internode_hierarchy", ctypes.c_int32),
+        ("reserved2", ctypes.c_int32),
     ]
 
 
@@ -226,6 +228,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         # GPU backend (device pointers, CUDA streams).
         ("fep_gpu_reserve", _st, _vp, ctypes.c_int64, ctypes.c_int32),
         ("fep_gpu_notify", _st, _vp, _vp, ctypes.c_int32, ctypes.c_int64, _vp, _vp, _vp, _vp),
+        ("fep_gpu_notify_inputs", _st, _vp, _vp, _vp, _vp, _vp, ctypes.c_int32, ctypes.c_int64,
+         _vp, _vp, _vp, _vp),
         ("fep_gpu_dispatch", _st, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp, _vp),
         ("fep_gpu_combine", _st, _vp, _vp, _vp, _vp, _vp, _vp, _vp),
         ("fep_gpu_ll_dispatch", _st, _vp, _vp, _vp, _b, _b, _b, _vp, _vp, _vp),

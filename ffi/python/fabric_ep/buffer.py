@@ -192,6 +192,11 @@ class Buffer:
             ``FI_PROVIDER``, else ``"shm"``.
         timeout_s: bound on every wait inside the library (0: 60 s).
         ranks_per_node: None: ``LOCAL_WORLD_SIZE``, else the largest divisor of R up to 8.
+        internode_hierarchy: GPU backend, ranks on 2 or more nodes (``ranks_per_node < R``):
+            normal mode through DeepEP's hierarchy (one copy of a token per destination node,
+            then the gateway's fan-out inside its node: fewer bytes on the network; the combine
+            sums each node's bf16 partial) instead of direct per-rank sends. Low-latency mode
+            always sends directly. Default False.
     """
 
     num_sms: int = DEFAULT_NUM_SMS
@@ -217,6 +222,7 @@ class Buffer:
         timeout_s: float = 0.0,
         ranks_per_node: Optional[int] = None,
         gpu_reserve_tokens: int = 4096,
+        internode_hierarchy: bool = False,
     ) -> None:
         self._ptr = 0  # set last: __del__ must see a consistent object if __init__ raises
         self._g: Optional[Any] = None
@@ -252,6 +258,14 @@ class Buffer:
         if isinstance(gpu_reserve_tokens, bool) or not isinstance(gpu_reserve_tokens, int) \
                 or not 0 <= gpu_reserve_tokens < 2**31:
             raise ValueError(f"gpu_reserve_tokens: {gpu_reserve_tokens!r} must be an int in [0, 2**31)")
+        if not isinstance(internode_hierarchy, bool):
+            raise TypeError(f"internode_hierarchy: {internode_hierarchy!r} must be a bool")
+        if internode_hierarchy and backend != "gpu":
+            raise ValueError(
+                f"internode_hierarchy: the GPU backend's (this Buffer uses {backend!r}; the host "
+                "backend's hierarchy is ep::hier in Rust)"
+            )
+        self.internode_hierarchy = internode_hierarchy
         self.backend = backend
         if num_max_dispatch_tokens_per_rank < 0:
             raise ValueError(
@@ -298,6 +312,13 @@ class Buffer:
             if ranks_per_node <= 0:
                 raise ValueError(f"ranks_per_node: {ranks_per_node} must be positive")
             cfg.ranks_per_node = ranks_per_node
+        if internode_hierarchy:
+            if ranks_per_node is None or world is None or ranks_per_node >= world:
+                raise ValueError(
+                    f"internode_hierarchy: needs ranks on 2 or more nodes (ranks_per_node "
+                    f"{ranks_per_node} of {world} ranks)"
+                )
+            cfg.internode_hierarchy = 1
         if config is None:
             config = Buffer.get_dispatch_config(world if world else 1)
         sms, chunk, slots = config.fabric_chunking()

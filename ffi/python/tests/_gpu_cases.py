@@ -113,11 +113,11 @@ def same_rows(what, r, got, want, routing=None, again=None):
     raise AssertionError("\n".join(lines))
 
 
-def normal_bf16(group, r, world, tokens=TOKENS):
+def normal_bf16(group, r, world, tokens=TOKENS, **buf_kw):
     all_in = [inputs(s, world, tokens=tokens) for s in range(world)]
     x, idx, w = all_in[r]
     xt, it, wt = to_bf16(torch, x, DEV), tdev(idx), tdev(w)
-    buf = make_buffer(group, world)
+    buf = make_buffer(group, world, **buf_kw)
     try:
         n_rank, n_rdma, n_exp, in_rank, ev = buf.get_dispatch_layout(it, L * world)
         m = dest_ranks(idx, world)
@@ -186,7 +186,7 @@ def normal_bf16(group, r, world, tokens=TOKENS):
     return "ok"
 
 
-def normal_fp8(group, r, world):
+def normal_fp8(group, r, world, **buf_kw):
     all_in = [inputs(s, world, salt=1, tokens=TOKENS) for s in range(world)]
     fp8 = []
     for s in range(world):
@@ -197,7 +197,7 @@ def normal_fp8(group, r, world):
     x, idx, w = all_in[r]
     xq = tdev(fp8[r][0]).view(torch.float8_e4m3fn)
     xs = tdev(fp8[r][1])
-    buf = make_buffer(group, world, dispatch_dtype="fp8")
+    buf = make_buffer(group, world, dispatch_dtype="fp8", **buf_kw)
     try:
         (rxq, rxs), ri, rw, counts, handle, _ = buf.dispatch((xq, xs), topk_idx=tdev(idx),
                                                              topk_weights=tdev(w))
@@ -406,11 +406,27 @@ def normal_bf16_equal_tokens(group, r, world):
     return normal_bf16(group, r, world, tokens=[24] * 4)
 
 
+# DeepEP's internode hierarchy (2 simulated nodes of world / 2 ranks; the rail stage between them
+# through the proxy lane over shm): the same checks as the direct path (the test values make the
+# node-grouped combine exact).
+HIER = dict(ranks_per_node=None, internode_hierarchy=True, provider="shm")
+
+
+def normal_hier_bf16(group, r, world):
+    return normal_bf16(group, r, world, **dict(HIER, ranks_per_node=world // 2))
+
+
+def normal_hier_fp8(group, r, world):
+    return normal_fp8(group, r, world, **dict(HIER, ranks_per_node=world // 2))
+
+
 # name -> (per-rank function, what each rank must return)
 CASES = {
     "normal_bf16": (normal_bf16, "ok"),
     "normal_bf16_equal_tokens": (normal_bf16_equal_tokens, "ok"),
     "normal_fp8": (normal_fp8, "ok"),
+    "normal_hier_bf16": (normal_hier_bf16, "ok"),
+    "normal_hier_fp8": (normal_hier_fp8, "ok"),
     "low_latency": (low_latency, [False, True, False]),
     "low_latency_fp8": (low_latency_fp8, "ok"),
     "streams_and_events": (streams_and_events, "ok"),

@@ -70,6 +70,10 @@ def test_constructor_requires_model_shape(env1):
                num_topk=K, backend="gpu")
     raises(ValueError, "^config: .*nvl", Buffer, None, num_experts=E, hidden=H, num_topk=K,
            config=Config(20, 6, 256, 6, 128))
+    raises(ValueError, "^internode_hierarchy: the GPU backend's", Buffer, None, num_experts=E,
+           hidden=H, num_topk=K, backend="host", internode_hierarchy=True)
+    raises(TypeError, "^internode_hierarchy: ", Buffer, None, num_experts=E, hidden=H, num_topk=K,
+           backend="host", internode_hierarchy=1)
 
 
 def test_library_errors_name_the_field(env1):

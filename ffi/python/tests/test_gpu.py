@@ -65,6 +65,15 @@ def test_normal_fp8_matches_reference(world):
     run_case("normal_fp8", world)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_normal_internode_hierarchy_bf16(world):
+    run_case("normal_hier_bf16", world)
+
+
+def test_normal_internode_hierarchy_fp8():
+    run_case("normal_hier_fp8", 4)
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_low_latency_hook_and_no_hook_match_reference(world):
     run_case("low_latency", world)
