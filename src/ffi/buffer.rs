@@ -375,6 +375,18 @@ pub unsafe extern "C" fn fep_buffer_create(
         *out = std::ptr::null_mut();
         let r = resolve(cfg)?;
         let s = &r.settings;
+        let hier = r.raw.internode_hierarchy;
+        if hier != 0 && (hier != 1 || r.backend != Backend::Gpu || s.ranks_per_node >= s.num_ranks)
+        {
+            return Err(Error::arg(
+                "internode_hierarchy",
+                format!(
+                    "{hier}: 1 (on) is for the GPU backend across nodes (ranks_per_node {} < \
+                     num_ranks {}), 0 off",
+                    s.ranks_per_node, s.num_ranks
+                ),
+            ));
+        }
         let boot: Arc<dyn Bootstrap> = match allgather {
             Some(f) => {
                 // NOTES: the pointer is only used during fep_buffer_create (the Buffer's connect
@@ -414,18 +426,6 @@ pub unsafe extern "C" fn fep_buffer_create(
                     s.num_ranks,
                     boot.rank(),
                     boot.world_size()
-                ),
-            ));
-        }
-        let hier = r.raw.internode_hierarchy;
-        if hier != 0 && (hier != 1 || r.backend != Backend::Gpu || s.ranks_per_node >= s.num_ranks)
-        {
-            return Err(Error::arg(
-                "internode_hierarchy",
-                format!(
-                    "{hier}: 1 (on) is for the GPU backend across nodes (ranks_per_node {} < \
-                     num_ranks {}), 0 off",
-                    s.ranks_per_node, s.num_ranks
                 ),
             ));
         }

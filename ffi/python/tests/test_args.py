@@ -1,6 +1,7 @@
 """Argument checking and refusals, on a 1-rank Buffer in this process: every error names the
 argument; DeepEP options fabric-ep cannot honour raise instead of being ignored."""
 
+import ctypes
 import os
 import sys
 
@@ -74,6 +75,20 @@ def test_constructor_requires_model_shape(env1):
            hidden=H, num_topk=K, backend="host", internode_hierarchy=True)
     raises(TypeError, "^internode_hierarchy: ", Buffer, None, num_experts=E, hidden=H, num_topk=K,
            backend="host", internode_hierarchy=1)
+
+
+def test_library_refuses_the_hierarchy_off_the_gpu():
+    # The C ABI checks it too (before any bootstrap): the host backend, or a single node.
+    from fabric_ep import _lib
+
+    cfg = _lib.new_config()
+    cfg.rank, cfg.num_ranks, cfg.ranks_per_node, cfg.local_rank = 0, 2, 1, 0
+    cfg.num_experts, cfg.hidden, cfg.num_topk = E, H, K
+    cfg.internode_hierarchy = 1
+    out = ctypes.c_void_p()
+    st = _lib.lib.fep_buffer_create(ctypes.byref(cfg), _lib.ALLGATHER_FN(), None, ctypes.byref(out))
+    assert st == 7001 and not out.value
+    assert "internode_hierarchy" in (_lib.lib.fep_last_error() or b"").decode()
 
 
 def test_library_errors_name_the_field(env1):

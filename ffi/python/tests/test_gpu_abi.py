@@ -45,7 +45,8 @@ def last_error():
 
 def test_config_init_fills_size_version_and_device():
     cfg = _lib.new_config()
-    assert cfg.struct_size == ctypes.sizeof(_lib.fep_config) == 88
+    assert cfg.struct_size == ctypes.sizeof(_lib.fep_config) == 96
+    assert cfg.internode_hierarchy == 0
     assert cfg.version == _lib.FEP_ABI_VERSION and cfg.device == -1 and cfg.gpu_reserve_tokens == 0
     assert ctypes.sizeof(_lib.fep_config) > _lib.FEP_CONFIG_V1_SIZE
 
@@ -64,7 +65,7 @@ def test_first_release_config_size_is_still_accepted():
     assert (got.normal_bytes, got.ll_bytes) == (want.normal_bytes, want.ll_bytes)
 
 
-@pytest.mark.parametrize("size, version", [(_lib.FEP_CONFIG_V1_SIZE - 4, 1), (88, 2), (88, 0)])
+@pytest.mark.parametrize("size, version", [(_lib.FEP_CONFIG_V1_SIZE - 4, 1), (96, 2), (96, 0)])
 def test_short_or_wrong_version_config_is_refused(size, version):
     cfg = small_cfg()
     cfg.struct_size, cfg.version = size, version
