@@ -15,8 +15,8 @@ use crate::cuda::{DevErrorRecord, Device, DeviceBuffer, Event, GraphExec, HostMa
 use crate::ep::buffer::{Buffer, BufferOptions};
 use crate::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use crate::ep::gpu::{
-    DevSlice, GpuCombineArgs, GpuDispatchArgs, GpuDispatchBuffers, GpuLlCombineArgs,
-    GpuLlDispatchArgs, GpuNotifyArgs, GpuOptions,
+    DevSlice, GpuBuffer, GpuCombineArgs, GpuDispatchArgs, GpuDispatchBuffers, GpuHandle,
+    GpuLlCombineArgs, GpuLlDispatchArgs, GpuNotifyArgs, GpuOptions,
 };
 use crate::ep::hier_gpu::{GpuHierBuffer, GpuHierDispatchArgs, GpuHierHandle};
 use crate::ep::layout::{dispatch_layout, random_topk_idx, LayoutShape};
@@ -353,143 +353,6 @@ pub fn run_normal_gpu_hier(
     on_threads(p.num_ranks, p.timeout, |rank, boot| hier_rank(dev, p, split, &prep, rank, boot))
 }
 
-fn hier_rank(
-    dev: &Device,
-    p: &GpuBenchParams,
-    split: &GpuSplit,
-    prep: &NormalPrep,
-    rank: usize,
-    boot: Arc<dyn Bootstrap>,
-) -> Result<NormalBenchReport> {
-    let (inputs, want_d, want_c, worst) = (&prep.inputs, &prep.want_d, &prep.want_c, prep.worst);
-    let cfg = p.config_split(rank, split.ranks_per_node)?;
-    let (t, h, k) = (p.num_tokens, cfg.hidden, cfg.num_topk);
-    let mut opts =
-        GpuOptions { proxy_provider: split.provider.clone(), ..p.gpu_options(dev, true) };
-    opts.chunk_tokens = split.chunk_tokens.unwrap_or(opts.chunk_tokens);
-    opts.slots_per_peer = split.slots_per_peer.or(opts.slots_per_peer);
-    let mut hb = GpuHierBuffer::new(cfg.clone(), boot.clone(), BufferOptions::gpu(opts))?;
-    let me = &inputs[rank];
-    let want = &want_d[rank];
-    let (x, xs) = upload_tokens(dev, me)?;
-    let ti = upload(dev, &me.topk_idx)?;
-    let tw = upload(dev, &me.topk_weights)?;
-    let cx = upload(dev, &host_bench::combine_input(&want.recv_x, h)?)?;
-    let cw = upload(dev, &want.recv_topk_weights)?;
-    let out_c = DeviceBuffer::new(dev, (t * h * 2).max(16))?;
-    let out_cw = DeviceBuffer::new(dev, (t * k * 4).max(16))?;
-    let stream = Stream::new(dev)?;
-    let nb = split.back_to_back;
-    // [0..3]: the checked steps; [3 + 2 i]: before back-to-back step i, [4 + 2 i] after its
-    // dispatch, [5 + 2 i] after its combine (= before step i + 1).
-    let ev: Vec<Event> =
-        (0..4 + 2 * nb).map(|_| Event::new(dev)).collect::<std::result::Result<_, _>>()?;
-    let lay = dispatch_layout(&me.topk_idx, t, k, cfg.num_experts, cfg.num_ranks, cfg.num_ranks)?;
-    let sent: u64 = lay.num_tokens_per_rank.iter().map(|&c| c.max(0) as u64).sum();
-    let mut rep = NormalBenchReport {
-        dispatch_s: Vec::new(),
-        combine_s: Vec::new(),
-        dispatch_bytes: sent * cfg.dispatch_dtype.token_bytes(h as u64),
-        combine_bytes: sent * 2 * h as u64,
-    };
-    // Every allocation before the first barrier (see normal_rank).
-    let mut handle = hb.new_handle(t)?;
-    let o = GpuDispatchBuffers::for_config(dev, &cfg, worst.unwrap_or(t * cfg.num_ranks).max(1))?;
-    let poison = || -> Result<()> {
-        for b in [&o.recv_x, &o.recv_topk_idx, &o.recv_topk_weights, &o.recv_src_idx, &out_c] {
-            b.memset_async(0xAB, &stream)?;
-        }
-        if let Some(b) = &o.recv_x_scales {
-            b.memset_async(0xAB, &stream)?;
-        }
-        Ok(())
-    };
-    let step = |hb: &mut GpuHierBuffer,
-                handle: &mut GpuHierHandle,
-                cached: bool,
-                after_dispatch: &Event,
-                after_combine: &Event|
-     -> Result<()> {
-        let args = GpuHierDispatchArgs {
-            x: DevSlice::of(&x),
-            x_scales: xs.as_ref().map(DevSlice::of),
-            topk_idx: DevSlice::of(&ti),
-            topk_weights: DevSlice::of(&tw),
-            num_tokens: t,
-            expert_alignment: 1,
-            num_worst_tokens: worst,
-            cached,
-            stream: &stream,
-        };
-        // SAFETY: every buffer lives until the stream synchronises (sync_gpu below); all ranks
-        // run the same sequence of calls.
-        unsafe {
-            hb.dispatch_gpu(&args, handle, &o.out())?;
-            after_dispatch.record(&stream)?;
-            hb.combine_gpu(
-                &GpuCombineArgs {
-                    x: DevSlice::of(&cx),
-                    topk_weights: Some(DevSlice::of(&cw)),
-                    combined_x: DevSlice::of(&out_c),
-                    combined_topk_weights: Some(DevSlice::of(&out_cw)),
-                    stream: &stream,
-                },
-                handle,
-            )?;
-        }
-        after_combine.record(&stream)?;
-        Ok(())
-    };
-    let check = |handle: &GpuHierHandle, it: usize| -> Result<()> {
-        let prefix: Vec<i32> = handle.rank_prefix().iter().map(|&v| v as i32).collect();
-        let experts = handle.num_recv_tokens_per_expert();
-        check_normal_dispatch(rank, it, p.fp8, &o, &prefix, experts, want, h, k)?;
-        let got: Vec<u16> = out_c.to_vec()?;
-        if got[..t * h] != want_c[rank].combined_x[..] {
-            return Err(mismatch(rank, "combined_x (hierarchy)", it));
-        }
-        let gw: Vec<f32> = out_cw.to_vec()?;
-        if Some(&gw[..t * k]) != want_c[rank].combined_topk_weights.as_deref() {
-            return Err(mismatch(rank, "combined_topk_weights (hierarchy)", it));
-        }
-        Ok(())
-    };
-    for it in 0..p.warmup + p.iters {
-        boot.barrier()?;
-        poison()?;
-        ev[0].record(&stream)?;
-        step(&mut hb, &mut handle, split.cached && it > 0, &ev[1], &ev[2])?;
-        hb.sync_gpu(&stream)?;
-        check(&handle, it)?;
-        if it >= p.warmup {
-            rep.dispatch_s.push(elapsed_s(&ev[0], &ev[1])?);
-            rep.combine_s.push(elapsed_s(&ev[1], &ev[2])?);
-        }
-    }
-    if nb > 0 {
-        boot.barrier()?;
-        poison()?;
-        hb.sync_gpu(&stream)?;
-        boot.barrier()?;
-        ev[3].record(&stream)?;
-        for i in 0..nb {
-            step(&mut hb, &mut handle, split.cached, &ev[4 + 2 * i], &ev[5 + 2 * i])?;
-        }
-        hb.sync_gpu(&stream)?;
-        check(&handle, p.warmup + p.iters + nb - 1)?;
-        rep.dispatch_s.clear();
-        rep.combine_s.clear();
-        for i in 0..nb {
-            rep.dispatch_s.push(elapsed_s(&ev[3 + 2 * i], &ev[4 + 2 * i])?);
-            rep.combine_s.push(elapsed_s(&ev[4 + 2 * i], &ev[5 + 2 * i])?);
-        }
-    }
-    boot.barrier()?;
-    drop(o);
-    hb.destroy()?;
-    Ok(rep)
-}
-
 fn check_world(p: &GpuBenchParams, boot: &dyn Bootstrap) -> Result<()> {
     if boot.world_size() != p.num_ranks {
         return Err(Error::arg(
@@ -528,6 +391,182 @@ impl NormalPrep {
     }
 }
 
+/// One rank's device data of a normal-mode run: its inputs, the combine's inputs (the expert
+/// outputs of the reference) and outputs, its stream, and its buffer options.
+struct NormalRankData {
+    cfg: EpConfig,
+    opts: GpuOptions,
+    x: DeviceBuffer,
+    xs: Option<DeviceBuffer>,
+    ti: DeviceBuffer,
+    tw: DeviceBuffer,
+    cx: DeviceBuffer,
+    cw: DeviceBuffer,
+    out_c: DeviceBuffer,
+    out_cw: DeviceBuffer,
+    stream: Stream,
+}
+
+impl NormalRankData {
+    /// Uploads rank `rank`'s data; returns it with an empty report of its byte counts.
+    fn new(
+        dev: &Device,
+        p: &GpuBenchParams,
+        split: &GpuSplit,
+        prep: &NormalPrep,
+        rank: usize,
+    ) -> Result<(Self, NormalBenchReport)> {
+        let cfg = p.config_split(rank, split.ranks_per_node)?;
+        let (t, h, k) = (p.num_tokens, cfg.hidden, cfg.num_topk);
+        let mut opts =
+            GpuOptions { proxy_provider: split.provider.clone(), ..p.gpu_options(dev, true) };
+        opts.chunk_tokens = split.chunk_tokens.unwrap_or(opts.chunk_tokens);
+        opts.slots_per_peer = split.slots_per_peer.or(opts.slots_per_peer);
+        let me = &prep.inputs[rank];
+        let want = &prep.want_d[rank];
+        let (x, xs) = upload_tokens(dev, me)?;
+        let lay =
+            dispatch_layout(&me.topk_idx, t, k, cfg.num_experts, cfg.num_ranks, cfg.num_ranks)?;
+        let sent: u64 = lay.num_tokens_per_rank.iter().map(|&c| c.max(0) as u64).sum();
+        let rep = NormalBenchReport {
+            dispatch_s: Vec::new(),
+            combine_s: Vec::new(),
+            dispatch_bytes: sent * cfg.dispatch_dtype.token_bytes(h as u64),
+            combine_bytes: sent * 2 * h as u64,
+        };
+        let d = NormalRankData {
+            x,
+            xs,
+            ti: upload(dev, &me.topk_idx)?,
+            tw: upload(dev, &me.topk_weights)?,
+            cx: upload(dev, &host_bench::combine_input(&want.recv_x, h)?)?,
+            cw: upload(dev, &want.recv_topk_weights)?,
+            out_c: DeviceBuffer::new(dev, (t * h * 2).max(16))?,
+            out_cw: DeviceBuffer::new(dev, (t * k * 4).max(16))?,
+            stream: Stream::new(dev)?,
+            cfg,
+            opts,
+        };
+        Ok((d, rep))
+    }
+
+    fn dispatch_args(&self) -> GpuDispatchArgs<'_> {
+        GpuDispatchArgs {
+            x: DevSlice::of(&self.x),
+            x_scales: self.xs.as_ref().map(DevSlice::of),
+            topk_idx: DevSlice::of(&self.ti),
+            topk_weights: DevSlice::of(&self.tw),
+            stream: &self.stream,
+        }
+    }
+
+    fn combine_args(&self) -> GpuCombineArgs<'_> {
+        GpuCombineArgs {
+            x: DevSlice::of(&self.cx),
+            topk_weights: Some(DevSlice::of(&self.cw)),
+            combined_x: DevSlice::of(&self.out_c),
+            combined_topk_weights: Some(DevSlice::of(&self.out_cw)),
+            stream: &self.stream,
+        }
+    }
+
+    /// Fills every output with a pattern no step writes, on the stream.
+    fn poison(&self, o: &GpuDispatchBuffers) -> Result<()> {
+        for b in [&o.recv_x, &o.recv_topk_idx, &o.recv_topk_weights, &o.recv_src_idx, &self.out_c] {
+            b.memset_async(0xAB, &self.stream)?;
+        }
+        if let Some(b) = &o.recv_x_scales {
+            b.memset_async(0xAB, &self.stream)?;
+        }
+        Ok(())
+    }
+
+    /// Checks this step's outputs: the dispatch (`o`, with the handle's `prefix` and per-expert
+    /// counts) and the combine, against the reference.
+    #[allow(clippy::too_many_arguments)]
+    fn check(
+        &self,
+        p: &GpuBenchParams,
+        prep: &NormalPrep,
+        rank: usize,
+        it: usize,
+        o: &GpuDispatchBuffers,
+        prefix: &[i32],
+        experts: &[i32],
+    ) -> Result<()> {
+        let (t, h, k) = (p.num_tokens, self.cfg.hidden, self.cfg.num_topk);
+        check_normal_dispatch(rank, it, p.fp8, o, prefix, experts, &prep.want_d[rank], h, k)?;
+        let want = &prep.want_c[rank];
+        let got: Vec<u16> = self.out_c.to_vec()?;
+        if got[..t * h] != want.combined_x[..] {
+            return Err(mismatch(rank, "combined_x", it));
+        }
+        let gw: Vec<f32> = self.out_cw.to_vec()?;
+        if Some(&gw[..t * k]) != want.combined_topk_weights.as_deref() {
+            return Err(mismatch(rank, "combined_topk_weights", it));
+        }
+        Ok(())
+    }
+}
+
+/// The steps of a normal-mode run, for any path's state `S`: `warmup + iters` checked steps,
+/// each between barriers (`step(s, cached, after_dispatch, after_combine)`, `sync(s)`,
+/// `check(s, it)`), then [`GpuSplit::back_to_back`] steps timed back to back (the last checked).
+/// Fills `rep`'s times.
+#[allow(clippy::too_many_arguments)]
+fn run_steps<S>(
+    dev: &Device,
+    p: &GpuBenchParams,
+    split: &GpuSplit,
+    boot: &dyn Bootstrap,
+    d: &NormalRankData,
+    o: &GpuDispatchBuffers,
+    rep: &mut NormalBenchReport,
+    s: &mut S,
+    step: impl Fn(&mut S, bool, &Event, &Event) -> Result<()>,
+    sync: impl Fn(&mut S) -> Result<()>,
+    check: impl Fn(&S, usize) -> Result<()>,
+) -> Result<()> {
+    let nb = split.back_to_back;
+    // [0..3]: the checked steps; [3 + 2 i]: before back-to-back step i, [4 + 2 i] after its
+    // dispatch, [5 + 2 i] after its combine (= before step i + 1).
+    let ev: Vec<Event> =
+        (0..4 + 2 * nb).map(|_| Event::new(dev)).collect::<std::result::Result<_, _>>()?;
+    for it in 0..p.warmup + p.iters {
+        boot.barrier()?;
+        d.poison(o)?;
+        ev[0].record(&d.stream)?;
+        step(s, split.cached && it > 0, &ev[1], &ev[2])?;
+        sync(s)?;
+        check(s, it)?;
+        if it >= p.warmup {
+            rep.dispatch_s.push(elapsed_s(&ev[0], &ev[1])?);
+            rep.combine_s.push(elapsed_s(&ev[1], &ev[2])?);
+        }
+    }
+    if nb > 0 {
+        boot.barrier()?;
+        d.poison(o)?;
+        sync(s)?;
+        boot.barrier()?;
+        ev[3].record(&d.stream)?;
+        for i in 0..nb {
+            step(s, split.cached, &ev[4 + 2 * i], &ev[5 + 2 * i])?;
+        }
+        sync(s)?;
+        // The last step is still checked (the timed loop must not trade correctness).
+        check(s, p.warmup + p.iters + nb - 1)?;
+        rep.dispatch_s.clear();
+        rep.combine_s.clear();
+        for i in 0..nb {
+            rep.dispatch_s.push(elapsed_s(&ev[3 + 2 * i], &ev[4 + 2 * i])?);
+            rep.combine_s.push(elapsed_s(&ev[4 + 2 * i], &ev[5 + 2 * i])?);
+        }
+    }
+    boot.barrier()?;
+    Ok(())
+}
+
 fn normal_rank(
     dev: &Device,
     p: &GpuBenchParams,
@@ -536,155 +575,117 @@ fn normal_rank(
     rank: usize,
     boot: Arc<dyn Bootstrap>,
 ) -> Result<NormalBenchReport> {
-    let (inputs, want_d, want_c, worst) = (&prep.inputs, &prep.want_d, &prep.want_c, prep.worst);
-    {
-        let cfg = p.config_split(rank, split.ranks_per_node)?;
-        let (t, h, k) = (p.num_tokens, cfg.hidden, cfg.num_topk);
-        let mut opts =
-            GpuOptions { proxy_provider: split.provider.clone(), ..p.gpu_options(dev, true) };
-        opts.chunk_tokens = split.chunk_tokens.unwrap_or(opts.chunk_tokens);
-        opts.slots_per_peer = split.slots_per_peer.or(opts.slots_per_peer);
-        let mut buf = Buffer::new(cfg.clone(), boot.clone(), BufferOptions::gpu(opts))?;
-        let me = &inputs[rank];
-        let want = &want_d[rank];
-        let (x, xs) = upload_tokens(dev, me)?;
-        let ti = upload(dev, &me.topk_idx)?;
-        let tw = upload(dev, &me.topk_weights)?;
-        let cx = upload(dev, &host_bench::combine_input(&want.recv_x, h)?)?;
-        let cw = upload(dev, &want.recv_topk_weights)?;
-        let out_c = DeviceBuffer::new(dev, (t * h * 2).max(16))?;
-        let out_cw = DeviceBuffer::new(dev, (t * k * 4).max(16))?;
-        let stream = Stream::new(dev)?;
-        let ev: Vec<Event> =
-            (0..3).map(|_| Event::new(dev)).collect::<std::result::Result<_, _>>()?;
-        // Events of the back-to-back steps: [0] before the first, [2 i + 1] after step i's
-        // dispatch, [2 i + 2] after its combine.
-        let bev: Vec<Event> = (0..2 * split.back_to_back + usize::from(split.back_to_back > 0))
-            .map(|_| Event::new(dev))
-            .collect::<std::result::Result<_, _>>()?;
-        let lay =
-            dispatch_layout(&me.topk_idx, t, k, cfg.num_experts, cfg.num_ranks, cfg.num_ranks)?;
-        let sent: u64 = lay.num_tokens_per_rank.iter().map(|&c| c.max(0) as u64).sum();
-        let mut rep = NormalBenchReport {
-            dispatch_s: Vec::new(),
-            combine_s: Vec::new(),
-            dispatch_bytes: sent * cfg.dispatch_dtype.token_bytes(h as u64),
-            combine_bytes: sent * 2 * h as u64,
+    let (d, mut rep) = NormalRankData::new(dev, p, split, prep, rank)?;
+    let (t, worst) = (p.num_tokens, prep.worst);
+    let mut buf = Buffer::new(d.cfg.clone(), boot.clone(), BufferOptions::gpu(d.opts.clone()))?;
+    let gpu = buf.gpu()?;
+    let handle = gpu.new_handle(t)?;
+    // NOTES: every device allocation before the first barrier: with ranks as threads of one
+    // context, allocating or freeing while a peer's kernel spins on this rank can stall both
+    // until the timeout. At most `t` tokens come from each rank.
+    let o = GpuDispatchBuffers::new(gpu, worst.unwrap_or(t * d.cfg.num_ranks).max(1))?;
+    // One step on the stream: notify (unless `reuse`: the cached handle), dispatch, then
+    // `after_dispatch` is recorded, combine, then `after_combine`.
+    // SAFETY (callers): every buffer lives until the stream synchronises (sync_gpu); all ranks
+    // run the same sequence of calls.
+    let step = |(gpu, handle): &mut (&mut GpuBuffer, GpuHandle),
+                reuse: bool,
+                after_dispatch: &Event,
+                after_combine: &Event|
+     -> Result<()> {
+        let notify = GpuNotifyArgs {
+            num_worst_tokens: worst,
+            ..GpuNotifyArgs::new(DevSlice::of(&d.ti), t, &d.stream)
         };
-        let gpu = buf.gpu()?;
-        let mut handle = gpu.new_handle(t)?;
-        // NOTES: every device allocation before the first barrier: with ranks as threads of
-        // one context, allocating or freeing while a peer's kernel spins on this rank can stall
-        // both until the timeout. At most `t` tokens come from each rank.
-        let o = GpuDispatchBuffers::new(gpu, worst.unwrap_or(t * cfg.num_ranks).max(1))?;
-        let poison = || -> Result<()> {
-            for b in [&o.recv_x, &o.recv_topk_idx, &o.recv_topk_weights, &o.recv_src_idx] {
-                b.memset_async(0xAB, &stream)?;
-            }
-            if let Some(b) = &o.recv_x_scales {
-                b.memset_async(0xAB, &stream)?;
-            }
-            out_c.memset_async(0xAB, &stream)?;
-            Ok(())
-        };
-        // One step on the stream: notify (unless `reuse`: the cached handle), dispatch, then
-        // `after_dispatch` is recorded, combine, then `after_combine`.
-        // SAFETY (callers): every buffer lives until the stream synchronises (sync_gpu); all
-        // ranks run the same sequence of calls.
-        let step = |gpu: &mut crate::ep::gpu::GpuBuffer,
-                    handle: &mut crate::ep::gpu::GpuHandle,
-                    reuse: bool,
-                    after_dispatch: &Event,
-                    after_combine: &Event|
-         -> Result<()> {
-            let notify = GpuNotifyArgs {
-                num_worst_tokens: worst,
-                ..GpuNotifyArgs::new(DevSlice::of(&ti), t, &stream)
+        unsafe {
+            let rows = if reuse {
+                // Same routing every iteration: the first notify's handle is reused.
+                handle.num_out_rows().unwrap_or(0)
+            } else {
+                let info = gpu.notify_gpu(&notify, handle)?;
+                info.map_or(worst.unwrap_or(0), |i| i.num_recv_tokens)
             };
-            unsafe {
-                let rows = if reuse {
-                    // Same routing every iteration: the first notify's handle is reused.
-                    handle.num_out_rows().unwrap_or(0)
-                } else {
-                    let info = gpu.notify_gpu(&notify, handle)?;
-                    info.map_or(worst.unwrap_or(0), |i| i.num_recv_tokens)
-                };
-                if o.rows < rows {
-                    return Err(Error::Other(format!("rank {rank}: {rows} rows exceed the bound")));
-                }
-                let args = GpuDispatchArgs {
-                    x: DevSlice::of(&x),
-                    x_scales: xs.as_ref().map(DevSlice::of),
-                    topk_idx: DevSlice::of(&ti),
-                    topk_weights: DevSlice::of(&tw),
-                    stream: &stream,
-                };
-                gpu.dispatch_gpu(&args, handle, &o.out())?;
-                after_dispatch.record(&stream)?;
-                gpu.combine_gpu(
-                    &GpuCombineArgs {
-                        x: DevSlice::of(&cx),
-                        topk_weights: Some(DevSlice::of(&cw)),
-                        combined_x: DevSlice::of(&out_c),
-                        combined_topk_weights: Some(DevSlice::of(&out_cw)),
-                        stream: &stream,
-                    },
-                    handle,
-                )?;
-                after_combine.record(&stream)?;
+            if o.rows < rows {
+                return Err(Error::Other(format!("rank {rank}: {rows} rows exceed the bound")));
             }
-            Ok(())
-        };
-        let check = |handle: &crate::ep::gpu::GpuHandle, it: usize| -> Result<()> {
-            let prefix: Vec<i32> = handle.device().rank_prefix.to_vec()?;
-            let experts: Vec<i32> = handle.device().recv_expert_counts.to_vec()?;
-            check_normal_dispatch(rank, it, p.fp8, &o, &prefix, &experts, want, h, k)?;
-            let got: Vec<u16> = out_c.to_vec()?;
-            if got[..t * h] != want_c[rank].combined_x[..] {
-                return Err(mismatch(rank, "combined_x", it));
-            }
-            let gw: Vec<f32> = out_cw.to_vec()?;
-            if Some(&gw[..t * k]) != want_c[rank].combined_topk_weights.as_deref() {
-                return Err(mismatch(rank, "combined_topk_weights", it));
-            }
-            Ok(())
-        };
-        for it in 0..p.warmup + p.iters {
-            boot.barrier()?;
-            poison()?;
-            ev[0].record(&stream)?;
-            step(gpu, &mut handle, split.cached && it > 0, &ev[1], &ev[2])?;
-            gpu.sync_gpu(&stream)?;
-            check(&handle, it)?;
-            if it >= p.warmup {
-                rep.dispatch_s.push(elapsed_s(&ev[0], &ev[1])?);
-                rep.combine_s.push(elapsed_s(&ev[1], &ev[2])?);
-            }
+            gpu.dispatch_gpu(&d.dispatch_args(), handle, &o.out())?;
+            after_dispatch.record(&d.stream)?;
+            gpu.combine_gpu(&d.combine_args(), handle)?;
+            after_combine.record(&d.stream)?;
         }
-        if split.back_to_back > 0 {
-            boot.barrier()?;
-            poison()?;
-            gpu.sync_gpu(&stream)?;
-            boot.barrier()?;
-            bev[0].record(&stream)?;
-            for i in 0..split.back_to_back {
-                step(gpu, &mut handle, split.cached, &bev[2 * i + 1], &bev[2 * i + 2])?;
-            }
-            gpu.sync_gpu(&stream)?;
-            // The last step is still checked (the timed loop must not trade correctness).
-            check(&handle, p.warmup + p.iters + split.back_to_back - 1)?;
-            rep.dispatch_s.clear();
-            rep.combine_s.clear();
-            for i in 0..split.back_to_back {
-                rep.dispatch_s.push(elapsed_s(&bev[2 * i], &bev[2 * i + 1])?);
-                rep.combine_s.push(elapsed_s(&bev[2 * i + 1], &bev[2 * i + 2])?);
-            }
+        Ok(())
+    };
+    let sync = |(gpu, _): &mut (&mut GpuBuffer, GpuHandle)| gpu.sync_gpu(&d.stream);
+    let check = |(_, handle): &(&mut GpuBuffer, GpuHandle), it: usize| -> Result<()> {
+        let prefix: Vec<i32> = handle.device().rank_prefix.to_vec()?;
+        let experts: Vec<i32> = handle.device().recv_expert_counts.to_vec()?;
+        d.check(p, prep, rank, it, &o, &prefix, &experts)
+    };
+    let mut st = (gpu, handle);
+    run_steps(dev, p, split, &*boot, &d, &o, &mut rep, &mut st, step, sync, check)?;
+    drop(st);
+    drop(o);
+    buf.destroy()?;
+    Ok(rep)
+}
+
+fn hier_rank(
+    dev: &Device,
+    p: &GpuBenchParams,
+    split: &GpuSplit,
+    prep: &NormalPrep,
+    rank: usize,
+    boot: Arc<dyn Bootstrap>,
+) -> Result<NormalBenchReport> {
+    let (d, mut rep) = NormalRankData::new(dev, p, split, prep, rank)?;
+    let (t, worst) = (p.num_tokens, prep.worst);
+    let opts = BufferOptions::gpu(d.opts.clone());
+    let mut hb = GpuHierBuffer::new(d.cfg.clone(), boot.clone(), opts)?;
+    // Every allocation before the first barrier (see normal_rank).
+    let handle = hb.new_handle(t)?;
+    let rows = worst.unwrap_or(t * d.cfg.num_ranks).max(1);
+    let o = GpuDispatchBuffers::for_config(dev, &d.cfg, rows)?;
+    let step = |(hb, handle): &mut (GpuHierBuffer, GpuHierHandle),
+                cached: bool,
+                after_dispatch: &Event,
+                after_combine: &Event|
+     -> Result<()> {
+        let a = d.dispatch_args();
+        let args = GpuHierDispatchArgs {
+            x: a.x,
+            x_scales: a.x_scales,
+            topk_idx: a.topk_idx,
+            topk_weights: a.topk_weights,
+            num_tokens: t,
+            expert_alignment: 1,
+            num_worst_tokens: worst,
+            cached,
+            stream: &d.stream,
+        };
+        // SAFETY: every buffer lives until the stream synchronises (sync_gpu); all ranks run
+        // the same sequence of calls.
+        unsafe {
+            hb.dispatch_gpu(&args, handle, &o.out())?;
+            after_dispatch.record(&d.stream)?;
+            hb.combine_gpu(&d.combine_args(), handle)?;
         }
-        boot.barrier()?;
-        drop(o);
-        buf.destroy()?;
-        Ok(rep)
-    }
+        after_combine.record(&d.stream)?;
+        Ok(())
+    };
+    let sync = |(hb, _): &mut (GpuHierBuffer, GpuHierHandle)| hb.sync_gpu(&d.stream);
+    let check = |(_, handle): &(GpuHierBuffer, GpuHierHandle), it: usize| -> Result<()> {
+        let prefix: Vec<i32> = handle.rank_prefix().iter().map(|&v| v as i32).collect();
+        let experts = handle.num_recv_tokens_per_expert();
+        d.check(p, prep, rank, it, &o, &prefix, experts)
+            .map_err(|e| Error::Other(format!("{e} (the hierarchy)")))
+    };
+    let mut st = (hb, handle);
+    run_steps(dev, p, split, &*boot, &d, &o, &mut rep, &mut st, step, sync, check)?;
+    let (hb, handle) = st;
+    drop(handle);
+    drop(o);
+    hb.destroy()?;
+    Ok(rep)
 }
 
 /// One rank's low-latency inputs.

@@ -281,6 +281,23 @@ fn read_u64(b: &[u8], at: usize) -> Option<u64> {
     Some(u64::from_le_bytes(b.get(at..at + 8)?.try_into().ok()?))
 }
 
+/// The bootstrap's rank and size must be the config's (an argument error naming `boot`).
+pub(crate) fn check_boot(cfg: &EpConfig, boot: &dyn Bootstrap) -> Result<()> {
+    if boot.rank() != cfg.rank || boot.world_size() != cfg.num_ranks {
+        return Err(Error::arg(
+            "boot",
+            format!(
+                "bootstrap is rank {} of {}, config says rank {} of {}",
+                boot.rank(),
+                boot.world_size(),
+                cfg.rank,
+                cfg.num_ranks
+            ),
+        ));
+    }
+    Ok(())
+}
+
 impl Buffer {
     /// A loopback group for `num_ranks` in-process ranks with `cfg`'s buffer geometry (any
     /// rank's config: the geometry is the same on all).
@@ -294,18 +311,7 @@ impl Buffer {
     /// has the same config hash ([`Error::ConfigMismatch`] naming the rank otherwise) and
     /// starts the proxy. Collective: every rank calls it.
     pub fn new(cfg: EpConfig, boot: Arc<dyn Bootstrap>, opts: BufferOptions) -> Result<Self> {
-        if boot.rank() != cfg.rank || boot.world_size() != cfg.num_ranks {
-            return Err(Error::arg(
-                "boot",
-                format!(
-                    "bootstrap is rank {} of {}, config says rank {} of {}",
-                    boot.rank(),
-                    boot.world_size(),
-                    cfg.rank,
-                    cfg.num_ranks
-                ),
-            ));
-        }
+        check_boot(&cfg, &*boot)?;
         let fabric_host =
             opts.backend == Backend::Host && matches!(opts.transport, TransportKind::Fabric);
         if !fabric_host && opts.intranode_provider.is_some() {

@@ -31,8 +31,8 @@
 use std::sync::Arc;
 
 use super::buffer::{
-    Backend, Buffer, BufferOptions, CombineArgs, CombineOutput, DispatchArgs, OwnedTokens, Tokens,
-    TransportKind,
+    check_boot, Backend, Buffer, BufferOptions, CombineArgs, CombineOutput, DispatchArgs,
+    OwnedTokens, Tokens, TransportKind,
 };
 use super::config::{EpConfig, EpSettings};
 use super::handle::DispatchHandle;
@@ -235,18 +235,7 @@ impl HierBuffer {
                 "the hierarchical buffer runs over libfabric only",
             ));
         }
-        if boot.rank() != cfg.rank || boot.world_size() != cfg.num_ranks {
-            return Err(Error::arg(
-                "boot",
-                format!(
-                    "bootstrap is rank {} of {}, config says rank {} of {}",
-                    boot.rank(),
-                    boot.world_size(),
-                    cfg.rank,
-                    cfg.num_ranks
-                ),
-            ));
-        }
+        check_boot(&cfg, &*boot)?;
         let (rs, ns) = Self::stage_settings(&cfg)?;
         let near = opts.intranode_provider.as_deref().unwrap_or("");
         check_world(&cfg, &*boot, "BufferOptions::intranode_provider", near.as_bytes(), &[])?;

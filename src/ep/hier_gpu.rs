@@ -27,7 +27,7 @@
 
 use std::sync::Arc;
 
-use super::buffer::{Backend, Buffer, BufferOptions};
+use super::buffer::{check_boot, Backend, Buffer, BufferOptions};
 use super::config::{DispatchDtype, EpConfig};
 use super::gpu::{
     DevSlice, GpuCombineArgs, GpuDispatchArgs, GpuDispatchBuffers, GpuDispatchOut, GpuHandle,
@@ -192,18 +192,7 @@ impl GpuHierBuffer {
                 "host backend options (intranode_provider, emulate_network_gbps) do not apply",
             ));
         }
-        if boot.rank() != cfg.rank || boot.world_size() != cfg.num_ranks {
-            return Err(Error::arg(
-                "boot",
-                format!(
-                    "bootstrap is rank {} of {}, config says rank {} of {}",
-                    boot.rank(),
-                    boot.world_size(),
-                    cfg.rank,
-                    cfg.num_ranks
-                ),
-            ));
-        }
+        check_boot(&cfg, &*boot)?;
         let (rs, ns) = HierBuffer::stage_settings(&cfg)?;
         let uuid = g.device.uuid()?;
         let all = check_world(&cfg, &*boot, "the backend", b"gpu", &uuid)?;

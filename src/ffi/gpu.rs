@@ -516,10 +516,7 @@ unsafe fn notify(
         ));
     }
     if a.num_worst_tokens < 0 {
-        return Err(Error::arg(
-            "num_worst_tokens",
-            format!("{} is negative", a.num_worst_tokens),
-        ));
+        return Err(Error::arg("num_worst_tokens", format!("{} is negative", a.num_worst_tokens)));
     }
     let inp = match with {
         Some((x, xs, w)) => Some(inputs(b, Some(t as i64), x, xs, topk_idx, w)?),
@@ -595,10 +592,13 @@ unsafe fn gpu_handle<'a>(handle: *const fep_handle) -> Result<&'a GpuHandle, Err
 /// # Safety
 /// `handle` comes from `fep_gpu_notify_inputs` (a boxed, mutable allocation) and no other
 /// reference to it is alive during the call (the C ABI's calls on one handle are sequential).
-unsafe fn hier_handle<'a>(handle: *const fep_handle) -> Result<Option<&'a mut GpuHierHandle>, Error> {
+unsafe fn hier_handle<'a>(
+    handle: *const fep_handle,
+) -> Result<Option<&'a mut GpuHierHandle>, Error> {
     // NOTES: the ABI passes handles as const pointers; the hierarchy handle records the step it
     // is at, so it is reached mutably through the box it lives in.
-    match &mut handle.cast_mut().as_mut().ok_or_else(|| Error::arg("handle", "NULL pointer"))?.kind {
+    match &mut handle.cast_mut().as_mut().ok_or_else(|| Error::arg("handle", "NULL pointer"))?.kind
+    {
         HandleKind::GpuHier(p) => Ok(Some(p.get_mut()?)),
         _ => Ok(None),
     }
@@ -731,7 +731,10 @@ pub unsafe extern "C" fn fep_gpu_combine(
         let (t, rows) = match &hh {
             Some(h) if h.is_filled() && !h.is_prepared() => (h.num_tokens(), h.num_out_rows()),
             Some(_) => {
-                return Err(Error::arg("handle", "its dispatch has not finished (fep_gpu_dispatch)"))
+                return Err(Error::arg(
+                    "handle",
+                    "its dispatch has not finished (fep_gpu_dispatch)",
+                ))
             }
             None => {
                 let h = gpu_handle(handle)?;
