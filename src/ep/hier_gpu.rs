@@ -257,12 +257,16 @@ impl GpuHierBuffer {
     }
 
     /// A handle for dispatches of up to `capacity_tokens` tokens; reserves the stages' device
-    /// scratch for that many (allocations happen here, never inside a step: with ranks as
-    /// threads of one context an allocation can wait for a peer's spinning kernel). Every rank
-    /// makes its handles before the steps that use them.
+    /// scratch for that many tokens on *every* rank (a gateway receives up to `nodes x
+    /// capacity_tokens` rows, a rank up to `num_ranks x capacity_tokens`: pass the job's largest
+    /// tokens per rank; more rows than reserved fail in the stage that receives them).
+    /// Allocations happen here, never inside a step: with ranks as threads of one context an
+    /// allocation can wait for a peer's spinning kernel. Every rank makes its handles before the
+    /// steps that use them; growing the scratch drops a prepared, unfinished dispatch.
     pub fn new_handle(&mut self, capacity_tokens: usize) -> Result<GpuHierHandle> {
         let t = capacity_tokens.max(1);
         if self.sc.as_ref().is_none_or(|s| s.tokens < t) {
+            self.prepared = None;
             self.sc = None;
             self.sc = Some(self.reserve(t)?);
         }
