@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use fabric_ep::bench::ep::{
     check_dispatch_view, combine_input, rank_inputs, reference_grouped, run_normal,
-    run_normal_hier, DispatchView, NormalBenchParams, RankInputs,
+    run_normal_hier, DispatchView, InternodeBytes, NormalBenchParams, RankInputs,
 };
 use fabric_ep::bootstrap::{Bootstrap, InProcGroup};
 use fabric_ep::ep::buffer::{Backend, Buffer, BufferOptions};
@@ -233,6 +233,10 @@ fn bench_loop_counts_fewer_internode_bytes_than_direct() {
     let res = run_ranks(&case, |rank, buf| {
         let (rep, bytes) = run_normal_hier(buf, &params(64, 5))?;
         assert_eq!(rep.dispatch_s.len(), 2, "rank {rank}: timed iterations");
+        // The routing alone gives the same counts (what the GPU bench reports).
+        let me = rank_inputs(buf.config(), &params(64, 5), rank)?;
+        let of = InternodeBytes::of_routing(buf.config(), &me.topk_idx)?;
+        assert_eq!((of.direct, of.hier), (bytes.direct, bytes.hier), "rank {rank}");
         Ok(bytes)
     });
     let mut total = (0, 0);

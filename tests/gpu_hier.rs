@@ -70,9 +70,10 @@ fn hierarchy_threads_match_the_direct_reference() {
     for (ranks, rpn, provider, hidden, fp8, worst, cached, b2b) in cases {
         let p = GpuBenchParams { worst, ..params(ranks, 200, hidden, fp8) };
         let t0 = Instant::now();
-        let r = run_normal_gpu_hier(&dev, &p, &split(rpn, provider, cached, b2b))
+        let (r, bytes) = run_normal_gpu_hier(&dev, &p, &split(rpn, provider, cached, b2b))
             .unwrap_or_else(|e| panic!("{provider}: {ranks} x {rpn}/node hidden {hidden}: {e}"));
         assert_eq!(r.len(), ranks);
+        assert!(bytes.hier <= bytes.direct && bytes.hier > 0, "{bytes:?}");
         eprintln!(
             "ok: hierarchy {provider} {ranks} ranks, {rpn} per node, hidden {hidden} {} worst \
              {worst} cached {cached}: {} checked steps ({:.1} s)",

@@ -373,6 +373,40 @@ pub fn run_normal_hier(
     run_path(buf, &cfg, p, group)
 }
 
+impl InternodeBytes {
+    /// The internode bytes of one rank's routing (`topk_idx [T, K]`) computed from the routing
+    /// alone: one copy per destination rank on another node (direct), one per destination node
+    /// (the hierarchy's rail stage). `hier_forwarded` is not known without the other ranks'
+    /// routings (0).
+    pub fn of_routing(cfg: &EpConfig, topk_idx: &[i64]) -> Result<Self> {
+        let (k, r, rpn) = (cfg.num_topk, cfg.num_ranks, cfg.ranks_per_node);
+        let layout = crate::ep::layout::dispatch_layout(
+            topk_idx,
+            topk_idx.len() / k,
+            k,
+            cfg.num_experts,
+            r,
+            rpn,
+        )?;
+        let my_node = cfg.rank / rpn;
+        let hier: u64 = layout
+            .is_token_in_rank
+            .chunks(r)
+            .map(|row| {
+                (0..r / rpn)
+                    .filter(|&n| n != my_node && row[n * rpn..(n + 1) * rpn].contains(&true))
+                    .count() as u64
+            })
+            .sum();
+        let token_bytes = cfg.dispatch_dtype.token_bytes(cfg.hidden as u64);
+        Ok(InternodeBytes {
+            direct: direct_internode_rows(cfg, &layout) * token_bytes,
+            hier: hier * token_bytes,
+            hier_forwarded: 0,
+        })
+    }
+}
+
 /// Direct internode bytes of [`InternodeBytes`] for this layout (see [`run_path`]).
 fn direct_internode_rows(cfg: &EpConfig, layout: &Layout) -> u64 {
     let (rpn, r) = (cfg.ranks_per_node, cfg.num_ranks);

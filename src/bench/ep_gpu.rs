@@ -9,7 +9,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::ep::{self as host_bench, NormalBenchParams, NormalBenchReport, RankInputs};
+use super::ep::{
+    self as host_bench, InternodeBytes, NormalBenchParams, NormalBenchReport, RankInputs,
+};
 use crate::bootstrap::{Bootstrap, InProcGroup};
 use crate::cuda::{DevErrorRecord, Device, DeviceBuffer, Event, GraphExec, HostMapped, Stream};
 use crate::ep::buffer::{Buffer, BufferOptions};
@@ -333,12 +335,14 @@ pub fn run_normal_gpu_rank(
 /// other nodes through the proxy lane, then the node stage): ranks as threads of this process,
 /// the same inputs, dispatch checked against the direct reference, combine against the
 /// node-grouped sum; timed as [`run_normal_gpu_split`] (each dispatch includes its host
-/// synchronisations). `split.ranks_per_node` must divide the ranks and be below them.
+/// synchronisations). `split.ranks_per_node` must divide the ranks and be below them. Also
+/// returns the internode bytes of both routings summed over the ranks
+/// ([`InternodeBytes::of_routing`]).
 pub fn run_normal_gpu_hier(
     dev: &Device,
     p: &GpuBenchParams,
     split: &GpuSplit,
-) -> Result<GpuReport> {
+) -> Result<(GpuReport, InternodeBytes)> {
     let rpn = split.ranks_per_node;
     if rpn == 0 || rpn >= p.num_ranks || p.num_ranks % rpn != 0 {
         return Err(Error::arg(
@@ -350,7 +354,16 @@ pub fn run_normal_gpu_hier(
         ));
     }
     let prep = NormalPrep::grouped(p, split, rpn)?;
-    on_threads(p.num_ranks, p.timeout, |rank, boot| hier_rank(dev, p, split, &prep, rank, boot))
+    let mut bytes = InternodeBytes::default();
+    for (rank, me) in prep.inputs.iter().enumerate() {
+        let b = InternodeBytes::of_routing(&p.config_split(rank, rpn)?, &me.topk_idx)?;
+        bytes.direct += b.direct;
+        bytes.hier += b.hier;
+    }
+    let rep = on_threads(p.num_ranks, p.timeout, |rank, boot| {
+        hier_rank(dev, p, split, &prep, rank, boot)
+    })?;
+    Ok((rep, bytes))
 }
 
 fn check_world(p: &GpuBenchParams, boot: &dyn Bootstrap) -> Result<()> {

@@ -965,7 +965,16 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
         };
         let r = run_normal_gpu_split(&dev, &p, &split)?;
         rows.extend(r.first().map(|r0| normal_rows(c.cached, &p, r0)).unwrap_or_default());
-        let h = fabric_ep::bench::ep_gpu::run_normal_gpu_hier(&dev, &p, &split)?;
+        let (h, bytes) = fabric_ep::bench::ep_gpu::run_normal_gpu_hier(&dev, &p, &split)?;
+        let mb = |b: u64| b as f64 / c.ranks as f64 / 1e6;
+        println!(
+            "internode bytes per rank per dispatch (mean of {} ranks, computed from the \
+             routings): direct {:.3} MB, hierarchy {:.3} MB ({:.2}x fewer)",
+            c.ranks,
+            mb(bytes.direct),
+            mb(bytes.hier),
+            bytes.direct as f64 / bytes.hier.max(1) as f64
+        );
         if let Some(r0) = h.first() {
             let mut hr = normal_rows(c.cached, &p, r0);
             for row in hr.iter_mut() {
