@@ -141,11 +141,16 @@ fn processes_hierarchy_2_nodes_of_2_tcp_and_shm() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--emulate-network-gbps") && err.contains("positive"), "{err}");
-    let out =
-        ep_bench().args(["--backend", "gpu", "--hierarchy", "--procs"]).output().expect("run");
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("--hierarchy") && err.contains("threads only"), "{err}");
+    for extra in [&[][..], &["--ranks-per-node", "4"][..], &["--ranks-per-node", "3"][..]] {
+        let out = ep_bench()
+            .args(["--backend", "gpu", "--hierarchy", "--procs", "--ranks", "4"])
+            .args(extra)
+            .output()
+            .expect("run");
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("--hierarchy") && err.contains("--ranks-per-node"), "{err}");
+    }
     let out =
         ep_bench().args(["--backend", "gpu", "--intranode-provider", "shm"]).output().expect("run");
     assert!(!out.status.success());

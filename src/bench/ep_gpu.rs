@@ -366,6 +366,19 @@ pub fn run_normal_gpu_hier(
     Ok((rep, bytes))
 }
 
+/// One rank of [`run_normal_gpu_hier`] in this process (one process per rank; the node stage
+/// reaches its peers through CUDA IPC): the same inputs and checks, this rank's report.
+pub fn run_normal_gpu_hier_rank(
+    dev: &Device,
+    p: &GpuBenchParams,
+    split: &GpuSplit,
+    boot: Arc<dyn Bootstrap>,
+) -> Result<NormalBenchReport> {
+    check_world(p, &*boot)?;
+    let prep = NormalPrep::grouped(p, split, split.ranks_per_node)?;
+    hier_rank(dev, p, split, &prep, boot.rank(), boot)
+}
+
 fn check_world(p: &GpuBenchParams, boot: &dyn Bootstrap) -> Result<()> {
     if boot.world_size() != p.num_ranks {
         return Err(Error::arg(

@@ -98,8 +98,8 @@ struct Common {
     /// Normal mode: after the direct run, run DeepEP's internode hierarchy (one copy per
     /// destination node to a gateway, then a fan-out inside the node) on the same inputs, every
     /// result checked. Host backend (`ep::hier`): also prints both routings' internode bytes.
-    /// GPU backend (`ep::hier_gpu`, ranks as threads): both runs split the ranks into nodes of
-    /// --ranks-per-node, other nodes reached through the proxy lane over --provider (no
+    /// GPU backend (`ep::hier_gpu`, ranks as threads or --procs): both runs split the ranks into
+    /// nodes of --ranks-per-node, other nodes reached through the proxy lane over --provider (no
     /// NCCL comparison). Needs --ranks-per-node below the number of ranks.
     #[arg(long)]
     hierarchy: bool,
@@ -283,10 +283,18 @@ fn main() -> ExitCode {
             Err("--hierarchy: normal mode only (pass --mode normal)".into())
         }
         _ if cli.common.hierarchy
-            && (gpu_backend(&cli) || cli.common.backend == Some(Backend::Gpu))
-            && (cli.common.procs || in_job()) =>
+            && !in_job()
+            && cli
+                .common
+                .ranks_per_node
+                .is_none_or(|p| p == 0 || p >= cli.common.ranks || cli.common.ranks % p != 0) =>
         {
-            Err("--hierarchy: on the GPU backend, ranks as threads only (drop --procs)".into())
+            Err(format!(
+                "--hierarchy: needs --ranks-per-node dividing --ranks ({}) and below it: 2 or \
+                 more nodes",
+                cli.common.ranks
+            )
+            .into())
         }
         _ if (cli.common.cached
             || cli.common.gpu_chunk.is_some()
@@ -861,6 +869,36 @@ fn normal_split(c: &Common, ranks: usize) -> fabric_ep::bench::ep_gpu::GpuSplit 
     }
 }
 
+/// `--hierarchy` on the GPU: [`normal_split`] with nodes of `--ranks-per-node` (below
+/// `world`), other nodes through the proxy lane over `--provider`.
+fn hier_split(c: &Common, world: usize) -> AnyResult<fabric_ep::bench::ep_gpu::GpuSplit> {
+    let rpn = c.ranks_per_node.unwrap_or(world);
+    if rpn == 0 || rpn >= world || world % rpn != 0 {
+        return Err(format!(
+            "--hierarchy: needs --ranks-per-node dividing the {world} ranks and below it"
+        )
+        .into());
+    }
+    Ok(fabric_ep::bench::ep_gpu::GpuSplit {
+        ranks_per_node: rpn,
+        provider: c.provider.clone(),
+        ..normal_split(c, world)
+    })
+}
+
+/// The hierarchy's rows ([`normal_rows`], mode "normal-hier").
+fn hier_rows(
+    cached: bool,
+    p: &fabric_ep::bench::ep_gpu::GpuBenchParams,
+    r0: &fabric_ep::bench::ep::NormalBenchReport,
+) -> Vec<EpRow> {
+    let mut rows = normal_rows(cached, p, r0);
+    for row in rows.iter_mut() {
+        row.mode = "normal-hier".into();
+    }
+    rows
+}
+
 /// As [`gpu_rows`], with the op's suffix and the backend column given.
 fn labelled_rows(
     mode: &str,
@@ -953,16 +991,8 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
     // world size beside it when it differs from --ranks.
     if c.hierarchy && matches!(c.mode, Mode::Normal | Mode::Both) {
         // Direct and hierarchy on the same node split and inputs.
-        let rpn = c.ranks_per_node.unwrap_or(c.ranks);
-        if rpn == 0 || rpn >= c.ranks || c.ranks % rpn != 0 {
-            return Err("--hierarchy: needs --ranks-per-node dividing --ranks, below it".into());
-        }
         let p = base(4096);
-        let split = fabric_ep::bench::ep_gpu::GpuSplit {
-            ranks_per_node: rpn,
-            provider: c.provider.clone(),
-            ..normal_split(c, c.ranks)
-        };
+        let split = hier_split(c, c.ranks)?;
         let r = run_normal_gpu_split(&dev, &p, &split)?;
         rows.extend(r.first().map(|r0| normal_rows(c.cached, &p, r0)).unwrap_or_default());
         let (h, bytes) = fabric_ep::bench::ep_gpu::run_normal_gpu_hier(&dev, &p, &split)?;
@@ -976,16 +1006,12 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
             bytes.direct as f64 / bytes.hier.max(1) as f64
         );
         if let Some(r0) = h.first() {
-            let mut hr = normal_rows(c.cached, &p, r0);
-            for row in hr.iter_mut() {
-                row.mode = "normal-hier".into();
-            }
-            rows.extend(hr);
+            rows.extend(hier_rows(c.cached, &p, r0));
         }
         println!(
-            "nodes of {rpn} ranks: other nodes through the proxy lane over {} (mapped host \
+            "nodes of {} ranks: other nodes through the proxy lane over {} (mapped host \
              memory); the hierarchy's stages take half of each rank's SM budget each",
-            c.provider
+            split.ranks_per_node, c.provider
         );
     } else if matches!(c.mode, Mode::Normal | Mode::Both) {
         let p = base(4096);
@@ -1080,7 +1106,23 @@ fn run_gpu_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult<()
         );
     }
     let mut rows: Vec<EpRow> = Vec::new();
-    if matches!(c.mode, Mode::Normal | Mode::Both) {
+    if c.hierarchy && matches!(c.mode, Mode::Normal | Mode::Both) {
+        // Direct and hierarchy on the same node split and inputs (no NCCL comparison).
+        let p = base(4096);
+        let split = hier_split(c, world)?;
+        let r = run_normal_gpu_rank(&dev, &p, &split, boot.clone()).map_err(hint)?;
+        rows.extend(normal_rows(c.cached, &p, &r));
+        let h = fabric_ep::bench::ep_gpu::run_normal_gpu_hier_rank(&dev, &p, &split, boot.clone())
+            .map_err(hint)?;
+        rows.extend(hier_rows(c.cached, &p, &h));
+        if rank == 0 {
+            println!(
+                "nodes of {} ranks: other nodes through the proxy lane over {}; the \
+                 hierarchy's stages take half of each rank's SM budget each",
+                split.ranks_per_node, c.provider
+            );
+        }
+    } else if matches!(c.mode, Mode::Normal | Mode::Both) {
         let p = base(4096);
         let r =
             run_normal_gpu_rank(&dev, &p, &normal_split(c, world), boot.clone()).map_err(hint)?;
