@@ -420,7 +420,9 @@ impl GpuHierBuffer {
                     handle.rail_prefix =
                         info.rank_prefix.iter().map(|&v| v.max(0) as usize).collect()
                 }
-                Ok(None) => unreachable!("a notify without num_worst_tokens returns the counts"),
+                Ok(None) => {
+                    res = Err(Error::Other("rail stage: its notify returned no counts".into()))
+                }
                 Err(err) => res = Err(err),
             }
         }
