@@ -418,7 +418,7 @@ class GpuPath:
                                         b._out_handle_addr, b._out_rows_addr,
                                         self._per_expert_ptr)
             if st:
-                raise _lib.error("fep_gpu_notify", st)
+                raise _lib.error("fep_gpu_notify_inputs" if self.hier else "fep_gpu_notify", st)
             hp = b._out_handle.value
             rows = b._out_rows.value
             new_handle = self._Handle(hp, self._buf_id, t, rows)  # owns hp from here on
