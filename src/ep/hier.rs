@@ -23,10 +23,11 @@
 //! (`reference::normal_combine_grouped` with `ranks_per_node`), so it may differ from the
 //! direct sum by the partial's bf16 rounding.
 //!
-//! NOTES (why host only): the stages are whole dispatches, with a host pass between them that
-//! widens rows and, at the end, reorders them. On GPUs the gateway would forward from its receive
-//! buffer inside the kernel (DeepEP's design); that is not built (docs/ARCHITECTURE.md,
-//! "Internode: direct per-rank sends vs DeepEP's hierarchy", has the measurements that decided).
+//! NOTES: the stages are whole dispatches, with a host pass between them that widens rows and,
+//! at the end, reorders them. The GPU backend's hierarchy ([`super::hier_gpu`]) composes the same
+//! stages with device copies instead, and shares this module's sub-communicators, config check
+//! and final order. DeepEP's gateway forwards from its receive buffer inside the kernel; that is
+//! not built (docs/ARCHITECTURE.md, "Internode: direct per-rank sends vs DeepEP's hierarchy").
 
 use std::sync::Arc;
 
