@@ -9,7 +9,7 @@
 //!   the rail stage's `recv_src_idx`);
 //! * **final order**: after the node stage the lanes are read back (one strided copy to pinned
 //!   host memory and the dispatch's one host synchronisation), the direct path's order is
-//!   computed on the host ([`super::hier::final_order`]); it is a permutation of at most
+//!   computed on the host (`hier::final_order`); it is a permutation of at most
 //!   `nodes x ranks_per_node` contiguous runs, so the rows are moved by one strided copy per run
 //!   and tensor. A cached dispatch reuses the runs without reading anything back.
 //! * **combine**: the expert outputs are copied into the node stage's order and width (per run),
