@@ -128,23 +128,33 @@ impl GpuHierHandle {
     }
 }
 
-/// Device scratch for the stages, reserved for `tokens` input tokens per rank.
-struct Scratch {
-    tokens: usize,
+/// The rail stage's side of the scratch: `n1` rows (what this rank receives as a gateway).
+struct RailScratch {
     n1: usize,
-    n2: usize,
     rail_out: GpuDispatchBuffers,
     wide_x: DeviceBuffer,
     wide_s: Option<DeviceBuffer>,
-    node_out: GpuDispatchBuffers,
-    comb_x: DeviceBuffer,
-    comb_w: DeviceBuffer,
     gw_x: DeviceBuffer,
     gw_w: DeviceBuffer,
     rail_x: DeviceBuffer,
+}
+
+/// The node stage's side of the scratch: `n2` rows (what this rank receives).
+struct NodeScratch {
+    n2: usize,
+    node_out: GpuDispatchBuffers,
+    comb_x: DeviceBuffer,
+    comb_w: DeviceBuffer,
     /// Pinned: the lanes read back (`n2 x 8` bytes), then `recv_src_idx` staged (`n2 x 4`).
     host: HostMapped,
-    /// Recorded after the last upload from `host`: the next write waits for it.
+}
+
+/// Device scratch for the stages, reserved for `tokens` input tokens per rank.
+struct Scratch {
+    tokens: usize,
+    rail: RailScratch,
+    node: NodeScratch,
+    /// Recorded after the last upload from `node.host`: the next write waits for it.
     uploaded: Event,
 }
 
@@ -158,6 +168,11 @@ pub struct GpuHierBuffer {
     /// The handle whose dispatch the scratch holds, prepared and not finished.
     prepared: Option<u64>,
     next_serial: u64,
+    /// This rank is the only one of the job in its CUDA context (its own process): the scratch
+    /// starts at the rows one destination node would send and grows to what arrives (an
+    /// allocation inside a step cannot wait for a peer's kernel). Otherwise (ranks as threads)
+    /// it is reserved for the worst case up front.
+    lazy: bool,
 }
 
 impl std::fmt::Debug for GpuHierBuffer {
@@ -194,9 +209,11 @@ impl GpuHierBuffer {
         }
         check_boot(&cfg, &*boot)?;
         let (rs, ns) = HierBuffer::stage_settings(&cfg)?;
-        let uuid = g.device.uuid()?;
-        let all = check_world(&cfg, &*boot, "the backend", b"gpu", &uuid)?;
-        let on_gpu = all.iter().filter(|u| u[..] == uuid[..]).count().max(1);
+        let mut me = g.device.uuid()?.to_vec();
+        me.extend_from_slice(&std::process::id().to_le_bytes());
+        let all = check_world(&cfg, &*boot, "the backend", b"gpu", &me)?;
+        let on_gpu = all.iter().filter(|u| u.get(..16) == me.get(..16)).count().max(1);
+        let in_ctx = all.iter().filter(|u| u[..] == me[..]).count().max(1);
         let sms = g.device.sm_count() as usize;
         // `num_sms` is the rank's budget: each stage takes half of it. Every rank's two stages'
         // kernels must be resident at once (a rank may be in the node stage while its peer is
@@ -226,7 +243,16 @@ impl GpuHierBuffer {
             .map_err(|e| world_err(e, "node", |j| first + j))?;
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(GpuHierBuffer { cfg, rail, node, id, sc: None, prepared: None, next_serial: 1 })
+        Ok(GpuHierBuffer {
+            cfg,
+            rail,
+            node,
+            id,
+            sc: None,
+            prepared: None,
+            next_serial: 1,
+            lazy: in_ctx == 1,
+        })
     }
 
     pub fn config(&self) -> &EpConfig {
@@ -266,12 +292,15 @@ impl GpuHierBuffer {
     pub fn new_handle(&mut self, capacity_tokens: usize) -> Result<GpuHierHandle> {
         let t = capacity_tokens.max(1);
         if self.sc.as_ref().is_none_or(|s| s.tokens < t) {
+            // Never below what the scratch has grown to (a cached dispatch of an older handle
+            // relies on it).
+            let had = self.sc.as_ref().map_or((0, 0), |s| (s.rail.n1, s.node.n2));
             self.prepared = None;
             self.sc = None;
-            self.sc = Some(self.reserve(t)?);
+            self.sc = Some(self.reserve(t, had)?);
         }
         let sc = self.sc.as_ref().expect("reserved above");
-        let (n1, n2) = (sc.n1, sc.n2);
+        let (n1, n2) = (sc.rail.n1, sc.node.n2);
         let dev = self.rail.gpu()?.device().clone();
         let rail = self.rail.gpu()?.new_handle(t)?;
         let node = self.node.gpu()?.new_handle(n1)?;
@@ -299,36 +328,116 @@ impl GpuHierBuffer {
         })
     }
 
-    fn reserve(&mut self, t: usize) -> Result<Scratch> {
-        let (h, k) = (self.cfg.hidden, self.cfg.num_topk);
-        let (hw, g) = (h + META_CHANNELS, h / FP8_GROUP);
+    /// Scratch for `t` tokens per rank, at least `had` = (gateway rows, received rows).
+    fn reserve(&mut self, t: usize, had: (usize, usize)) -> Result<Scratch> {
         let nodes = self.cfg.num_ranks / self.cfg.ranks_per_node;
         // At most `t` tokens from each source: the rail stage has `nodes` sources, the node stage
-        // `ranks_per_node` gateways of at most `n1` rows each.
-        let n1 = nodes * t;
-        let n2 = self.cfg.ranks_per_node * n1;
-        let e = self.elt();
-        let fp8 = e == 1;
+        // `ranks_per_node` gateways of at most `n1` rows each (the worst case, reserved unless
+        // the scratch may grow later).
+        let n1 = (nodes * t).max(had.0);
+        let n2 = if self.lazy { n1 } else { self.cfg.ranks_per_node * nodes * t }.max(had.1);
         let dev = self.rail.gpu()?.device().clone();
-        let rail_out = GpuDispatchBuffers::new(self.rail.gpu()?, n1)?;
-        let node_out = GpuDispatchBuffers::new(self.node.gpu()?, n2)?;
         Ok(Scratch {
             tokens: t,
+            rail: self.rail_scratch(n1)?,
+            node: self.node_scratch(n2)?,
+            uploaded: Event::new_untimed(&dev)?,
+        })
+    }
+
+    fn rail_scratch(&mut self, n1: usize) -> Result<RailScratch> {
+        let (h, k, e) = (self.cfg.hidden, self.cfg.num_topk, self.elt());
+        let (hw, g) = (h + META_CHANNELS, h / FP8_GROUP);
+        let dev = self.rail.gpu()?.device().clone();
+        Ok(RailScratch {
             n1,
-            n2,
-            rail_out,
+            rail_out: GpuDispatchBuffers::new(self.rail.gpu()?, n1)?,
             // Zeroed: the lane's unused bytes (and fp8's lane scale) stay defined.
             wide_x: DeviceBuffer::zeroed(&dev, n1 * hw * e)?,
-            wide_s: if fp8 { Some(DeviceBuffer::zeroed(&dev, n1 * (g + 1) * 4)?) } else { None },
-            node_out,
-            comb_x: DeviceBuffer::zeroed(&dev, n2 * hw * 2)?,
-            comb_w: DeviceBuffer::new(&dev, (n2 * k * 4).max(4))?,
+            wide_s: if e == 1 { Some(DeviceBuffer::zeroed(&dev, n1 * (g + 1) * 4)?) } else { None },
             gw_x: DeviceBuffer::new(&dev, n1 * hw * 2)?,
             gw_w: DeviceBuffer::new(&dev, (n1 * k * 4).max(4))?,
             rail_x: DeviceBuffer::new(&dev, n1 * h * 2)?,
-            host: HostMapped::new(&dev, n2 * 12)?,
-            uploaded: Event::new_untimed(&dev)?,
         })
+    }
+
+    fn node_scratch(&mut self, n2: usize) -> Result<NodeScratch> {
+        let (h, k) = (self.cfg.hidden, self.cfg.num_topk);
+        let hw = h + META_CHANNELS;
+        let dev = self.rail.gpu()?.device().clone();
+        Ok(NodeScratch {
+            n2,
+            node_out: GpuDispatchBuffers::new(self.node.gpu()?, n2)?,
+            comb_x: DeviceBuffer::zeroed(&dev, n2 * hw * 2)?,
+            comb_w: DeviceBuffer::new(&dev, (n2 * k * 4).max(4))?,
+            host: HostMapped::new(&dev, (n2 * 12).max(12))?,
+        })
+    }
+
+    /// Makes room for `n1` gateway rows (the rail notify's count; the stream has synchronised):
+    /// grows the rail side of the scratch and the handle's node-stage capacity when the scratch
+    /// may grow, else refuses what was not reserved.
+    fn fit_rail(&mut self, n1: usize, handle: &mut GpuHierHandle) -> Result<()> {
+        let have = self.sc.as_ref().map_or(0, |s| s.rail.n1);
+        if n1 <= have && n1 <= handle.node.capacity() {
+            return Ok(());
+        }
+        if !self.lazy {
+            return Err(Error::arg(
+                "handle",
+                format!(
+                    "this rank receives {n1} rows as a gateway, {} were reserved (new_handle's \
+                     capacity x nodes): make handles for the job's largest tokens per rank",
+                    have.min(handle.node.capacity())
+                ),
+            ));
+        }
+        let grow = n1 + n1 / 4;
+        if n1 > have {
+            let r = self.rail_scratch(grow)?;
+            if let Some(sc) = self.sc.as_mut() {
+                sc.rail = r;
+            }
+        }
+        if n1 > handle.node.capacity() {
+            handle.node = self.node.gpu()?.new_handle(grow)?;
+        }
+        Ok(())
+    }
+
+    /// Makes room for `n2` received rows (the node notify's count; the stream has synchronised),
+    /// as [`Self::fit_rail`].
+    fn fit_node(&mut self, n2: usize, handle: &mut GpuHierHandle) -> Result<()> {
+        let have = self.sc.as_ref().map_or(0, |s| s.node.n2);
+        if n2 <= have && n2 * 4 <= handle.src.len() {
+            return Ok(());
+        }
+        if !self.lazy {
+            return Err(Error::arg(
+                "handle",
+                format!(
+                    "this rank receives {n2} rows, {} were reserved (new_handle's capacity x \
+                     ranks): make handles for the job's largest tokens per rank",
+                    have.min(handle.src.len() / 4)
+                ),
+            ));
+        }
+        let grow = n2 + n2 / 4;
+        if n2 > have {
+            if let Some(sc) = self.sc.as_ref() {
+                // The pinned stage may still feed an upload.
+                sc.uploaded.synchronize()?;
+            }
+            let ns = self.node_scratch(grow)?;
+            if let Some(sc) = self.sc.as_mut() {
+                sc.node = ns;
+            }
+        }
+        if n2 * 4 > handle.src.len() {
+            let dev = self.rail.gpu()?.device().clone();
+            handle.src = DeviceBuffer::new(&dev, grow * 4)?;
+        }
+        Ok(())
     }
 
     /// Dispatch through the rail stage, then the node stage, into `out` (the direct path's
@@ -395,18 +504,10 @@ impl GpuHierBuffer {
         // Whatever was prepared and not finished is overwritten from here on.
         self.prepared = None;
         handle.prepared = false;
-        let Some(sc) = self.sc.as_ref() else {
+        if self.sc.is_none() {
             return Err(Error::arg("handle", "no handle was made (new_handle)"));
-        };
-        let (ro, no) = (sc.rail_out.out(), sc.node_out.out());
-        let wide_x = DevSlice::of(&sc.wide_x);
-        let wide_s = sc.wide_s.as_ref().map(DevSlice::of);
-        let host = sc.host.as_ptr();
-        let host_src = sc.host.as_ptr() as u64 + sc.n2 as u64 * 8;
-        let uploaded = &sc.uploaded;
+        }
         // Rail stage: one copy per destination node, to the gateway with this local index.
-        let rail = self.rail.gpu()?;
-        let mut res = Ok(());
         if !a.cached {
             let n = GpuNotifyArgs {
                 topk_idx: a.topk_idx,
@@ -415,35 +516,39 @@ impl GpuHierBuffer {
                 num_worst_tokens: None,
                 stream: s,
             };
-            match rail.notify_gpu(&n, &mut handle.rail) {
-                Ok(Some(info)) => {
+            let r = self.rail.gpu().and_then(|g| g.notify_gpu(&n, &mut handle.rail));
+            match r.map_err(|err| self.rail_err(err))? {
+                Some(info) => {
                     handle.rail_prefix =
-                        info.rank_prefix.iter().map(|&v| v.max(0) as usize).collect()
+                        info.rank_prefix.iter().map(|&v| v.max(0) as usize).collect();
+                    // The notify synchronised the stream: the scratch may be replaced here.
+                    self.fit_rail(info.num_recv_tokens, handle)?;
                 }
-                Ok(None) => {
-                    res = Err(Error::Other("rail stage: its notify returned no counts".into()))
+                None => {
+                    return Err(Error::Other("rail stage: its notify returned no counts".into()))
                 }
-                Err(err) => res = Err(err),
             }
         }
-        if res.is_ok() {
-            let d = GpuDispatchArgs {
-                x: a.x,
-                x_scales: a.x_scales,
-                topk_idx: a.topk_idx,
-                topk_weights: a.topk_weights,
-                stream: s,
-            };
-            res = rail.dispatch_gpu(&d, &handle.rail, &ro);
-        }
-        res.map_err(|err| self.rail_err(err))?;
         let n1 = handle.rail.num_out_rows().unwrap_or(0);
-        if n1 > sc.n1 {
+        let sc = self.sc.as_ref().expect("checked above");
+        if n1 > sc.rail.n1 {
             return Err(Error::Other(format!(
                 "rail stage: {n1} rows past the scratch's {}",
-                sc.n1
+                sc.rail.n1
             )));
         }
+        let ro = sc.rail.rail_out.out();
+        let wide_x = DevSlice::of(&sc.rail.wide_x);
+        let wide_s = sc.rail.wide_s.as_ref().map(DevSlice::of);
+        let d = GpuDispatchArgs {
+            x: a.x,
+            x_scales: a.x_scales,
+            topk_idx: a.topk_idx,
+            topk_weights: a.topk_weights,
+            stream: s,
+        };
+        let r = self.rail.gpu().and_then(|g| g.dispatch_gpu(&d, &handle.rail, &ro));
+        r.map_err(|err| self.rail_err(err))?;
         // Widen into hidden + 128 with the lane: (source node, token index on the source).
         copy_2d_async(s, wide_x.ptr, hw * e, ro.recv_x.ptr, h * e, h * e, n1)?;
         if let (Some(ws), Some(rs)) = (wide_s, ro.recv_x_scales) {
@@ -456,10 +561,8 @@ impl GpuHierBuffer {
         }
         copy_2d_async(s, lane + 4, hw * e, ro.recv_src_idx.ptr, 4, 4, n1)?;
         // Node stage: the gateway forwards to the ranks of its node.
-        let node = self.node.gpu()?;
         let topk = DevSlice { ptr: ro.recv_topk_idx.ptr, bytes: n1 * k * 8 };
         let mut info2 = None;
-        let mut res = Ok(());
         if !a.cached {
             let n = GpuNotifyArgs {
                 topk_idx: topk,
@@ -468,42 +571,42 @@ impl GpuHierBuffer {
                 num_worst_tokens: None,
                 stream: s,
             };
-            match node.notify_gpu(&n, &mut handle.node) {
-                Ok(i) => info2 = i,
-                Err(err) => res = Err(err),
-            }
+            let r = self.node.gpu().and_then(|g| g.notify_gpu(&n, &mut handle.node));
+            let info = r.map_err(|err| self.node_err(err))?;
+            let info = info.ok_or_else(|| Error::Other("node stage: no counts".into()))?;
+            // The notify synchronised the stream: the scratch may be replaced here.
+            self.fit_node(info.num_recv_tokens, handle)?;
+            info2 = Some(info);
         }
-        if res.is_ok() {
-            let d = GpuDispatchArgs {
-                x: wide_x,
-                x_scales: wide_s,
-                topk_idx: topk,
-                topk_weights: ro.recv_topk_weights,
-                stream: s,
-            };
-            res = node.dispatch_gpu(&d, &handle.node, &no);
+        let sc = self.sc.as_ref().expect("checked above");
+        let no = sc.node.node_out.out();
+        let n2 = handle.node.num_out_rows().unwrap_or(0);
+        if n2 > sc.node.n2 || n2 * 4 > handle.src.len() {
+            return Err(Error::Other(format!(
+                "node stage: {n2} rows past the scratch's {}",
+                sc.node.n2.min(handle.src.len() / 4)
+            )));
         }
+        let host = sc.node.host.as_ptr();
+        let host_src = host as u64 + sc.node.n2 as u64 * 8;
+        let uploaded = &sc.uploaded;
+        let d = GpuDispatchArgs {
+            x: wide_x,
+            x_scales: wide_s,
+            topk_idx: topk,
+            topk_weights: ro.recv_topk_weights,
+            stream: s,
+        };
+        let mut res = self.node.gpu().and_then(|g| g.dispatch_gpu(&d, &handle.node, &no));
         if res.is_ok() && !a.cached {
             // The lanes back to the host (pinned), once per fresh dispatch.
-            let n2 = handle.node.num_out_rows().unwrap_or(0);
-            if n2 > sc.n2 || n2 * 4 > handle.src.len() {
-                return Err(Error::arg(
-                    "handle",
-                    format!(
-                        "{n2} rows received, the handle was made for at most {}",
-                        handle.src.len() / 4
-                    ),
-                ));
-            }
             let lanes = no.recv_x.ptr + (h * e) as u64;
             res = copy_2d_async(s, host as u64, 8, lanes, hw * e, 8, n2)
                 .map_err(Error::from)
-                .and_then(|_| node.sync_gpu(s));
+                .and_then(|_| self.node.gpu().and_then(|g| g.sync_gpu(s)));
         }
         res.map_err(|err| self.node_err(err))?;
-        let n2 = handle.node.num_out_rows().unwrap_or(0);
-        if !a.cached {
-            let info2 = info2.ok_or_else(|| Error::Other("node stage: no counts".into()))?;
+        if let Some(info2) = info2 {
             // SAFETY: the stream has finished the copy of `n2 x 8` bytes into `host`.
             let lanes = std::slice::from_raw_parts(host as *const u8, n2 * 8);
             let meta: Vec<(u32, u32)> = lanes
@@ -574,7 +677,7 @@ impl GpuHierBuffer {
         let Some(sc) = self.sc.as_ref() else {
             return Err(Error::arg("handle", "no handle was made (new_handle)"));
         };
-        let no = sc.node_out.out();
+        let no = sc.node.node_out.out();
         let (h, k, e) = (self.cfg.hidden, self.cfg.num_topk, self.elt());
         let (hw, g) = (h + META_CHANNELS, h / FP8_GROUP);
         let (gw, fp8) = (g + 1, e == 1);
@@ -691,7 +794,7 @@ impl GpuHierBuffer {
             }
         }
         let s = a.stream;
-        let (cx, cw) = (sc.comb_x.device_ptr(), sc.comb_w.device_ptr());
+        let (cx, cw) = (sc.node.comb_x.device_ptr(), sc.node.comb_w.device_ptr());
         for &(p, i, len) in &handle.runs {
             let (p, i) = (p as u64, i as u64);
             copy_2d_async(
@@ -718,20 +821,28 @@ impl GpuHierBuffer {
         }
         let n1 = handle.n1;
         let with_w = a.topk_weights.is_some() || a.combined_topk_weights.is_some();
-        let gw_w = DevSlice::of(&sc.gw_w);
+        let gw_w = DevSlice::of(&sc.rail.gw_w);
         let node_args = GpuCombineArgs {
-            x: DevSlice::of(&sc.comb_x),
-            topk_weights: with_w.then(|| DevSlice::of(&sc.comb_w)),
-            combined_x: DevSlice::of(&sc.gw_x),
+            x: DevSlice::of(&sc.node.comb_x),
+            topk_weights: with_w.then(|| DevSlice::of(&sc.node.comb_w)),
+            combined_x: DevSlice::of(&sc.rail.gw_x),
             combined_topk_weights: with_w.then_some(gw_w),
             stream: s,
         };
         let r = self.node.gpu().and_then(|n| n.combine_gpu(&node_args, &handle.node));
         r.map_err(|err| self.node_err(err))?;
         let sc = self.sc.as_ref().expect("checked above");
-        copy_2d_async(s, sc.rail_x.device_ptr(), h * 2, sc.gw_x.device_ptr(), hw * 2, h * 2, n1)?;
+        copy_2d_async(
+            s,
+            sc.rail.rail_x.device_ptr(),
+            h * 2,
+            sc.rail.gw_x.device_ptr(),
+            hw * 2,
+            h * 2,
+            n1,
+        )?;
         let rail_args = GpuCombineArgs {
-            x: DevSlice::of(&sc.rail_x),
+            x: DevSlice::of(&sc.rail.rail_x),
             topk_weights: with_w.then_some(gw_w),
             combined_x: a.combined_x,
             combined_topk_weights: a.combined_topk_weights,

@@ -174,6 +174,10 @@ impl GpuHandle {
     pub fn num_tokens(&self) -> usize {
         self.inner.num_tokens()
     }
+    /// The most input tokens a notify with this handle takes.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
 }
 
 /// Notify (step 1 of a fresh dispatch).
