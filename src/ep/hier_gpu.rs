@@ -285,10 +285,15 @@ impl GpuHierBuffer {
     /// A handle for dispatches of up to `capacity_tokens` tokens; reserves the stages' device
     /// scratch for that many tokens on *every* rank (a gateway receives up to `nodes x
     /// capacity_tokens` rows, a rank up to `num_ranks x capacity_tokens`: pass the job's largest
-    /// tokens per rank; more rows than reserved fail in the stage that receives them).
-    /// Allocations happen here, never inside a step: with ranks as threads of one context an
-    /// allocation can wait for a peer's spinning kernel. Every rank makes its handles before the
-    /// steps that use them; growing the scratch drops a prepared, unfinished dispatch.
+    /// tokens per rank).
+    ///
+    /// With ranks as threads of one CUDA context the whole worst case is reserved here and more
+    /// rows fail in the stage that receives them: an allocation inside a step could wait for a
+    /// peer's spinning kernel. A rank alone in its context (its own process) reserves one node's
+    /// rows for the received side and grows both sides to what arrives, after each stage's
+    /// notify has synchronised the stream, so its memory follows the routing, not `num_ranks`.
+    /// Every rank makes its handles before the steps that use them; growing the scratch here
+    /// drops a prepared, unfinished dispatch.
     pub fn new_handle(&mut self, capacity_tokens: usize) -> Result<GpuHierHandle> {
         let t = capacity_tokens.max(1);
         if self.sc.as_ref().is_none_or(|s| s.tokens < t) {
