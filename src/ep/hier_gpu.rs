@@ -26,6 +26,7 @@
 //! are collective, like the direct path's).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::buffer::{check_boot, Backend, Buffer, BufferOptions};
 use super::config::{DispatchDtype, EpConfig};
@@ -430,8 +431,8 @@ impl GpuHierBuffer {
         let grow = n2 + n2 / 4;
         if n2 > have {
             if let Some(sc) = self.sc.as_ref() {
-                // The pinned stage may still feed an upload.
-                sc.uploaded.synchronize()?;
+                // The pinned stage may still feed an upload (bounded like sync_gpu).
+                sc.uploaded.synchronize_within(self.cfg.timeout * 2 + Duration::from_secs(5))?;
             }
             let ns = self.node_scratch(grow)?;
             if let Some(sc) = self.sc.as_mut() {
@@ -630,8 +631,8 @@ impl GpuHierBuffer {
             handle.n1 = n1;
             handle.n2 = n2;
             // The source indices to the handle's device copy, through the pinned stage (the
-            // previous upload from it has finished).
-            uploaded.synchronize()?;
+            // previous upload from it has finished; bounded like sync_gpu).
+            uploaded.synchronize_within(self.cfg.timeout * 2 + Duration::from_secs(5))?;
             let staged = std::slice::from_raw_parts_mut(host_src as *mut i32, n2);
             staged.copy_from_slice(&src_idx);
             copy_2d_async(s, handle.src.device_ptr(), n2 * 4, host_src, n2 * 4, n2 * 4, 1)?;
