@@ -42,6 +42,11 @@ def main():
         "empty_kwargs": best_us(lambda: torch.empty(shape, dtype=torch.bfloat16, device=dev)),
         "empty_strided": best_us(
             lambda: torch.empty_strided(shape, (h, 1), dtype=torch.bfloat16, device=dev)),
+        "new_empty_strided": best_us(lambda: like.new_empty_strided(shape, (h, 1))),
+        "empty_strided_x3": best_us(
+            lambda: (torch.empty_strided(shape, (h, 1), dtype=torch.bfloat16, device=dev),
+                     torch.empty_strided((rows, k), (k, 1), dtype=torch.int64, device=dev),
+                     torch.empty_strided((rows, k), (k, 1), dtype=torch.float32, device=dev))),
         "new_empty_x3": best_us(lambda: (like.new_empty(shape), like_f32.new_empty((rows, k)),
                                          like_f32.new_empty((rows, k)))),
         "empty_like_x3": best_us(lambda: (torch.empty_like(like), torch.empty_like(like_f32),

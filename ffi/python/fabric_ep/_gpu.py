@@ -45,7 +45,6 @@ from typing import Any, Callable, List, Optional, Tuple
 import numpy as np
 
 from . import _lib
-from ._arrays import TensorSlots
 from ._lib import (
     FEP_DTYPE_BF16,
     FEP_DTYPE_F32,
@@ -54,28 +53,55 @@ from ._lib import (
     FEP_DTYPE_I64,
     lib,
 )
-from .utils import EventOverlap
+from .utils import NO_EVENT, EventOverlap
 
 FP8_GROUP = 128
 _ORDER = struct.Struct("<4Q")
 _CU_STREAM_LEGACY = 0x1
 _addr = ctypes.addressof
 
-# NOTES: the normal-mode calls fill their stream orders and ``fep_tensor`` descriptors with one
-# ``struct.pack_into`` each (a single C call; the descriptors live in a per-Buffer block whose
-# addresses are computed once), instead of building ctypes objects or packing slot by slot.
-# A descriptor is ``fep_tensor``: data, dtype, ndim, shape[4] (48 bytes).
-_DESC = "qii4q"
-_DESC_SIZE = struct.calcsize("<" + _DESC)
-# dispatch, before the notify: order [0] (before-and-after) and [1] (after only), then x,
-# x_scales, topk_idx, topk_weights.
-_DISPATCH_IN = struct.Struct("<8Q" + _DESC * 4)
-# dispatch, after the allocation: recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
-# recv_src_idx.
-_DISPATCH_OUT = struct.Struct("<" + _DESC * 5)
-# combine: order [0], then x, topk_weights, combined_x, combined_topk_weights.
-_COMBINE = struct.Struct("<4Q" + _DESC * 4)
-assert _DESC_SIZE == 48 and _DISPATCH_IN.size == 64 + 4 * 48 and _COMBINE.size == 32 + 4 * 48
+# NOTES: the normal-mode calls hand the C entry points stream orders (``fep_gpu_order``, 4
+# words) and ``fep_tensor`` descriptors (6 words: data, dtype | ndim << 32, shape[4]) from two
+# per-Buffer blocks whose addresses are computed once. Everything in them that a Buffer fixes
+# (dtypes, ndim, hidden, K, H / 128, the communication stream) is written when the block is
+# built; a call writes only the words that change (pointers, row counts, the compute stream and
+# event) as int64 stores through a memoryview: about 30 ns each against ~1 us per
+# ``struct.pack_into`` of a whole block (its ~40 arguments parsed on every call).
+_ORDER_WORDS, _DESC_WORDS = 4, 6
+# Word index of each descriptor's data pointer (its shape[0] is 2 words further) in the
+# dispatch block (orders [0] before-and-after, [1] after only; then x, x_scales, topk_idx,
+# topk_weights, recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx) and the
+# combine block (order [0]; then x, topk_weights, combined_x, combined_topk_weights). The hot
+# paths write these indices as literals (a global lookup per store would cost as much as the
+# store); this table is what they were computed from.
+_DISPATCH_DESC = tuple(2 * _ORDER_WORDS + _DESC_WORDS * i for i in range(9))
+_COMBINE_DESC = tuple(_ORDER_WORDS + _DESC_WORDS * i for i in range(4))
+assert _DISPATCH_DESC == (8, 14, 20, 26, 32, 38, 44, 50, 56)
+assert _COMBINE_DESC == (4, 10, 16, 22)
+
+
+class _Block:
+    """A block of ``orders`` stream orders (each ``(comm, 0, 0, 0)``) then one descriptor per
+    ``(dtype, dims)`` of ``descs`` (data zero; shape[0] zero too where the calls write it):
+    ``buf`` (ctypes), ``w`` (its int64 words, for the per-call stores) and ``addr`` (each
+    order's, then each descriptor's, address)."""
+
+    def __init__(self, comm: int, orders: int, descs: Tuple[Tuple[int, Tuple[int, ...]], ...]):
+        n = orders * _ORDER_WORDS + len(descs) * _DESC_WORDS
+        self.buf = ctypes.create_string_buffer(8 * n)
+        w = memoryview(self.buf).cast("B").cast("q")
+        for i in range(orders):
+            w[i * _ORDER_WORDS] = comm
+        first = orders * _ORDER_WORDS
+        for i, (dtype, dims) in enumerate(descs):
+            d = first + i * _DESC_WORDS
+            w[d + 1] = dtype | len(dims) << 32
+            for j, v in enumerate(dims):
+                w[d + 2 + j] = v
+        self.w = w
+        base = _addr(self.buf)
+        self.addr = tuple(base + 8 * _ORDER_WORDS * i for i in range(orders)) + tuple(
+            base + 8 * (first + _DESC_WORDS * i) for i in range(len(descs)))
 
 
 def _legacy_stream_error() -> ValueError:
@@ -107,7 +133,6 @@ class GpuPath:
         self.dev = device
         self.threads = threads
         self.Tensor = torch.Tensor
-        self.empty = torch.empty
         self.current_stream = torch.cuda.current_stream
         # The current stream's raw handle without building a Stream object (a few us cheaper).
         self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -118,16 +143,18 @@ class GpuPath:
         self.comm_ptr = comm_ptr
         fp8 = getattr(torch, "float8_e4m3fn", None)
         self.bf16 = (torch.bfloat16,)
+        self._bf16 = torch.bfloat16
         self.fp8 = (fp8, torch.uint8) if fp8 is not None else (torch.uint8,)
         self.fp8_out = fp8 if fp8 is not None else torch.uint8
         self.i64, self.f32, self.i32 = torch.int64, torch.float32, torch.int32
-        # Two stream orders per call at most: [0] before-and-after, [1] after only.
-        self._orders = ctypes.create_string_buffer(_ORDER.size * 2)
+        # The low-latency hooks' stream order (see orders); the other calls' orders live in
+        # their blocks (_Block).
+        self._orders = ctypes.create_string_buffer(_ORDER.size)
         self._order0 = _addr(self._orders)
-        self._order1 = self._order0 + _ORDER.size
         self._pack = _ORDER.pack_into
-        self.slots = TensorSlots(12)
-        self._ll_slots = TensorSlots(8)  # 7 fep_tensors of fep_gpu_ll_buffers (+1: pack4)
+        # The low-latency calls' out-parameter (the op handle), read right after each call.
+        self._op_out = ctypes.c_void_p()
+        self._op_out_addr = _addr(self._op_out)
         self._per_expert = np.zeros(buf.num_local_experts, dtype=np.int32)
         self._per_expert_ptr = self._per_expert.ctypes.data
         from .buffer import DispatchHandle, _check_cached_handle
@@ -140,33 +167,33 @@ class GpuPath:
         if self._raw_stream is None:  # an older torch: the Stream object's handle
             cur = self.current_stream
             self._raw_stream = lambda d: cur(d).cuda_stream
-        # Zero-element tensors on this GPU (no device memory): ``like.new_empty(shape)`` of one of
-        # them allocates an output of its dtype and device without a dtype/device argument to
-        # parse (the cheapest allocation from Python).
+        # Zero-element tensors on this GPU (no device memory), one per output dtype:
+        # ``like.new_empty_strided(shape, strides)`` of one allocates an output of its dtype and
+        # device without a dtype/device argument to parse (the cheapest allocation from Python;
+        # alloc_dispatch's notes).
         self._like_i64 = torch.empty(0, dtype=self.i64, device=device)
         self._like_f32 = torch.empty(0, dtype=self.f32, device=device)
         self._like_i32 = torch.empty(0, dtype=self.i32, device=device)
-        self._empty_strided = torch.empty_strided
-        self._device = torch.device("cuda", device)
-        # Normal-mode descriptor blocks (see _DISPATCH_IN/_DISPATCH_OUT/_COMBINE).
-        self._nblock = ctypes.create_string_buffer(_DISPATCH_IN.size + _DISPATCH_OUT.size)
-        self._cblock = ctypes.create_string_buffer(_COMBINE.size)
-        nb, cb = _addr(self._nblock), _addr(self._cblock)
-        d = _DESC_SIZE
-        # (order0, order1, x, x_scales, topk_idx, topk_weights, recv_x, recv_x_scales,
-        #  recv_topk_idx, recv_topk_weights, recv_src_idx)
-        self._naddr = (nb, nb + 32) + tuple(nb + 64 + d * i for i in range(9))
-        self._nout_off = _DISPATCH_IN.size
-        # (order0, x, topk_weights, combined_x, combined_topk_weights)
-        self._caddr = (cb,) + tuple(cb + 32 + d * i for i in range(4))
-        self._pack_in = _DISPATCH_IN.pack_into
-        self._pack_out = _DISPATCH_OUT.pack_into
-        self._pack_comb = _COMBINE.pack_into
-        # recv_src_idx scratch (see _src_scratch).
-        self._src: Any = None
-        self._src_cap = 0
-        self._src_ptr = 0
-        self._src_scratch(max(0, reserve_tokens) * buf.num_ranks)
+        self._like_bf16 = torch.empty(0, dtype=torch.bfloat16, device=device)
+        self._like_fp8 = torch.empty(0, dtype=self.fp8_out, device=device)
+        # Row strides of the [rows, H], [rows, H / 128] and [rows, K] outputs.
+        self._st_h, self._st_g, self._st_k = (self.h, 1), (self.g, 1), (self.k, 1)
+        # Normal-mode blocks (see _Block): dispatch (orders [0] and [1]; x, x_scales, topk_idx,
+        # topk_weights, recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx)
+        # and combine (order [0]; x, topk_weights, combined_x, combined_topk_weights).
+        h, k, g, xc = self.h, self.k, self.g, buf._dispatch_code
+        tok, sc, idx, wt = (xc, (0, h)), (FEP_DTYPE_F32, (0, g)), (FEP_DTYPE_I64, (0, k)), \
+            (FEP_DTYPE_F32, (0, k))
+        self._nb = _Block(comm_ptr, 2, (tok, sc, idx, wt, tok, sc, idx, wt, (FEP_DTYPE_I32, (0,))))
+        bf = (FEP_DTYPE_BF16, (0, h))
+        self._cb = _Block(comm_ptr, 1, (bf, wt, bf, wt))
+        # The dispatch's scratch (see _scratch): recv_src_idx always, and the recv_topk_idx /
+        # recv_topk_weights of a cached dispatch (which returns only recv_x).
+        self._scr: Any = None
+        self._scr_cap = 0
+        self._src_ptr = self._sidx_ptr = self._sw_ptr = 0
+        self._scratch(max(0, reserve_tokens) * buf.num_ranks)
+        self._ll_layout: Any = None  # see _make_ll_layout
         if threads and os.environ.get("CUDA_MODULE_LOADING", "").upper() != "EAGER":
             warnings.warn(
                 "fabric_ep: ranks as threads of one process with lazy CUDA module loading: the "
@@ -238,10 +265,14 @@ class GpuPath:
     # ------------------------------------------------------------------ streams
 
     def compute(self) -> int:
-        """The current stream's raw handle (0: the legacy default stream)."""
+        """The current stream's raw handle; torch's legacy default stream (0) as the driver's
+        ``CU_STREAM_LEGACY`` handle (NULL means "no stream" in a ``fep_gpu_order``), refused
+        with ranks as threads."""
         s = self._raw_stream(self.dev)
-        if self.threads and s == 0:
-            raise _legacy_stream_error()
+        if s == 0:
+            if self.threads:
+                raise _legacy_stream_error()
+            return _CU_STREAM_LEGACY
         return s
 
     @staticmethod
@@ -261,18 +292,14 @@ class GpuPath:
         return p
 
     def orders(self, compute: int, ev: int, async_finish: bool) -> None:
-        """[0]: wait for compute (or the event), run on comm, then compute waits (unless async);
-        [1]: the same without the wait (the second call of a two-step dispatch)."""
-        # NOTES: NULL means "no stream" in a fep_gpu_order; torch's legacy default stream (0) is
-        # named by the driver's CU_STREAM_LEGACY handle.
-        compute = compute or _CU_STREAM_LEGACY
+        """Stream order [0] (at ``_order0``; the low-latency hooks' receive): wait for compute
+        (or the event), run on comm, then compute waits (unless async)."""
         then = 0 if async_finish else compute
         self._pack(self._orders, 0, self.comm_ptr, 0 if ev else compute, ev, then)
-        self._pack(self._orders, _ORDER.size, self.comm_ptr, 0, 0, then)
 
     def finish(self, async_finish: bool, tensors: Tuple[Any, ...]) -> EventOverlap:
         if not async_finish:
-            return EventOverlap(None)
+            return NO_EVENT
         comm = self.comm
         for t in tensors:
             if t is not None:
@@ -328,7 +355,7 @@ class GpuPath:
                         if nodes > 1 else None)
         outs = (per_rank, per_node, per_expert, in_rank)
         if not async_finish:
-            return per_rank, per_node, per_expert, in_rank, EventOverlap(None)
+            return per_rank, per_node, per_expert, in_rank, NO_EVENT
         tensors = tuple(o for o in (topk_idx,) + outs if o is not None)
         if run is not compute:
             for o in tensors:
@@ -342,24 +369,28 @@ class GpuPath:
     def dispatch(self, x: Any, handle: Any, topk_idx: Any, topk_weights: Any,
                  expert_alignment: int, num_worst_tokens: int, previous_event: Any,
                  async_finish: bool, allocate_on_comm_stream: bool) -> Tuple[Any, ...]:
-        # NOTES (per-call cost): this is the hot path, kept flat on purpose. Per call it makes
-        # 5 accessor calls per input tensor (dtype, get_device, is_contiguous, shape, data_ptr),
-        # one raw stream lookup, one allocation per returned tensor (alloc_dispatch), one
-        # data_ptr per output, and two struct packs that fill every descriptor and stream order.
+        # NOTES (per-call cost): this is the hot path, kept flat on purpose. Per input tensor it
+        # makes five accessor calls (dtype, get_device, is_contiguous, shape, data_ptr), inline
+        # for the bf16 tokens and the routing (a helper call per tensor costs about as much as
+        # two accessors; _t2_slow then names what is wrong); then one raw stream lookup, one
+        # allocation per returned tensor (alloc_dispatch), one data_ptr per output, and about
+        # twenty int64 stores into the dispatch block (_Block).
         b = self.buf
-        h, k, g = self.h, self.k, self.g
+        h, k, dev, tensor = self.h, self.k, self.dev, self.Tensor
         if type(x) is tuple:
             if len(x) != 2:
                 raise ValueError(f"x: a tuple must be (x, x_scales), got {len(x)} elements")
             xo, so = x
             xp, t = self.t2("x", xo, self.fp8, None, h)
-            sp = self.t2n("x_scales", so, self.f32s, t, g)
+            sp = self.t2n("x_scales", so, self.f32s, t, self.g)
             xc = FEP_DTYPE_FP8_E4M3
         else:
-            xo, so = x, None
-            xp, t = self.t2("x", xo, self.bf16, None, h)
-            sp = 0
-            xc = FEP_DTYPE_BF16
+            xo, so, sp, xc = x, None, 0, FEP_DTYPE_BF16
+            if type(x) is tensor and x.dtype is self._bf16 and x.get_device() == dev \
+                    and x.is_contiguous() and len(shp := x.shape) == 2 and shp[1] == h:
+                xp, t = x.data_ptr(), shp[0]
+            else:
+                xp, t = self._t2_slow("x", x, self.bf16, None, h)
         fp8 = so is not None
         if xc != b._dispatch_code:
             raise TypeError(
@@ -371,7 +402,7 @@ class GpuPath:
         if previous_event is not None or allocate_on_comm_stream:
             self.check_async(previous_event, async_finish, allocate_on_comm_stream)
             ev = self.event_ptr(previous_event)
-        compute = self._raw_stream(self.dev)
+        compute = self._raw_stream(dev)
         if compute == 0:
             if self.threads:
                 raise _legacy_stream_error()
@@ -387,20 +418,39 @@ class GpuPath:
                 raise ValueError("topk_idx: required unless a cached handle is given")
             if topk_weights is None:
                 raise ValueError("topk_weights: required when topk_idx is given")
-            ip = self.t2n("topk_idx", topk_idx, self.i64s, t, k)
-            wp = self.t2n("topk_weights", topk_weights, self.f32s, t, k)
+            tk = (t, k)
+            if type(topk_idx) is tensor and topk_idx.dtype is self.i64 and topk_idx.shape == tk \
+                    and topk_idx.get_device() == dev and topk_idx.is_contiguous():
+                ip = topk_idx.data_ptr()
+            else:
+                ip = self._t2_slow("topk_idx", topk_idx, self.i64s, t, k)[0]
+            if type(topk_weights) is tensor and topk_weights.dtype is self.f32 \
+                    and topk_weights.shape == tk and topk_weights.get_device() == dev \
+                    and topk_weights.is_contiguous():
+                wp = topk_weights.data_ptr()
+            else:
+                wp = self._t2_slow("topk_weights", topk_weights, self.f32s, t, k)[0]
             if type(expert_alignment) is not int or expert_alignment < 1:
                 raise ValueError(f"expert_alignment: {expert_alignment!r} must be an int >= 1")
             if type(num_worst_tokens) is not int or num_worst_tokens < 0:
                 raise ValueError(f"num_worst_tokens: {num_worst_tokens!r} must be an int >= 0")
-        a_o0, a_o1, a_x, a_xs, a_i, a_w, a_rx, a_rxs, a_ri, a_rw, a_src = self._naddr
-        comm = self.comm_ptr
-        then = 0 if async_finish else compute
-        # Orders: [0] waits for the compute stream (or the event), [1] (the dispatch after a
-        # notify) does not; both make the compute stream wait afterwards unless async_finish.
-        self._pack_in(self._nblock, 0, comm, 0 if ev else compute, ev, then, comm, 0, 0, then,
-                      xp, xc, 2, t, h, 0, 0, sp, FEP_DTYPE_F32, 2, t, g, 0, 0,
-                      ip, FEP_DTYPE_I64, 2, t, k, 0, 0, wp, FEP_DTYPE_F32, 2, t, k, 0, 0)
+        nb = self._nb
+        a_o0, a_o1, a_x, a_xs, a_i, a_w, a_rx, a_rxs, a_ri, a_rw, a_src = nb.addr
+        # The dispatch block's words (_DISPATCH_DESC): orders [0] at 0 (waits for the compute
+        # stream or the event) and [1] at 4 (the dispatch after a notify: no wait); both make
+        # the compute stream wait afterwards unless async_finish. x at 8, x_scales 14,
+        # topk_idx 20, topk_weights 26 (data; shape[0] two words on).
+        w = nb.w
+        w[1] = 0 if ev else compute
+        w[2] = ev
+        w[3] = w[7] = 0 if async_finish else compute
+        w[8] = xp
+        w[10] = w[22] = w[28] = t
+        w[20] = ip
+        w[26] = wp
+        if fp8:
+            w[14] = sp
+            w[16] = t
         p = b._ptr
         if handle is not None:
             hp, rows, order = handle._ptr, handle.num_recv_tokens, a_o0
@@ -423,26 +473,35 @@ class GpuPath:
             rows = b._out_rows.value
             new_handle = self._Handle(hp, self._buf_id, t, rows)  # owns hp from here on
             order = a_o1
+        cached = new_handle is None
         if allocate_on_comm_stream:
             with self.torch.cuda.stream(self.comm):
-                recv_x, recv_s, recv_idx, recv_w = self.alloc_dispatch(rows, xo, fp8)
+                recv_x, recv_s, recv_idx, recv_w = self.alloc_dispatch(rows, xo, fp8, cached)
         else:
-            recv_x, recv_s, recv_idx, recv_w = self.alloc_dispatch(rows, xo, fp8)
-        if rows > self._src_cap:
-            self._src_scratch(rows)
-        self._pack_out(self._nblock, self._nout_off,
-                       recv_x.data_ptr(), xc, 2, rows, h, 0, 0,
-                       recv_s.data_ptr() if fp8 else 0, FEP_DTYPE_F32, 2, rows, g, 0, 0,
-                       recv_idx.data_ptr(), FEP_DTYPE_I64, 2, rows, k, 0, 0,
-                       recv_w.data_ptr(), FEP_DTYPE_F32, 2, rows, k, 0, 0,
-                       self._src_ptr, FEP_DTYPE_I32, 1, rows, 0, 0, 0)
+            recv_x, recv_s, recv_idx, recv_w = self.alloc_dispatch(rows, xo, fp8, cached)
+        if rows > self._scr_cap:
+            self._scratch(rows)
+        # recv_x at 32, recv_x_scales 38, recv_topk_idx 44, recv_topk_weights 50,
+        # recv_src_idx 56.
+        w[32] = recv_x.data_ptr()
+        w[34] = w[46] = w[52] = w[58] = rows
+        if fp8:
+            w[38] = recv_s.data_ptr()
+            w[40] = rows
+        if cached:
+            w[44] = self._sidx_ptr
+            w[50] = self._sw_ptr
+        else:
+            w[44] = recv_idx.data_ptr()
+            w[50] = recv_w.data_ptr()
+        w[56] = self._src_ptr
         st = lib.fep_gpu_dispatch(p, hp, a_x, a_xs if fp8 else None, a_i, a_w, a_rx,
                                   a_rxs if fp8 else None, a_ri, a_rw, a_src, order)
         if st:
             raise _lib.error("fep_gpu_dispatch", st)
         out_x = (recv_x, recv_s) if fp8 else recv_x
-        if new_handle is None:
-            event = self.finish(True, (xo, so, recv_x, recv_s)) if async_finish else EventOverlap(None)
+        if cached:
+            event = self.finish(True, (xo, so, recv_x, recv_s)) if async_finish else NO_EVENT
             return out_x, None, None, None, None, event
         new_handle._keep = (topk_idx, topk_weights)
         counts = [] if num_worst_tokens > 0 else self._per_expert.tolist()
@@ -450,60 +509,81 @@ class GpuPath:
             event = self.finish(True, (xo, so, topk_idx, topk_weights, recv_x, recv_s, recv_idx,
                                        recv_w))
         else:
-            event = EventOverlap(None)
+            event = NO_EVENT
         return out_x, recv_idx, recv_w, counts, new_handle, event
 
-    def alloc_dispatch(self, rows: int, like: Any, fp8: bool) -> Tuple[Any, ...]:
+    def alloc_dispatch(self, rows: int, like: Any, fp8: bool, cached: bool) -> Tuple[Any, ...]:
         """The tensors a dispatch returns: recv_x (``like``'s dtype), recv_x_scales (fp8 only,
-        else None), recv_topk_idx, recv_topk_weights; each its own allocation, so the caller may
-        keep any of them alone (bench_overhead_gpu.py replaces this method to time the rest).
+        else None), recv_topk_idx, recv_topk_weights (None for a cached dispatch, which returns
+        only recv_x: the kernel writes those into the Buffer's scratch); each its own
+        allocation, so the caller may keep any of them alone (bench_overhead_gpu.py replaces
+        this method to time the rest).
 
         NOTES: one allocation carved into typed views was considered and not taken: from Python
         every view (a slice, ``.view(dtype)``, ``.view(shape)``) is a dispatcher call about as
         costly as a cached ``new_empty``, a carved output needs one or two of them, and every
         carved output would keep the whole block (recv_x included) alive. The bench measures
         both (``alloc_separate_us`` vs ``alloc_one_block_us``).
-        NOTES (spelling): ``torch.empty_strided(shape, strides, dtype=, device=)`` and not
-        ``like.new_empty(shape)``: measured on the H200 (docs/results/2026-11-29-h200-g run 4,
-        scripts/bench_torch_alloc.py), the four outputs of an fp8 dispatch cost 8.1 us that way
-        against 10.5 us (one output: 2.1 against 2.5 us)."""
+        NOTES (spelling): ``Tensor.new_empty_strided(shape, strides)`` of ``like`` (the input
+        tokens) or of a zero-element tensor of the output's dtype on this GPU: no dtype or device
+        argument to parse. Measured on the H200, interleaved in one process
+        (docs/results/2026-11-30-h200-k run 3, bench_overhead_gpu.py), a bf16 dispatch's Python
+        side took 10.21 / 10.58 / 12.53 us that way against 10.38 / 11.09 / 14.64 us with
+        ``torch.empty_strided(shape, strides, dtype=, device=)`` (the spelling of the eighth to
+        tenth sessions, itself 2.1 against ``new_empty``'s 2.5 us per output: run 4 of
+        docs/results/2026-11-29-h200-g). The bench keeps both as alternatives."""
         h, k, g = self.h, self.k, self.g
-        es, d, f32 = self._empty_strided, self._device, self.f32
-        return (es((rows, h), (h, 1), dtype=like.dtype, device=d),
-                es((rows, g), (g, 1), dtype=f32, device=d) if fp8 else None,
-                es((rows, k), (k, 1), dtype=self.i64, device=d),
-                es((rows, k), (k, 1), dtype=f32, device=d))
+        recv_x = like.new_empty_strided((rows, h), self._st_h)
+        recv_s = self._like_f32.new_empty_strided((rows, g), self._st_g) if fp8 else None
+        if cached:
+            return recv_x, recv_s, None, None
+        return (recv_x, recv_s, self._like_i64.new_empty_strided((rows, k), self._st_k),
+                self._like_f32.new_empty_strided((rows, k), self._st_k))
 
-    def _src_scratch(self, rows: int) -> None:
-        """(Re)allocates the recv_src_idx scratch for at least ``rows`` int32.
+    def _scratch(self, rows: int) -> None:
+        """(Re)allocates the dispatch's scratch for at least ``rows`` rows: recv_src_idx
+        (int32), and a cached dispatch's recv_topk_idx (int64 ``[rows, K]``) and
+        recv_topk_weights (f32 ``[rows, K]``), in one allocation.
 
-        NOTES: ``fep_gpu_dispatch`` writes recv_src_idx and nothing reads it afterwards (the
-        native handle holds the route that ``fep_gpu_combine`` uses; DeepEP returns it inside
-        its handle, ours is opaque), so one scratch per Buffer serves every dispatch instead of
-        one allocation per call: the dispatches all run on this Buffer's communication stream,
-        in order. It is allocated on that stream, so dropping it (on growth, or with the Buffer)
-        returns it to that stream's pool, reused only after the kernels queued there (no event,
-        no ``record_stream``). The first one is sized at construction for ``gpu_reserve_tokens``
-        per rank, so steps within the reservation allocate nothing here. If the combine ever
-        reads recv_src_idx, each handle needs its own again."""
-        cap = max(rows, 2 * self._src_cap, 1024)
+        NOTES: ``fep_gpu_dispatch`` writes these and nothing reads them afterwards: the native
+        handle holds the route that ``fep_gpu_combine`` uses (DeepEP returns recv_src_idx inside
+        its handle, ours is opaque), and a cached dispatch returns only recv_x (as DeepEP's).
+        So one scratch per Buffer serves every dispatch instead of allocations per call: the
+        dispatches all run on this Buffer's communication stream, in order. It is allocated on
+        that stream, so dropping it (on growth, or with the Buffer) returns it to that stream's
+        pool, reused only after the kernels queued there (no event, no ``record_stream``). The
+        first one is sized at construction for ``gpu_reserve_tokens`` per rank, so steps within
+        the reservation allocate nothing here. If the combine ever reads recv_src_idx, each
+        handle needs its own again."""
+        cap = max(rows, 2 * self._scr_cap, 1024)
+
+        def align(n: int) -> int:
+            return (n + 255) & ~255
+
+        src_b, idx_b = align(4 * cap), align(8 * cap * self.k)
         with self.torch.cuda.stream(self.comm):
-            src = self._like_i32.new_empty((cap,))
-        self._src, self._src_cap, self._src_ptr = src, cap, src.data_ptr()
+            scr = self._like_i32.new_empty(((src_b + idx_b + align(4 * cap * self.k)) // 4,))
+        base = scr.data_ptr()
+        self._scr, self._scr_cap = scr, cap
+        self._src_ptr, self._sidx_ptr, self._sw_ptr = base, base + src_b, base + src_b + idx_b
 
     def combine(self, x: Any, handle: Any, topk_weights: Any, previous_event: Any,
                 async_finish: bool, allocate_on_comm_stream: bool) -> Tuple[Any, ...]:
         b = self.buf
-        h, k = self.h, self.k
+        h, k, dev, tensor = self.h, self.k, self.dev, self.Tensor
         rows, t = handle.num_recv_tokens, handle.num_tokens
-        xp = self.t2n("x", x, self.bf16, rows, h)
+        if type(x) is tensor and x.dtype is self._bf16 and x.shape == (rows, h) \
+                and x.get_device() == dev and x.is_contiguous():
+            xp = x.data_ptr()
+        else:
+            xp = self._t2_slow("x", x, self.bf16, rows, h)[0]
         with_w = topk_weights is not None
         wp = self.t2n("topk_weights", topk_weights, self.f32s, rows, k) if with_w else 0
         ev = 0
         if previous_event is not None or allocate_on_comm_stream:
             self.check_async(previous_event, async_finish, allocate_on_comm_stream)
             ev = self.event_ptr(previous_event)
-        compute = self._raw_stream(self.dev)
+        compute = self._raw_stream(dev)
         if compute == 0:
             if self.threads:
                 raise _legacy_stream_error()
@@ -513,27 +593,35 @@ class GpuPath:
                 out, cw = self.alloc_combine(t, x, with_w)
         else:
             out, cw = self.alloc_combine(t, x, with_w)
-        a_o, a_x, a_w, a_out, a_cw = self._caddr
-        comm = self.comm_ptr
-        self._pack_comb(self._cblock, 0, comm, 0 if ev else compute, ev,
-                        0 if async_finish else compute,
-                        xp, FEP_DTYPE_BF16, 2, rows, h, 0, 0, wp, FEP_DTYPE_F32, 2, rows, k, 0, 0,
-                        out.data_ptr(), FEP_DTYPE_BF16, 2, t, h, 0, 0,
-                        cw.data_ptr() if with_w else 0, FEP_DTYPE_F32, 2, t, k, 0, 0)
+        cb = self._cb
+        a_o, a_x, a_w, a_out, a_cw = cb.addr
+        # The combine block's words (_COMBINE_DESC): order [0] at 0; x at 4, topk_weights 10,
+        # combined_x 16, combined_topk_weights 22 (data; shape[0] two words on).
+        w = cb.w
+        w[1] = 0 if ev else compute
+        w[2] = ev
+        w[3] = 0 if async_finish else compute
+        w[4] = xp
+        w[6] = rows
+        w[16] = out.data_ptr()
+        w[18] = t
+        if with_w:
+            w[10] = wp
+            w[12] = rows
+            w[22] = cw.data_ptr()
+            w[24] = t
         st = lib.fep_gpu_combine(b._ptr, handle._ptr, a_x, a_w if with_w else None, a_out,
                                  a_cw if with_w else None, a_o)
         if st:
             raise _lib.error("fep_gpu_combine", st)
-        event = self.finish(True, (x, topk_weights, out, cw)) if async_finish else EventOverlap(None)
+        event = self.finish(True, (x, topk_weights, out, cw)) if async_finish else NO_EVENT
         return out, cw, event
 
     def alloc_combine(self, t: int, like: Any, with_w: bool) -> Tuple[Any, Any]:
         """The tensors a combine returns: combined_x (``like``'s dtype) and, with weights,
         combined_topk_weights (else None); see alloc_dispatch (the spelling too)."""
-        h, k = self.h, self.k
-        es, d = self._empty_strided, self._device
-        return (es((t, h), (h, 1), dtype=like.dtype, device=d),
-                es((t, k), (k, 1), dtype=self.f32, device=d) if with_w else None)
+        return (like.new_empty_strided((t, self.h), self._st_h),
+                self._like_f32.new_empty_strided((t, self.k), self._st_k) if with_w else None)
 
     # ------------------------------------------------------------------ low latency
 
@@ -547,6 +635,40 @@ class GpuPath:
         st = lib.fep_gpu_ll_complete(bp, op, self._order0)
         if st:
             raise _lib.error("fep_gpu_ll_complete", st)
+
+    def _make_ll_layout(self) -> Tuple[Any, ...]:
+        """The low-latency dispatch's outputs: (shape, strides) of recv_x, of recv_x_scales and
+        of the routing block (one int32 allocation holding count, src_rank, src_idx, the
+        combine's (rank, slot) pairs and the token positions), the parts' byte offsets in it,
+        and the handle's lazy views ((element offset, shape) of src_rank, src_idx, pairs).
+        Builds the two low-latency blocks (_Block) too, at the first low-latency call: dispatch
+        (order [0]; x, topk_idx, then the 7 outputs in ``fep_gpu_ll_buffers`` order) and
+        combine (order [0]; x, topk_idx, topk_weights, combined_x)."""
+        b = self.buf
+        h, k, m = b.hidden, b.num_topk, b.num_max_dispatch_tokens_per_rank
+        l, r = b.num_local_experts, b.num_ranks
+        s, g = r * m, h // FP8_GROUP
+        xc = FEP_DTYPE_FP8_E4M3 if b.dispatch_dtype == "fp8" else FEP_DTYPE_BF16
+        i32, ik, wk = FEP_DTYPE_I32, (FEP_DTYPE_I64, (0, k)), (FEP_DTYPE_F32, (0, k))
+        self._llb = _Block(self.comm_ptr, 1, (
+            (FEP_DTYPE_BF16, (0, h)), ik, (xc, (l, s, h)), (FEP_DTYPE_F32, (l, s, g)),
+            (i32, (l,)), (i32, (l, s)), (i32, (l, s)), (i32, (l, r, 2)), (i32, (m, k))))
+        self._lcb = _Block(self.comm_ptr, 1, (
+            (FEP_DTYPE_BF16, (l, s, h)), ik, wk, (FEP_DTYPE_BF16, (0, h))))
+        # The routing outputs share one int32 allocation (count, src_rank, src_idx, pairs,
+        # positions; each part 256-byte aligned): from Python a tensor costs about as much to
+        # allocate as to view, so the handle makes its views only when they are read.
+        def a64(n: int) -> int:
+            return (n + 63) & ~63
+
+        offs, end = [], 0
+        for n in (l, l * s, l * s, l * r * 2, m * k):
+            offs.append(end)
+            end += a64(n)
+        self._ll_layout = (((l, s, h), (s * h, h, 1)), ((l, s, g), (s * g, g, 1)),
+                           ((end,), (1,)), tuple(4 * o for o in offs),
+                           ((offs[1], (l, s)), (offs[2], (l, s)), (offs[3], (l, r, 2))))
+        return self._ll_layout
 
     def ll_dispatch(self, x: Any, topk_idx: Any, stats: Any, use_fp8: bool, round_scale: bool,
                     async_finish: bool, return_recv_hook: bool) -> Tuple[Any, ...]:
@@ -580,38 +702,42 @@ class GpuPath:
         if stats is not None:
             self.tn("cumulative_local_expert_recv_stats", stats, (self.i32,), (l,))
         compute = self.compute()
-        self.orders(compute, 0, async_finish)
-        new = x.new_empty
-        recv_x = new((l, s, h), dtype=self.fp8_out) if use_fp8 else new((l, s, h))
-        recv_s = new((l, s, h // FP8_GROUP), dtype=self.f32) if use_fp8 else None
-        count = new((l,), dtype=self.i32)
-        src_rank = new((l, s), dtype=self.i32)
-        src_idx = new((l, s), dtype=self.i32)
-        pairs = new((l, r, 2), dtype=self.i32)
-        pos = new((m, k), dtype=self.i32)
-        ts = self.slots
-        ts.set2(0, xp, FEP_DTYPE_BF16, t, h)
-        ts.set2(1, ip, FEP_DTYPE_I64, t, k)
-        o = self._ll_slots
-        o.pack4(0, recv_x.data_ptr(), FEP_DTYPE_FP8_E4M3 if use_fp8 else FEP_DTYPE_BF16, 3, l, s, h, 0,
-                recv_s.data_ptr() if recv_s is not None else 0, FEP_DTYPE_F32, 3, l, s, h // FP8_GROUP, 0,
-                count.data_ptr(), FEP_DTYPE_I32, 1, l, 0, 0, 0,
-                src_rank.data_ptr(), FEP_DTYPE_I32, 2, l, s, 0, 0)
-        o.pack4(192, src_idx.data_ptr(), FEP_DTYPE_I32, 2, l, s, 0, 0,
-                pairs.data_ptr(), FEP_DTYPE_I32, 3, l, r, 2, 0,
-                pos.data_ptr(), FEP_DTYPE_I32, 2, m, k, 0, 0,
-                0, FEP_DTYPE_I32, 1, 0, 0, 0, 0)
-        op = ctypes.c_void_p()
-        st = lib.fep_gpu_ll_dispatch(p, ts.addr[0], ts.addr[1], bool(use_fp8), False,
-                                     bool(return_recv_hook), o.addr[0], self._order0,
-                                     ctypes.byref(op))
+        # The outputs' shapes and strides are the Buffer's (built once, _ll_layout), allocated
+        # as the normal mode's (alloc_dispatch).
+        lx, ls, lr, (_, o_sr, o_si, o_pairs, o_pos), views = \
+            self._ll_layout or self._make_ll_layout()
+        recv_x = (self._like_fp8 if use_fp8 else self._like_bf16).new_empty_strided(*lx)
+        recv_s = self._like_f32.new_empty_strided(*ls) if use_fp8 else None
+        routing = self._like_i32.new_empty_strided(*lr)
+        count = routing[:l]
+        rp = routing.data_ptr()
+        blk = self._llb
+        a = blk.addr
+        # The block's words: order [0] at 0 (waits for the compute stream); x at 4, topk_idx
+        # 10 (data; shape[0] two words on); recv_x 16, recv_x_scales 22, count 28, src_rank
+        # 34, src_idx 40, pairs 46, positions 52 (data; their shapes are the Buffer's).
+        w = blk.w
+        w[1] = compute
+        w[3] = 0 if async_finish else compute
+        w[4] = xp
+        w[6] = w[12] = t
+        w[10] = ip
+        w[16] = recv_x.data_ptr()
+        w[22] = recv_s.data_ptr() if use_fp8 else 0
+        w[28] = rp
+        w[34] = rp + o_sr
+        w[40] = rp + o_si
+        w[46] = rp + o_pairs
+        w[52] = rp + o_pos
+        op = self._op_out
+        op.value = None  # the C call writes it (NULL first); never a previous call's
+        st = lib.fep_gpu_ll_dispatch(p, a[1], a[2], bool(use_fp8), False, bool(return_recv_hook),
+                                     a[3], a[0], self._op_out_addr)
         if st:
             raise _lib.error("fep_gpu_ll_dispatch", st)
         handle = LowLatencyHandle(op.value or 0, id(b), t, m, h, b.num_experts, gpu=True)
-        handle.src_rank = src_rank
-        handle.src_idx = src_idx
-        handle._pairs = pairs
-        handle._keep = (recv_x, recv_s, count, pos, x, topk_idx)
+        handle._routing = (routing, views)  # src_rank, src_idx, pairs: views made when read
+        handle._keep = (recv_x, recv_s, x, topk_idx)
         out_x = (recv_x, recv_s) if use_fp8 else recv_x
         me = self
 
@@ -624,7 +750,7 @@ class GpuPath:
                 stats.add_(count)
 
         if return_recv_hook:
-            return out_x, count, handle, EventOverlap(None), receive
+            return out_x, count, handle, NO_EVENT, receive
         handle._received = True
         if stats is not None:
             if async_finish:
@@ -632,8 +758,8 @@ class GpuPath:
                     stats.add_(count)
             else:
                 stats.add_(count)
-        event = self.finish(async_finish, (x, topk_idx, recv_x, recv_s, count, src_rank, src_idx,
-                                           pairs, pos)) if async_finish else EventOverlap(None)
+        event = self.finish(async_finish, (x, topk_idx, recv_x, recv_s, routing)) \
+            if async_finish else NO_EVENT
         return out_x, count, handle, event, None
 
     def ll_combine(self, x: Any, topk_idx: Any, topk_weights: Any, handle: Any, out: Any,
@@ -652,16 +778,26 @@ class GpuPath:
             op_ = self.t2("out", out, self.bf16, t, h)[0]
             combined = out
         else:
-            combined = x.new_empty((t, h))
+            combined = self._like_bf16.new_empty_strided((t, h), self._st_h)
             op_ = combined.data_ptr()
-        self.orders(compute, 0, async_finish)
-        ts = self.slots
-        a = ts.addr
-        ts.pack4(0, xp, FEP_DTYPE_BF16, 3, l, s, h, 0, ip, FEP_DTYPE_I64, 2, t, k, 0, 0,
-                 wp, FEP_DTYPE_F32, 2, t, k, 0, 0, op_, FEP_DTYPE_BF16, 2, t, h, 0, 0)
-        op = ctypes.c_void_p()
-        st = lib.fep_gpu_ll_combine(p, handle._ptr, a[0], a[1], a[2], a[3], bool(return_recv_hook),
-                                    self._order0, ctypes.byref(op))
+        if self._ll_layout is None:
+            self._make_ll_layout()
+        blk = self._lcb
+        a = blk.addr
+        # The block's words: order [0] at 0; x at 4 (its shape is the Buffer's), topk_idx 10,
+        # topk_weights 16, combined_x 22 (data; shape[0] two words on).
+        w = blk.w
+        w[1] = compute
+        w[3] = 0 if async_finish else compute
+        w[4] = xp
+        w[10] = ip
+        w[12] = w[18] = w[24] = t
+        w[16] = wp
+        w[22] = op_
+        op = self._op_out
+        op.value = None  # the C call writes it (NULL first); never a previous call's
+        st = lib.fep_gpu_ll_combine(p, handle._ptr, a[1], a[2], a[3], a[4], bool(return_recv_hook),
+                                    a[0], self._op_out_addr)
         if st:
             raise _lib.error("fep_gpu_ll_combine", st)
         from .buffer import _GpuLowLatencyOp
@@ -676,9 +812,9 @@ class GpuPath:
             cop.done = True
 
         if return_recv_hook:
-            return combined, EventOverlap(None), receive
+            return combined, NO_EVENT, receive
         cop.done = True
-        event = self.finish(async_finish, (x, topk_idx, topk_weights, combined)) if async_finish else EventOverlap(None)
+        event = self.finish(async_finish, (x, topk_idx, topk_weights, combined)) if async_finish else NO_EVENT
         return combined, event, None
 
     # ------------------------------------------------------------------ lifetime

@@ -30,7 +30,7 @@ from ._lib import (
     lib,
 )
 from .config import DEFAULT_NUM_SMS, Config
-from .utils import EventOverlap
+from .utils import NO_EVENT, EventOverlap
 
 FP8_GROUP = 128  # channels per fp8 scale
 
@@ -544,7 +544,7 @@ class Buffer:
             per_node if self._num_nodes > 1 else None,
             per_expert,
             in_rank,
-            EventOverlap(None),
+            NO_EVENT,
         )
 
     def _check_config(self, config: Optional[Config]) -> None:
@@ -706,9 +706,9 @@ class Buffer:
             raise _lib.error("fep_handle_copy_out", st)
         out_x = recv_x if so is None else (recv_x, recv_s)
         if handle is not None:
-            return out_x, None, None, None, None, EventOverlap(None)
+            return out_x, None, None, None, None, NO_EVENT
         counts = [] if num_worst_tokens > 0 else self._per_expert.tolist()
-        return out_x, recv_idx, recv_w, counts, new_handle, EventOverlap(None)
+        return out_x, recv_idx, recv_w, counts, new_handle, NO_EVENT
 
     def _layout_args(self, t: Optional[int], per_rank: Any, per_rdma: Any, in_rank: Any,
                      per_expert: Any) -> None:
@@ -802,7 +802,7 @@ class Buffer:
                              None if cw is None else a[3], None)
         if st:
             raise _lib.error("fep_combine", st)
-        return out, cw, EventOverlap(None)
+        return out, cw, NO_EVENT
 
     # ---------------------------------------------------------------- low-latency mode
 
@@ -880,8 +880,12 @@ class Buffer:
             event: ``EventOverlap(None)``.
             hook: None, or with ``return_recv_hook`` a callable completing the receive.
         """
-        p = self._ll_check("low_latency_dispatch")
-        self._ll_shape_args(num_max_dispatch_tokens_per_rank, None, num_experts)
+        p = self._ptr
+        # NOTES: one conjunction in the common case; the helpers name what is wrong.
+        if not (p and HAVE_LOW_LATENCY and self.low_latency_mode and num_experts == self.num_experts
+                and num_max_dispatch_tokens_per_rank == self.num_max_dispatch_tokens_per_rank):
+            p = self._ll_check("low_latency_dispatch")
+            self._ll_shape_args(num_max_dispatch_tokens_per_rank, None, num_experts)
         if dispatch_wait_recv_cost_stats is not None:
             raise ValueError(
                 "dispatch_wait_recv_cost_stats: fabric-ep does not time per-rank receive waits; "
@@ -957,9 +961,9 @@ class Buffer:
 
         out_x = (recv_x, recv_s) if use_fp8 else recv_x
         if return_recv_hook:
-            return out_x, recv_count, handle, EventOverlap(None), receive
+            return out_x, recv_count, handle, NO_EVENT, receive
         receive()
-        return out_x, recv_count, handle, EventOverlap(None), None
+        return out_x, recv_count, handle, NO_EVENT, None
 
     def low_latency_combine(
         self,
@@ -1055,9 +1059,9 @@ class Buffer:
             cop.done = True
 
         if return_recv_hook:
-            return combined, EventOverlap(None), receive
+            return combined, NO_EVENT, receive
         receive()
-        return combined, EventOverlap(None), None
+        return combined, NO_EVENT, None
 
     def get_next_low_latency_combine_buffer(self, handle: Any) -> Any:
         raise NotImplementedError(
@@ -1210,8 +1214,8 @@ class LowLatencyHandle:
     ``num_max_dispatch_tokens_per_rank``, ``hidden``, ``num_experts``."""
 
     __slots__ = ("_ptr", "_buffer_id", "_received", "num_tokens", "num_max_dispatch_tokens_per_rank",
-                 "hidden", "num_experts", "src_rank", "src_idx", "_layout_range", "_gpu", "_pairs",
-                 "_keep")
+                 "hidden", "num_experts", "_src_rank", "_src_idx", "_layout_range", "_gpu",
+                 "_pairs_v", "_routing", "_keep")
 
     def __init__(self, ptr: int, buffer_id: int, num_tokens: int, max_tokens: int, hidden: int,
                  num_experts: int, gpu: bool = False):
@@ -1223,9 +1227,46 @@ class LowLatencyHandle:
         self.num_max_dispatch_tokens_per_rank = max_tokens
         self.hidden = hidden
         self.num_experts = num_experts
-        self.src_rank = self.src_idx = self._layout_range = None
-        self._pairs: Any = None  # GPU: [L, R, 2] int32 (begin, count)
+        self._src_rank = self._src_idx = self._layout_range = self._pairs_v = None
+        # GPU: (the routing block, ((element offset, shape) of src_rank, src_idx, pairs)): the
+        # three are views of it, made on first read (GpuPath.ll_dispatch).
+        self._routing: Any = None
         self._keep: Any = None
+
+    def _part(self, i: int) -> Any:
+        block, views = self._routing
+        off, shape = views[i]
+        n = 1
+        for d in shape:
+            n *= d
+        return block[off:off + n].view(shape)
+
+    @property
+    def src_rank(self) -> Any:
+        if self._src_rank is None and self._routing is not None:
+            self._src_rank = self._part(0)
+        return self._src_rank
+
+    @src_rank.setter
+    def src_rank(self, v: Any) -> None:
+        self._src_rank = v
+
+    @property
+    def src_idx(self) -> Any:
+        if self._src_idx is None and self._routing is not None:
+            self._src_idx = self._part(1)
+        return self._src_idx
+
+    @src_idx.setter
+    def src_idx(self, v: Any) -> None:
+        self._src_idx = v
+
+    @property
+    def _pairs(self) -> Any:
+        """GPU: ``[L, R, 2]`` int32 (begin, count) of each (local expert, source rank)."""
+        if self._pairs_v is None and self._routing is not None:
+            self._pairs_v = self._part(2)
+        return self._pairs_v
 
     @property
     def layout_range(self) -> Any:

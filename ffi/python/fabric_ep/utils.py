@@ -44,6 +44,24 @@ class EventOverlap:
         return "EventOverlap(None)" if self.event is None else f"EventOverlap({self.event!r})"
 
 
+class _NoEvent(EventOverlap):
+    """``EventOverlap(None)`` as the calls return it when nothing is pending: one shared
+    instance (a new object per call cost ~0.4 us on the H200 host), read-only so that no
+    caller's change can reach another's."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(
+            f"{name}: the EventOverlap(None) that fabric_ep returns is shared and read-only"
+        )
+
+
+NO_EVENT: EventOverlap = object.__new__(_NoEvent)
+object.__setattr__(NO_EVENT, "event", None)
+object.__setattr__(NO_EVENT, "extra_tensors", None)
+
+
 class ThreadGroup:
     """A group whose ranks are threads of this process (the GPU backend's mode in this version:
     every rank on one GPU). ``ThreadGroup.create(n)`` returns one object per rank; each rank's

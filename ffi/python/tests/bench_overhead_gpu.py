@@ -1,11 +1,13 @@
 """Python call overhead of fabric_ep's GPU backend over the C ABI (1 rank on the current GPU, a
 tiny call: T=4 tokens, H=256, K=1, 2 experts; torch CUDA tensors, the Buffer's comm stream).
 
-Per call (best of several loops of N calls):
+Per call: the best of 25 loops of 400 calls; the variants compared (the real call and the raw
+one; the stubbed spellings) take turns loop by loop, so a load change on the host reaches them
+alike:
 
 * ``python_side_us``: ``Buffer.dispatch``/``combine`` with the C entry points replaced by no-op
-  Python stubs: all the Python work of a call (argument checks, stream lookup, order packing,
-  allocating the outputs, handle/event objects, and freeing the previous call's outputs),
+  Python stubs: all the Python work of a call (argument checks, stream lookup, descriptor
+  stores, allocating the outputs, the handle, and freeing the previous call's outputs),
   timed as CPU time of this thread.
 * ``python_side_prealloc_us``: the same stubbed calls with the output allocation
   (``GpuPath.alloc_dispatch``/``alloc_combine``) replaced by a function returning tensors
@@ -13,9 +15,10 @@ Per call (best of several loops of N calls):
   ``python_side_alloc_us`` = ``python_side_us`` - ``python_side_prealloc_us``: the part spent
   allocating and freeing the ``tensors_allocated_per_call`` outputs (each returned tensor is
   its own allocation, so the caller may keep any of them alone).
-* ``python_side_new_empty_us``: ``python_side_us`` of the dispatches with the outputs spelled
-  ``Tensor.new_empty`` (the package's spelling until the seventh session) instead of
-  ``torch.empty_strided`` (the package's now).
+* ``python_side_new_empty_us`` / ``python_side_empty_strided_us``: ``python_side_us`` of the
+  dispatches with the outputs spelled ``Tensor.new_empty`` (the package's spelling until the
+  seventh session) or ``torch.empty_strided(..., dtype=, device=)`` (the eighth to tenth
+  sessions') instead of ``Tensor.new_empty_strided`` (the package's now).
 * ``alloc_separate_us`` vs ``alloc_one_block_us``: a bf16 dispatch's three returned tensors as
   three allocations (what the package does) vs one uint8 ``new_empty`` carved into the same
   three typed tensors (``view(dtype)`` + ``as_strided`` each, 256-byte aligned): whether one
@@ -24,10 +27,12 @@ Per call (best of several loops of N calls):
   through ctypes with descriptors and outputs prepared once (wall clock, ``perf_counter``;
   the two-step dispatch includes its host synchronisation on the GPU, so the GPU's time is in
   both); ``difference_us`` is their difference, ``paired_median_difference_us`` the median of
-  (real - raw) over back-to-back pairs.
+  (real - raw) over 2000 back-to-back pairs.
 
-Three calls: ``dispatch`` (two-step: notify with a host synchronisation, allocate, dispatch),
-``dispatch_worst`` (``num_worst_tokens``: no host synchronisation) and ``combine``.
+Four calls: ``dispatch`` (two-step: notify with a host synchronisation, allocate, dispatch),
+``dispatch_worst`` (``num_worst_tokens``: no host synchronisation), ``dispatch_cached`` (a
+previous dispatch's handle: one step, recv_x only) and ``combine``; the three dispatches again
+with fp8 tokens (``(x, x_scales)``, one more output: ``dispatch_fp8`` ...).
 
 Run: ``python3 ffi/python/tests/bench_overhead_gpu.py`` on a machine with torch and a GPU
 (prints JSON).
@@ -68,24 +73,29 @@ def paired_median_us(real, raw, n, clock=time.perf_counter_ns):
     return d[len(d) // 2] / 1e3
 
 
-def measure(n=2000, reps=5):
-    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
-    import torch
-
+def measure_buffer(torch, dtype, n, reps, out):
+    """Fills ``out``'s per-call dicts for one Buffer of ``dispatch_dtype=dtype`` (the fp8 calls
+    are named with an ``_fp8`` suffix; the combine, bf16 in both, is measured on the bf16 one)."""
     import fabric_ep
     from fabric_ep import _gpu, _lib
     from fabric_ep._arrays import tensor
 
-    torch.cuda.set_device(0)
     dev = 0
+    fp8 = dtype == "fp8"
+    sfx = "_fp8" if fp8 else ""
     group = fabric_ep.ThreadGroup.create(1)[0]
     buf = fabric_ep.Buffer(group, num_experts=E, hidden=H, num_topk=K, explicitly_destroy=True,
-                           backend="gpu")
-    x = torch.ones((T, H), dtype=torch.bfloat16, device=dev)
+                           backend="gpu", dispatch_dtype=dtype)
+    if fp8:
+        xq = torch.ones((T, H), dtype=torch.bfloat16, device=dev).to(torch.float8_e4m3fn)
+        xs = torch.ones((T, H // 128), dtype=torch.float32, device=dev)
+        x = (xq, xs)
+    else:
+        x = xq = torch.ones((T, H), dtype=torch.bfloat16, device=dev)
     idx = torch.zeros((T, K), dtype=torch.int64, device=dev)
     w = torch.ones((T, K), dtype=torch.float32, device=dev)
     rx, ri, rw, counts, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w)
-    rows = rx.shape[0]
+    rows = (rx[0] if fp8 else rx).shape[0]
     torch.cuda.synchronize()
 
     def py_dispatch():
@@ -93,6 +103,9 @@ def measure(n=2000, reps=5):
 
     def py_dispatch_worst():
         buf.dispatch(x, topk_idx=idx, topk_weights=w, num_worst_tokens=rows)
+
+    def py_dispatch_cached():
+        buf.dispatch(x, handle=handle)
 
     def py_combine():
         buf.combine(rx, handle)
@@ -106,13 +119,14 @@ def measure(n=2000, reps=5):
         keep.append((a, d))
         return A(d)
 
-    xt, it, wt = t(x, 0), t(idx, 3), t(w, 2)
-    oxt = t(torch.empty((rows, H), dtype=torch.bfloat16, device=dev), 0)
+    xc = 1 if fp8 else 0  # FEP_DTYPE_FP8_E4M3 / FEP_DTYPE_BF16
+    xt, it, wt = t(xq, xc), t(idx, 3), t(w, 2)
+    xst = t(xs, 2) if fp8 else None
+    oxt = t(torch.empty((rows, H), dtype=xq.dtype, device=dev), xc)
+    oxst = t(torch.empty((rows, H // 128), dtype=torch.float32, device=dev), 2) if fp8 else None
     oit = t(torch.empty((rows, K), dtype=torch.int64, device=dev), 3)
     owt = t(torch.empty((rows, K), dtype=torch.float32, device=dev), 2)
     ost = t(torch.empty((rows,), dtype=torch.int32, device=dev), 4)
-    rxt = t(rx, 0)
-    cxt = t(torch.empty((T, H), dtype=torch.bfloat16, device=dev), 0)
     comm = buf.get_comm_stream().cuda_stream
     compute = torch.cuda.current_stream().cuda_stream or 1  # 1: CU_STREAM_LEGACY
     order = _lib.fep_gpu_order(comm, compute, None, compute)
@@ -125,28 +139,36 @@ def measure(n=2000, reps=5):
         def call():
             assert lib.fep_gpu_notify(p, it, 1, rows if worst else 0, A(order), A(hp), A(nrows),
                                       A(per_expert)) == 0
-            assert lib.fep_gpu_dispatch(p, hp.value, xt, None, it, wt, oxt, None, oit, owt, ost,
+            assert lib.fep_gpu_dispatch(p, hp.value, xt, xst, it, wt, oxt, oxst, oit, owt, ost,
                                         A(order_after)) == 0
             lib.fep_handle_destroy(hp.value)
         return call
 
-    def raw_combine():
-        assert lib.fep_gpu_combine(p, handle._ptr, rxt, None, cxt, None, A(order)) == 0
+    def raw_cached():
+        assert lib.fep_gpu_dispatch(p, handle._ptr, xt, xst, it, wt, oxt, oxst, oit, owt, ost,
+                                    A(order)) == 0
 
     calls = {"dispatch": (py_dispatch, raw(False)), "dispatch_worst": (py_dispatch_worst, raw(True)),
-             "combine": (py_combine, raw_combine)}
-    out = {"setting": dict(ranks=1, tokens=T, hidden=H, topk=K, experts=E, calls=n, reps=reps,
-                           gpu=torch.cuda.get_device_name(dev), torch=torch.__version__)}
-    for name in ("end_to_end_us", "raw_ctypes_us"):
-        out[name] = {}
+             "dispatch_cached": (py_dispatch_cached, raw_cached)}
+    if not fp8:
+        rxt = t(rx, 0)
+        cxt = t(torch.empty((T, H), dtype=torch.bfloat16, device=dev), 0)
+
+        def raw_combine():
+            assert lib.fep_gpu_combine(p, handle._ptr, rxt, None, cxt, None, A(order)) == 0
+
+        calls["combine"] = (py_combine, raw_combine)
     for c, (py, rw_) in calls.items():
-        out["end_to_end_us"][c] = best_us(py, n, reps, time.perf_counter)
-        torch.cuda.synchronize()
-        out["raw_ctypes_us"][c] = best_us(rw_, n, reps, time.perf_counter)
-        torch.cuda.synchronize()
-    out["difference_us"] = {c: out["end_to_end_us"][c] - out["raw_ctypes_us"][c] for c in calls}
-    out["paired_median_difference_us"] = {c: paired_median_us(py, rw_, n)
-                                          for c, (py, rw_) in calls.items()}
+        e2e = raw_ = float("inf")
+        for _ in range(reps):  # interleaved, best rep of each (as the stubbed figures below)
+            e2e = min(e2e, best_us(py, n, 1, time.perf_counter))
+            torch.cuda.synchronize()
+            raw_ = min(raw_, best_us(rw_, n, 1, time.perf_counter))
+            torch.cuda.synchronize()
+        out["end_to_end_us"][c + sfx], out["raw_ctypes_us"][c + sfx] = e2e, raw_
+        out["difference_us"][c + sfx] = e2e - raw_
+    for c, (py, rw_) in calls.items():
+        out["paired_median_difference_us"][c + sfx] = paired_median_us(py, rw_, 5 * n)
     torch.cuda.synchronize()
 
     class Stub:  # no-op C entry points: what remains is the Python work
@@ -163,42 +185,85 @@ def measure(n=2000, reps=5):
     g = buf._g
     buf._out_rows.value = rows
     buf._out_handle.value = 0  # the stubbed notify "returns" a NULL handle (freed as a no-op)
-    pre_d = g.alloc_dispatch(rows, x, False)
-    pre_c = g.alloc_combine(T, rx, False)
+    pre_d = g.alloc_dispatch(rows, xq, fp8, False)
+    pre_cached = g.alloc_dispatch(rows, xq, fp8, True)
+    pre_c = g.alloc_combine(T, rx, False) if not fp8 else None
+    # The same outputs by other spellings: Tensor.new_empty (the package's until the seventh
+    # session) and torch.empty_strided(..., dtype=, device=) (the eighth to tenth sessions'),
+    # against Tensor.new_empty_strided (the package's now).
+    li64, lf32 = g._like_i64, g._like_f32
+    G = H // 128
+
+    def alloc_new_empty(rows_, like, fp8_, cached):
+        rs = lf32.new_empty((rows_, G)) if fp8_ else None
+        if cached:
+            return like.new_empty((rows_, H)), rs, None, None
+        return (like.new_empty((rows_, H)), rs, li64.new_empty((rows_, K)),
+                lf32.new_empty((rows_, K)))
+
+    es, d = torch.empty_strided, torch.device("cuda", dev)
+
+    def alloc_empty_strided(rows_, like, fp8_, cached):
+        rs = es((rows_, G), (G, 1), dtype=torch.float32, device=d) if fp8_ else None
+        rx_ = es((rows_, H), (H, 1), dtype=like.dtype, device=d)
+        if cached:
+            return rx_, rs, None, None
+        return (rx_, rs, es((rows_, K), (K, 1), dtype=torch.int64, device=d),
+                es((rows_, K), (K, 1), dtype=torch.float32, device=d))
+
+    # Variant -> (alloc_dispatch, alloc_combine) replacing the methods (None: the package's).
+    # Instance attributes shadow the methods: the call sites are unchanged.
+    variants = {
+        "python_side_us": (None, None),
+        "python_side_prealloc_us": (
+            lambda rows_, like, fp8_, cached: pre_cached if cached else pre_d,
+            lambda t_, like, with_w: pre_c),
+        "python_side_new_empty_us": (alloc_new_empty, None),
+        "python_side_empty_strided_us": (alloc_empty_strided, None),
+    }
     _gpu.lib = Stub()
     try:
-        out["python_side_us"] = {c: best_us(py, n, reps, time.thread_time)
-                                 for c, (py, _) in calls.items()}
-        # Instance attributes shadow the methods: the call sites are unchanged.
-        g.alloc_dispatch = lambda rows_, like, fp8: pre_d
-        g.alloc_combine = lambda t_, like, with_w: pre_c
-        try:
-            out["python_side_prealloc_us"] = {c: best_us(py, n, reps, time.thread_time)
-                                              for c, (py, _) in calls.items()}
-        finally:
-            del g.alloc_dispatch, g.alloc_combine
-        # The same outputs spelled Tensor.new_empty (the spelling before the seventh session)
-        # instead of torch.empty_strided: which a dispatch pays less for, inside the real call.
-        li64, lf32 = g._like_i64, g._like_f32
-
-        def alloc_new_empty(rows_, like, fp8):
-            return (like.new_empty((rows_, H)), None, li64.new_empty((rows_, K)),
-                    lf32.new_empty((rows_, K)))
-
-        g.alloc_dispatch = alloc_new_empty
-        try:
-            out["python_side_new_empty_us"] = {
-                c: best_us(py, n, reps, time.thread_time)
-                for c, (py, _) in calls.items() if c != "combine"}
-        finally:
-            del g.alloc_dispatch
+        # Interleaved: each rep times every variant once, so a load change on the host lands on
+        # all of them alike; each figure is the best rep (short loops: a quiet stretch is more
+        # likely to hold one whole).
+        for c, (py, _) in calls.items():
+            best = {}
+            for _ in range(reps):
+                for key, (ad, ac) in variants.items():
+                    if c == "combine" and key in ("python_side_new_empty_us",
+                                                  "python_side_empty_strided_us"):
+                        continue
+                    if ad is not None:
+                        g.alloc_dispatch = ad
+                    if ac is not None:
+                        g.alloc_combine = ac
+                    try:
+                        us = best_us(py, n, 1, time.thread_time)
+                    finally:
+                        g.__dict__.pop("alloc_dispatch", None)
+                        g.__dict__.pop("alloc_combine", None)
+                    best[key] = min(best.get(key, float("inf")), us)
+            for key, us in best.items():
+                out[key][c + sfx] = us
     finally:
         _gpu.lib = real
-    out["python_side_alloc_us"] = {c: out["python_side_us"][c] - out["python_side_prealloc_us"][c]
-                                   for c in calls}
+    for c in calls:
+        out["python_side_alloc_us"][c + sfx] = (out["python_side_us"][c + sfx]
+                                               - out["python_side_prealloc_us"][c + sfx])
     n_d = sum(a is not None for a in pre_d)
-    out["tensors_allocated_per_call"] = {"dispatch": n_d, "dispatch_worst": n_d,
-                                         "combine": sum(a is not None for a in pre_c)}
+    out["tensors_allocated_per_call"].update({
+        "dispatch" + sfx: n_d, "dispatch_worst" + sfx: n_d,
+        "dispatch_cached" + sfx: sum(a is not None for a in pre_cached)})
+    if not fp8:
+        out["tensors_allocated_per_call"]["combine"] = sum(a is not None for a in pre_c)
+        extras(torch, g, x, rows, n, reps, out)
+    torch.cuda.synchronize()
+    buf.destroy()
+
+
+def extras(torch, g, x, rows, n, reps, out):
+    """Allocation figures for scale (bf16 dispatch outputs)."""
+    dev = 0
 
     # One allocation carved into the typed outputs vs one allocation each (bf16 dispatch).
     def align(b, a=256):
@@ -218,7 +283,7 @@ def measure(n=2000, reps=5):
                      for (shape, dt, size), off in zip(parts, offs))
 
     def separate():
-        return g.alloc_dispatch(rows, x, False)
+        return g.alloc_dispatch(rows, x, False, False)
 
     out["alloc_separate_us"] = best_us(separate, n, reps, time.thread_time)
     out["alloc_one_block_us"] = best_us(carved, n, reps, time.thread_time)
@@ -231,8 +296,75 @@ def measure(n=2000, reps=5):
     raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     if raw_stream is not None:
         out["raw_current_stream_us"] = best_us(lambda: raw_stream(dev), n, reps, time.thread_time)
+
+
+def measure_ll(torch, n, reps, out):
+    """Low-latency calls (bf16, ``num_max_dispatch_tokens_per_rank`` 8): ``end_to_end_us`` and
+    ``python_side_us`` (the C entry points stubbed) of ``low_latency_dispatch`` (its outputs:
+    recv_x, recv_count and the handle's four routing tensors) and ``low_latency_combine``."""
+    import fabric_ep
+    from fabric_ep import _gpu
+
+    dev, m = 0, 8
+    group = fabric_ep.ThreadGroup.create(1)[0]
+    buf = fabric_ep.Buffer(group, num_experts=E, hidden=H, num_topk=K, explicitly_destroy=True,
+                           backend="gpu", low_latency_mode=True,
+                           num_max_dispatch_tokens_per_rank=m)
+    x = torch.ones((T, H), dtype=torch.bfloat16, device=dev)
+    idx = torch.zeros((T, K), dtype=torch.int64, device=dev)
+    w = torch.ones((T, K), dtype=torch.float32, device=dev)
+    rx, _, handle, _, _ = buf.low_latency_dispatch(x, idx, m, E, use_fp8=False)
+    torch.cuda.synchronize()
+
+    def py_dispatch():
+        buf.low_latency_dispatch(x, idx, m, E, use_fp8=False)
+
+    def py_combine():
+        buf.low_latency_combine(rx, idx, w, handle)
+
+    calls = {"ll_dispatch": py_dispatch, "ll_combine": py_combine}
+    for c, py in calls.items():
+        out["end_to_end_us"][c] = best_us(py, n, reps, time.perf_counter)
+        torch.cuda.synchronize()
+
+    class Stub:
+        def fep_gpu_ll_dispatch(self, *a):
+            return 0
+
+        def fep_gpu_ll_combine(self, *a):
+            return 0
+
+    real = _gpu.lib
+    _gpu.lib = Stub()
+    try:
+        for c, py in calls.items():
+            out["python_side_us"][c] = best_us(py, n, reps, time.thread_time)
+    finally:
+        _gpu.lib = real
+    out["tensors_allocated_per_call"].update({"ll_dispatch": 6, "ll_combine": 1})
     torch.cuda.synchronize()
     buf.destroy()
+
+
+def measure(n=400, reps=25):
+    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+    import torch
+
+    torch.cuda.set_device(0)
+    out = {"setting": dict(ranks=1, tokens=T, hidden=H, topk=K, experts=E, calls=n, reps=reps,
+                           gpu=torch.cuda.get_device_name(0), torch=torch.__version__)}
+    for key in ("end_to_end_us", "raw_ctypes_us", "difference_us", "paired_median_difference_us",
+                "python_side_us", "python_side_prealloc_us", "python_side_new_empty_us",
+                "python_side_empty_strided_us", "python_side_alloc_us",
+                "tensors_allocated_per_call"):
+        out[key] = {}
+    for what, fn in (("bf16", lambda: measure_buffer(torch, "bf16", n, reps, out)),
+                     ("fp8", lambda: measure_buffer(torch, "fp8", n, reps, out)),
+                     ("ll", lambda: measure_ll(torch, n, reps, out))):
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - reported in the JSON, the other parts still run
+            out.setdefault("errors", {})[what] = repr(e)
     return out
 
 

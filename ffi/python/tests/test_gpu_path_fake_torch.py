@@ -21,6 +21,8 @@ COMM, COMPUTE = 0x9000, 0x5000
 _DESC = struct.Struct("<qii4q")
 _ORDER = struct.Struct("<4Q")
 BF16, FP8, F32, I64, I32 = 0, 1, 2, 3, 4
+_SIZES = {"bfloat16": 2, "float32": 4, "int64": 8, "int32": 4, "uint8": 1, "float8_e4m3fn": 1,
+          "bool": 1}
 
 
 def desc(addr):
@@ -49,6 +51,10 @@ class FakeTorch(types.ModuleType):
         for n in ("bfloat16", "float32", "int64", "int32", "uint8", "float8_e4m3fn", "bool"):
             setattr(self, n, _Dtype(n))
         ptrs = itertools.count(1 << 20, 1 << 12)
+
+        def check_contiguous(shape, stride):
+            want = tuple(int(__import__("math").prod(shape[i + 1:])) for i in range(len(shape)))
+            assert tuple(stride) == want, f"strides {stride} of {shape} are not contiguous"
         self.stream = COMPUTE
 
         class Tensor:
@@ -67,6 +73,24 @@ class FakeTorch(types.ModuleType):
             def dim(t):
                 return len(t.shape)
 
+            def __getitem__(t, sl):  # a 1-D slice [start:stop]: a view of the same memory
+                assert isinstance(sl, slice) and sl.step is None and len(t.shape) == 1, sl
+                start, stop = sl.start or 0, t.shape[0] if sl.stop is None else sl.stop
+                assert 0 <= start <= stop <= t.shape[0], (sl, t.shape)
+                v = Tensor((stop - start,), t.dtype, t._dev)
+                v._p = t._p + start * _SIZES[t.dtype.name]
+                return v
+
+            def view(t, shape):
+                assert __import__("math").prod(shape) == __import__("math").prod(t.shape)
+                v = Tensor(shape, t.dtype, t._dev)
+                v._p = t._p
+                return v
+
+            def new_empty_strided(t, shape, stride):
+                check_contiguous(shape, stride)
+                return Tensor(shape, t.dtype, t._dev)
+
             def new_empty(t, shape, dtype=None):
                 return Tensor(shape, dtype or t.dtype, t._dev)
 
@@ -83,8 +107,7 @@ class FakeTorch(types.ModuleType):
         self.device = lambda *a: a
 
         def empty_strided(shape, stride, dtype=None, device=None):
-            want = tuple(int(__import__("math").prod(shape[i + 1:])) for i in range(len(shape)))
-            assert tuple(stride) == want, f"strides {stride} of {shape} are not contiguous"
+            check_contiguous(shape, stride)
             assert device == ("cuda", 0), device
             return Tensor(shape, dtype, device[1])
 
@@ -120,17 +143,22 @@ class RecordingLib:
         return 0
 
 
+def make_path(torch, dispatch_dtype="bf16"):
+    oh, orows = ctypes.c_void_p(), ctypes.c_int64()
+    buf = types.SimpleNamespace(
+        hidden=H, num_topk=K, num_local_experts=L, num_ranks=R,
+        _dispatch_code=FP8 if dispatch_dtype == "fp8" else BF16, dispatch_dtype=dispatch_dtype,
+        _ptr=0xABC, _out_handle=oh, _out_rows=orows,
+        _out_handle_addr=ctypes.addressof(oh), _out_rows_addr=ctypes.addressof(orows))
+    return _gpu.GpuPath(buf, torch, 0, True, COMM, reserve_tokens=1000), buf
+
+
 @pytest.fixture
 def path(monkeypatch):
     torch = FakeTorch()
     rec = RecordingLib(rows=7)
     monkeypatch.setattr(_gpu, "lib", rec)
-    oh, orows = ctypes.c_void_p(), ctypes.c_int64()
-    buf = types.SimpleNamespace(
-        hidden=H, num_topk=K, num_local_experts=L, num_ranks=R, _dispatch_code=BF16,
-        dispatch_dtype="bf16", _ptr=0xABC, _out_handle=oh, _out_rows=orows,
-        _out_handle_addr=ctypes.addressof(oh), _out_rows_addr=ctypes.addressof(orows))
-    g = _gpu.GpuPath(buf, torch, 0, True, COMM, reserve_tokens=1000)
+    g, buf = make_path(torch)
     return g, torch, rec, buf
 
 
@@ -141,7 +169,7 @@ def inputs(torch):
 
 def test_dispatch_fills_every_descriptor_and_order(path):
     g, torch, rec, _ = path
-    assert g._src_cap == 1000 * R  # the scratch is reserved at construction
+    assert g._scr_cap == 1000 * R  # the scratch is reserved at construction
     x, idx, w = inputs(torch)
     g._per_expert[:] = [1, 2, 3]
     rx, ri, rw, counts, handle, ev = g.dispatch(x, None, idx, w, 1, 0, None, False, False)
@@ -149,6 +177,8 @@ def test_dispatch_fills_every_descriptor_and_order(path):
     assert (ri.shape, ri.dtype, rw.shape, rw.dtype) == ((7, K), torch.int64, (7, K), torch.float32)
     assert len({rx.data_ptr(), ri.data_ptr(), rw.data_ptr()}) == 3  # independent tensors
     assert counts == [1, 2, 3] and isinstance(handle, DispatchHandle) and ev.event is None
+    with pytest.raises(AttributeError, match="^event: .* shared and read-only"):
+        ev.event = object()  # the shared EventOverlap(None) cannot be changed
     assert handle._keep == (idx, w) and (handle.num_tokens, handle.num_recv_tokens) == (T, 7)
     (_, p, a_idx, align, worst, a_order), (_, d) = rec.calls
     assert (p, align, worst) == (0xABC, 1, 0) and desc(a_idx) == (idx.data_ptr(), I64, 2, T, K, 0, 0)
@@ -170,14 +200,25 @@ def test_cached_worst_async_and_fp8_dispatch(path):
     *_, handle, _ = g.dispatch(x, None, idx, w, 1, 0, None, False, False)
     rec.calls.clear()
     handle._ptr = 0x1234  # as if the notify had returned one (reset before it is freed)
+    allocated = []
+    real_new = torch.Tensor.new_empty_strided
+    torch.Tensor.new_empty_strided = lambda t, *a: allocated.append(a[0]) or real_new(t, *a)
     try:
         out = g.dispatch(x, handle, None, None, 1, 0, None, False, False)
     finally:
         handle._ptr = 0
+        torch.Tensor.new_empty_strided = real_new
     assert out[1:5] == (None, None, None, None) and out[0].shape == (7, H)
+    assert allocated == [(7, H)]  # only recv_x: the routing outputs go to the scratch
     d = rec.calls[0][1]
     assert d["hp"] == 0x1234 and order(d["order"]) == (COMM, COMPUTE, 0, COMPUTE)
     assert desc(d["idx"]) == (idx.data_ptr(), I64, 2, T, K, 0, 0)
+    assert desc(d["ri"]) == (g._sidx_ptr, I64, 2, 7, K, 0, 0)
+    assert desc(d["rw"]) == (g._sw_ptr, F32, 2, 7, K, 0, 0)
+    scr = g._scr.data_ptr()
+    assert scr == g._src_ptr < g._sidx_ptr < g._sw_ptr  # one allocation, 256-byte aligned parts
+    assert g._sidx_ptr - scr >= 4 * g._scr_cap and g._sw_ptr - g._sidx_ptr >= 8 * K * g._scr_cap
+    assert (g._sidx_ptr - scr) % 256 == 0 and (g._sw_ptr - scr) % 256 == 0
 
     rec.calls.clear()
     prev = EventOverlap(types.SimpleNamespace(cuda_event=0x66))
@@ -186,7 +227,7 @@ def test_cached_worst_async_and_fp8_dispatch(path):
     assert order(rec.calls[0][5]) == (COMM, 0, 0x66, 0)  # waits for the event; async
 
     rec.rows = 5000  # more rows than the scratch holds: it grows
-    buf._dispatch_code, buf.dispatch_dtype = FP8, "fp8"
+    g, buf = make_path(torch, "fp8")  # the block's dtypes are the Buffer's
     rec.calls.clear()
     xq, xs = torch.Tensor((T, H), torch.float8_e4m3fn), torch.Tensor((T, H // 128), torch.float32)
     (q, s), *_ = g.dispatch((xq, xs), None, idx, w, 1, 0, None, False, False)
@@ -195,7 +236,8 @@ def test_cached_worst_async_and_fp8_dispatch(path):
     assert desc(d["x"]) == (xq.data_ptr(), FP8, 2, T, H, 0, 0)
     assert desc(d["xs"]) == (xs.data_ptr(), F32, 2, T, 2, 0, 0)
     assert desc(d["rxs"]) == (s.data_ptr(), F32, 2, 5000, 2, 0, 0)
-    assert g._src_cap >= 5000 and desc(d["src"]) == (g._src_ptr, I32, 1, 5000, 0, 0, 0)
+    assert desc(d["rx"]) == (q.data_ptr(), FP8, 2, 5000, H, 0, 0)
+    assert g._scr_cap >= 5000 and desc(d["src"]) == (g._src_ptr, I32, 1, 5000, 0, 0, 0)
 
 
 def test_combine_fills_every_descriptor_and_order(path):
@@ -278,3 +320,60 @@ def test_ll_hook_completion_orders_streams_and_refuses_a_destroyed_buffer(path):
     buf._ptr = 0
     with pytest.raises(RuntimeError, match="^low_latency_combine hook: the Buffer was destroyed"):
         g.ll_complete(0x55, "low_latency_combine")
+
+
+def test_ll_dispatch_and_combine_fill_every_descriptor_and_order(path):
+    """The low-latency calls' blocks: the inputs' pointers and T, the seven outputs (shapes the
+    Buffer's, in fep_gpu_ll_buffers order, 48 bytes apart) and the stream order."""
+    g, torch, rec, buf = path
+    M = 6
+    buf.num_max_dispatch_tokens_per_rank, buf.num_experts = M, L * R
+    S = R * M
+    seen = {}
+
+    def ll_dispatch(p, x, idx, fp8, round_scale, hook, bufs, order_, out_op):
+        seen["d"] = (p, desc(x), desc(idx), fp8, round_scale, hook,
+                     [desc(bufs + 48 * i) for i in range(7)], order(order_))
+        return 0  # the op stays NULL: nothing to free
+
+    def ll_combine(p, hp, x, idx, w, out, hook, order_, out_op):
+        seen["c"] = (p, hp, desc(x), desc(idx), desc(w), desc(out), hook, order(order_))
+        return 0
+
+    rec.fep_gpu_ll_dispatch, rec.fep_gpu_ll_combine = ll_dispatch, ll_combine
+    x = torch.Tensor((T, H), torch.bfloat16)
+    idx = torch.Tensor((T, K), torch.int64)
+    rx, count, handle, ev, hook = g.ll_dispatch(x, idx, None, False, False, False, False)
+    assert (rx.shape, rx.dtype, count.shape) == ((L, S, H), torch.bfloat16, (L,))
+    p, dx, di, fp8, rs, hk, outs, o = seen["d"]
+    assert (p, fp8, rs, hk, hook) == (0xABC, False, False, False, None)
+    assert dx == (x.data_ptr(), BF16, 2, T, H, 0, 0) and di == (idx.data_ptr(), I64, 2, T, K, 0, 0)
+    # count, src_rank, src_idx, pairs and positions: parts of one int32 allocation, 256-byte
+    # aligned, the handle's views made when read
+    base, pos_off = count.data_ptr(), g._ll_layout[3][4]
+    assert outs == [(rx.data_ptr(), BF16, 3, L, S, H, 0), (0, F32, 3, L, S, H // 128, 0),
+                    (base, I32, 1, L, 0, 0, 0),
+                    (handle.src_rank.data_ptr(), I32, 2, L, S, 0, 0),
+                    (handle.src_idx.data_ptr(), I32, 2, L, S, 0, 0),
+                    (handle._pairs.data_ptr(), I32, 3, L, R, 2, 0),
+                    (base + pos_off, I32, 2, M, K, 0, 0)]
+    assert handle.src_rank.shape == (L, S) and handle._pairs.shape == (L, R, 2)
+    ends = [base, handle.src_rank.data_ptr(), handle.src_idx.data_ptr(),
+            handle._pairs.data_ptr(), base + pos_off]
+    sizes = [4 * L, 4 * L * S, 4 * L * S, 4 * L * R * 2, 4 * M * K]
+    assert all((e - base) % 256 == 0 for e in ends)
+    assert all(ends[i] + sizes[i] <= ends[i + 1] for i in range(4))  # no overlap
+    assert ends[4] + sizes[4] <= base + 4 * handle._routing[0].shape[0]
+    assert o == (COMM, COMPUTE, 0, COMPUTE)
+    handle._ptr = 0x4321  # as if the dispatch had returned an op (reset before it is freed)
+    try:
+        w = torch.Tensor((T, K), torch.float32)
+        cx, ev, hook = g.ll_combine(rx, idx, w, handle, None, True, False)
+        p, hp, dx, di, dw, dout, hk, o = seen["c"]
+        assert (p, hp, hk, cx.shape, cx.dtype) == (0xABC, 0x4321, False, (T, H), torch.bfloat16)
+        assert dx == (rx.data_ptr(), BF16, 3, L, S, H, 0)
+        assert di == (idx.data_ptr(), I64, 2, T, K, 0, 0) and dw == (w.data_ptr(), F32, 2, T, K, 0, 0)
+        assert dout == (cx.data_ptr(), BF16, 2, T, H, 0, 0)
+        assert o == (COMM, COMPUTE, 0, 0) and ev.event is not None  # async_finish
+    finally:
+        handle._ptr = 0
