@@ -157,9 +157,11 @@ class GpuPath:
         self._op_out_addr = _addr(self._op_out)
         self._per_expert = np.zeros(buf.num_local_experts, dtype=np.int32)
         self._per_expert_ptr = self._per_expert.ctypes.data
-        from .buffer import DispatchHandle, _check_cached_handle
+        from .buffer import DispatchHandle, LowLatencyHandle, _check_cached_handle, _GpuLowLatencyOp
 
         self._Handle = DispatchHandle
+        self._LLHandle, self._LLOp = LowLatencyHandle, _GpuLowLatencyOp
+        self._ll_fp8 = buf.dispatch_dtype == "fp8"
         self._check_cached = _check_cached_handle
         self._buf_id = id(buf)
         self.h, self.k, self.g = buf.hidden, buf.num_topk, buf.hidden // FP8_GROUP
@@ -670,35 +672,48 @@ class GpuPath:
                            ((offs[1], (l, s)), (offs[2], (l, s)), (offs[3], (l, r, 2))))
         return self._ll_layout
 
-    def ll_dispatch(self, x: Any, topk_idx: Any, stats: Any, use_fp8: bool, round_scale: bool,
-                    async_finish: bool, return_recv_hook: bool) -> Tuple[Any, ...]:
-        from .buffer import LowLatencyHandle
-
+    def _ll_refused(self, use_fp8: bool, round_scale: bool, async_finish: bool,
+                    return_recv_hook: bool) -> Exception:
+        """What a low-latency dispatch refuses of its options (the caller checked that one is)."""
         b = self.buf
-        p = b._ptr
-        h, k, m = b.hidden, b.num_topk, b.num_max_dispatch_tokens_per_rank
-        l, r = b.num_local_experts, b.num_ranks
-        s = r * m
         if round_scale:
-            raise ValueError(
+            return ValueError(
                 "round_scale=True: the GPU backend's fp8 scales are plain float32 (not rounded to "
                 "powers of two); pass False"
             )
         if bool(use_fp8) != (b.dispatch_dtype == "fp8"):
-            raise ValueError(
+            return ValueError(
                 f"use_fp8={bool(use_fp8)}: this Buffer's low-latency buffers are sized for "
                 f"dispatch_dtype={b.dispatch_dtype!r} on the GPU backend (build it with "
                 f"dispatch_dtype={'fp8' if use_fp8 else 'bf16'!r})"
             )
-        if async_finish and return_recv_hook:
-            raise ValueError(
-                "async_finish=True with return_recv_hook=True: pick one (as in DeepEP: the hook "
-                "orders the receive on the current stream)"
-            )
-        xp, t = self.t2("x", x, self.bf16, None, h)
+        return ValueError(
+            "async_finish=True with return_recv_hook=True: pick one (as in DeepEP: the hook "
+            "orders the receive on the current stream)"
+        )
+
+    def ll_dispatch(self, x: Any, topk_idx: Any, stats: Any, use_fp8: bool, round_scale: bool,
+                    async_finish: bool, return_recv_hook: bool) -> Tuple[Any, ...]:
+        # NOTES (per-call cost): flat as the normal dispatch (see there): the options and both
+        # tensors checked inline, the refusals and messages in helpers.
+        b = self.buf
+        p = b._ptr
+        h, k, dev, tensor = self.h, self.k, self.dev, self.Tensor
+        m, l = b.num_max_dispatch_tokens_per_rank, b.num_local_experts
+        if round_scale or bool(use_fp8) is not self._ll_fp8 or (async_finish and return_recv_hook):
+            raise self._ll_refused(use_fp8, round_scale, async_finish, return_recv_hook)
+        if type(x) is tensor and x.dtype is self._bf16 and x.get_device() == dev \
+                and x.is_contiguous() and len(shp := x.shape) == 2 and shp[1] == h:
+            xp, t = x.data_ptr(), shp[0]
+        else:
+            xp, t = self._t2_slow("x", x, self.bf16, None, h)
         if t > m:
             raise ValueError(f"x: {t} tokens, more than num_max_dispatch_tokens_per_rank {m}")
-        ip = self.t2("topk_idx", topk_idx, (self.i64,), t, k)[0]
+        if type(topk_idx) is tensor and topk_idx.dtype is self.i64 and topk_idx.shape == (t, k) \
+                and topk_idx.get_device() == dev and topk_idx.is_contiguous():
+            ip = topk_idx.data_ptr()
+        else:
+            ip = self._t2_slow("topk_idx", topk_idx, self.i64s, t, k)[0]
         if stats is not None:
             self.tn("cumulative_local_expert_recv_stats", stats, (self.i32,), (l,))
         compute = self.compute()
@@ -735,7 +750,7 @@ class GpuPath:
                                      a[3], a[0], self._op_out_addr)
         if st:
             raise _lib.error("fep_gpu_ll_dispatch", st)
-        handle = LowLatencyHandle(op.value or 0, id(b), t, m, h, b.num_experts, gpu=True)
+        handle = self._LLHandle(op.value or 0, self._buf_id, t, m, h, b.num_experts, True)
         handle._routing = (routing, views)  # src_rank, src_idx, pairs: views made when read
         handle._keep = (recv_x, recv_s, x, topk_idx)
         out_x = (recv_x, recv_s) if use_fp8 else recv_x
@@ -800,9 +815,7 @@ class GpuPath:
                                     a[0], self._op_out_addr)
         if st:
             raise _lib.error("fep_gpu_ll_combine", st)
-        from .buffer import _GpuLowLatencyOp
-
-        cop = _GpuLowLatencyOp(op.value or 0, (x, topk_idx, topk_weights, combined, handle))
+        cop = self._LLOp(op.value or 0, (x, topk_idx, topk_weights, combined, handle))
         me = self
 
         def receive() -> None:

@@ -377,3 +377,29 @@ def test_ll_dispatch_and_combine_fill_every_descriptor_and_order(path):
         assert o == (COMM, COMPUTE, 0, 0) and ev.event is not None  # async_finish
     finally:
         handle._ptr = 0
+
+
+def test_bad_ll_dispatch_arguments_are_named(path):
+    g, torch, rec, buf = path
+    buf.num_max_dispatch_tokens_per_rank, buf.num_experts = 4, L * R
+    x, idx = torch.Tensor((T, H), torch.bfloat16), torch.Tensor((T, K), torch.int64)
+    x4 = torch.Tensor((4, H), torch.bfloat16)
+    for args, exc, match in [
+        ((x4, torch.Tensor((4, K), torch.int64), None, False, True, False, False), ValueError,
+         "^round_scale=True"),
+        ((x4, torch.Tensor((4, K), torch.int64), None, True, False, False, False), ValueError,
+         "^use_fp8=True: this Buffer's low-latency buffers are sized for dispatch_dtype='bf16'"),
+        ((x4, torch.Tensor((4, K), torch.int64), None, False, False, True, True), ValueError,
+         "^async_finish=True with return_recv_hook=True"),
+        ((x, idx, None, False, False, False, False), ValueError,
+         "^x: 5 tokens, more than num_max_dispatch_tokens_per_rank 4"),
+        ((torch.Tensor((4, H), torch.float32), idx, None, False, False, False, False), TypeError,
+         "^x: dtype torch.float32"),
+        ((x4, torch.Tensor((4, K), torch.int32), None, False, False, False, False), TypeError,
+         "^topk_idx: dtype torch.int32"),
+        ((x4, torch.Tensor((3, K), torch.int64), None, False, False, False, False), ValueError,
+         r"^topk_idx: shape \[3, 2\], expected \[4, 2\]"),
+    ]:
+        with pytest.raises(exc, match=match):
+            g.ll_dispatch(*args)
+    assert rec.calls == []  # nothing reached the library
