@@ -8,8 +8,8 @@ recorded on the communication stream instead (the tensors involved are ``record_
 it). The stream joins are made inside the C call (one ``fep_gpu_order`` per call), not with
 torch calls, to keep the Python cost of a call low.
 
-Normal-mode outputs are allocated with ``torch.empty_strided`` (low-latency ones with
-``Tensor.new_empty``) on the Buffer's device: on the compute stream, or on
+Outputs are allocated with ``Tensor.new_empty_strided`` (of the input, or of a zero-element
+tensor of the output's dtype) on the Buffer's device: on the compute stream, or on
 the communication stream with ``allocate_on_comm_stream=True`` (which, as in DeepEP, needs
 ``previous_event`` and ``async_finish=True``).
 
