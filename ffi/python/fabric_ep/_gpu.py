@@ -716,7 +716,7 @@ class GpuPath:
             ip = self._t2_slow("topk_idx", topk_idx, self.i64s, t, k)[0]
         if stats is not None:
             self.tn("cumulative_local_expert_recv_stats", stats, (self.i32,), (l,))
-        compute = self.compute()
+        compute = self._raw_stream(dev) or self.compute()  # 0: the legacy stream (compute())
         # The outputs' shapes and strides are the Buffer's (built once, _ll_layout), allocated
         # as the normal mode's (alloc_dispatch).
         lx, ls, lr, (_, o_sr, o_si, o_pairs, o_pos), views = \
@@ -754,17 +754,17 @@ class GpuPath:
         handle._routing = (routing, views)  # src_rank, src_idx, pairs: views made when read
         handle._keep = (recv_x, recv_s, x, topk_idx)
         out_x = (recv_x, recv_s) if use_fp8 else recv_x
-        me = self
-
-        def receive() -> None:
-            if handle._received:
-                raise RuntimeError("low_latency_dispatch hook: already called")
-            me.ll_complete(handle._ptr, "low_latency_dispatch")
-            handle._received = True
-            if stats is not None:
-                stats.add_(count)
-
         if return_recv_hook:
+            me = self
+
+            def receive() -> None:
+                if handle._received:
+                    raise RuntimeError("low_latency_dispatch hook: already called")
+                me.ll_complete(handle._ptr, "low_latency_dispatch")
+                handle._received = True
+                if stats is not None:
+                    stats.add_(count)
+
             return out_x, count, handle, NO_EVENT, receive
         handle._received = True
         if stats is not None:
@@ -816,15 +816,15 @@ class GpuPath:
         if st:
             raise _lib.error("fep_gpu_ll_combine", st)
         cop = self._LLOp(op.value or 0, (x, topk_idx, topk_weights, combined, handle))
-        me = self
-
-        def receive() -> None:
-            if cop.done:
-                raise RuntimeError("low_latency_combine hook: already called")
-            me.ll_complete(cop.ptr, "low_latency_combine")
-            cop.done = True
-
         if return_recv_hook:
+            me = self
+
+            def receive() -> None:
+                if cop.done:
+                    raise RuntimeError("low_latency_combine hook: already called")
+                me.ll_complete(cop.ptr, "low_latency_combine")
+                cop.done = True
+
             return combined, NO_EVENT, receive
         cop.done = True
         event = self.finish(async_finish, (x, topk_idx, topk_weights, combined)) if async_finish else NO_EVENT
