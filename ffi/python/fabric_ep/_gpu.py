@@ -529,12 +529,12 @@ class GpuPath:
         both (``alloc_separate_us`` vs ``alloc_one_block_us``).
         NOTES (spelling): ``Tensor.new_empty_strided(shape, strides)`` of ``like`` (the input
         tokens) or of a zero-element tensor of the output's dtype on this GPU: no dtype or device
-        argument to parse. Measured on the H200, interleaved in one process
-        (docs/results/2026-11-30-h200-k run 3, bench_overhead_gpu.py), a bf16 dispatch's Python
-        side took 10.21 / 10.58 / 12.53 us that way against 10.38 / 11.09 / 14.64 us with
-        ``torch.empty_strided(shape, strides, dtype=, device=)`` (the spelling of the eighth to
-        tenth sessions, itself 2.1 against ``new_empty``'s 2.5 us per output: run 4 of
-        docs/results/2026-11-29-h200-g). The bench keeps both as alternatives."""
+        argument to parse. Measured on the H200, the spellings in turns in one process
+        (docs/results/2026-11-30-h200-k runs 4-6, nine benches of bench_overhead_gpu.py): a bf16
+        dispatch's Python side was faster this way in every bench, by a median of 0.28 us, than
+        with ``torch.empty_strided(shape, strides, dtype=, device=)`` (the spelling of the
+        eighth to tenth sessions, itself 2.1 against ``new_empty``'s 2.5 us per output: run 4
+        of docs/results/2026-11-29-h200-g). The bench keeps both as alternatives."""
         h, k, g = self.h, self.k, self.g
         recv_x = like.new_empty_strided((rows, h), self._st_h)
         recv_s = self._like_f32.new_empty_strided((rows, g), self._st_g) if fp8 else None
