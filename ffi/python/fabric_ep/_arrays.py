@@ -299,10 +299,6 @@ class TensorSlots:
         # pack4(offset_bytes, 4 x (ptr, code, ndim, d0, d1, d2, d3)): four slots in one call.
         self.pack4 = functools.partial(_TENSOR4.pack_into, self._buf)
 
-    def set2(self, i: int, ptr: int, code: int, d0: int, d1: int) -> int:
-        self._pack(self._buf, 48 * i, ptr, code, 2, d0, d1, 0, 0)
-        return self.addr[i]
-
     def set1(self, i: int, ptr: int, code: int, d0: int) -> int:
         self._pack(self._buf, 48 * i, ptr, code, 1, d0, 0, 0, 0)
         return self.addr[i]

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import struct
 import warnings
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -56,7 +55,6 @@ from ._lib import (
 from .utils import NO_EVENT, EventOverlap
 
 FP8_GROUP = 128
-_ORDER = struct.Struct("<4Q")
 _CU_STREAM_LEGACY = 0x1
 _addr = ctypes.addressof
 
@@ -148,11 +146,9 @@ class GpuPath:
         self.fp8 = (fp8, torch.uint8) if fp8 is not None else (torch.uint8,)
         self.fp8_out = fp8 if fp8 is not None else torch.uint8
         self.i64, self.f32, self.i32 = torch.int64, torch.float32, torch.int32
-        # The low-latency hooks' stream order (see orders); the other calls' orders live in
-        # their blocks (_Block).
-        self._orders = ctypes.create_string_buffer(_ORDER.size)
-        self._order0 = _addr(self._orders)
-        self._pack = _ORDER.pack_into
+        # The low-latency hooks' stream order (ll_complete): a block with one order, no
+        # descriptors.
+        self._hb = _Block(comm_ptr, 1, ())
         # The low-latency calls' out-parameter (the op handle), read right after each call.
         self._op_out = ctypes.c_void_p()
         self._op_out_addr = _addr(self._op_out)
@@ -293,12 +289,6 @@ class GpuPath:
         if not isinstance(p, int):
             raise TypeError("previous_event: its event is not a torch.cuda.Event")
         return p
-
-    def orders(self, compute: int, ev: int, async_finish: bool) -> None:
-        """Stream order [0] (at ``_order0``; the low-latency hooks' receive): wait for compute
-        (or the event), run on comm, then compute waits (unless async)."""
-        then = 0 if async_finish else compute
-        self._pack(self._orders, 0, self.comm_ptr, 0 if ev else compute, ev, then)
 
     def finish(self, async_finish: bool, tensors: Tuple[Any, ...]) -> EventOverlap:
         if not async_finish:
@@ -634,8 +624,10 @@ class GpuPath:
         bp = self.buf._ptr
         if not bp:
             raise RuntimeError(f"{what} hook: the Buffer was destroyed")
-        self.orders(self.compute(), 0, False)
-        st = lib.fep_gpu_ll_complete(bp, op, self._order0)
+        # Order [0]: wait for the current stream, run on comm, then the current stream waits.
+        w = self._hb.w
+        w[1] = w[3] = self.compute()
+        st = lib.fep_gpu_ll_complete(bp, op, self._hb.addr[0])
         if st:
             raise _lib.error("fep_gpu_ll_complete", st)
 

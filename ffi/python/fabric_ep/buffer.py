@@ -99,7 +99,7 @@ class DispatchHandle:
         self._buffer_id = buffer_id
         self.num_tokens = num_tokens
         self.num_recv_tokens = num_recv_tokens
-        # GPU backend: (topk_idx, topk_weights, recv_src_idx) tensors a cached dispatch reuses.
+        # GPU backend: (topk_idx, topk_weights), the tensors a cached dispatch reuses.
         self._keep: Any = None
 
     def __del__(self, _destroy=_destroy_handle) -> None:
