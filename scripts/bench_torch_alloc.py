@@ -1,5 +1,6 @@
 """What one CUDA tensor allocation costs from Python, by spelling (issue 6: a dispatch returns
-three tensors and allocating them is most of its Python-side time).
+three tensors and allocating them is most of its Python-side time), and the stream and event
+work of the asynchronous calls (``stream_ops``).
 
 Each figure: best of 5 loops of N iterations, CPU time of this thread per allocation (the tensor
 is dropped at once, so its free is included), on the current CUDA device. Prints JSON.
@@ -71,7 +72,69 @@ def main():
                  es((rows, k), (k, 1), dtype=torch.int64, device=dev),
                  es((rows, k), (k, 1), dtype=torch.float32, device=dev)))
     out.update(aoti_shim(dev, rows, h, k))
+    out.update(stream_ops(dev, rows, h))
     print(json.dumps(out))
+
+
+def stream_ops(dev, rows, h):
+    """What the asynchronous calls' stream work costs from Python (DeepEP's ``async_finish``,
+    ``previous_event`` and ``allocate_on_comm_stream``): switching the current stream around an
+    allocation, making a stream object, ``record_stream``, making and recording an event; each
+    by torch's public spelling and by the lower one under it (``torch._C``)."""
+    res = {}
+    C = torch._C
+    idx = dev.index
+    comm = torch.cuda.Stream(device=dev)
+    like = torch.empty((rows, h), dtype=torch.bfloat16, device=dev)
+    st = (h, 1)
+    cur = torch.cuda.current_stream(dev)
+    cid = (comm.stream_id, comm.device_index, comm.device_type)
+
+    def ctx_alloc():
+        with torch.cuda.stream(comm):
+            return like.new_empty_strided((rows, h), st)
+
+    set_stream = getattr(C, "_cuda_setStream", None)
+    get_stream = getattr(C, "_cuda_getCurrentStream", None)
+    res["alloc_only"] = best_us(lambda: like.new_empty_strided((rows, h), st))
+    res["stream_ctx_alloc"] = best_us(ctx_alloc)
+    if set_stream is not None and get_stream is not None:
+        def raw_alloc():
+            prev = get_stream(idx)
+            set_stream(stream_id=cid[0], device_index=cid[1], device_type=cid[2])
+            try:
+                return like.new_empty_strided((rows, h), st)
+            finally:
+                set_stream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
+
+        res["raw_set_stream_alloc"] = best_us(raw_alloc)
+        res["get_current_stream_tuple"] = best_us(lambda: get_stream(idx))
+        s = get_stream(idx)
+        res["torch_Stream_from_ids"] = best_us(
+            lambda: torch.Stream(stream_id=s[0], device_index=s[1], device_type=s[2]))
+        res["cuda_Stream_from_ids"] = best_us(
+            lambda: torch.cuda.Stream(stream_id=s[0], device_index=s[1], device_type=s[2]))
+    res["current_stream"] = best_us(lambda: torch.cuda.current_stream(dev))
+    # record_stream: on the allocation stream (the allocator ignores it) and on another one;
+    # each on a fresh tensor (one record per tensor, as a call makes), minus the allocation.
+    res["alloc_record_same_stream"] = best_us(
+        lambda: like.new_empty_strided((rows, h), st).record_stream(cur))
+    res["alloc_record_other_stream"] = best_us(
+        lambda: like.new_empty_strided((rows, h), st).record_stream(comm))
+    torch.cuda.synchronize()
+    res["event_new"] = best_us(lambda: torch.cuda.Event())
+    res["event_new_record"] = best_us(lambda: torch.cuda.Event().record(comm))
+    base_new, base_record = C._CudaEventBase.__new__, C._CudaEventBase.record
+    Event = torch.cuda.Event
+
+    def low_event():
+        e = base_new(Event)
+        base_record(e, comm)
+        return e
+
+    res["event_new_record_base"] = best_us(low_event)
+    torch.cuda.synchronize()
+    return res
 
 
 def aoti_shim(dev, rows, h, k):

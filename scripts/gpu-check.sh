@@ -7,7 +7,11 @@
 #                                  gpu-bundle/ (override: FEP_GPU_BUNDLE=dir), with the release
 #                                  libfabric_ep.so inside the Python package (python/fabric_ep/)
 #                                  and the Python tests (python/tests/). FEP_GPU_BUILD=python
-#                                  builds only the library and the package (the "python" section).
+#                                  builds only the library and the package (the "python" section);
+#                                  FEP_GPU_BUILD=tests the test binaries and the package (no
+#                                  examples, benches or ep-bench). The device tool carries at most
+#                                  64 MiB: a bundle over 60 MiB is refused here (the full one was
+#                                  52 MiB in the twelfth session).
 #                                  FEP_GPU_TRACE=1 adds traced/gpu_normal_proxy_bench, built with
 #                                  FEP_TRACE_NORMAL=1 (build.rs) in target/trace.
 #   bash gpu-bundle/gpu-check.sh run   (GPU machine, repo root) run every GPU test
@@ -46,12 +50,17 @@ build() {
   echo "gpu-check: building release GPU tests and examples (bundle: $bundle)"
   local json
   json=$(mktemp)
-  if [ "${FEP_GPU_BUILD:-all}" != python ]; then
-    cargo test --release --no-run --message-format=json --test 'gpu_*' >"$json"
-    cargo build --release --message-format=json --example 'gpu_*' >>"$json"
-    cargo bench --no-run --message-format=json --bench proxy >>"$json"
-    cargo build --release --message-format=json --bin ep-bench >>"$json"
-  fi
+  case "${FEP_GPU_BUILD:-all}" in
+    python) : >"$json" ;;
+    tests) cargo test --release --no-run --message-format=json --test 'gpu_*' >"$json" ;;
+    all)
+      cargo test --release --no-run --message-format=json --test 'gpu_*' >"$json"
+      cargo build --release --message-format=json --example 'gpu_*' >>"$json"
+      cargo bench --no-run --message-format=json --bench proxy >>"$json"
+      cargo build --release --message-format=json --bin ep-bench >>"$json"
+      ;;
+    *) echo "gpu-check: FEP_GPU_BUILD=${FEP_GPU_BUILD} (expected all, tests or python)" >&2; exit 2 ;;
+  esac
   cargo build --release --lib
   rm -rf "$bundle"
   mkdir -p "$bundle/tests" "$bundle/examples" "$bundle/benches" "$bundle/lib" "$bundle/bin"
@@ -132,7 +141,11 @@ EOF
   du -sh "$bundle"
   local size
   size=$(du -sm "$bundle" | cut -f1)
-  [ "$size" -le 50 ] || { echo "gpu-check: bundle is ${size} MiB (> 50)" >&2; exit 1; }
+  [ "$size" -le 60 ] || {
+    echo "gpu-check: bundle is ${size} MiB (> 60; the device tool carries 64): build a part" \
+      "(FEP_GPU_BUILD=tests or python)" >&2
+    exit 1
+  }
 }
 
 has_section() { case ",${FEP_GPU_SECTIONS:-tests,memcheck,memcheck-proxy,layout,proxy,normal,nproxy,epbench,python}," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }

@@ -32,6 +32,29 @@ fn gpu_device_buffers_round_trip_and_events_time() {
     assert!(b.copy_to_host(&mut wrong).is_err(), "length mismatch is an error");
 }
 
+/// A kept stream (a buffer's comm stream) outlives its owner: still usable (an event recorded
+/// on it, as torch's allocator does when a tensor recorded on it is freed) after the owner is
+/// dropped, and handed to the next kept stream of the device instead of a new one.
+#[test]
+#[ignore = "needs a GPU: scripts/gpu-check.sh runs it"]
+fn gpu_kept_stream_outlives_its_owner_and_is_reused() {
+    let Some(dev) = gpu() else { return };
+    let a = Stream::kept(&dev).unwrap();
+    let b = Stream::kept(&dev).unwrap();
+    assert_ne!(a.as_raw(), b.as_raw(), "two live kept streams are distinct");
+    let raw = a.as_raw();
+    drop(a);
+    // SAFETY: a kept stream is never destroyed; `raw` is valid for the process.
+    let after = unsafe { Stream::borrowed(&dev, raw) };
+    let e = Event::new_untimed(&dev).unwrap();
+    e.record(&after).unwrap();
+    after.synchronize_within(Duration::from_secs(10)).unwrap();
+    assert!(after.query().unwrap());
+    let c = Stream::kept(&dev).unwrap();
+    assert_eq!(c.as_raw(), raw, "the given-back stream is reused");
+    drop((b, c));
+}
+
 /// Mapped host memory: the GPU's view (device pointer) and the CPU's view are the same bytes.
 #[test]
 #[ignore = "needs a GPU: scripts/gpu-check.sh runs it"]

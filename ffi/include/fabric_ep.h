@@ -631,8 +631,11 @@ enum fep_status fep_gpu_sync(struct fep_buffer *buf, void *stream);
 
 /**
  * The buffer's CUDA device ordinal, SM budget (blocks per kernel) and its own communication
- * stream (a non-blocking `CUstream`, valid until `fep_buffer_destroy`; a distinct stream per
- * buffer, unlike streams drawn from a framework's pool, which may be shared).
+ * stream (a non-blocking `CUstream`; a distinct stream per live buffer, unlike streams drawn
+ * from a framework's pool, which may be shared). The stream stays valid after
+ * `fep_buffer_destroy`, for the rest of the process: a framework's allocator may still use
+ * it then (torch records an event on it when a tensor `record_stream`-ed on it is freed). A
+ * buffer created later on the device may be given the same stream.
  *
  * # Safety
  * `buf` must be valid; the outputs may be NULL.

@@ -4,7 +4,12 @@ use super::device::Device;
 use super::driver::{call, driver_error, CUstream};
 use super::{CudaError, CudaResult};
 use cudarc::driver::sys;
+use parking_lot::Mutex;
 use std::time::{Duration, Instant};
+
+/// Streams given back by the owners of [`Stream::kept`] streams: (device ordinal, handle).
+/// Never destroyed; a later `Stream::kept` of the same device takes one.
+static KEPT: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
 
 /// A non-blocking stream (does not synchronise with the legacy default stream), or a borrowed
 /// foreign one ([`Stream::borrowed`]: a caller's `CUstream`, e.g. torch's current stream).
@@ -13,6 +18,8 @@ pub struct Stream {
     raw: CUstream,
     /// Destroyed on drop (false for a borrowed stream).
     owned: bool,
+    /// Given back to [`KEPT`] on drop instead ([`Stream::kept`]).
+    kept: bool,
 }
 
 // SAFETY: stream handles may be used from any thread.
@@ -28,7 +35,31 @@ impl Stream {
         unsafe {
             call!(cuStreamCreate(&mut raw, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32))?
         };
-        Ok(Stream { dev: dev.clone(), raw, owned: true })
+        Ok(Stream { dev: dev.clone(), raw, owned: true, kept: false })
+    }
+
+    /// A non-blocking stream that stays valid for the life of the process: dropping it gives it
+    /// back to a process-wide list, and the next `kept` stream of the same device is that one.
+    /// The stream a buffer lends to a framework (`fep_gpu_info`'s comm stream): torch's caching
+    /// allocator records an event on a stream that a tensor was `record_stream`-ed on when that
+    /// tensor is freed, which may be after the buffer is gone; a destroyed stream there is a
+    /// crash in `cuEventRecord` (seen on the H200 before this, docs/results/2026-11-30-h200-l
+    /// run 2). As many streams exist as buffers were ever alive at once, per device.
+    pub fn kept(dev: &Device) -> CudaResult<Stream> {
+        let ord = dev.ordinal();
+        let reuse = {
+            let mut k = KEPT.lock();
+            k.iter().position(|&(d, _)| d == ord).map(|i| k.swap_remove(i).1)
+        };
+        let raw = match reuse {
+            Some(raw) => raw as CUstream,
+            None => {
+                let mut s = Stream::new(dev)?;
+                s.owned = false;
+                s.raw
+            }
+        };
+        Ok(Stream { dev: dev.clone(), raw, owned: false, kept: true })
     }
 
     /// Wraps a caller's stream without owning it: never destroyed by this object. NULL is the
@@ -38,7 +69,7 @@ impl Stream {
     /// `raw` must be a stream of `dev`'s primary context (or NULL) that outlives this object and
     /// every use of it.
     pub unsafe fn borrowed(dev: &Device, raw: CUstream) -> Stream {
-        Stream { dev: dev.clone(), raw, owned: false }
+        Stream { dev: dev.clone(), raw, owned: false, kept: false }
     }
 
     pub fn device(&self) -> &Device {
@@ -101,6 +132,10 @@ impl Stream {
 
 impl Drop for Stream {
     fn drop(&mut self) {
+        if self.kept {
+            KEPT.lock().push((self.dev.ordinal(), self.raw as usize));
+            return;
+        }
         // SAFETY: created by cuStreamCreate; destroy returns at once and the driver frees the
         // stream once its work is done.
         unsafe {

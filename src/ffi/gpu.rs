@@ -101,7 +101,8 @@ pub(crate) struct GpuState {
     ev_in: Event,
     ev_out: Event,
     /// A communication stream the buffer owns (`fep_gpu_info`), for callers that follow
-    /// DeepEP's comm-stream pattern; destroyed with the buffer.
+    /// DeepEP's comm-stream pattern: a [`Stream::kept`] stream (valid after the buffer is gone,
+    /// for the frameworks' allocators that recorded tensors on it; reused by a later buffer).
     comm: Stream,
     /// Normal mode through DeepEP's hierarchy (then the direct buffer has low latency only).
     hier: Option<HierPart>,
@@ -137,7 +138,7 @@ impl GpuState {
             ev_in: Event::new_untimed(&dev)?,
             ev_out: Event::new_untimed(&dev)?,
             pool: Arc::new(Mutex::new(Vec::new())),
-            comm: Stream::new(&dev)?,
+            comm: Stream::kept(&dev)?,
             dev,
             hier: None,
         })
@@ -1052,8 +1053,11 @@ pub unsafe extern "C" fn fep_gpu_sync(buf: *mut fep_buffer, stream: *mut c_void)
 }
 
 /// The buffer's CUDA device ordinal, SM budget (blocks per kernel) and its own communication
-/// stream (a non-blocking `CUstream`, valid until `fep_buffer_destroy`; a distinct stream per
-/// buffer, unlike streams drawn from a framework's pool, which may be shared).
+/// stream (a non-blocking `CUstream`; a distinct stream per live buffer, unlike streams drawn
+/// from a framework's pool, which may be shared). The stream stays valid after
+/// `fep_buffer_destroy`, for the rest of the process: a framework's allocator may still use
+/// it then (torch records an event on it when a tensor `record_stream`-ed on it is freed). A
+/// buffer created later on the device may be given the same stream.
 ///
 /// # Safety
 /// `buf` must be valid; the outputs may be NULL.

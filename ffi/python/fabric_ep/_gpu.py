@@ -4,14 +4,22 @@ Streams follow DeepEP: the kernels run on a communication stream the Buffer owns
 (``Buffer.get_comm_stream()``), which first waits for the current (compute) stream, or for
 ``previous_event`` when one is given; afterwards the compute stream waits for it, unless
 ``async_finish=True``, which returns an :class:`EventOverlap` wrapping a ``torch.cuda.Event``
-recorded on the communication stream instead (the tensors involved are ``record_stream``-ed on
-it). The stream joins are made inside the C call (one ``fep_gpu_order`` per call), not with
-torch calls, to keep the Python cost of a call low.
+recorded on the communication stream instead. The stream joins are made inside the C call (one
+``fep_gpu_order`` per call), not with torch calls, to keep the Python cost of a call low.
 
 Outputs are allocated with ``Tensor.new_empty_strided`` (of the input, or of a zero-element
 tensor of the output's dtype) on the Buffer's device: on the compute stream, or on
 the communication stream with ``allocate_on_comm_stream=True`` (which, as in DeepEP, needs
 ``previous_event`` and ``async_finish=True``).
+
+With ``async_finish=True`` the caching allocator is told, as DeepEP's C++ tells it, which other
+stream uses each tensor until the event (``record_stream``): the inputs (allocated on the
+compute stream, read on the communication stream) and the outputs allocated on the compute
+stream are recorded on the communication stream; outputs allocated on the communication stream
+are recorded on the compute stream, so that when the caller drops them after using them there,
+the communication stream's pool does not hand their memory to the next call's outputs before
+that use is done (an event recorded before that use is not enough). A tensor is recorded on one
+stream only: on its own allocation stream ``record_stream`` is a no-op.
 
 NOTES (ranks as threads of one process on one GPU, this version's only GPU mode): a device
 allocation or free while a peer's kernel spins on this rank can deadlock (it waits for the whole
@@ -140,6 +148,28 @@ class GpuPath:
         # serialises their spinning kernels.
         self.comm = torch.cuda.ExternalStream(comm_ptr, device=torch.device("cuda", device))
         self.comm_ptr = comm_ptr
+        # NOTES (allocate_on_comm_stream, async_finish): switching the current stream for an
+        # allocation through torch's raw pair (the stream's (id, device, type) triple), and
+        # making and recording the event through torch.cuda.Event's base class: the public
+        # spellings (``with torch.cuda.stream(s)``, ``torch.cuda.Event()``, ``Event.record``)
+        # wrap the same calls in Python (the context manager makes two stream objects and
+        # checks their devices; ~15 us against ~2 us on the H200 host, run 1 of
+        # docs/results/2026-11-30-h200-l). Older torch without them: the public spellings.
+        C = torch._C
+        self._get_stream = getattr(C, "_cuda_getCurrentStream", None)
+        self._set_stream = getattr(C, "_cuda_setStream", None)
+        self._comm_ids = (self.comm.stream_id, self.comm.device_index, self.comm.device_type)
+        self._Stream = getattr(torch, "Stream", None)
+        base = getattr(C, "_CudaEventBase", None)
+        if self._get_stream is None or self._set_stream is None or self._Stream is None \
+                or base is None:
+            self._get_stream = None
+        else:
+            self._event_new, self._event_record = base.__new__, base.record
+        self._Event = torch.cuda.Event
+        # The last get_dispatch_layout's outputs: passed back to dispatch unchanged (DeepEP's
+        # documented call), they are known good and not checked again.
+        self._layout_out: Tuple[Any, ...] = ()
         fp8 = getattr(torch, "float8_e4m3fn", None)
         self.bf16 = (torch.bfloat16,)
         self._bf16 = torch.bfloat16
@@ -290,16 +320,48 @@ class GpuPath:
             raise TypeError("previous_event: its event is not a torch.cuda.Event")
         return p
 
-    def finish(self, async_finish: bool, tensors: Tuple[Any, ...]) -> EventOverlap:
-        if not async_finish:
-            return NO_EVENT
+    def to_comm(self) -> Any:
+        """Makes the communication stream current (so allocations come from its pool); returns
+        what ``back`` needs to restore the current stream."""
+        if self._get_stream is None:
+            ctx = self.torch.cuda.stream(self.comm)
+            ctx.__enter__()
+            return ctx
+        prev = self._get_stream(self.dev)
+        self._set_stream(*self._comm_ids)
+        return prev
+
+    def back(self, prev: Any) -> None:
+        if self._get_stream is None:
+            prev.__exit__(None, None, None)
+        else:
+            self._set_stream(*prev)
+
+    def finish(self, on_comm: Tuple[Any, ...], outs: Tuple[Any, ...], prev: Any) -> EventOverlap:
+        """``async_finish``: ``on_comm`` (the inputs) and ``outs`` (the outputs) are recorded on
+        the communication stream, or ``outs`` on the compute stream when they were allocated on
+        the communication stream (``prev``: ``to_comm``'s return; None when they were not), see
+        the module notes; then an event on the communication stream."""
         comm = self.comm
-        for t in tensors:
+        for t in on_comm:
             if t is not None:
                 t.record_stream(comm)
-        e = self.torch.cuda.Event()
-        e.record(comm)
-        return EventOverlap(e, tuple(t for t in tensors if t is not None))
+        if prev is None:
+            s = comm
+        elif self._get_stream is None:
+            s = prev.src_prev_stream  # torch.cuda.StreamContext's saved stream
+        else:
+            s = self._Stream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
+        for t in outs:
+            if t is not None:
+                t.record_stream(s)
+        if self._get_stream is None:
+            e = self._Event()
+            e.record(comm)
+        else:
+            e = self._event_new(self._Event)
+            self._event_record(e, comm)
+        return EventOverlap(e)
 
     @staticmethod
     def check_async(previous_event: Any, async_finish: bool, allocate_on_comm_stream: bool) -> None:
@@ -346,16 +408,19 @@ class GpuPath:
             nodes = r // rpn
             per_node = (in_rank.view(t, nodes, rpn).any(2).sum(0, dtype=torch.int32)
                         if nodes > 1 else None)
-        outs = (per_rank, per_node, per_expert, in_rank)
+        self._layout_out = (per_rank, per_node, per_expert, in_rank)
         if not async_finish:
             return per_rank, per_node, per_expert, in_rank, NO_EVENT
-        tensors = tuple(o for o in (topk_idx,) + outs if o is not None)
         if run is not compute:
-            for o in tensors:
-                o.record_stream(run)
+            # As the calls' finish: the input read on the communication stream, the outputs
+            # allocated there used on the compute stream.
+            topk_idx.record_stream(run)
+            for o in self._layout_out:
+                if o is not None:
+                    o.record_stream(compute)
         e = torch.cuda.Event()
         e.record(run)
-        return per_rank, per_node, per_expert, in_rank, EventOverlap(e, tensors)
+        return per_rank, per_node, per_expert, in_rank, EventOverlap(e)
 
     # ------------------------------------------------------------------ normal mode
 
@@ -468,9 +533,13 @@ class GpuPath:
             order = a_o1
         cached = new_handle is None
         if allocate_on_comm_stream:
-            with self.torch.cuda.stream(self.comm):
+            prev = self.to_comm()
+            try:
                 recv_x, recv_s, recv_idx, recv_w = self.alloc_dispatch(rows, xo, fp8, cached)
+            finally:
+                self.back(prev)
         else:
+            prev = None
             recv_x, recv_s, recv_idx, recv_w = self.alloc_dispatch(rows, xo, fp8, cached)
         if rows > self._scr_cap:
             self._scratch(rows)
@@ -494,13 +563,14 @@ class GpuPath:
             raise _lib.error("fep_gpu_dispatch", st)
         out_x = (recv_x, recv_s) if fp8 else recv_x
         if cached:
-            event = self.finish(True, (xo, so, recv_x, recv_s)) if async_finish else NO_EVENT
+            event = self.finish((xo, so, idx_t, w_t), (recv_x, recv_s), prev) if async_finish \
+                else NO_EVENT
             return out_x, None, None, None, None, event
         new_handle._keep = (topk_idx, topk_weights)
         counts = [] if num_worst_tokens > 0 else self._per_expert.tolist()
         if async_finish:
-            event = self.finish(True, (xo, so, topk_idx, topk_weights, recv_x, recv_s, recv_idx,
-                                       recv_w))
+            event = self.finish((xo, so, topk_idx, topk_weights),
+                                (recv_x, recv_s, recv_idx, recv_w), prev)
         else:
             event = NO_EVENT
         return out_x, recv_idx, recv_w, counts, new_handle, event
@@ -582,9 +652,13 @@ class GpuPath:
                 raise _legacy_stream_error()
             compute = _CU_STREAM_LEGACY  # see dispatch
         if allocate_on_comm_stream:
-            with self.torch.cuda.stream(self.comm):
+            prev = self.to_comm()
+            try:
                 out, cw = self.alloc_combine(t, x, with_w)
+            finally:
+                self.back(prev)
         else:
+            prev = None
             out, cw = self.alloc_combine(t, x, with_w)
         cb = self._cb
         a_o, a_x, a_w, a_out, a_cw = cb.addr
@@ -607,7 +681,7 @@ class GpuPath:
                                  a_cw if with_w else None, a_o)
         if st:
             raise _lib.error("fep_gpu_combine", st)
-        event = self.finish(True, (x, topk_weights, out, cw)) if async_finish else NO_EVENT
+        event = self.finish((x, topk_weights), (out, cw), prev) if async_finish else NO_EVENT
         return out, cw, event
 
     def alloc_combine(self, t: int, like: Any, with_w: bool) -> Tuple[Any, Any]:
@@ -766,7 +840,7 @@ class GpuPath:
                     stats.add_(count)
             else:
                 stats.add_(count)
-        event = self.finish(async_finish, (x, topk_idx, recv_x, recv_s, routing)) \
+        event = self.finish((x, topk_idx), (recv_x, recv_s, routing), None) \
             if async_finish else NO_EVENT
         return out_x, count, handle, event, None
 
@@ -820,7 +894,8 @@ class GpuPath:
 
             return combined, NO_EVENT, receive
         cop.done = True
-        event = self.finish(async_finish, (x, topk_idx, topk_weights, combined)) if async_finish else NO_EVENT
+        event = self.finish((x, topk_idx, topk_weights), (combined,), None) if async_finish \
+            else NO_EVENT
         return combined, event, None
 
     # ------------------------------------------------------------------ lifetime

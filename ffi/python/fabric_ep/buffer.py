@@ -607,14 +607,21 @@ class Buffer:
             raise RuntimeError("Buffer: already destroyed")
         if config is not None:
             self._check_config(config)
-        if self._g is not None:
+        g = self._g
+        if g is not None:
             if num_tokens_per_rank is not None or num_tokens_per_rdma_rank is not None \
                     or is_token_in_rank is not None or num_tokens_per_expert is not None:
-                self._layout_args(None, num_tokens_per_rank, num_tokens_per_rdma_rank,
-                                  is_token_in_rank, num_tokens_per_expert)
-            return self._g.dispatch(x, handle, topk_idx, topk_weights, expert_alignment,
-                                    num_worst_tokens, previous_event, async_finish,
-                                    allocate_on_comm_stream)
+                # This Buffer's last get_dispatch_layout outputs, passed back as they came (the
+                # documented call), are known good: not checked again.
+                lo = g._layout_out
+                if not lo or num_tokens_per_rank is not lo[0] \
+                        or num_tokens_per_rdma_rank is not lo[1] \
+                        or num_tokens_per_expert is not lo[2] or is_token_in_rank is not lo[3]:
+                    self._layout_args(None, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                                      is_token_in_rank, num_tokens_per_expert)
+            return g.dispatch(x, handle, topk_idx, topk_weights, expert_alignment,
+                              num_worst_tokens, previous_event, async_finish,
+                              allocate_on_comm_stream)
         if previous_event is not None:
             _no_event(previous_event)
         if async_finish or allocate_on_comm_stream:

@@ -313,12 +313,20 @@ def streams_and_events(group, r, world):
         ref_x = reference_recv(r, world, all_in)[0]
         prev = EventOverlap(torch.cuda.Event())
         prev.event.record()
-        rx, ri, rw, _, handle, ev = buf.dispatch(xt, topk_idx=it, topk_weights=wt,
-                                                 previous_event=prev, async_finish=True,
-                                                 allocate_on_comm_stream=True)
-        assert isinstance(ev.event, torch.cuda.Event) and ev.extra_tensors
+        # DeepEP's documented training call: the layout on the comm stream after an event, its
+        # outputs and its event passed to the dispatch, everything asynchronous.
+        per_rank, per_rdma, per_expert, in_rank, lev = buf.get_dispatch_layout(
+            it, L * world, previous_event=prev, async_finish=True, allocate_on_comm_stream=True)
+        rx, ri, rw, _, handle, ev = buf.dispatch(
+            xt, topk_idx=it, topk_weights=wt, num_tokens_per_rank=per_rank,
+            num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, previous_event=lev, async_finish=True,
+            allocate_on_comm_stream=True)
+        assert isinstance(ev.event, torch.cuda.Event) and ev.extra_tensors is None
+        assert torch.cuda.current_stream().cuda_stream != comm.cuda_stream  # restored
         ev.current_stream_wait()
         assert np.array_equal(bits(rx), ref_x)
+        assert np.array_equal(host(per_rank).numpy(), dest_ranks(idx, world).sum(0))
         cx, _, ev2 = buf.combine(rx, handle, async_finish=True, previous_event=ev)
         with ev2:
             pass  # __exit__ makes the current stream wait
@@ -329,6 +337,10 @@ def streams_and_events(group, r, world):
         buf.sync()
     finally:
         buf.destroy()
+    # Tensors recorded on the comm stream freed after the Buffer is gone: torch's allocator
+    # records an event on that stream now, so it must still exist (Stream::kept).
+    del rx, ri, rw, cx, xt, it, wt, per_rank, per_expert, in_rank
+    torch.cuda.synchronize()
     return "ok"
 
 

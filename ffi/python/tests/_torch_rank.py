@@ -4,7 +4,6 @@ environment, torch CPU tensors in and out (bf16 as torch.bfloat16)."""
 import os
 import sys
 
-import numpy as np
 import torch
 import torch.distributed as dist
 

@@ -152,7 +152,7 @@ def _measure(n, reps):
                                  "combine": best_us(py_combine, n, reps)}
     finally:
         B.lib = real
-    del handle
+    handle = None  # the native handle freed before the Buffer (the closures are done)
     buf.destroy()
     return out
 

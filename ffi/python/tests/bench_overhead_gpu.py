@@ -29,10 +29,20 @@ alike:
   both); ``difference_us`` is their difference, ``paired_median_difference_us`` the median of
   (real - raw) over 2000 back-to-back pairs.
 
-Four calls: ``dispatch`` (two-step: notify with a host synchronisation, allocate, dispatch),
+* ``python_side_kept_us``: ``python_side_us`` with every call's outputs kept until the loop's
+  clock is read: the call without freeing the previous call's outputs (the caller pays that
+  when it drops them).
+
+The calls: ``dispatch`` (two-step: notify with a host synchronisation, allocate, dispatch),
 ``dispatch_worst`` (``num_worst_tokens``: no host synchronisation), ``dispatch_cached`` (a
-previous dispatch's handle: one step, recv_x only) and ``combine``; the three dispatches again
-with fp8 tokens (``(x, x_scales)``, one more output: ``dispatch_fp8`` ...).
+previous dispatch's handle: one step, recv_x only) and ``combine``; DeepEP's documented form
+(its README's training example): ``dispatch_layout`` (``get_dispatch_layout``'s outputs passed
+in), ``dispatch_async`` (those and ``previous_event``, ``async_finish=True``,
+``allocate_on_comm_stream=True``) and ``combine_async`` (the same three options); the
+dispatches again with fp8 tokens (``(x, x_scales)``, one more output: ``dispatch_fp8`` ...).
+Low latency: ``ll_dispatch``/``ll_combine``, their decode form ``ll_dispatch_hook`` /
+``ll_combine_hook`` (``return_recv_hook=True``, stubbed only) and ``*_hook_pair`` (the call and
+then its hook: two calls).
 
 Run: ``python3 ffi/python/tests/bench_overhead_gpu.py`` on a machine with torch and a GPU
 (prints JSON).
@@ -54,6 +64,21 @@ def best_us(fn, n, reps, clock):
         for _ in range(n):
             fn()
         best = min(best, (clock() - t0) / n)
+    return best * 1e6
+
+
+def best_us_kept(fn, n, reps, clock):
+    """As ``best_us``, but every call's result is kept until the loop's clock is read: the call
+    without the freeing of the previous call's outputs (which a caller pays when it drops them,
+    not in the call)."""
+    best = float("inf")
+    for _ in range(reps):
+        keep = [None] * n
+        t0 = clock()
+        for i in range(n):
+            keep[i] = fn()
+        best = min(best, (clock() - t0) / n)
+        del keep
     return best * 1e6
 
 
@@ -96,19 +121,39 @@ def measure_buffer(torch, dtype, n, reps, out):
     w = torch.ones((T, K), dtype=torch.float32, device=dev)
     rx, ri, rw, counts, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w)
     rows = (rx[0] if fp8 else rx).shape[0]
+    # DeepEP's documented call (its README's training example): the layout's outputs passed in,
+    # and the asynchronous form (previous_event, async_finish, allocate_on_comm_stream).
+    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    prev = fabric_ep.EventOverlap(torch.cuda.Event())
+    prev.event.record()
     torch.cuda.synchronize()
 
     def py_dispatch():
-        buf.dispatch(x, topk_idx=idx, topk_weights=w)
+        return buf.dispatch(x, topk_idx=idx, topk_weights=w)
 
     def py_dispatch_worst():
-        buf.dispatch(x, topk_idx=idx, topk_weights=w, num_worst_tokens=rows)
+        return buf.dispatch(x, topk_idx=idx, topk_weights=w, num_worst_tokens=rows)
 
     def py_dispatch_cached():
-        buf.dispatch(x, handle=handle)
+        return buf.dispatch(x, handle=handle)
+
+    def py_dispatch_layout():
+        return buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=per_rank,
+                            num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+                            num_tokens_per_expert=per_expert)
+
+    def py_dispatch_async():
+        return buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=per_rank,
+                            num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+                            num_tokens_per_expert=per_expert, previous_event=prev,
+                            async_finish=True, allocate_on_comm_stream=True)
 
     def py_combine():
-        buf.combine(rx, handle)
+        return buf.combine(rx, handle)
+
+    def py_combine_async():
+        return buf.combine(rx, handle, previous_event=prev, async_finish=True,
+                           allocate_on_comm_stream=True)
 
     lib = _lib.lib
     A = ctypes.addressof
@@ -131,14 +176,14 @@ def measure_buffer(torch, dtype, n, reps, out):
     compute = torch.cuda.current_stream().cuda_stream or 1  # 1: CU_STREAM_LEGACY
     order = _lib.fep_gpu_order(comm, compute, None, compute)
     order_after = _lib.fep_gpu_order(comm, None, None, compute)
-    per_expert = (ctypes.c_int32 * 1)()
+    counts_out = (ctypes.c_int32 * 1)()
     hp, nrows = ctypes.c_void_p(), ctypes.c_int64()
     p = buf._ptr
 
     def raw(worst):
         def call():
             assert lib.fep_gpu_notify(p, it, 1, rows if worst else 0, A(order), A(hp), A(nrows),
-                                      A(per_expert)) == 0
+                                      A(counts_out)) == 0
             assert lib.fep_gpu_dispatch(p, hp.value, xt, xst, it, wt, oxt, oxst, oit, owt, ost,
                                         A(order_after)) == 0
             lib.fep_handle_destroy(hp.value)
@@ -149,7 +194,9 @@ def measure_buffer(torch, dtype, n, reps, out):
                                     A(order)) == 0
 
     calls = {"dispatch": (py_dispatch, raw(False)), "dispatch_worst": (py_dispatch_worst, raw(True)),
-             "dispatch_cached": (py_dispatch_cached, raw_cached)}
+             "dispatch_cached": (py_dispatch_cached, raw_cached),
+             "dispatch_layout": (py_dispatch_layout, raw(False)),
+             "dispatch_async": (py_dispatch_async, raw(False))}
     if not fp8:
         rxt = t(rx, 0)
         cxt = t(torch.empty((T, H), dtype=torch.bfloat16, device=dev), 0)
@@ -158,6 +205,7 @@ def measure_buffer(torch, dtype, n, reps, out):
             assert lib.fep_gpu_combine(p, handle._ptr, rxt, None, cxt, None, A(order)) == 0
 
         calls["combine"] = (py_combine, raw_combine)
+        calls["combine_async"] = (py_combine_async, raw_combine)
     for c, (py, rw_) in calls.items():
         e2e = raw_ = float("inf")
         for _ in range(reps):  # interleaved, best rep of each (as the stubbed figures below)
@@ -220,7 +268,9 @@ def measure_buffer(torch, dtype, n, reps, out):
             lambda t_, like, with_w: pre_c),
         "python_side_new_empty_us": (alloc_new_empty, None),
         "python_side_empty_strided_us": (alloc_empty_strided, None),
+        "python_side_kept_us": (None, None),
     }
+    only_plain = ("python_side_new_empty_us", "python_side_empty_strided_us")
     _gpu.lib = Stub()
     try:
         # Interleaved: each rep times every variant once, so a load change on the host lands on
@@ -230,15 +280,16 @@ def measure_buffer(torch, dtype, n, reps, out):
             best = {}
             for _ in range(reps):
                 for key, (ad, ac) in variants.items():
-                    if c == "combine" and key in ("python_side_new_empty_us",
-                                                  "python_side_empty_strided_us"):
+                    if key in only_plain and c not in ("dispatch", "dispatch_worst",
+                                                        "dispatch_cached"):
                         continue
                     if ad is not None:
                         g.alloc_dispatch = ad
                     if ac is not None:
                         g.alloc_combine = ac
                     try:
-                        us = best_us(py, n, 1, time.thread_time)
+                        us = (best_us_kept if key == "python_side_kept_us" else best_us)(
+                            py, n, 1, time.thread_time)
                     finally:
                         g.__dict__.pop("alloc_dispatch", None)
                         g.__dict__.pop("alloc_combine", None)
@@ -252,10 +303,12 @@ def measure_buffer(torch, dtype, n, reps, out):
                                                - out["python_side_prealloc_us"][c + sfx])
     n_d = sum(a is not None for a in pre_d)
     out["tensors_allocated_per_call"].update({
-        "dispatch" + sfx: n_d, "dispatch_worst" + sfx: n_d,
+        "dispatch" + sfx: n_d, "dispatch_worst" + sfx: n_d, "dispatch_layout" + sfx: n_d,
+        "dispatch_async" + sfx: n_d,
         "dispatch_cached" + sfx: sum(a is not None for a in pre_cached)})
     if not fp8:
         out["tensors_allocated_per_call"]["combine"] = sum(a is not None for a in pre_c)
+        out["tensors_allocated_per_call"]["combine_async"] = sum(a is not None for a in pre_c)
         extras(torch, g, x, rows, n, reps, out)
     torch.cuda.synchronize()
     buf.destroy()
@@ -317,12 +370,25 @@ def measure_ll(torch, n, reps, out):
     torch.cuda.synchronize()
 
     def py_dispatch():
-        buf.low_latency_dispatch(x, idx, m, E, use_fp8=False)
+        return buf.low_latency_dispatch(x, idx, m, E, use_fp8=False)
 
     def py_combine():
-        buf.low_latency_combine(rx, idx, w, handle)
+        return buf.low_latency_combine(rx, idx, w, handle)
 
-    calls = {"ll_dispatch": py_dispatch, "ll_combine": py_combine}
+    # The decode form (DeepEP's return_recv_hook=True): the call, then its hook (two calls).
+    def py_dispatch_hook_pair():
+        r = buf.low_latency_dispatch(x, idx, m, E, use_fp8=False, return_recv_hook=True)
+        r[4]()
+        return r
+
+    def py_combine_hook_pair():
+        r = buf.low_latency_combine(rx, idx, w, handle, return_recv_hook=True)
+        r[2]()
+        return r
+
+    calls = {"ll_dispatch": py_dispatch, "ll_combine": py_combine,
+             "ll_dispatch_hook_pair": py_dispatch_hook_pair,
+             "ll_combine_hook_pair": py_combine_hook_pair}
     for c, py in calls.items():
         out["end_to_end_us"][c] = best_us(py, n, reps, time.perf_counter)
         torch.cuda.synchronize()
@@ -334,14 +400,23 @@ def measure_ll(torch, n, reps, out):
         def fep_gpu_ll_combine(self, *a):
             return 0
 
+        def fep_gpu_ll_complete(self, *a):
+            return 0
+
+    # Stubbed only (no native op is left pending): the hooked calls without their hook.
+    calls["ll_dispatch_hook"] = lambda: buf.low_latency_dispatch(x, idx, m, E, use_fp8=False,
+                                                                 return_recv_hook=True)
+    calls["ll_combine_hook"] = lambda: buf.low_latency_combine(rx, idx, w, handle,
+                                                               return_recv_hook=True)
     real = _gpu.lib
     _gpu.lib = Stub()
     try:
         for c, py in calls.items():
             out["python_side_us"][c] = best_us(py, n, reps, time.thread_time)
+            out["python_side_kept_us"][c] = best_us_kept(py, n, reps, time.thread_time)
     finally:
         _gpu.lib = real
-    out["tensors_allocated_per_call"].update({"ll_dispatch": 6, "ll_combine": 1})
+    out["tensors_allocated_per_call"].update({"ll_dispatch": 2, "ll_combine": 1})
     torch.cuda.synchronize()
     buf.destroy()
 
@@ -355,7 +430,7 @@ def measure(n=400, reps=25):
                            gpu=torch.cuda.get_device_name(0), torch=torch.__version__)}
     for key in ("end_to_end_us", "raw_ctypes_us", "difference_us", "paired_median_difference_us",
                 "python_side_us", "python_side_prealloc_us", "python_side_new_empty_us",
-                "python_side_empty_strided_us", "python_side_alloc_us",
+                "python_side_empty_strided_us", "python_side_kept_us", "python_side_alloc_us",
                 "tensors_allocated_per_call"):
         out[key] = {}
     for what, fn in (("bf16", lambda: measure_buffer(torch, "bf16", n, reps, out)),

@@ -3,7 +3,6 @@ argument; DeepEP options fabric-ep cannot honour raise instead of being ignored.
 
 import ctypes
 import os
-import sys
 
 import numpy as np
 import pytest

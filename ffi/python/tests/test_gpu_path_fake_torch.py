@@ -44,7 +44,9 @@ class _Dtype:
 class FakeTorch(types.ModuleType):
     """What GpuPath touches of torch: dtypes, Tensor (dtype, shape, get_device, is_contiguous,
     data_ptr, new_empty, record_stream), torch.empty, torch.empty_strided (contiguous strides
-    only), the CUDA stream/event calls."""
+    only), the CUDA stream/event calls. Streams are their raw handles (a stream's id is its
+    handle); each tensor remembers the stream current when it was allocated (``_alloc``), and
+    ``records`` lists every ``record_stream`` as (tensor, stream handle)."""
 
     def __init__(self):
         super().__init__("torch")
@@ -56,10 +58,13 @@ class FakeTorch(types.ModuleType):
             want = tuple(int(__import__("math").prod(shape[i + 1:])) for i in range(len(shape)))
             assert tuple(stride) == want, f"strides {stride} of {shape} are not contiguous"
         self.stream = COMPUTE
+        self.records = []
+        fake = self
 
         class Tensor:
             def __init__(t, shape, dtype, dev=0, contiguous=True):
                 t.shape, t.dtype, t._dev, t._c, t._p = tuple(shape), dtype, dev, contiguous, next(ptrs)
+                t._alloc = fake.stream
 
             def get_device(t):
                 return t._dev
@@ -95,7 +100,7 @@ class FakeTorch(types.ModuleType):
                 return Tensor(shape, dtype or t.dtype, t._dev)
 
             def record_stream(t, s):
-                pass
+                fake.records.append((t, s.cuda_stream))
 
             @property
             def device(t):
@@ -112,12 +117,30 @@ class FakeTorch(types.ModuleType):
             return Tensor(shape, dtype, device[1])
 
         self.empty_strided = empty_strided
+        def stream_obj(p):
+            return types.SimpleNamespace(cuda_stream=p, stream_id=p, device_index=0, device_type=1)
+
+        class EventBase:
+            def record(e, s):
+                e.recorded_on = s.cuda_stream
+
+        class Event(EventBase):
+            cuda_event = 0x77
+
+        def set_stream(sid, di, dt):
+            assert (di, dt) == (0, 1)
+            self.stream = sid
+
+        self.Stream = lambda stream_id, device_index, device_type: stream_obj(stream_id)
         self.cuda = types.SimpleNamespace(
-            ExternalStream=lambda p, device=None: types.SimpleNamespace(cuda_stream=p),
-            current_stream=lambda d=None: types.SimpleNamespace(cuda_stream=self.stream),
+            ExternalStream=lambda p, device=None: stream_obj(p),
+            current_stream=lambda d=None: stream_obj(self.stream),
             stream=lambda s: contextlib.nullcontext(),
-            Event=lambda: types.SimpleNamespace(record=lambda s: None, cuda_event=0x77))
-        self._C = types.SimpleNamespace(_cuda_getCurrentRawStream=lambda d: self.stream)
+            Event=Event)
+        self._C = types.SimpleNamespace(
+            _cuda_getCurrentRawStream=lambda d: self.stream,
+            _cuda_getCurrentStream=lambda d: (self.stream, d, 1),
+            _cuda_setStream=set_stream, _CudaEventBase=EventBase)
 
 
 class RecordingLib:
@@ -403,3 +426,73 @@ def test_bad_ll_dispatch_arguments_are_named(path):
         with pytest.raises(exc, match=match):
             g.ll_dispatch(*args)
     assert rec.calls == []  # nothing reached the library
+
+
+def test_async_calls_record_each_tensor_on_the_stream_that_shares_it(path):
+    """async_finish (DeepEP's record_stream rule, see _gpu's module notes): the inputs and the
+    outputs allocated on the compute stream are recorded on the comm stream; with
+    allocate_on_comm_stream the outputs are allocated on the comm stream (the current stream
+    restored afterwards) and recorded on the compute stream; the event is recorded on comm."""
+    g, torch, rec, _ = path
+    x, idx, w = inputs(torch)
+    prev = EventOverlap(types.SimpleNamespace(cuda_event=0x66))
+    for on_comm in (False, True):
+        torch.records.clear()
+        rx, ri, rw, _, handle, ev = g.dispatch(x, None, idx, w, 1, 0, prev, True, on_comm)
+        assert torch.stream == COMPUTE  # restored
+        outs = (rx, ri, rw)
+        assert {t._alloc for t in outs} == {COMM if on_comm else COMPUTE}
+        want = [(t, COMM) for t in (x, idx, w)] + [(t, COMPUTE if on_comm else COMM) for t in outs]
+        assert torch.records == want
+        assert isinstance(ev.event, torch.cuda.Event) and ev.event.recorded_on == COMM
+        torch.records.clear()
+        cx, cw, ev = g.combine(rx, handle, rw, prev, True, on_comm)
+        assert torch.stream == COMPUTE and {cx._alloc, cw._alloc} == {COMM if on_comm else COMPUTE}
+        assert torch.records == [(rx, COMM), (rw, COMM)] + \
+            [(t, COMPUTE if on_comm else COMM) for t in (cx, cw)]
+        torch.records.clear()
+        handle._ptr = 0x1234  # a cached dispatch reads the handle's routing tensors too
+        try:
+            (rx2, *_, ev) = g.dispatch(x, handle, None, None, 1, 0, prev, True, on_comm)
+        finally:
+            handle._ptr = 0
+        assert torch.records == [(x, COMM), (idx, COMM), (w, COMM),
+                                 (rx2, COMPUTE if on_comm else COMM)]
+    # The stream is restored when an allocation fails.
+    torch.Tensor.new_empty_strided, real = None, torch.Tensor.new_empty_strided
+    try:
+        with pytest.raises(TypeError):
+            g.dispatch(x, None, idx, w, 1, 0, prev, True, True)
+    finally:
+        torch.Tensor.new_empty_strided = real
+    assert torch.stream == COMPUTE
+    # Synchronous calls record nothing.
+    torch.records.clear()
+    g.dispatch(x, None, idx, w, 1, 0, None, False, False)
+    assert torch.records == []
+
+
+def test_dispatch_checks_layout_tensors_unless_they_are_the_last_layout(path):
+    """Buffer.dispatch: get_dispatch_layout's last outputs passed back unchanged are not checked
+    again; any other layout tensor is (Buffer._layout_args)."""
+    from fabric_ep.buffer import Buffer
+
+    g, torch, rec, _ = path
+    x, idx, w = inputs(torch)
+    checked = []
+    me = types.SimpleNamespace(_ptr=0xABC, _g=g, _layout_args=lambda *a: checked.append(a))
+    lay = (torch.Tensor((R,), torch.int32), None, torch.Tensor((L * R,), torch.int32),
+           torch.Tensor((T, R), torch.bool))
+    g._layout_out = lay
+
+    def call(per_rank, per_expert, in_rank):
+        Buffer.dispatch(me, x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=per_rank,
+                        num_tokens_per_rdma_rank=None, is_token_in_rank=in_rank,
+                        num_tokens_per_expert=per_expert)
+
+    call(lay[0], lay[2], lay[3])
+    assert checked == []
+    other = torch.Tensor((R,), torch.int32)
+    call(other, lay[2], lay[3])
+    call(lay[0], lay[2], None)
+    assert [c[1] for c in checked] == [other, lay[0]] and checked[1][3] is None
