@@ -25,22 +25,10 @@ use fabric_ep::Error;
 
 fn params(ranks: usize, tokens: usize, hidden: usize, fp8: bool) -> GpuBenchParams {
     GpuBenchParams {
-        num_ranks: ranks,
-        num_tokens: tokens,
-        hidden,
-        num_topk: 8,
-        num_experts: 64,
-        fp8,
         iters: 3,
-        warmup: 0,
         seed: 0x41e7 + (ranks * 7 + hidden) as u64 + fp8 as u64,
-        drop_pct: 10,
         timeout: Duration::from_secs(20),
-        num_sms: None,
-        worst: false,
-        hook: false,
-        graph: false,
-        one_way: false,
+        ..gpu_common::small(ranks, tokens, hidden, fp8)
     }
 }
 

@@ -40,9 +40,33 @@ use super::hier::{
 use super::quant::FP8_GROUP;
 use crate::bootstrap::Bootstrap;
 use crate::cuda::{
-    copy_2d_async, memset_2d_u32_async, memset_range_async, DeviceBuffer, Event, HostMapped, Stream,
+    copy_2d_async, memset_2d_u32_async, memset_range_async, CudaError, DeviceBuffer, Event,
+    HostMapped, Stream,
 };
 use crate::{Error, Result};
+
+/// This rank's own CUDA calls between the stages (copies, memsets, the pinned stage's waits) as
+/// errors naming the job rank: a driver error keeps its type (`FEP_ERR_CUDA`) with the rank in
+/// its text; a host wait that ran out becomes [`Error::Timeout`] of this rank. (The stages'
+/// errors are mapped by `rail_err` / `node_err`.)
+fn local(rank: usize) -> impl Fn(CudaError) -> Error {
+    move |e| match e {
+        CudaError::Driver { call, code, name, text } => Error::Cuda(CudaError::Driver {
+            call,
+            code,
+            name,
+            text: format!("{text} (rank {rank}, the hierarchy's copies between its stages)"),
+        }),
+        CudaError::Timeout { call, waited } => Error::Timeout {
+            rank,
+            phase: call,
+            peers: Vec::new(),
+            waited,
+            detail: " (the hierarchy's copies between its stages)".into(),
+        },
+        e => e.into(),
+    }
+}
 
 /// Arguments of a hierarchical GPU dispatch (device memory, as [`GpuDispatchArgs`]).
 #[derive(Clone, Copy, Debug)]
@@ -414,6 +438,7 @@ impl GpuHierBuffer {
     /// Makes room for `n2` received rows (the node notify's count; the stream has synchronised),
     /// as [`Self::fit_rail`].
     fn fit_node(&mut self, n2: usize, handle: &mut GpuHierHandle) -> Result<()> {
+        let own = local(self.cfg.rank);
         let have = self.sc.as_ref().map_or(0, |s| s.node.n2);
         if n2 <= have && n2 * 4 <= handle.src.len() {
             return Ok(());
@@ -432,7 +457,9 @@ impl GpuHierBuffer {
         if n2 > have {
             if let Some(sc) = self.sc.as_ref() {
                 // The pinned stage may still feed an upload (bounded like sync_gpu).
-                sc.uploaded.synchronize_within(self.cfg.timeout * 2 + Duration::from_secs(5))?;
+                sc.uploaded
+                    .synchronize_within(self.cfg.timeout * 2 + Duration::from_secs(5))
+                    .map_err(&own)?;
             }
             let ns = self.node_scratch(grow)?;
             if let Some(sc) = self.sc.as_mut() {
@@ -441,7 +468,7 @@ impl GpuHierBuffer {
         }
         if n2 * 4 > handle.src.len() {
             let dev = self.rail.gpu()?.device().clone();
-            handle.src = DeviceBuffer::new(&dev, grow * 4)?;
+            handle.src = DeviceBuffer::new(&dev, grow * 4).map_err(&own)?;
         }
         Ok(())
     }
@@ -479,6 +506,7 @@ impl GpuHierBuffer {
         a: &GpuHierDispatchArgs<'_>,
         handle: &mut GpuHierHandle,
     ) -> Result<usize> {
+        let own = local(self.cfg.rank);
         let (h, k, e) = (self.cfg.hidden, self.cfg.num_topk, self.elt());
         let (hw, g) = (h + META_CHANNELS, h / FP8_GROUP);
         let gw = g + 1;
@@ -556,16 +584,16 @@ impl GpuHierBuffer {
         let r = self.rail.gpu().and_then(|g| g.dispatch_gpu(&d, &handle.rail, &ro));
         r.map_err(|err| self.rail_err(err))?;
         // Widen into hidden + 128 with the lane: (source node, token index on the source).
-        copy_2d_async(s, wide_x.ptr, hw * e, ro.recv_x.ptr, h * e, h * e, n1)?;
+        copy_2d_async(s, wide_x.ptr, hw * e, ro.recv_x.ptr, h * e, h * e, n1).map_err(&own)?;
         if let (Some(ws), Some(rs)) = (wide_s, ro.recv_x_scales) {
-            copy_2d_async(s, ws.ptr, gw * 4, rs.ptr, g * 4, g * 4, n1)?;
+            copy_2d_async(s, ws.ptr, gw * 4, rs.ptr, g * 4, g * 4, n1).map_err(&own)?;
         }
         let lane = wide_x.ptr + (h * e) as u64;
         for (m, w) in handle.rail_prefix.windows(2).enumerate() {
             let row = (w[0] * hw * e) as u64;
-            memset_2d_u32_async(s, lane + row, hw * e, m as u32, 1, w[1] - w[0])?;
+            memset_2d_u32_async(s, lane + row, hw * e, m as u32, 1, w[1] - w[0]).map_err(&own)?;
         }
-        copy_2d_async(s, lane + 4, hw * e, ro.recv_src_idx.ptr, 4, 4, n1)?;
+        copy_2d_async(s, lane + 4, hw * e, ro.recv_src_idx.ptr, 4, 4, n1).map_err(&own)?;
         // Node stage: the gateway forwards to the ranks of its node.
         let topk = DevSlice { ptr: ro.recv_topk_idx.ptr, bytes: n1 * k * 8 };
         let mut info2 = None;
@@ -608,7 +636,7 @@ impl GpuHierBuffer {
             // The lanes back to the host (pinned), once per fresh dispatch.
             let lanes = no.recv_x.ptr + (h * e) as u64;
             res = copy_2d_async(s, host as u64, 8, lanes, hw * e, 8, n2)
-                .map_err(Error::from)
+                .map_err(&own)
                 .and_then(|_| self.node.gpu().and_then(|g| g.sync_gpu(s)));
         }
         res.map_err(|err| self.node_err(err))?;
@@ -632,11 +660,14 @@ impl GpuHierBuffer {
             handle.n2 = n2;
             // The source indices to the handle's device copy, through the pinned stage (the
             // previous upload from it has finished; bounded like sync_gpu).
-            uploaded.synchronize_within(self.cfg.timeout * 2 + Duration::from_secs(5))?;
+            uploaded
+                .synchronize_within(self.cfg.timeout * 2 + Duration::from_secs(5))
+                .map_err(&own)?;
             let staged = std::slice::from_raw_parts_mut(host_src as *mut i32, n2);
             staged.copy_from_slice(&src_idx);
-            copy_2d_async(s, handle.src.device_ptr(), n2 * 4, host_src, n2 * 4, n2 * 4, 1)?;
-            uploaded.record(s)?;
+            copy_2d_async(s, handle.src.device_ptr(), n2 * 4, host_src, n2 * 4, n2 * 4, 1)
+                .map_err(&own)?;
+            uploaded.record(s).map_err(&own)?;
             handle.filled = true;
         }
         if !a.cached {
@@ -671,6 +702,7 @@ impl GpuHierBuffer {
         out: &GpuDispatchOut,
         s: &Stream,
     ) -> Result<()> {
+        let own = local(self.cfg.rank);
         if handle.buffer_id != self.id {
             return Err(Error::arg("handle", "made by another GpuHierBuffer"));
         }
@@ -721,10 +753,12 @@ impl GpuHierBuffer {
                 hw * e,
                 h * e,
                 len,
-            )?;
+            )
+            .map_err(&own)?;
             if let (Some(os), Some(ns)) = (out_s, no.recv_x_scales) {
                 let (a4, b4) = ((g * 4) as u64, (gw * 4) as u64);
-                copy_2d_async(s, os.ptr + p * a4, g * 4, ns.ptr + i * b4, gw * 4, g * 4, len)?;
+                copy_2d_async(s, os.ptr + p * a4, g * 4, ns.ptr + i * b4, gw * 4, g * 4, len)
+                    .map_err(&own)?;
             }
             let (k8, k4) = ((k * 8) as u64, (k * 4) as u64);
             let (ti, tw) = (no.recv_topk_idx.ptr, no.recv_topk_weights.ptr);
@@ -736,7 +770,8 @@ impl GpuHierBuffer {
                 len * k * 8,
                 len * k * 8,
                 1,
-            )?;
+            )
+            .map_err(&own)?;
             copy_2d_async(
                 s,
                 out.recv_topk_weights.ptr + p * k4,
@@ -745,18 +780,24 @@ impl GpuHierBuffer {
                 len * k * 4,
                 len * k * 4,
                 1,
-            )?;
+            )
+            .map_err(&own)?;
         }
-        copy_2d_async(s, out.recv_src_idx.ptr, n2 * 4, handle.src.device_ptr(), n2 * 4, n2 * 4, 1)?;
+        copy_2d_async(s, out.recv_src_idx.ptr, n2 * 4, handle.src.device_ptr(), n2 * 4, n2 * 4, 1)
+            .map_err(&own)?;
         // Padding rows (num_worst_tokens): zero rows, top-k -1, weights 0, source -1.
         let pad = rows - n2;
-        memset_range_async(s, out.recv_x.ptr + (n2 * h * e) as u64, 0, pad * h * e)?;
+        memset_range_async(s, out.recv_x.ptr + (n2 * h * e) as u64, 0, pad * h * e)
+            .map_err(&own)?;
         if let Some(os) = out_s {
-            memset_range_async(s, os.ptr + (n2 * g * 4) as u64, 0, pad * g * 4)?;
+            memset_range_async(s, os.ptr + (n2 * g * 4) as u64, 0, pad * g * 4).map_err(&own)?;
         }
-        memset_range_async(s, out.recv_topk_idx.ptr + (n2 * k * 8) as u64, 0xFF, pad * k * 8)?;
-        memset_range_async(s, out.recv_topk_weights.ptr + (n2 * k * 4) as u64, 0, pad * k * 4)?;
-        memset_range_async(s, out.recv_src_idx.ptr + (n2 * 4) as u64, 0xFF, pad * 4)?;
+        memset_range_async(s, out.recv_topk_idx.ptr + (n2 * k * 8) as u64, 0xFF, pad * k * 8)
+            .map_err(&own)?;
+        memset_range_async(s, out.recv_topk_weights.ptr + (n2 * k * 4) as u64, 0, pad * k * 4)
+            .map_err(&own)?;
+        memset_range_async(s, out.recv_src_idx.ptr + (n2 * 4) as u64, 0xFF, pad * 4)
+            .map_err(&own)?;
         handle.prepared = false;
         self.prepared = None;
         Ok(())
@@ -773,6 +814,7 @@ impl GpuHierBuffer {
         a: &GpuCombineArgs<'_>,
         handle: &GpuHierHandle,
     ) -> Result<()> {
+        let own = local(self.cfg.rank);
         let (h, k) = (self.cfg.hidden, self.cfg.num_topk);
         let hw = h + META_CHANNELS;
         if handle.buffer_id != self.id {
@@ -811,7 +853,8 @@ impl GpuHierBuffer {
                 h * 2,
                 h * 2,
                 len,
-            )?;
+            )
+            .map_err(&own)?;
             if let Some(w) = a.topk_weights {
                 let k4 = (k * 4) as u64;
                 copy_2d_async(
@@ -822,7 +865,8 @@ impl GpuHierBuffer {
                     len * k * 4,
                     len * k * 4,
                     1,
-                )?;
+                )
+                .map_err(&own)?;
             }
         }
         let n1 = handle.n1;
@@ -846,7 +890,8 @@ impl GpuHierBuffer {
             hw * 2,
             h * 2,
             n1,
-        )?;
+        )
+        .map_err(&own)?;
         let rail_args = GpuCombineArgs {
             x: DevSlice::of(&sc.rail.rail_x),
             topk_weights: with_w.then_some(gw_w),
@@ -891,7 +936,32 @@ fn runs_of(perm: &[u32]) -> Vec<(usize, usize, usize)> {
 
 #[cfg(test)]
 mod tests {
-    use super::runs_of;
+    use super::{local, runs_of};
+    use crate::cuda::CudaError;
+    use crate::Error;
+    use std::time::Duration;
+
+    #[test]
+    fn own_cuda_errors_name_the_job_rank() {
+        let driver = CudaError::Driver {
+            call: "cuMemcpy2DAsync",
+            code: 1,
+            name: "CUDA_ERROR_INVALID_VALUE".into(),
+            text: "invalid argument".into(),
+        };
+        let e = local(5)(driver);
+        assert!(matches!(e, Error::Cuda(CudaError::Driver { code: 1, .. })), "{e:?}");
+        assert!(e.to_string().contains("(rank 5, the hierarchy's copies"), "{e}");
+        let waited = Duration::from_secs(3);
+        let e = local(6)(CudaError::Timeout { call: "cuEventQuery", waited });
+        assert!(
+            matches!(&e, Error::Timeout { rank: 6, phase: "cuEventQuery", peers, waited: w, .. }
+                if peers.is_empty() && *w == waited),
+            "{e:?}"
+        );
+        let e = local(7)(CudaError::NoGpu("none".into()));
+        assert!(matches!(e, Error::Cuda(CudaError::NoGpu(_))), "{e:?}");
+    }
 
     #[test]
     fn runs_cover_the_permutation() {

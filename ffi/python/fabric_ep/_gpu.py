@@ -158,11 +158,12 @@ class GpuPath:
         C = torch._C
         self._get_stream = getattr(C, "_cuda_getCurrentStream", None)
         self._set_stream = getattr(C, "_cuda_setStream", None)
+        self._get_device = getattr(C, "_cuda_getDevice", None)
         self._comm_ids = (self.comm.stream_id, self.comm.device_index, self.comm.device_type)
         self._Stream = getattr(torch, "Stream", None)
         base = getattr(C, "_CudaEventBase", None)
         if self._get_stream is None or self._set_stream is None or self._Stream is None \
-                or base is None:
+                or self._get_device is None or base is None:
             self._get_stream = None
         else:
             self._event_new, self._event_record = base.__new__, base.record
@@ -322,8 +323,10 @@ class GpuPath:
 
     def to_comm(self) -> Any:
         """Makes the communication stream current (so allocations come from its pool); returns
-        what ``back`` needs to restore the current stream."""
-        if self._get_stream is None:
+        what ``back`` needs to restore the current stream: the previous stream's ids, or
+        torch's stream context where the raw pair is missing or the current device is another
+        GPU (``_cuda_setStream`` would leave that device switched)."""
+        if self._get_stream is None or self._get_device() != self.dev:
             ctx = self.torch.cuda.stream(self.comm)
             ctx.__enter__()
             return ctx
@@ -332,10 +335,10 @@ class GpuPath:
         return prev
 
     def back(self, prev: Any) -> None:
-        if self._get_stream is None:
-            prev.__exit__(None, None, None)
-        else:
+        if type(prev) is tuple:
             self._set_stream(*prev)
+        else:
+            prev.__exit__(None, None, None)
 
     def finish(self, on_comm: Tuple[Any, ...], outs: Tuple[Any, ...], prev: Any) -> EventOverlap:
         """``async_finish``: ``on_comm`` (the inputs) and ``outs`` (the outputs) are recorded on
@@ -348,10 +351,10 @@ class GpuPath:
                 t.record_stream(comm)
         if prev is None:
             s = comm
-        elif self._get_stream is None:
-            s = prev.src_prev_stream  # torch.cuda.StreamContext's saved stream
-        else:
+        elif type(prev) is tuple:
             s = self._Stream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
+        else:  # torch's stream context (to_comm), exited: this GPU's current stream again
+            s = self.current_stream(self.dev)
         for t in outs:
             if t is not None:
                 t.record_stream(s)

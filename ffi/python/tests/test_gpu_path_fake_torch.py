@@ -131,16 +131,27 @@ class FakeTorch(types.ModuleType):
             assert (di, dt) == (0, 1)
             self.stream = sid
 
+        @contextlib.contextmanager
+        def stream_ctx(s):  # torch.cuda.stream: only for a current device other than the GPU's
+            prev, self.stream = self.stream, s.cuda_stream
+            self.contexts += 1
+            try:
+                yield
+            finally:
+                self.stream = prev
+
+        self.contexts, self.cur_device = 0, 0
         self.Stream = lambda stream_id, device_index, device_type: stream_obj(stream_id)
         self.cuda = types.SimpleNamespace(
             ExternalStream=lambda p, device=None: stream_obj(p),
             current_stream=lambda d=None: stream_obj(self.stream),
-            stream=lambda s: contextlib.nullcontext(),
+            stream=stream_ctx,
             Event=Event)
         self._C = types.SimpleNamespace(
             _cuda_getCurrentRawStream=lambda d: self.stream,
             _cuda_getCurrentStream=lambda d: (self.stream, d, 1),
-            _cuda_setStream=set_stream, _CudaEventBase=EventBase)
+            _cuda_setStream=set_stream, _cuda_getDevice=lambda: self.cur_device,
+            _CudaEventBase=EventBase)
 
 
 class RecordingLib:
@@ -458,6 +469,13 @@ def test_async_calls_record_each_tensor_on_the_stream_that_shares_it(path):
             handle._ptr = 0
         assert torch.records == [(x, COMM), (idx, COMM), (w, COMM),
                                  (rx2, COMPUTE if on_comm else COMM)]
+    # Another current device: torch's stream context instead of the raw pair (which would leave
+    # the device switched), with the same result.
+    torch.cur_device, torch.records, torch.contexts = 1, [], 0
+    rx, ri, rw, _, handle, ev = g.dispatch(x, None, idx, w, 1, 0, prev, True, True)
+    assert torch.contexts == 1 and torch.stream == COMPUTE and rx._alloc == COMM
+    assert torch.records[-3:] == [(t, COMPUTE) for t in (rx, ri, rw)]
+    torch.cur_device = 0
     # The stream is restored when an allocation fails.
     torch.Tensor.new_empty_strided, real = None, torch.Tensor.new_empty_strided
     try:

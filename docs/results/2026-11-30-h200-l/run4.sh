@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Device run 4 (twelfth session), one H200: the final state. The hierarchy's own CUDA errors now
+# name the job rank (hier_gpu `local`) and tests/gpu_hier's params reuse gpu_common::small: the
+# hierarchy tests (and the C ABI's, the CUDA layer's); the package's stream switch falls back to
+# torch's context when the current device is another GPU: the overhead bench three times and the
+# Python GPU tests. Bundle: FEP_GPU_BUILD=tests.
+set -u
+B=$PWD/gpu-bundle
+export LD_LIBRARY_PATH="$B/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" CUDA_MODULE_LOADING=EAGER
+L=$OUT/logs; mkdir -p "$L"
+S=$L/summary.txt
+say() { echo "== $(date +%T) $*" | tee -a "$S"; }
+say "start $(head -1 $B/MANIFEST)"
+export CUDA_DEVICE_MAX_CONNECTIONS=32
+for t in gpu_hier gpu_cuda gpu_ffi; do
+  timeout 200 "$B/tests/$t" --include-ignored --test-threads=1 >"$L/$t.log" 2>&1
+  say "$t rc=$? $(grep -E '^test result:' "$L/$t.log" | tail -1)"; grep -E "FAILED|panicked" "$L/$t.log" | head -5 | tee -a "$S"
+done
+cd "$B/python/tests"
+export PYTHONPATH=$B/python:$B/python/tests FABRIC_EP_LIBRARY=$B/python/fabric_ep/libfabric_ep.so
+for i in 1 2 3; do
+  timeout 200 python3 bench_overhead_gpu.py >"$L/overhead_gpu-$i.json" 2>"$L/overhead_gpu-$i.err"; say "overhead $i rc=$?"; tail -3 "$L/overhead_gpu-$i.err"
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('errors', d.get('errors')); [print(k, {c: round(v, 2) for c, v in d[k].items()}) for k in ('python_side_us','python_side_kept_us','python_side_prealloc_us','paired_median_difference_us')]" "$L/overhead_gpu-$i.json" 2>&1 | tee -a "$S"
+done
+timeout 300 python3 -m pytest -q -p no:cacheprovider test_gpu.py test_gpu_abi.py test_torch.py >"$L/pytest-gpu.log" 2>&1
+say "python GPU tests (pytest) rc=$? $(tail -1 "$L/pytest-gpu.log")"; grep -E "FAILED|Error" "$L/pytest-gpu.log" | head -8 | tee -a "$S"
+tar -C "$OUT" -czf "$OUT/logs.tgz" logs
