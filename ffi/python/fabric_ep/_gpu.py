@@ -843,7 +843,8 @@ class GpuPath:
                     stats.add_(count)
             else:
                 stats.add_(count)
-        event = self.finish((x, topk_idx), (recv_x, recv_s, routing), None) \
+        # (stats: updated on the communication stream above with async_finish.)
+        event = self.finish((x, topk_idx, stats), (recv_x, recv_s, routing), None) \
             if async_finish else NO_EVENT
         return out_x, count, handle, event, None
 

@@ -234,13 +234,17 @@ def low_latency(group, r, world, tokens=TOKENS):
     checked = []
     try:
         stats = torch.zeros(L, dtype=torch.int32, device=DEV)
-        for hooked in (False, True, False):
+        # Plain, with the receive hook, plain, asynchronous (an event; the stats updated on the
+        # comm stream).
+        for hooked, async_ in ((False, False), (True, False), (False, False), (False, True)):
             rx, cnt, handle, ev, hook = buf.low_latency_dispatch(
                 xt, it, MAX_LL, e_all, cumulative_local_expert_recv_stats=stats, use_fp8=False,
-                return_recv_hook=hooked)
+                return_recv_hook=hooked, async_finish=async_)
             assert isinstance(handle, LowLatencyHandle) and (hook is not None) == hooked
+            assert (ev.event is not None) == async_
             if hooked:
                 hook()
+            ev.current_stream_wait()
             c = host(cnt).tolist()
             assert c == ref_cnt.tolist(), (c, ref_cnt)
             got = bits(rx)
@@ -257,14 +261,15 @@ def low_latency(group, r, world, tokens=TOKENS):
             y = (rx.float() * mult).to(torch.bfloat16)
             out = torch.empty((x.shape[0], H), dtype=torch.bfloat16, device=DEV)
             cx, ev, chook = buf.low_latency_combine(y, it, wt, handle, return_recv_hook=hooked,
-                                                    out=out)
+                                                    out=out, async_finish=async_)
             assert cx is out and (chook is not None) == hooked
             if hooked:
                 chook()
+            ev.current_stream_wait()
             assert np.array_equal(bits(cx), ll_combine_want(x, idx, w)), \
-                f"LL combine (hook {hooked})"
-            checked.append(hooked)
-        assert host(stats).tolist() == (3 * ref_cnt).tolist(), (stats, ref_cnt)
+                f"LL combine (hook {hooked}, async {async_})"
+            checked.append((hooked, async_))
+        assert host(stats).tolist() == (4 * ref_cnt).tolist(), (stats, ref_cnt)
         buf.sync()
         buf.clean_low_latency_buffer(MAX_LL, H, e_all)
         rx, cnt, handle, _, _ = buf.low_latency_dispatch(xt, it, MAX_LL, e_all, use_fp8=False)

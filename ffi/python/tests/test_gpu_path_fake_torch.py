@@ -102,6 +102,9 @@ class FakeTorch(types.ModuleType):
             def record_stream(t, s):
                 fake.records.append((t, s.cuda_stream))
 
+            def add_(t, other):
+                t.added = (other, fake.stream)
+
             @property
             def device(t):
                 return f"cuda:{t._dev}" if t._dev >= 0 else "cpu"
@@ -514,3 +517,20 @@ def test_dispatch_checks_layout_tensors_unless_they_are_the_last_layout(path):
     call(other, lay[2], lay[3])
     call(lay[0], lay[2], None)
     assert [c[1] for c in checked] == [other, lay[0]] and checked[1][3] is None
+
+
+def test_ll_async_dispatch_records_its_tensors_and_the_stats_on_comm(path):
+    """An asynchronous low-latency dispatch: its outputs are allocated on the compute stream and
+    written on comm, its inputs and cumulative_local_expert_recv_stats (updated on comm) are
+    read there: all recorded on the comm stream."""
+    g, torch, rec, buf = path
+    buf.num_max_dispatch_tokens_per_rank, buf.num_experts = 6, L * R
+    rec.fep_gpu_ll_dispatch = lambda *a: 0  # the op stays NULL: nothing to free
+    x, idx = torch.Tensor((T, H), torch.bfloat16), torch.Tensor((T, K), torch.int64)
+    stats = torch.Tensor((L,), torch.int32)
+    torch.records.clear()
+    rx, count, handle, ev, hook = g.ll_dispatch(x, idx, stats, False, False, True, False)
+    assert hook is None and ev.event.recorded_on == COMM
+    assert stats.added[1] == COMM and stats.added[0].data_ptr() == count.data_ptr()
+    routing = handle._routing[0]
+    assert torch.records == [(x, COMM), (idx, COMM), (stats, COMM), (rx, COMM), (routing, COMM)]
