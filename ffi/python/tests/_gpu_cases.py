@@ -236,7 +236,7 @@ def low_latency(group, r, world, tokens=TOKENS):
         stats = torch.zeros(L, dtype=torch.int32, device=DEV)
         # Plain, with the receive hook, plain, asynchronous (an event; the stats updated on the
         # comm stream).
-        for hooked, async_ in ((False, False), (True, False), (False, False), (False, True)):
+        for hooked, async_ in _LL_MODES:
             rx, cnt, handle, ev, hook = buf.low_latency_dispatch(
                 xt, it, MAX_LL, e_all, cumulative_local_expert_recv_stats=stats, use_fp8=False,
                 return_recv_hook=hooked, async_finish=async_)
@@ -437,6 +437,9 @@ def normal_hier_fp8(group, r, world):
     return normal_fp8(group, r, world, **dict(HIER, ranks_per_node=world // 2))
 
 
+# The low-latency cases' iterations, (hooked, async_finish) each (low_latency).
+_LL_MODES = [(False, False), (True, False), (False, False), (False, True)]
+
 # name -> (per-rank function, what each rank must return)
 CASES = {
     "normal_bf16": (normal_bf16, "ok"),
@@ -444,13 +447,13 @@ CASES = {
     "normal_fp8": (normal_fp8, "ok"),
     "normal_hier_bf16": (normal_hier_bf16, "ok"),
     "normal_hier_fp8": (normal_hier_fp8, "ok"),
-    "low_latency": (low_latency, [False, True, False]),
+    "low_latency": (low_latency, _LL_MODES),
     "low_latency_fp8": (low_latency_fp8, "ok"),
     "streams_and_events": (streams_and_events, "ok"),
     "bad_arguments": (bad_arguments, "ok"),
     "legacy_stream_refused": (legacy_stream_refused, "ok"),
     "auto_backend": (auto_backend, ("gpu", True)),
-    "zero_token_rank": (zero_token_rank, [False, True, False]),
+    "zero_token_rank": (zero_token_rank, _LL_MODES),
 }
 
 
