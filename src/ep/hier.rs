@@ -39,6 +39,7 @@ use super::config::{EpConfig, EpSettings};
 use super::handle::DispatchHandle;
 use super::quant::FP8_GROUP;
 use crate::bootstrap::{Bootstrap, BootstrapError};
+use crate::proxy::{Lagging, ProxyError};
 use crate::{Error, Result};
 
 /// Channels of the node stage's metadata lane (one fp8 scale group).
@@ -530,12 +531,12 @@ pub(crate) fn final_order(
 
 /// An error of a stage's buffer with its ranks (indices in the stage's sub-communicator)
 /// turned into the job's ranks, so a timeout names the rank an operator must look at.
-/// NOTES: only `Timeout` and `Protocol` are mapped; the proxy's and libfabric's own errors
-/// (`Error::Proxy`, `Error::Fabric`) still name the stage's sub-ranks (rail: node index; node:
-/// local index). Bootstrap errors name job ranks already (the sub-groups use the job's
-/// all-gather).
+/// `Timeout`, `Protocol` and the proxy's errors are mapped ([`proxy_world_err`]); libfabric's
+/// own (`Error::Fabric`) name no rank. Bootstrap errors name job ranks already (the sub-groups
+/// use the job's all-gather).
 pub(crate) fn world_err(e: Error, stage: &str, to_world: impl Fn(usize) -> usize) -> Error {
     match e {
+        Error::Proxy(p) => Error::Proxy(proxy_world_err(p, stage, &to_world)),
         Error::Timeout { rank, phase, peers, waited, detail } => Error::Timeout {
             rank: to_world(rank),
             phase,
@@ -550,6 +551,59 @@ pub(crate) fn world_err(e: Error, stage: &str, to_world: impl Fn(usize) -> usize
             msg: format!("{msg} (the hierarchy's {stage} stage)"),
         },
         e => e,
+    }
+}
+
+/// [`world_err`] for a proxy error: the rank and peer fields in job ranks. A command's
+/// destination (`BadRank::dst_rank`) stays a stage index, as the count it is checked against;
+/// the messages of `PeerUnreachable` and `Transport` name the stage.
+fn proxy_world_err(p: ProxyError, stage: &str, to_world: &impl Fn(usize) -> usize) -> ProxyError {
+    let w = |r: u32| to_world(r as usize) as u32;
+    match p {
+        ProxyError::OutOfBounds { rank, peer, what, offset, length, len } => {
+            ProxyError::OutOfBounds { rank: w(rank), peer: w(peer), what, offset, length, len }
+        }
+        ProxyError::BadHead { rank, ring, head, tail, capacity } => {
+            ProxyError::BadHead { rank: w(rank), ring, head, tail, capacity }
+        }
+        ProxyError::BadSeq { rank, ring, ticket, expected, found } => {
+            ProxyError::BadSeq { rank: w(rank), ring, ticket, expected, found }
+        }
+        ProxyError::BadSlot { rank, imm, slot, num_slots } => {
+            ProxyError::BadSlot { rank: w(rank), imm, slot, num_slots }
+        }
+        ProxyError::BadRank { rank, ring, dst_rank, num_ranks } => {
+            ProxyError::BadRank { rank: w(rank), ring, dst_rank, num_ranks }
+        }
+        ProxyError::BadCompletion { rank, ring, num_rings } => {
+            ProxyError::BadCompletion { rank: w(rank), ring, num_rings }
+        }
+        ProxyError::PeerUnreachable { rank, peer, msg } => ProxyError::PeerUnreachable {
+            rank: w(rank),
+            peer: w(peer),
+            msg: format!("{msg} (the hierarchy's {stage} stage)"),
+        },
+        ProxyError::Fabric { rank, peer, source } => {
+            ProxyError::Fabric { rank: w(rank), peer: peer.map(w), source }
+        }
+        ProxyError::Transport { rank, msg } => ProxyError::Transport {
+            rank: w(rank),
+            msg: format!("{msg} (the hierarchy's {stage} stage)"),
+        },
+        ProxyError::ArrivalTimeout { rank, waited, lagging } => ProxyError::ArrivalTimeout {
+            rank: w(rank),
+            waited,
+            lagging: lagging
+                .into_iter()
+                .map(|l| Lagging { peer: if l.peer == u32::MAX { l.peer } else { w(l.peer) }, ..l })
+                .collect(),
+        },
+        ProxyError::SendTimeout { rank, ring, expected, observed, waited } => {
+            ProxyError::SendTimeout { rank: w(rank), ring, expected, observed, waited }
+        }
+        ProxyError::WorkerStopped { rank } => ProxyError::WorkerStopped { rank: w(rank) },
+        // The rest name no rank, or (WorkerFailed) wrap a shared error left as it is.
+        p => p,
     }
 }
 
@@ -665,6 +719,50 @@ fn narrow(x: &OwnedTokens, h: usize, perm: &[u32], rows: usize) -> OwnedTokens {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stage_proxy_errors_name_job_ranks() {
+        // Rail stage of rank 6 in a 2 x 4 job: sub-rank = node index, job rank = n * 4 + 2.
+        let to_world = |n: usize| n * 4 + 2;
+        let e = world_err(
+            Error::Proxy(ProxyError::PeerUnreachable { rank: 1, peer: 0, msg: "gone".into() }),
+            "rail",
+            to_world,
+        );
+        assert!(
+            matches!(&e, Error::Proxy(ProxyError::PeerUnreachable { rank: 6, peer: 2, msg })
+                if msg == "gone (the hierarchy's rail stage)"),
+            "{e:?}"
+        );
+        let lag = |peer| Lagging { peer, slot: 3, expected: 2, observed: 1 };
+        let e = world_err(
+            Error::Proxy(ProxyError::ArrivalTimeout {
+                rank: 1,
+                waited: std::time::Duration::from_secs(1),
+                lagging: vec![lag(0), lag(u32::MAX)],
+            }),
+            "rail",
+            to_world,
+        );
+        let Error::Proxy(ProxyError::ArrivalTimeout { rank: 6, lagging, .. }) = &e else {
+            panic!("{e:?}")
+        };
+        assert_eq!(lagging.iter().map(|l| l.peer).collect::<Vec<_>>(), vec![2, u32::MAX]);
+        let e = world_err(
+            Error::Proxy(ProxyError::BadRank { rank: 0, ring: 1, dst_rank: 5, num_ranks: 2 }),
+            "rail",
+            to_world,
+        );
+        assert!(
+            matches!(
+                e,
+                Error::Proxy(ProxyError::BadRank { rank: 2, dst_rank: 5, num_ranks: 2, .. })
+            ),
+            "{e:?}"
+        );
+        let e = world_err(Error::Proxy(ProxyError::WorkerStopped { rank: 1 }), "node", |j| 4 + j);
+        assert!(matches!(e, Error::Proxy(ProxyError::WorkerStopped { rank: 5 })), "{e:?}");
+    }
 
     #[test]
     fn the_lane_round_trips_both_dtypes() {
