@@ -12,17 +12,14 @@ tensor of the output's dtype) on the Buffer's device: on the compute stream, or 
 the communication stream with ``allocate_on_comm_stream=True`` (which, as in DeepEP, needs
 ``previous_event`` and ``async_finish=True``).
 
-With ``async_finish=True`` the caching allocator must not hand a tensor's memory to other work
-while the other stream still uses it. The inputs (allocated on the compute stream, read on the
-communication stream) are held by the Buffer until the call's event has completed (released at a
-later asynchronous call that finds it complete, or at ``sync``/``destroy``), as torch's own
-``ProcessGroupNCCL`` does with ``TORCH_NCCL_AVOID_RECORD_STREAMS``: a ``record_stream`` each
-costs ~1 us from Python, and again when the tensor is freed. The outputs are recorded, as
-DeepEP's C++ records them: those allocated on the compute stream on the communication stream,
-those allocated on the communication stream on the compute stream, so that when the caller drops
-them after using them there, the communication stream's pool does not hand their memory to the
-next call's outputs before that use is done (nothing the Buffer holds could tell when that use
-ends: an event recorded before it is not enough).
+With ``async_finish=True`` the caching allocator is told, as DeepEP's C++ tells it, which other
+stream uses each tensor until the event (``record_stream``): the inputs (allocated on the
+compute stream, read on the communication stream) and the outputs allocated on the compute
+stream are recorded on the communication stream; outputs allocated on the communication stream
+are recorded on the compute stream, so that when the caller drops them after using them there,
+the communication stream's pool does not hand their memory to the next call's outputs before
+that use is done (an event recorded before that use is not enough). A tensor is recorded on one
+stream only: on its own allocation stream ``record_stream`` is a no-op.
 
 NOTES (ranks as threads of one process on one GPU, this version's only GPU mode): a device
 allocation or free while a peer's kernel spins on this rank can deadlock (it waits for the whole
@@ -47,11 +44,10 @@ run one process per GPU.
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import os
 import warnings
-from typing import Any, Callable, Deque, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
@@ -171,14 +167,10 @@ class GpuPath:
             self._get_stream = None
         else:
             self._event_new, self._event_record = base.__new__, base.record
-            self._event_query = base.query
         self._Event = torch.cuda.Event
         # The last get_dispatch_layout's outputs: passed back to dispatch unchanged (DeepEP's
         # documented call), they are known good and not checked again.
         self._layout_out: Tuple[Any, ...] = ()
-        # Asynchronous calls' inputs, held until their event has completed (see the module
-        # notes): (event, tensors), oldest first.
-        self._held: Deque[Tuple[Any, Tuple[Any, ...]]] = collections.deque()
         fp8 = getattr(torch, "float8_e4m3fn", None)
         self.bf16 = (torch.bfloat16,)
         self._bf16 = torch.bfloat16
@@ -348,12 +340,15 @@ class GpuPath:
         else:
             prev.__exit__(None, None, None)
 
-    def finish(self, ins: Tuple[Any, ...], outs: Tuple[Any, ...], prev: Any) -> EventOverlap:
-        """``async_finish`` (see the module notes): an event on the communication stream; the
-        inputs ``ins`` held until it has completed; the outputs ``outs`` recorded on the
-        communication stream, or on the compute stream when they were allocated on the
-        communication stream (``prev``: ``to_comm``'s return; None when they were not)."""
+    def finish(self, on_comm: Tuple[Any, ...], outs: Tuple[Any, ...], prev: Any) -> EventOverlap:
+        """``async_finish``: ``on_comm`` (the inputs) and ``outs`` (the outputs) are recorded on
+        the communication stream, or ``outs`` on the compute stream when they were allocated on
+        the communication stream (``prev``: ``to_comm``'s return; None when they were not), see
+        the module notes; then an event on the communication stream."""
         comm = self.comm
+        for t in on_comm:
+            if t is not None:
+                t.record_stream(comm)
         if prev is None:
             s = comm
         elif type(prev) is tuple:
@@ -363,19 +358,12 @@ class GpuPath:
         for t in outs:
             if t is not None:
                 t.record_stream(s)
-        held = self._held
         if self._get_stream is None:
             e = self._Event()
             e.record(comm)
-            while held and held[0][0].query():
-                held.popleft()
         else:
             e = self._event_new(self._Event)
             self._event_record(e, comm)
-            q = self._event_query
-            while held and q(held[0][0]):
-                held.popleft()
-        held.append((e, ins))
         return EventOverlap(e)
 
     @staticmethod
@@ -920,13 +908,11 @@ class GpuPath:
         st = lib.fep_gpu_sync(self.buf._ptr, self.comm_ptr)
         if st:
             raise _lib.error("fep_gpu_sync", st)
-        self._held.clear()  # the communication stream is idle: every held input is free
 
     def quiesce(self) -> None:
         """Waits (on the host) for this rank's compute and communication streams."""
         self.current_stream(self.dev).synchronize()
         self.comm.synchronize()
-        self._held.clear()
 
 
 class CallbackAllGather:

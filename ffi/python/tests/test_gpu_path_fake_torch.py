@@ -127,9 +127,6 @@ class FakeTorch(types.ModuleType):
             def record(e, s):
                 e.recorded_on = s.cuda_stream
 
-            def query(e):  # complete once a test says so
-                return getattr(e, "done", False)
-
         class Event(EventBase):
             cuda_event = 0x77
 
@@ -445,39 +442,36 @@ def test_bad_ll_dispatch_arguments_are_named(path):
     assert rec.calls == []  # nothing reached the library
 
 
-def test_async_calls_hold_inputs_and_record_outputs_on_the_stream_that_shares_them(path):
-    """async_finish (see _gpu's module notes): the inputs are held until the call's event has
-    completed; the outputs allocated on the compute stream are recorded on the comm stream;
-    with allocate_on_comm_stream they are allocated on the comm stream (the current stream
+def test_async_calls_record_each_tensor_on_the_stream_that_shares_it(path):
+    """async_finish (DeepEP's record_stream rule, see _gpu's module notes): the inputs and the
+    outputs allocated on the compute stream are recorded on the comm stream; with
+    allocate_on_comm_stream the outputs are allocated on the comm stream (the current stream
     restored afterwards) and recorded on the compute stream; the event is recorded on comm."""
     g, torch, rec, _ = path
     x, idx, w = inputs(torch)
     prev = EventOverlap(types.SimpleNamespace(cuda_event=0x66))
     for on_comm in (False, True):
         torch.records.clear()
-        g._held.clear()
         rx, ri, rw, _, handle, ev = g.dispatch(x, None, idx, w, 1, 0, prev, True, on_comm)
         assert torch.stream == COMPUTE  # restored
         outs = (rx, ri, rw)
         assert {t._alloc for t in outs} == {COMM if on_comm else COMPUTE}
-        assert torch.records == [(t, COMPUTE if on_comm else COMM) for t in outs]
+        want = [(t, COMM) for t in (x, idx, w)] + [(t, COMPUTE if on_comm else COMM) for t in outs]
+        assert torch.records == want
         assert isinstance(ev.event, torch.cuda.Event) and ev.event.recorded_on == COMM
-        assert list(g._held) == [(ev.event, (x, None, idx, w))]
         torch.records.clear()
-        cx, cw, ev2 = g.combine(rx, handle, rw, prev, True, on_comm)
+        cx, cw, ev = g.combine(rx, handle, rw, prev, True, on_comm)
         assert torch.stream == COMPUTE and {cx._alloc, cw._alloc} == {COMM if on_comm else COMPUTE}
-        assert torch.records == [(t, COMPUTE if on_comm else COMM) for t in (cx, cw)]
-        assert [h[0] for h in g._held] == [ev.event, ev2.event]  # the dispatch's not complete
-        ev.event.done = True
+        assert torch.records == [(rx, COMM), (rw, COMM)] + \
+            [(t, COMPUTE if on_comm else COMM) for t in (cx, cw)]
         torch.records.clear()
         handle._ptr = 0x1234  # a cached dispatch reads the handle's routing tensors too
         try:
-            (rx2, *_, ev3) = g.dispatch(x, handle, None, None, 1, 0, prev, True, on_comm)
+            (rx2, *_, ev) = g.dispatch(x, handle, None, None, 1, 0, prev, True, on_comm)
         finally:
             handle._ptr = 0
-        assert torch.records == [(rx2, COMPUTE if on_comm else COMM)]
-        # The completed dispatch released, the combine's still held (not complete), then this.
-        assert list(g._held) == [(ev2.event, (rx, rw)), (ev3.event, (x, None, idx, w))]
+        assert torch.records == [(x, COMM), (idx, COMM), (w, COMM),
+                                 (rx2, COMPUTE if on_comm else COMM)]
     # Another current device: torch's stream context instead of the raw pair (which would leave
     # the device switched), with the same result.
     torch.cur_device, torch.records, torch.contexts = 1, [], 0
@@ -493,14 +487,10 @@ def test_async_calls_hold_inputs_and_record_outputs_on_the_stream_that_shares_th
     finally:
         torch.Tensor.new_empty_strided = real
     assert torch.stream == COMPUTE
-    # Synchronous calls record and hold nothing; sync() releases what is held.
+    # Synchronous calls record nothing.
     torch.records.clear()
-    held = len(g._held)
     g.dispatch(x, None, idx, w, 1, 0, None, False, False)
-    assert torch.records == [] and len(g._held) == held > 0
-    rec.fep_gpu_sync = lambda p, s: 0
-    g.sync()
-    assert not g._held
+    assert torch.records == []
 
 
 def test_dispatch_checks_layout_tensors_unless_they_are_the_last_layout(path):
@@ -531,8 +521,8 @@ def test_dispatch_checks_layout_tensors_unless_they_are_the_last_layout(path):
 
 def test_ll_async_dispatch_records_its_tensors_and_the_stats_on_comm(path):
     """An asynchronous low-latency dispatch: its outputs are allocated on the compute stream and
-    written on comm (recorded there); its inputs and cumulative_local_expert_recv_stats
-    (updated on comm) are held until the event has completed."""
+    written on comm, its inputs and cumulative_local_expert_recv_stats (updated on comm) are
+    read there: all recorded on the comm stream."""
     g, torch, rec, buf = path
     buf.num_max_dispatch_tokens_per_rank, buf.num_experts = 6, L * R
     rec.fep_gpu_ll_dispatch = lambda *a: 0  # the op stays NULL: nothing to free
@@ -543,5 +533,4 @@ def test_ll_async_dispatch_records_its_tensors_and_the_stats_on_comm(path):
     assert hook is None and ev.event.recorded_on == COMM
     assert stats.added[1] == COMM and stats.added[0].data_ptr() == count.data_ptr()
     routing = handle._routing[0]
-    assert torch.records == [(rx, COMM), (routing, COMM)]
-    assert list(g._held) == [(ev.event, (x, idx, stats))]
+    assert torch.records == [(x, COMM), (idx, COMM), (stats, COMM), (rx, COMM), (routing, COMM)]
