@@ -474,7 +474,9 @@ class Buffer:
 
     def get_comm_stream(self) -> Any:
         """The communication stream (a ``torch.cuda.Stream``) on the GPU backend; None on the host
-        backend, which has none (``torch.cuda.stream(None)`` is a no-op context)."""
+        backend, which has none (``torch.cuda.stream(None)`` is a no-op context). The stream
+        stays valid after :meth:`destroy` (tensors recorded on it may be freed later); a Buffer
+        built later on the GPU may get the same one."""
         self._live()
         return self._g.comm if self._g is not None else None
 
