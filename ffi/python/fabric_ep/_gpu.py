@@ -910,9 +910,11 @@ class GpuPath:
             raise _lib.error("fep_gpu_sync", st)
 
     def quiesce(self) -> None:
-        """Waits (on the host) for this rank's compute and communication streams."""
+        """Waits (on the host) for this rank's compute and communication streams; drops the
+        reference to the last layout's outputs (``destroy`` calls this)."""
         self.current_stream(self.dev).synchronize()
         self.comm.synchronize()
+        self._layout_out = ()
 
 
 class CallbackAllGather:

@@ -121,7 +121,8 @@ class FakeTorch(types.ModuleType):
 
         self.empty_strided = empty_strided
         def stream_obj(p):
-            return types.SimpleNamespace(cuda_stream=p, stream_id=p, device_index=0, device_type=1)
+            return types.SimpleNamespace(cuda_stream=p, stream_id=p, device_index=0, device_type=1,
+                                         synchronize=lambda: None)
 
         class EventBase:
             def record(e, s):
@@ -517,6 +518,10 @@ def test_dispatch_checks_layout_tensors_unless_they_are_the_last_layout(path):
     call(other, lay[2], lay[3])
     call(lay[0], lay[2], None)
     assert [c[1] for c in checked] == [other, lay[0]] and checked[1][3] is None
+    g.quiesce()  # (destroy): the layout's outputs are let go, and checked again if passed
+    assert g._layout_out == ()
+    call(lay[0], lay[2], lay[3])
+    assert len(checked) == 3
 
 
 def test_ll_async_dispatch_records_its_tensors_and_the_stats_on_comm(path):
