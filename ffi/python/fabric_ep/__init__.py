@@ -9,11 +9,14 @@ over host memory; numpy arrays or torch CPU tensors) and GPU (CUDA kernels; torc
 and the current CUDA stream; in this version ranks are threads of one process on one GPU, e.g.
 over a :class:`ThreadGroup`).
 
-The library is found through ``FABRIC_EP_LIBRARY``, next to this package, ``$CARGO_TARGET_DIR``
+The GPU backend makes its torch calls through a small C++ helper built on first use
+(``FABRIC_EP_NATIVE``: auto, 1, 0; :func:`native_status` says whether it is in use), else from
+Python. The library is found through ``FABRIC_EP_LIBRARY``, next to this package, ``$CARGO_TARGET_DIR``
 or the repository's ``target/{release,debug}``, then the system library path.
 """
 
 from ._lib import FabricEPArgumentError, FabricEPError, FabricEPTimeoutError
+from ._native import status as native_status
 from .buffer import Buffer, DispatchHandle, LowLatencyHandle
 from .config import Config
 from .utils import EventOverlap, ThreadGroup
@@ -28,5 +31,6 @@ __all__ = [
     "FabricEPError",
     "FabricEPArgumentError",
     "FabricEPTimeoutError",
+    "native_status",
 ]
 __version__ = "0.1.0"

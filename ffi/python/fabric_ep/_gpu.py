@@ -21,6 +21,12 @@ the communication stream's pool does not hand their memory to the next call's ou
 that use is done (an event recorded before that use is not enough). A tensor is recorded on one
 stream only: on its own allocation stream ``record_stream`` is a no-op.
 
+The torch helper (``_native.py`` / ``_native.cpp``, built on first use; ``FABRIC_EP_NATIVE``)
+makes a call's allocations in one C++ call (on the communication stream's pool by passing its
+stream id, without switching the current stream) and its ``record_stream`` calls in another,
+with torch's own operators; without it each is a torch call from Python (``_nat`` is None), with
+the same streams and results. ``alloc_dispatch``/``alloc_combine``/``finish`` take both paths.
+
 NOTES (ranks as threads of one process on one GPU, this version's only GPU mode): a device
 allocation or free while a peer's kernel spins on this rank can deadlock (it waits for the whole
 device). The library reserves its dispatch handles up front (``gpu_reserve_tokens``) and never
@@ -168,6 +174,13 @@ class GpuPath:
         else:
             self._event_new, self._event_record = base.__new__, base.record
         self._Event = torch.cuda.Event
+        # The optional torch helper (_native.py): None for the pure-Python torch calls.
+        # Its stream arguments are torch stream ids (0: the current stream); the communication
+        # stream's (an external stream's id is its handle, never 0).
+        from . import _native
+
+        self._nat = _native.get(torch)
+        self._comm_sid = self.comm.stream_id
         # The last get_dispatch_layout's outputs: passed back to dispatch unchanged (DeepEP's
         # documented call), they are known good and not checked again.
         self._layout_out: Tuple[Any, ...] = ()
@@ -343,21 +356,28 @@ class GpuPath:
     def finish(self, on_comm: Tuple[Any, ...], outs: Tuple[Any, ...], prev: Any) -> EventOverlap:
         """``async_finish``: ``on_comm`` (the inputs) and ``outs`` (the outputs) are recorded on
         the communication stream, or ``outs`` on the compute stream when they were allocated on
-        the communication stream (``prev``: ``to_comm``'s return; None when they were not), see
-        the module notes; then an event on the communication stream."""
+        the communication stream (``prev``: ``to_comm``'s return, or True from the helper's
+        allocation there; None when they were not), see the module notes; then an event on the
+        communication stream."""
         comm = self.comm
-        for t in on_comm:
-            if t is not None:
-                t.record_stream(comm)
-        if prev is None:
-            s = comm
-        elif type(prev) is tuple:
-            s = self._Stream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
-        else:  # torch's stream context (to_comm), exited: this GPU's current stream again
-            s = self.current_stream(self.dev)
-        for t in outs:
-            if t is not None:
-                t.record_stream(s)
+        nat = self._nat
+        if nat is not None:
+            cs = self._comm_sid
+            # 0: the current stream (the compute stream: the helper never switches it).
+            nat.record(cs, on_comm, cs if prev is None else 0, outs)
+        else:
+            for t in on_comm:
+                if t is not None:
+                    t.record_stream(comm)
+            if prev is None:
+                s = comm
+            elif type(prev) is tuple:
+                s = self._Stream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
+            else:  # torch's stream context (to_comm), exited: this GPU's current stream again
+                s = self.current_stream(self.dev)
+            for t in outs:
+                if t is not None:
+                    t.record_stream(s)
         if self._get_stream is None:
             e = self._Event()
             e.record(comm)
@@ -417,10 +437,13 @@ class GpuPath:
         if run is not compute:
             # As the calls' finish: the input read on the communication stream, the outputs
             # allocated there used on the compute stream.
-            topk_idx.record_stream(run)
-            for o in self._layout_out:
-                if o is not None:
-                    o.record_stream(compute)
+            if self._nat is not None:
+                self._nat.record(self._comm_sid, (topk_idx,), 0, self._layout_out)
+            else:
+                topk_idx.record_stream(run)
+                for o in self._layout_out:
+                    if o is not None:
+                        o.record_stream(compute)
         e = torch.cuda.Event()
         e.record(run)
         return per_rank, per_node, per_expert, in_rank, EventOverlap(e)
@@ -535,15 +558,18 @@ class GpuPath:
             new_handle = self._Handle(hp, self._buf_id, t, rows)  # owns hp from here on
             order = a_o1
         cached = new_handle is None
-        if allocate_on_comm_stream:
+        if allocate_on_comm_stream and self._nat is None:
             prev = self.to_comm()
             try:
-                recv_x, recv_s, recv_idx, recv_w = self.alloc_dispatch(rows, xo, fp8, cached)
+                recv_x, recv_s, recv_idx, recv_w = self.alloc_dispatch(rows, xo, fp8, cached,
+                                                                       True)
             finally:
                 self.back(prev)
         else:
-            prev = None
-            recv_x, recv_s, recv_idx, recv_w = self.alloc_dispatch(rows, xo, fp8, cached)
+            # (The helper allocates on the communication stream itself: prev True.)
+            prev = True if allocate_on_comm_stream else None
+            recv_x, recv_s, recv_idx, recv_w = self.alloc_dispatch(rows, xo, fp8, cached,
+                                                                   allocate_on_comm_stream)
         if rows > self._scr_cap:
             self._scratch(rows)
         # recv_x at 32, recv_x_scales 38, recv_topk_idx 44, recv_topk_weights 50,
@@ -578,12 +604,15 @@ class GpuPath:
             event = NO_EVENT
         return out_x, recv_idx, recv_w, counts, new_handle, event
 
-    def alloc_dispatch(self, rows: int, like: Any, fp8: bool, cached: bool) -> Tuple[Any, ...]:
+    def alloc_dispatch(self, rows: int, like: Any, fp8: bool, cached: bool,
+                       on_comm: bool) -> Tuple[Any, ...]:
         """The tensors a dispatch returns: recv_x (``like``'s dtype), recv_x_scales (fp8 only,
         else None), recv_topk_idx, recv_topk_weights (None for a cached dispatch, which returns
         only recv_x: the kernel writes those into the Buffer's scratch); each its own
         allocation, so the caller may keep any of them alone (bench_overhead_gpu.py replaces
-        this method to time the rest).
+        this method to time the rest). On the current stream; on the communication stream
+        with ``on_comm`` when the helper is loaded (without it the caller makes that stream
+        current around this call).
 
         NOTES: one allocation carved into typed views was considered and not taken: from Python
         every view (a slice, ``.view(dtype)``, ``.view(shape)``) is a dispatcher call about as
@@ -599,6 +628,22 @@ class GpuPath:
         eighth to tenth sessions, itself 2.1 against ``new_empty``'s 2.5 us per output: run 4
         of docs/results/2026-11-29-h200-g). The bench keeps both as alternatives."""
         h, k, g = self.h, self.k, self.g
+        nat = self._nat
+        if nat is not None:
+            s = self._comm_sid if on_comm else 0
+            if cached:
+                if fp8:
+                    return nat.empty(s, like, (rows, h), self._st_h, self._like_f32, (rows, g),
+                                     self._st_g) + (None, None)
+                return nat.empty(s, like, (rows, h), self._st_h) + (None, None, None)
+            rk = (rows, k)
+            if fp8:
+                return nat.empty(s, like, (rows, h), self._st_h, self._like_f32, (rows, g),
+                                 self._st_g, self._like_i64, rk, self._st_k, self._like_f32, rk,
+                                 self._st_k)
+            recv_x, recv_idx, recv_w = nat.empty(s, like, (rows, h), self._st_h, self._like_i64,
+                                                 rk, self._st_k, self._like_f32, rk, self._st_k)
+            return recv_x, None, recv_idx, recv_w
         recv_x = like.new_empty_strided((rows, h), self._st_h)
         recv_s = self._like_f32.new_empty_strided((rows, g), self._st_g) if fp8 else None
         if cached:
@@ -654,15 +699,15 @@ class GpuPath:
             if self.threads:
                 raise _legacy_stream_error()
             compute = _CU_STREAM_LEGACY  # see dispatch
-        if allocate_on_comm_stream:
+        if allocate_on_comm_stream and self._nat is None:
             prev = self.to_comm()
             try:
-                out, cw = self.alloc_combine(t, x, with_w)
+                out, cw = self.alloc_combine(t, x, with_w, True)
             finally:
                 self.back(prev)
         else:
-            prev = None
-            out, cw = self.alloc_combine(t, x, with_w)
+            prev = True if allocate_on_comm_stream else None  # as dispatch
+            out, cw = self.alloc_combine(t, x, with_w, allocate_on_comm_stream)
         cb = self._cb
         a_o, a_x, a_w, a_out, a_cw = cb.addr
         # The combine block's words (_COMBINE_DESC): order [0] at 0; x at 4, topk_weights 10,
@@ -687,9 +732,17 @@ class GpuPath:
         event = self.finish((x, topk_weights), (out, cw), prev) if async_finish else NO_EVENT
         return out, cw, event
 
-    def alloc_combine(self, t: int, like: Any, with_w: bool) -> Tuple[Any, Any]:
+    def alloc_combine(self, t: int, like: Any, with_w: bool, on_comm: bool) -> Tuple[Any, Any]:
         """The tensors a combine returns: combined_x (``like``'s dtype) and, with weights,
-        combined_topk_weights (else None); see alloc_dispatch (the spelling too)."""
+        combined_topk_weights (else None); see alloc_dispatch (the spelling and ``on_comm``
+        too)."""
+        nat = self._nat
+        if nat is not None:
+            s = self._comm_sid if on_comm else 0
+            if with_w:
+                return nat.empty(s, like, (t, self.h), self._st_h, self._like_f32, (t, self.k),
+                                 self._st_k)
+            return nat.empty(s, like, (t, self.h), self._st_h)[0], None
         return (like.new_empty_strided((t, self.h), self._st_h),
                 self._like_f32.new_empty_strided((t, self.k), self._st_k) if with_w else None)
 
@@ -740,6 +793,11 @@ class GpuPath:
         self._ll_layout = (((l, s, h), (s * h, h, 1)), ((l, s, g), (s * g, g, 1)),
                            ((end,), (1,)), tuple(4 * o for o in offs),
                            ((offs[1], (l, s)), (offs[2], (l, s)), (offs[3], (l, r, 2))))
+        lx, ls, lr = self._ll_layout[:3]
+        # The helper's arguments for the outputs (ll_dispatch): bf16 (recv_x, routing), fp8
+        # (recv_x, recv_x_scales, routing), on the current stream.
+        self._ll_empty = ((0, self._like_bf16, *lx, self._like_i32, *lr),
+                          (0, self._like_fp8, *lx, self._like_f32, *ls, self._like_i32, *lr))
         return self._ll_layout
 
     def _ll_refused(self, use_fp8: bool, round_scale: bool, async_finish: bool,
@@ -791,9 +849,16 @@ class GpuPath:
         # as the normal mode's (alloc_dispatch).
         lx, ls, lr, (_, o_sr, o_si, o_pairs, o_pos), views = \
             self._ll_layout or self._make_ll_layout()
-        recv_x = (self._like_fp8 if use_fp8 else self._like_bf16).new_empty_strided(*lx)
-        recv_s = self._like_f32.new_empty_strided(*ls) if use_fp8 else None
-        routing = self._like_i32.new_empty_strided(*lr)
+        nat = self._nat
+        if nat is None:
+            recv_x = (self._like_fp8 if use_fp8 else self._like_bf16).new_empty_strided(*lx)
+            recv_s = self._like_f32.new_empty_strided(*ls) if use_fp8 else None
+            routing = self._like_i32.new_empty_strided(*lr)
+        elif use_fp8:
+            recv_x, recv_s, routing = nat.empty(*self._ll_empty[1])
+        else:
+            recv_x, routing = nat.empty(*self._ll_empty[0])
+            recv_s = None
         count = routing[:l]
         rp = routing.data_ptr()
         blk = self._llb
@@ -864,7 +929,8 @@ class GpuPath:
             op_ = self.t2("out", out, self.bf16, t, h)[0]
             combined = out
         else:
-            combined = self._like_bf16.new_empty_strided((t, h), self._st_h)
+            combined = self._like_bf16.new_empty_strided((t, h), self._st_h) if self._nat is None \
+                else self._nat.empty(0, self._like_bf16, (t, h), self._st_h)[0]
             op_ = combined.data_ptr()
         if self._ll_layout is None:
             self._make_ll_layout()

@@ -342,6 +342,12 @@ class Buffer:
                 raise ValueError("backend: 'gpu' needs a CUDA device (torch.cuda.is_available() is False)")
             cfg.backend = FEP_BACKEND_GPU
             cfg.device = torch_mod.cuda.current_device()
+            # The torch helper is built (first use on this machine, ~13 s on the H200 host) or
+            # loaded here, before fep_buffer_create's rendezvous: a rank still building it
+            # after its peers connected would hold up their first call, whose waits are bounded.
+            from . import _native
+
+            _native.get(torch_mod)
             # Reserved inside fep_buffer_create, before its closing barrier (no allocation may
             # happen while a peer's kernel spins).
             cfg.gpu_reserve_tokens = gpu_reserve_tokens if gpu_reserve_tokens else -1

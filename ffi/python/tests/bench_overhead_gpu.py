@@ -15,14 +15,21 @@ alike:
   ``python_side_alloc_us`` = ``python_side_us`` - ``python_side_prealloc_us``: the part spent
   allocating and freeing the ``tensors_allocated_per_call`` outputs (each returned tensor is
   its own allocation, so the caller may keep any of them alone).
-* ``python_side_new_empty_us`` / ``python_side_empty_strided_us``: ``python_side_us`` of the
-  dispatches with the outputs spelled ``Tensor.new_empty`` (the package's spelling until the
-  seventh session) or ``torch.empty_strided(..., dtype=, device=)`` (the eighth to tenth
-  sessions') instead of ``Tensor.new_empty_strided`` (the package's now).
-* ``alloc_separate_us`` vs ``alloc_one_block_us``: a bf16 dispatch's three returned tensors as
-  three allocations (what the package does) vs one uint8 ``new_empty`` carved into the same
-  three typed tensors (``view(dtype)`` + ``as_strided`` each, 256-byte aligned): whether one
-  allocation per call would pay from Python.
+* ``python_side_pure_us`` / ``python_side_pure_kept_us``: ``python_side_us`` /
+  ``python_side_kept_us`` with the torch helper (``fabric_ep/_native.cpp``) off: every torch call
+  (allocations, ``record_stream``) made from Python, in turns with the helper's. Present when
+  the helper is loaded (``setting.native`` says whether it is; FABRIC_EP_NATIVE=0 runs the
+  whole bench on the pure-Python calls, and the plain figures are then theirs).
+* ``torch_floor_us`` and ``own_us``: the torch work a call's DeepEP semantics need, made through
+  the helper alone (allocating the outputs, freed by the next call; with ``async_finish`` also
+  the ``record_stream`` of its inputs and outputs and the event made and recorded: what
+  DeepEP's C++ does with torch too), timed in the same turns; ``own_us`` =
+  ``python_side_us`` - ``torch_floor_us``: fabric_ep's own Python work per call (checks,
+  stream lookup, descriptors, handle, results). Present when the helper is loaded.
+* ``alloc_separate_us`` vs ``alloc_one_block_us`` (and ``alloc_native_us``): a bf16 dispatch's
+  three returned tensors as three allocations from Python vs one uint8 ``new_empty`` carved
+  into the same three typed tensors (``view(dtype)`` + ``as_strided`` each, 256-byte aligned)
+  (vs the three allocations in one call of the helper).
 * ``end_to_end_us`` vs ``raw_ctypes_us``: the real calls through ``Buffer`` and the same C calls
   through ctypes with descriptors and outputs prepared once (wall clock, ``perf_counter``;
   the two-step dispatch includes its host synchronisation on the GPU, so the GPU's time is in
@@ -233,44 +240,47 @@ def measure_buffer(torch, dtype, n, reps, out):
     g = buf._g
     buf._out_rows.value = rows
     buf._out_handle.value = 0  # the stubbed notify "returns" a NULL handle (freed as a no-op)
-    pre_d = g.alloc_dispatch(rows, xq, fp8, False)
-    pre_cached = g.alloc_dispatch(rows, xq, fp8, True)
-    pre_c = g.alloc_combine(T, rx, False) if not fp8 else None
-    # The same outputs by other spellings: Tensor.new_empty (the package's until the seventh
-    # session) and torch.empty_strided(..., dtype=, device=) (the eighth to tenth sessions'),
-    # against Tensor.new_empty_strided (the package's now).
-    li64, lf32 = g._like_i64, g._like_f32
-    G = H // 128
+    pre_d = g.alloc_dispatch(rows, xq, fp8, False, False)
+    pre_cached = g.alloc_dispatch(rows, xq, fp8, True, False)
+    pre_c = g.alloc_combine(T, rx, False, False) if not fp8 else None
+    nat = g._nat
 
-    def alloc_new_empty(rows_, like, fp8_, cached):
-        rs = lf32.new_empty((rows_, G)) if fp8_ else None
-        if cached:
-            return like.new_empty((rows_, H)), rs, None, None
-        return (like.new_empty((rows_, H)), rs, li64.new_empty((rows_, K)),
-                lf32.new_empty((rows_, K)))
-
-    es, d = torch.empty_strided, torch.device("cuda", dev)
-
-    def alloc_empty_strided(rows_, like, fp8_, cached):
-        rs = es((rows_, G), (G, 1), dtype=torch.float32, device=d) if fp8_ else None
-        rx_ = es((rows_, H), (H, 1), dtype=like.dtype, device=d)
-        if cached:
-            return rx_, rs, None, None
-        return (rx_, rs, es((rows_, K), (K, 1), dtype=torch.int64, device=d),
-                es((rows_, K), (K, 1), dtype=torch.float32, device=d))
-
-    # Variant -> (alloc_dispatch, alloc_combine) replacing the methods (None: the package's).
-    # Instance attributes shadow the methods: the call sites are unchanged.
+    # Variant -> (alloc_dispatch, alloc_combine replacing the methods (None: the package's),
+    # the torch helper on or off). Instance attributes shadow the methods: the call sites are
+    # unchanged. The "pure" variants are the same calls with the helper off (g._nat None): the
+    # pure-Python torch calls, in turns with the helper's (when it is loaded).
     variants = {
-        "python_side_us": (None, None),
+        "python_side_us": (None, None, True),
         "python_side_prealloc_us": (
-            lambda rows_, like, fp8_, cached: pre_cached if cached else pre_d,
-            lambda t_, like, with_w: pre_c),
-        "python_side_new_empty_us": (alloc_new_empty, None),
-        "python_side_empty_strided_us": (alloc_empty_strided, None),
-        "python_side_kept_us": (None, None),
+            lambda rows_, like, fp8_, cached, on_comm: pre_cached if cached else pre_d,
+            lambda t_, like, with_w, on_comm: pre_c, True),
+        "python_side_kept_us": (None, None, True),
     }
-    only_plain = ("python_side_new_empty_us", "python_side_empty_strided_us")
+    floors = {}
+    if nat is not None:
+        variants["python_side_pure_us"] = (None, None, False)
+        variants["python_side_pure_kept_us"] = (None, None, False)
+        # The torch work each call needs, made through the helper and nothing else: allocating
+        # the outputs (freed by the next call, as in python_side_us) and, async, recording them
+        # and the inputs and making and recording the event (GpuPath.finish).
+        ins = (xq, xs if fp8 else None, idx, w)
+
+        def floor_dispatch():
+            return g.alloc_dispatch(rows, xq, fp8, False, False)
+
+        def floor_async():
+            o = g.alloc_dispatch(rows, xq, fp8, False, True)
+            return o, g.finish(ins, o, True)
+
+        def floor_combine_async():
+            o = g.alloc_combine(T, rx, False, True)
+            return o, g.finish((rx, None), o, True)
+
+        floors = {"dispatch": floor_dispatch, "dispatch_worst": floor_dispatch,
+                  "dispatch_layout": floor_dispatch, "dispatch_async": floor_async,
+                  "dispatch_cached": lambda: g.alloc_dispatch(rows, xq, fp8, True, False),
+                  "combine": lambda: g.alloc_combine(T, rx, False, False),
+                  "combine_async": floor_combine_async}
     _gpu.lib = Stub()
     try:
         # Interleaved: each rep times every variant once, so a load change on the host lands on
@@ -279,23 +289,27 @@ def measure_buffer(torch, dtype, n, reps, out):
         for c, (py, _) in calls.items():
             best = {}
             for _ in range(reps):
-                for key, (ad, ac) in variants.items():
-                    if key in only_plain and c not in ("dispatch", "dispatch_worst",
-                                                        "dispatch_cached"):
-                        continue
+                for key, (ad, ac, native) in variants.items():
+                    g._nat = nat if native else None
                     if ad is not None:
                         g.alloc_dispatch = ad
                     if ac is not None:
                         g.alloc_combine = ac
                     try:
-                        us = (best_us_kept if key == "python_side_kept_us" else best_us)(
+                        us = (best_us_kept if key.endswith("_kept_us") else best_us)(
                             py, n, 1, time.thread_time)
                     finally:
                         g.__dict__.pop("alloc_dispatch", None)
                         g.__dict__.pop("alloc_combine", None)
+                        g._nat = nat
                     best[key] = min(best.get(key, float("inf")), us)
+                if c in floors:
+                    us = best_us(floors[c], n, 1, time.thread_time)
+                    best["torch_floor_us"] = min(best.get("torch_floor_us", float("inf")), us)
             for key, us in best.items():
                 out[key][c + sfx] = us
+            if c in floors:
+                out["own_us"][c + sfx] = best["python_side_us"] - best["torch_floor_us"]
     finally:
         _gpu.lib = real
     for c in calls:
@@ -335,10 +349,18 @@ def extras(torch, g, x, rows, n, reps, out):
         return tuple(blk.view(dt).as_strided(shape, (shape[1], 1), off // size)
                      for (shape, dt, size), off in zip(parts, offs))
 
-    def separate():
-        return g.alloc_dispatch(rows, x, False, False)
+    nat = g._nat
 
-    out["alloc_separate_us"] = best_us(separate, n, reps, time.thread_time)
+    def separate():
+        return g.alloc_dispatch(rows, x, False, False, False)
+
+    g._nat = None
+    try:
+        out["alloc_separate_us"] = best_us(separate, n, reps, time.thread_time)
+    finally:
+        g._nat = nat
+    if nat is not None:  # the same three allocations in one call of the torch helper
+        out["alloc_native_us"] = best_us(separate, n, reps, time.thread_time)
     out["alloc_one_block_us"] = best_us(carved, n, reps, time.thread_time)
     # For scale: one torch.empty on the GPU and one torch.cuda.current_stream() (both per call).
     out["torch_empty_us"] = best_us(lambda: torch.empty((rows, H), dtype=torch.bfloat16,
@@ -410,12 +432,37 @@ def measure_ll(torch, n, reps, out):
                                                                return_recv_hook=True)
     real = _gpu.lib
     _gpu.lib = Stub()
+    g = buf._g
+    nat = g._nat
+    # Variant -> (kept, the torch helper on); in turns, best rep of each (as measure_buffer).
+    variants = {"python_side_us": (False, True), "python_side_kept_us": (True, True)}
+    floors = {}
+    if nat is not None:
+        variants.update(python_side_pure_us=(False, False), python_side_pure_kept_us=(True, False))
+        # The torch work (as measure_buffer's floors): the outputs' allocations.
+        ll_out = g._ll_empty[0]
+        floors = {"ll_dispatch": lambda: nat.empty(*ll_out),
+                  "ll_combine": lambda: nat.empty(0, g._like_bf16, (T, H), (H, 1))}
+        floors["ll_dispatch_hook"] = floors["ll_dispatch_hook_pair"] = floors["ll_dispatch"]
+        floors["ll_combine_hook"] = floors["ll_combine_hook_pair"] = floors["ll_combine"]
     try:
         for c, py in calls.items():
-            out["python_side_us"][c] = best_us(py, n, reps, time.thread_time)
-            out["python_side_kept_us"][c] = best_us_kept(py, n, reps, time.thread_time)
+            best = {}
+            for _ in range(reps):
+                for key, (kept, native) in variants.items():
+                    g._nat = nat if native else None
+                    us = (best_us_kept if kept else best_us)(py, n, 1, time.thread_time)
+                    best[key] = min(best.get(key, float("inf")), us)
+                if c in floors:
+                    us = best_us(floors[c], n, 1, time.thread_time)
+                    best["torch_floor_us"] = min(best.get("torch_floor_us", float("inf")), us)
+            for key, us in best.items():
+                out[key][c] = us
+            if c in floors:
+                out["own_us"][c] = best["python_side_us"] - best["torch_floor_us"]
     finally:
         _gpu.lib = real
+        g._nat = nat
     out["tensors_allocated_per_call"].update({"ll_dispatch": 2, "ll_combine": 1})
     torch.cuda.synchronize()
     buf.destroy()
@@ -426,11 +473,18 @@ def measure(n=400, reps=25):
     import torch
 
     torch.cuda.set_device(0)
+    from fabric_ep import _native
+
     out = {"setting": dict(ranks=1, tokens=T, hidden=H, topk=K, experts=E, calls=n, reps=reps,
                            gpu=torch.cuda.get_device_name(0), torch=torch.__version__)}
+    t0 = time.perf_counter()
+    _native.get(torch)  # built (or loaded from the cache) here, not inside a timed loop
+    out["setting"]["native"] = _native.status()
+    out["setting"]["native_load_s"] = round(time.perf_counter() - t0, 2)
     for key in ("end_to_end_us", "raw_ctypes_us", "difference_us", "paired_median_difference_us",
-                "python_side_us", "python_side_prealloc_us", "python_side_new_empty_us",
-                "python_side_empty_strided_us", "python_side_kept_us", "python_side_alloc_us",
+                "python_side_us", "python_side_prealloc_us", "python_side_pure_us",
+                "python_side_pure_kept_us", "python_side_kept_us", "python_side_alloc_us",
+                "torch_floor_us", "own_us",
                 "tensors_allocated_per_call"):
         out[key] = {}
     for what, fn in (("bf16", lambda: measure_buffer(torch, "bf16", n, reps, out)),

@@ -107,7 +107,7 @@ def main():
         "per_expert_tolist": lambda: g._per_expert.tolist(),
         "event_overlap_none": lambda: EventOverlap(None),  # what a call returned until run 1
         #                                                   of the eleventh session
-        "alloc_dispatch_3": lambda: g.alloc_dispatch(rows, x, False, False),
+        "alloc_dispatch_3": lambda: g.alloc_dispatch(rows, x, False, False, False),
         "empty_strided_1": lambda: torch.empty_strided((rows, H), (H, 1), dtype=torch.bfloat16,
                                                        device=d),
         "empty_like_1": lambda: torch.empty_like(rx),

@@ -2,8 +2,11 @@
 GPU (runs in CI): a minimal stand-in for the few torch calls it makes and a recording stand-in
 for the fep_gpu_* entry points. Checks the bytes the C calls would read (every fep_tensor
 descriptor and fep_gpu_order packed by one struct call), the returned shapes/dtypes, the
-recv_src_idx scratch, and that bad arguments are refused naming the argument. The real kernels
-and torch are covered by test_gpu.py on the GPU machine."""
+recv_src_idx scratch, and that bad arguments are refused naming the argument. Every test runs
+twice: with the pure-Python torch calls and with a stand-in for the torch helper
+(``_native.cpp``'s ``empty``/``record``), which must allocate and record as they do. The real
+kernels, torch and the helper are covered by test_gpu.py and test_native.py on the GPU
+machine."""
 
 import contextlib
 import ctypes
@@ -59,6 +62,7 @@ class FakeTorch(types.ModuleType):
             assert tuple(stride) == want, f"strides {stride} of {shape} are not contiguous"
         self.stream = COMPUTE
         self.records = []
+        self.native = False  # the path fixture: give the GpuPath a FakeNative
         fake = self
 
         class Tensor:
@@ -158,6 +162,33 @@ class FakeTorch(types.ModuleType):
             _CudaEventBase=EventBase)
 
 
+class FakeNative:
+    """_native.cpp's two calls over FakeTorch: ``empty(stream, like, shape, strides, ...)``
+    allocates on ``stream`` (0: the current one) and ``record(stream, tensors, ...)`` appends to
+    ``torch.records`` (None entries skipped), as the real module does with torch's own
+    operators."""
+
+    def __init__(self, torch):
+        self.torch = torch
+
+    def empty(self, stream, *triples):
+        assert len(triples) % 3 == 0 and triples, triples
+        torch, prev = self.torch, self.torch.stream
+        torch.stream = stream or prev
+        try:
+            return tuple(like.new_empty_strided(shape, strides) for like, shape, strides in
+                         zip(triples[0::3], triples[1::3], triples[2::3]))
+        finally:
+            torch.stream = prev
+
+    def record(self, *pairs):
+        assert len(pairs) % 2 == 0 and pairs, pairs
+        for stream, ts in zip(pairs[0::2], pairs[1::2]):
+            assert type(ts) is tuple, ts
+            self.torch.records.extend((t, stream or self.torch.stream) for t in ts
+                                      if t is not None)
+
+
 class RecordingLib:
     """fep_gpu_notify/dispatch/combine: record the arguments; the notify reports ``rows``."""
 
@@ -188,12 +219,18 @@ def make_path(torch, dispatch_dtype="bf16"):
         _dispatch_code=FP8 if dispatch_dtype == "fp8" else BF16, dispatch_dtype=dispatch_dtype,
         _ptr=0xABC, _out_handle=oh, _out_rows=orows,
         _out_handle_addr=ctypes.addressof(oh), _out_rows_addr=ctypes.addressof(orows))
-    return _gpu.GpuPath(buf, torch, 0, True, COMM, reserve_tokens=1000), buf
+    g = _gpu.GpuPath(buf, torch, 0, True, COMM, reserve_tokens=1000)
+    assert g._nat is None  # FABRIC_EP_NATIVE=0 (the fixture)
+    if torch.native:
+        g._nat = FakeNative(torch)
+    return g, buf
 
 
-@pytest.fixture
-def path(monkeypatch):
+@pytest.fixture(params=["pure", "native"])
+def path(monkeypatch, request):
+    monkeypatch.setenv("FABRIC_EP_NATIVE", "0")
     torch = FakeTorch()
+    torch.native = request.param == "native"
     rec = RecordingLib(rows=7)
     monkeypatch.setattr(_gpu, "lib", rec)
     g, buf = make_path(torch)
@@ -474,10 +511,11 @@ def test_async_calls_record_each_tensor_on_the_stream_that_shares_it(path):
         assert torch.records == [(x, COMM), (idx, COMM), (w, COMM),
                                  (rx2, COMPUTE if on_comm else COMM)]
     # Another current device: torch's stream context instead of the raw pair (which would leave
-    # the device switched), with the same result.
+    # the device switched), with the same result (the helper switches no stream).
     torch.cur_device, torch.records, torch.contexts = 1, [], 0
     rx, ri, rw, _, handle, ev = g.dispatch(x, None, idx, w, 1, 0, prev, True, True)
-    assert torch.contexts == 1 and torch.stream == COMPUTE and rx._alloc == COMM
+    assert torch.contexts == (0 if torch.native else 1)
+    assert torch.stream == COMPUTE and rx._alloc == COMM
     assert torch.records[-3:] == [(t, COMPUTE) for t in (rx, ri, rw)]
     torch.cur_device = 0
     # The stream is restored when an allocation fails.
