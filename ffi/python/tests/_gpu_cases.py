@@ -466,7 +466,8 @@ def main(argv):
     except BaseException:  # noqa: BLE001 - reported, then the exit status says it
         print(f"CASE {case} world {world} FAILED\n{traceback.format_exc()}", flush=True)
         return 1
-    print(f"CASE {case} world {world} PASSED", flush=True)
+    print(f"CASE {case} world {world} PASSED (torch helper: {fabric_ep.native_status()})",
+          flush=True)
     return 0
 
 
