@@ -456,25 +456,47 @@ class GpuPath:
         # NOTES (per-call cost): this is the hot path, kept flat on purpose. Per input tensor it
         # makes five accessor calls (dtype, get_device, is_contiguous, shape, data_ptr), inline
         # for the bf16 tokens and the routing (a helper call per tensor costs about as much as
-        # two accessors; _t2_slow then names what is wrong); then one raw stream lookup, one
-        # allocation per returned tensor (alloc_dispatch), one data_ptr per output, and about
-        # twenty int64 stores into the dispatch block (_Block).
+        # two accessors; _t2_slow then names what is wrong), or one call of the torch helper
+        # for all of them; then one raw stream lookup, the outputs' allocation
+        # (alloc_dispatch), one data_ptr per output, and about twenty int64 stores into the
+        # dispatch block (_Block).
         b = self.buf
         h, k, dev, tensor = self.h, self.k, self.dev, self.Tensor
-        if type(x) is tuple:
-            if len(x) != 2:
-                raise ValueError(f"x: a tuple must be (x, x_scales), got {len(x)} elements")
-            xo, so = x
-            xp, t = self.t2("x", xo, self.fp8, None, h)
-            sp = self.t2n("x_scales", so, self.f32s, t, self.g)
-            xc = FEP_DTYPE_FP8_E4M3
-        else:
-            xo, so, sp, xc = x, None, 0, FEP_DTYPE_BF16
-            if type(x) is tensor and x.dtype is self._bf16 and x.get_device() == dev \
-                    and x.is_contiguous() and len(shp := x.shape) == 2 and shp[1] == h:
-                xp, t = x.data_ptr(), shp[0]
+        # The helper reads a fresh dispatch's inputs in one call (None unless all are the
+        # common case: exact tensors of the expected dtype, shape and layout on this GPU);
+        # otherwise, and without it, the checks below, which also name what is wrong.
+        got = None
+        nat = self._nat
+        if nat is not None and handle is None:
+            if type(x) is tuple:
+                if len(x) == 2:
+                    got = nat.ptrs(dev, x[0], self._like_fp8, -1, h, x[1], self._like_f32, -2,
+                                   self.g, topk_idx, self._like_i64, -2, k, topk_weights,
+                                   self._like_f32, -2, k)
+                    if got is not None:
+                        xp, sp, ip, wp, t = got
+                        (xo, so), xc = x, FEP_DTYPE_FP8_E4M3
             else:
-                xp, t = self._t2_slow("x", x, self.bf16, None, h)
+                got = nat.ptrs(dev, x, self._like_bf16, -1, h, topk_idx, self._like_i64, -2, k,
+                               topk_weights, self._like_f32, -2, k)
+                if got is not None:
+                    xp, ip, wp, t = got
+                    xo, so, sp, xc = x, None, 0, FEP_DTYPE_BF16
+        if got is None:
+            if type(x) is tuple:
+                if len(x) != 2:
+                    raise ValueError(f"x: a tuple must be (x, x_scales), got {len(x)} elements")
+                xo, so = x
+                xp, t = self.t2("x", xo, self.fp8, None, h)
+                sp = self.t2n("x_scales", so, self.f32s, t, self.g)
+                xc = FEP_DTYPE_FP8_E4M3
+            else:
+                xo, so, sp, xc = x, None, 0, FEP_DTYPE_BF16
+                if type(x) is tensor and x.dtype is self._bf16 and x.get_device() == dev \
+                        and x.is_contiguous() and len(shp := x.shape) == 2 and shp[1] == h:
+                    xp, t = x.data_ptr(), shp[0]
+                else:
+                    xp, t = self._t2_slow("x", x, self.bf16, None, h)
         fp8 = so is not None
         if xc != b._dispatch_code:
             raise TypeError(
@@ -502,18 +524,20 @@ class GpuPath:
                 raise ValueError("topk_idx: required unless a cached handle is given")
             if topk_weights is None:
                 raise ValueError("topk_weights: required when topk_idx is given")
-            tk = (t, k)
-            if type(topk_idx) is tensor and topk_idx.dtype is self.i64 and topk_idx.shape == tk \
-                    and topk_idx.get_device() == dev and topk_idx.is_contiguous():
-                ip = topk_idx.data_ptr()
-            else:
-                ip = self._t2_slow("topk_idx", topk_idx, self.i64s, t, k)[0]
-            if type(topk_weights) is tensor and topk_weights.dtype is self.f32 \
-                    and topk_weights.shape == tk and topk_weights.get_device() == dev \
-                    and topk_weights.is_contiguous():
-                wp = topk_weights.data_ptr()
-            else:
-                wp = self._t2_slow("topk_weights", topk_weights, self.f32s, t, k)[0]
+            if got is None:
+                tk = (t, k)
+                if type(topk_idx) is tensor and topk_idx.dtype is self.i64 \
+                        and topk_idx.shape == tk and topk_idx.get_device() == dev \
+                        and topk_idx.is_contiguous():
+                    ip = topk_idx.data_ptr()
+                else:
+                    ip = self._t2_slow("topk_idx", topk_idx, self.i64s, t, k)[0]
+                if type(topk_weights) is tensor and topk_weights.dtype is self.f32 \
+                        and topk_weights.shape == tk and topk_weights.get_device() == dev \
+                        and topk_weights.is_contiguous():
+                    wp = topk_weights.data_ptr()
+                else:
+                    wp = self._t2_slow("topk_weights", topk_weights, self.f32s, t, k)[0]
             if type(expert_alignment) is not int or expert_alignment < 1:
                 raise ValueError(f"expert_alignment: {expert_alignment!r} must be an int >= 1")
             if type(num_worst_tokens) is not int or num_worst_tokens < 0:
@@ -683,13 +707,26 @@ class GpuPath:
         b = self.buf
         h, k, dev, tensor = self.h, self.k, self.dev, self.Tensor
         rows, t = handle.num_recv_tokens, handle.num_tokens
-        if type(x) is tensor and x.dtype is self._bf16 and x.shape == (rows, h) \
-                and x.get_device() == dev and x.is_contiguous():
-            xp = x.data_ptr()
-        else:
-            xp = self._t2_slow("x", x, self.bf16, rows, h)[0]
         with_w = topk_weights is not None
-        wp = self.t2n("topk_weights", topk_weights, self.f32s, rows, k) if with_w else 0
+        nat = self._nat
+        got = None  # as dispatch: the helper's one call for the common case
+        if nat is not None:
+            if with_w:
+                got = nat.ptrs(dev, x, self._like_bf16, rows, h, topk_weights, self._like_f32,
+                               rows, k)
+                if got is not None:
+                    xp, wp, _ = got
+            else:
+                got = nat.ptrs(dev, x, self._like_bf16, rows, h)
+                if got is not None:
+                    xp, wp = got[0], 0
+        if got is None:
+            if type(x) is tensor and x.dtype is self._bf16 and x.shape == (rows, h) \
+                    and x.get_device() == dev and x.is_contiguous():
+                xp = x.data_ptr()
+            else:
+                xp = self._t2_slow("x", x, self.bf16, rows, h)[0]
+            wp = self.t2n("topk_weights", topk_weights, self.f32s, rows, k) if with_w else 0
         ev = 0
         if previous_event is not None or allocate_on_comm_stream:
             self.check_async(previous_event, async_finish, allocate_on_comm_stream)
@@ -830,18 +867,26 @@ class GpuPath:
         m, l = b.num_max_dispatch_tokens_per_rank, b.num_local_experts
         if round_scale or bool(use_fp8) is not self._ll_fp8 or (async_finish and return_recv_hook):
             raise self._ll_refused(use_fp8, round_scale, async_finish, return_recv_hook)
-        if type(x) is tensor and x.dtype is self._bf16 and x.get_device() == dev \
-                and x.is_contiguous() and len(shp := x.shape) == 2 and shp[1] == h:
-            xp, t = x.data_ptr(), shp[0]
+        nat = self._nat
+        got = nat.ptrs(dev, x, self._like_bf16, -1, h, topk_idx, self._like_i64, -2, k) \
+            if nat is not None else None  # as dispatch
+        if got is not None:
+            xp, ip, t = got
         else:
-            xp, t = self._t2_slow("x", x, self.bf16, None, h)
+            if type(x) is tensor and x.dtype is self._bf16 and x.get_device() == dev \
+                    and x.is_contiguous() and len(shp := x.shape) == 2 and shp[1] == h:
+                xp, t = x.data_ptr(), shp[0]
+            else:
+                xp, t = self._t2_slow("x", x, self.bf16, None, h)
         if t > m:
             raise ValueError(f"x: {t} tokens, more than num_max_dispatch_tokens_per_rank {m}")
-        if type(topk_idx) is tensor and topk_idx.dtype is self.i64 and topk_idx.shape == (t, k) \
-                and topk_idx.get_device() == dev and topk_idx.is_contiguous():
-            ip = topk_idx.data_ptr()
-        else:
-            ip = self._t2_slow("topk_idx", topk_idx, self.i64s, t, k)[0]
+        if got is None:
+            if type(topk_idx) is tensor and topk_idx.dtype is self.i64 \
+                    and topk_idx.shape == (t, k) and topk_idx.get_device() == dev \
+                    and topk_idx.is_contiguous():
+                ip = topk_idx.data_ptr()
+            else:
+                ip = self._t2_slow("topk_idx", topk_idx, self.i64s, t, k)[0]
         if stats is not None:
             self.tn("cumulative_local_expert_recv_stats", stats, (self.i32,), (l,))
         compute = self._raw_stream(dev) or self.compute()  # 0: the legacy stream (compute())
@@ -849,7 +894,6 @@ class GpuPath:
         # as the normal mode's (alloc_dispatch).
         lx, ls, lr, (_, o_sr, o_si, o_pairs, o_pos), views = \
             self._ll_layout or self._make_ll_layout()
-        nat = self._nat
         if nat is None:
             recv_x = (self._like_fp8 if use_fp8 else self._like_bf16).new_empty_strided(*lx)
             recv_s = self._like_f32.new_empty_strided(*ls) if use_fp8 else None

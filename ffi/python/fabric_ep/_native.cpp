@@ -1,5 +1,6 @@
 // fabric_ep's optional torch helper: the torch calls of a GPU dispatch/combine that cost the
-// most from Python (allocating the outputs, record_stream), made in one call each.
+// most from Python (allocating the outputs, record_stream, reading the inputs' dtype, device,
+// shape, layout and data_ptr), made in one call each.
 //
 // Built on first use by fabric_ep/_native.py (torch.utils.cpp_extension.load) and imported as
 // the module `fabric_ep_native`; the pure-Python path stays when it cannot be built.
@@ -31,7 +32,7 @@
 namespace {
 
 // The ABI of this module as _native.py expects it (a mismatch: _native.py refuses the module).
-constexpr long kAbi = 1;
+constexpr long kAbi = 2;
 // The most tensors or dimensions one call takes (a dispatch returns four tensors, a shape has
 // at most three dimensions).
 constexpr Py_ssize_t kMaxDims = 8;
@@ -192,11 +193,77 @@ PyObject* record(PyObject*, PyObject* const* args, Py_ssize_t n) {
   END_HANDLE_TH_ERRORS
 }
 
+// ptrs(dev, t, like, rows, cols, t, like, rows, cols, ...) -> (data_ptr, ..., rows of the
+// first) or None. Each t must be exactly a torch.Tensor (no subclass), on CUDA device `dev`,
+// 2-D, contiguous, of `like`'s dtype, with size(1) == cols and size(0) == rows (rows -1: any,
+// for the first only; -2: the first tensor's rows). None when any is not: the caller's own
+// checks then say what is wrong (this is the common case's fast path, not a validator).
+PyObject* ptrs(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  HANDLE_TH_ERRORS
+  if (n < 5 || (n - 1) % 4 != 0 || (n - 1) / 4 > kMaxDims) {
+    PyErr_SetString(PyExc_TypeError,
+                    "ptrs(dev, t, like, rows, cols, ...): expected a device and 1 to 8 "
+                    "(tensor, like, rows, cols) quadruples");
+    return nullptr;
+  }
+  const long dev = PyLong_AsLong(args[0]);
+  if (dev == -1 && PyErr_Occurred()) return nullptr;
+  const Py_ssize_t count = (n - 1) / 4;
+  long long rows[kMaxDims], cols[kMaxDims];
+  for (Py_ssize_t i = 0; i < count; ++i) {  // the spec first, whatever the tensors are
+    PyObject* const* q = args + 1 + 4 * i;
+    if (!THPVariable_Check(q[1])) {
+      PyErr_Format(PyExc_TypeError, "ptrs: like of tensor %zd: expected a torch.Tensor", i);
+      return nullptr;
+    }
+    rows[i] = PyLong_AsLongLong(q[2]);
+    if (rows[i] == -1 && PyErr_Occurred()) return nullptr;
+    cols[i] = PyLong_AsLongLong(q[3]);
+    if (cols[i] == -1 && PyErr_Occurred()) return nullptr;
+    if (rows[i] < -2 || (i == 0 && rows[i] == -2) || (i > 0 && rows[i] == -1)) {
+      PyErr_Format(PyExc_ValueError,
+                   "ptrs: rows of tensor %zd: %lld (-1: any, first only; -2: the first's)", i,
+                   rows[i]);
+      return nullptr;
+    }
+  }
+  uintptr_t got[kMaxDims];
+  int64_t first_rows = -1;
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    PyObject* const* q = args + 1 + 4 * i;
+    if (!THPVariable_CheckExact(q[0])) Py_RETURN_NONE;
+    const at::Tensor& t = THPVariable_Unpack(q[0]);
+    if (!t.defined() || !t.is_cuda() || t.get_device() != dev || t.dim() != 2 ||
+        t.scalar_type() != THPVariable_Unpack(q[1]).scalar_type() || t.size(1) != cols[i] ||
+        !t.is_contiguous())
+      Py_RETURN_NONE;
+    const int64_t r = t.size(0);
+    if (i == 0) first_rows = r;
+    const long long want = rows[i] == -2 ? first_rows : rows[i];
+    if (want >= 0 && r != want) Py_RETURN_NONE;
+    got[i] = reinterpret_cast<uintptr_t>(t.data_ptr());
+  }
+  PyObject* tup = PyTuple_New(count + 1);
+  if (tup == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i <= count; ++i) {
+    PyObject* v = i < count ? PyLong_FromUnsignedLongLong(got[i]) : PyLong_FromLongLong(first_rows);
+    if (v == nullptr) {
+      Py_DECREF(tup);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(tup, i, v);
+  }
+  return tup;
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef kMethods[] = {
     {"empty", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(empty)), METH_FASTCALL,
      "empty(stream, like, shape, strides, ...): tensors allocated on stream (0: current)"},
     {"record", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(record)), METH_FASTCALL,
      "record(stream, tensors, ...): Tensor.record_stream of each tensor on its stream"},
+    {"ptrs", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(ptrs)), METH_FASTCALL,
+     "ptrs(dev, t, like, rows, cols, ...): the tensors' data_ptrs and rows, or None"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "fabric_ep_native",

@@ -18,7 +18,7 @@ import threading
 import warnings
 from typing import Any, Optional
 
-ABI = 1  # _native.cpp's kAbi
+ABI = 2  # _native.cpp's kAbi
 _NAME = "fabric_ep_native"
 _SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_native.cpp")
 

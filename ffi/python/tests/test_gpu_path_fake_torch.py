@@ -63,6 +63,7 @@ class FakeTorch(types.ModuleType):
         self.stream = COMPUTE
         self.records = []
         self.native = False  # the path fixture: give the GpuPath a FakeNative
+        self.ptr_calls = 0  # FakeNative.ptrs calls that read every tensor (the fast path)
         fake = self
 
         class Tensor:
@@ -181,6 +182,25 @@ class FakeNative:
         finally:
             torch.stream = prev
 
+    def ptrs(self, dev, *quads):
+        assert len(quads) % 4 == 0 and quads, quads
+        specs = list(zip(quads[0::4], quads[1::4], quads[2::4], quads[3::4]))
+        for i, (_, like, rows, cols) in enumerate(specs):  # the spec is checked first
+            assert isinstance(like, self.torch.Tensor), like
+            assert rows >= -2 and (rows != -2 if i == 0 else rows != -1), (i, rows)
+        got, first = [], None
+        for t, like, rows, cols in specs:
+            if type(t) is not self.torch.Tensor or t.get_device() != dev or len(t.shape) != 2 \
+                    or t.dtype is not like.dtype or t.shape[1] != cols or not t.is_contiguous():
+                return None
+            first = t.shape[0] if first is None else first
+            want = first if rows == -2 else rows
+            if want >= 0 and t.shape[0] != want:
+                return None
+            got.append(t.data_ptr())
+        self.torch.ptr_calls += 1
+        return (*got, first)
+
     def record(self, *pairs):
         assert len(pairs) % 2 == 0 and pairs, pairs
         for stream, ts in zip(pairs[0::2], pairs[1::2]):
@@ -267,6 +287,7 @@ def test_dispatch_fills_every_descriptor_and_order(path):
     assert desc(d["ri"]) == (ri.data_ptr(), I64, 2, 7, K, 0, 0)
     assert desc(d["rw"]) == (rw.data_ptr(), F32, 2, 7, K, 0, 0)
     assert desc(d["src"]) == (g._src_ptr, I32, 1, 7, 0, 0, 0)
+    assert torch.ptr_calls == torch.native  # the helper read the inputs in one call
 
 
 def test_cached_worst_async_and_fp8_dispatch(path):
@@ -313,6 +334,8 @@ def test_cached_worst_async_and_fp8_dispatch(path):
     assert desc(d["rxs"]) == (s.data_ptr(), F32, 2, 5000, 2, 0, 0)
     assert desc(d["rx"]) == (q.data_ptr(), FP8, 2, 5000, H, 0, 0)
     assert g._scr_cap >= 5000 and desc(d["src"]) == (g._src_ptr, I32, 1, 5000, 0, 0, 0)
+    # The helper's one call read the fresh dispatches' inputs (not the cached one's).
+    assert torch.ptr_calls == 3 * torch.native
 
 
 def test_combine_fills_every_descriptor_and_order(path):
@@ -327,6 +350,7 @@ def test_combine_fills_every_descriptor_and_order(path):
         assert (d["p"], d["hp"]) == (0xABC, 0x4444)
         assert desc(d["x"]) == (rx.data_ptr(), BF16, 2, 7, H, 0, 0)
         assert desc(d["w"]) == (rw.data_ptr(), F32, 2, 7, K, 0, 0)
+        assert torch.ptr_calls == torch.native
         assert desc(d["out"]) == (cx.data_ptr(), BF16, 2, T, H, 0, 0)
         assert desc(d["cw"]) == (cw.data_ptr(), F32, 2, T, K, 0, 0)
         assert order(d["order"]) == (COMM, COMPUTE, 0, COMPUTE)
@@ -423,6 +447,7 @@ def test_ll_dispatch_and_combine_fill_every_descriptor_and_order(path):
     p, dx, di, fp8, rs, hk, outs, o = seen["d"]
     assert (p, fp8, rs, hk, hook) == (0xABC, False, False, False, None)
     assert dx == (x.data_ptr(), BF16, 2, T, H, 0, 0) and di == (idx.data_ptr(), I64, 2, T, K, 0, 0)
+    assert torch.ptr_calls == torch.native
     # count, src_rank, src_idx, pairs and positions: parts of one int32 allocation, 256-byte
     # aligned, the handle's views made when read
     base, pos_off = count.data_ptr(), g._ll_layout[3][4]

@@ -1,7 +1,7 @@
 """The torch helper (fabric_ep/_native.cpp) on a GPU: it builds, its ``empty`` makes what
 ``Tensor.new_empty_strided`` makes, from the pool of the stream it is given, and its ``record``
 has ``Tensor.record_stream``'s effect (a block recorded on a busy stream is not reused until
-that stream passes). Skipped without torch or a CUDA device (CI); the loader's choices are
+that stream passes), and its ``ptrs`` reads the inputs' pointers only when every check holds. Skipped without torch or a CUDA device (CI); the loader's choices are
 tested without torch in test_native_loader.py, and the GPU path's use of it with a stand-in in
 test_gpu_path_fake_torch.py."""
 
@@ -113,3 +113,35 @@ def test_record_defers_reuse_until_the_recorded_stream_passes(nat):
     assert freed_block_reused(None)  # the control: no record, the block comes straight back
     assert freed_block_reused(0)  # recorded on its own (current) stream: a no-op, as torch's
     assert not freed_block_reused(ext.stream_id)  # held until ext's queued work passes
+
+
+def test_ptrs_reads_the_common_case_and_declines_anything_else(nat):
+    bf = torch.empty(0, dtype=torch.bfloat16, device=0)
+    i64 = torch.empty(0, dtype=torch.int64, device=0)
+    x = torch.zeros((5, 8), dtype=torch.bfloat16, device=0)
+    idx = torch.zeros((5, 2), dtype=torch.int64, device=0)
+    assert nat.ptrs(0, x, bf, -1, 8, idx, i64, -2, 2) == (x.data_ptr(), idx.data_ptr(), 5)
+    assert nat.ptrs(0, x, bf, 5, 8) == (x.data_ptr(), 5)
+    declined = [
+        (x, bf, 4, 8),  # rows
+        (x, bf, -1, 7),  # cols
+        (x.float(), bf, -1, 8),  # dtype
+        (x.cpu(), bf, -1, 8),  # device
+        (x.t(), bf, -1, 5),  # layout
+        (x.view(40), bf, -1, 8),  # ndim
+        (torch.nn.Parameter(x.float()), torch.empty(0, device=0), -1, 8),  # a subclass
+        (None, bf, -1, 8),  # not a tensor
+    ]
+    for q in declined:
+        assert nat.ptrs(0, *q) is None, q
+    assert nat.ptrs(0, x, bf, -1, 8, idx[:4], i64, -2, 2) is None  # rows differ from the first's
+    assert nat.ptrs(1, x, bf, -1, 8) is None  # another device index than the tensor's
+    for args, exc, match in [
+        ((0, x, bf, -1), TypeError, "quadruples"),
+        ((0, x, "bf", -1, 8), TypeError, "like of tensor 0"),
+        ((0, x, bf, -2, 8), ValueError, "rows of tensor 0"),
+        ((0, x, bf, -1, 8, idx, i64, -1, 2), ValueError, "rows of tensor 1"),
+        ((0, None, bf, -1, 8, idx, i64, -1, 2), ValueError, "rows of tensor 1"),  # spec first
+    ]:
+        with pytest.raises(exc, match=match):
+            nat.ptrs(*args)
