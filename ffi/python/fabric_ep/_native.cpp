@@ -194,8 +194,9 @@ PyObject* record(PyObject*, PyObject* const* args, Py_ssize_t n) {
 }
 
 // ptrs(dev, t, like, rows, cols, t, like, rows, cols, ...) -> (data_ptr, ..., rows of the
-// first) or None. Each t must be exactly a torch.Tensor (no subclass), on CUDA device `dev`,
-// 2-D, contiguous, of `like`'s dtype, with size(1) == cols and size(0) == rows (rows -1: any,
+// first) or None. Each t must be exactly a torch.Tensor (no subclass; torch counts an
+// nn.Parameter as exact, and so do the Python checks' isinstance), on CUDA device `dev`, 2-D,
+// contiguous, of `like`'s dtype, with size(1) == cols and size(0) == rows (rows -1: any,
 // for the first only; -2: the first tensor's rows). None when any is not: the caller's own
 // checks then say what is wrong (this is the common case's fast path, not a validator).
 PyObject* ptrs(PyObject*, PyObject* const* args, Py_ssize_t n) {

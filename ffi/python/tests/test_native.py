@@ -115,6 +115,10 @@ def test_record_defers_reuse_until_the_recorded_stream_passes(nat):
     assert not freed_block_reused(ext.stream_id)  # held until ext's queued work passes
 
 
+class Sub(torch.Tensor):
+    pass
+
+
 def test_ptrs_reads_the_common_case_and_declines_anything_else(nat):
     bf = torch.empty(0, dtype=torch.bfloat16, device=0)
     i64 = torch.empty(0, dtype=torch.int64, device=0)
@@ -129,12 +133,16 @@ def test_ptrs_reads_the_common_case_and_declines_anything_else(nat):
         (x.cpu(), bf, -1, 8),  # device
         (x.t(), bf, -1, 5),  # layout
         (x.view(40), bf, -1, 8),  # ndim
-        (torch.nn.Parameter(x.float()), torch.empty(0, device=0), -1, 8),  # a subclass
+        (x.as_subclass(Sub), bf, -1, 8),  # a subclass
         (None, bf, -1, 8),  # not a tensor
     ]
     for q in declined:
         assert nat.ptrs(0, *q) is None, q
     assert nat.ptrs(0, x, bf, -1, 8, idx[:4], i64, -2, 2) is None  # rows differ from the first's
+    # torch counts a Parameter as an exact Tensor (THPVariable_CheckExact); the Python checks
+    # accept it too (isinstance).
+    p = torch.nn.Parameter(x)
+    assert nat.ptrs(0, p, bf, -1, 8) == (x.data_ptr(), 5)
     assert nat.ptrs(1, x, bf, -1, 8) is None  # another device index than the tensor's
     for args, exc, match in [
         ((0, x, bf, -1), TypeError, "quadruples"),
