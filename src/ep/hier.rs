@@ -556,7 +556,8 @@ pub(crate) fn world_err(e: Error, stage: &str, to_world: impl Fn(usize) -> usize
 
 /// [`world_err`] for a proxy error: the rank and peer fields in job ranks. A command's
 /// destination (`BadRank::dst_rank`) stays a stage index, as the count it is checked against;
-/// the messages of `PeerUnreachable` and `Transport` name the stage.
+/// the messages of `PeerUnreachable` and `Transport` name the stage, and so does a failed
+/// worker's name (with the worker's job rank), its shared cause being left as it is.
 fn proxy_world_err(p: ProxyError, stage: &str, to_world: &impl Fn(usize) -> usize) -> ProxyError {
     let w = |r: u32| to_world(r as usize) as u32;
     match p {
@@ -602,7 +603,20 @@ fn proxy_world_err(p: ProxyError, stage: &str, to_world: &impl Fn(usize) -> usiz
             ProxyError::SendTimeout { rank: w(rank), ring, expected, observed, waited }
         }
         ProxyError::WorkerStopped { rank } => ProxyError::WorkerStopped { rank: w(rank) },
-        // The rest name no rank, or (WorkerFailed) wrap a shared error left as it is.
+        // The failed worker's error is shared (an Arc, not rebuilt here): its ranks stay the
+        // stage's, and the worker's name says so and gives the worker's job rank.
+        ProxyError::WorkerFailed { worker, source } => {
+            let job = crate::proxy::worker_rank(&worker)
+                .map(|r| format!("job rank {}; ", w(r)))
+                .unwrap_or_default();
+            ProxyError::WorkerFailed {
+                worker: format!(
+                    "{worker} ({job}ranks in the cause are the hierarchy's {stage} stage's)"
+                ),
+                source,
+            }
+        }
+        // The rest name no rank.
         p => p,
     }
 }
@@ -762,6 +776,20 @@ mod tests {
         );
         let e = world_err(Error::Proxy(ProxyError::WorkerStopped { rank: 1 }), "node", |j| 4 + j);
         assert!(matches!(e, Error::Proxy(ProxyError::WorkerStopped { rank: 5 })), "{e:?}");
+        let inner = std::sync::Arc::new(ProxyError::WorkerStopped { rank: 1 });
+        let failed = |worker: String| {
+            Error::Proxy(ProxyError::WorkerFailed { worker, source: inner.clone() })
+        };
+        let e = world_err(failed(crate::proxy::worker_name(1, 0)), "rail", to_world);
+        assert_eq!(
+            e.to_string(),
+            "proxy worker fep-proxy-1-0 (job rank 6; ranks in the cause are the hierarchy's rail \
+             stage's) failed: rank 1: the proxy workers are stopped"
+        );
+        let e = world_err(failed("other".into()), "node", |j| 4 + j);
+        let Error::Proxy(ProxyError::WorkerFailed { worker, source }) = &e else { panic!("{e:?}") };
+        assert_eq!(worker, "other (ranks in the cause are the hierarchy's node stage's)");
+        assert!(std::sync::Arc::ptr_eq(source, &inner));
     }
 
     #[test]

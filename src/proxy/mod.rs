@@ -30,6 +30,9 @@ pub use memory::{
     RingMemory, RingProducer, SharedRegion, REGION_ALIGN,
 };
 pub use transport::{SplitTransport, Throttled, Transport, TransportEvent, WriteOp};
+#[cfg(test)]
+pub(crate) use worker::worker_name;
+pub(crate) use worker::worker_rank;
 pub use worker::{ArrivalWait, Lagging, Proxy, ProxyConfig};
 
 /// Errors from the proxy. Each names the rank, ring, peer, slot or immediate it is about.

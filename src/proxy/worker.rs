@@ -100,6 +100,16 @@ impl std::fmt::Display for Lagging {
     }
 }
 
+/// The thread name of rank `rank`'s worker `i` (also the `worker` of its errors).
+pub(crate) fn worker_name(rank: u32, i: usize) -> String {
+    format!("fep-proxy-{rank}-{i}")
+}
+
+/// The rank in a [`worker_name`], if `name` is one.
+pub(crate) fn worker_rank(name: &str) -> Option<u32> {
+    name.strip_prefix("fep-proxy-")?.split('-').next()?.parse().ok()
+}
+
 /// "peer 2 (slot 2): 12/24, ..." for error messages.
 pub(crate) fn lagging_list(lagging: &[Lagging]) -> String {
     lagging.iter().map(Lagging::to_string).collect::<Vec<_>>().join(", ")
@@ -201,7 +211,7 @@ impl Proxy {
             }
         }
         for (i, (transport, consumers)) in transports.into_iter().zip(consumers).enumerate() {
-            let name = format!("fep-proxy-{}-{}", config.rank, i);
+            let name = worker_name(config.rank, i);
             let worker = Worker {
                 name: name.clone(),
                 rank: config.rank,
