@@ -11,8 +11,9 @@ over a :class:`ThreadGroup`).
 
 The GPU backend makes its torch calls through a small C++ helper built on first use
 (``FABRIC_EP_NATIVE``: auto, 1, 0; :func:`native_status` says whether it is in use), else from
-Python. The library is found through ``FABRIC_EP_LIBRARY``, next to this package, ``$CARGO_TARGET_DIR``
-or the repository's ``target/{release,debug}``, then the system library path.
+Python. The library is found through ``FABRIC_EP_LIBRARY``, next to this package,
+``$CARGO_TARGET_DIR`` or the repository's ``target/{release,debug}``, then the system library
+path.
 """
 
 from ._lib import FabricEPArgumentError, FabricEPError, FabricEPTimeoutError

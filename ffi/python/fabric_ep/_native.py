@@ -1,9 +1,10 @@
-"""The optional torch helper (``_native.cpp``): the GPU path's allocations and ``record_stream``
-calls batched into one C++ call each (see the notes there for why).
+"""The optional torch helper (``_native.cpp``): the GPU path's allocations, ``record_stream``
+calls and input reads batched into one C++ call each (see the notes there for why).
 
 It is built on first use with torch's own extension builder (``torch.utils.cpp_extension.load``:
-g++ or the compiler in ``CXX``, ninja and torch's headers; no nvcc, no CUDA header), cached under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), and
-loaded from there afterwards. ``FABRIC_EP_NATIVE`` picks:
+g++ or the compiler in ``CXX``, ninja and torch's headers; no nvcc, no CUDA header), cached
+under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), and loaded from there
+afterwards. ``Buffer`` calls :func:`get` before its ranks connect. ``FABRIC_EP_NATIVE`` picks:
 
 * ``auto`` (default): use it when it builds; otherwise warn once and keep the pure-Python path
   (the same GPU path, each torch call made from Python: a few us more per call);
@@ -74,7 +75,7 @@ def get(torch: Any) -> Optional[Any]:
                         f"fabric_ep: the torch helper did not build ({_status}); using the "
                         "pure-Python torch calls (a few us more per call). FABRIC_EP_NATIVE=0 "
                         "silences this, FABRIC_EP_NATIVE_VERBOSE=1 shows the build",
-                        RuntimeWarning, stacklevel=4)
+                        RuntimeWarning, stacklevel=3)  # the caller's Buffer(...)
         if _module is None and mode == "on":
             raise RuntimeError(f"FABRIC_EP_NATIVE=1: the torch helper is required and {_status}")
         return _module

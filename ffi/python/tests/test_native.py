@@ -1,8 +1,9 @@
 """The torch helper (fabric_ep/_native.cpp) on a GPU: it builds, its ``empty`` makes what
-``Tensor.new_empty_strided`` makes, from the pool of the stream it is given, and its ``record``
-has ``Tensor.record_stream``'s effect (a block recorded on a busy stream is not reused until
-that stream passes), and its ``ptrs`` reads the inputs' pointers only when every check holds. Skipped without torch or a CUDA device (CI); the loader's choices are
-tested without torch in test_native_loader.py, and the GPU path's use of it with a stand-in in
+``Tensor.new_empty_strided`` makes, from the pool of the stream it is given, its ``record`` has
+``Tensor.record_stream``'s effect (a block recorded on a busy stream is not reused until that
+stream passes), and its ``ptrs`` reads the inputs' pointers only when every check holds.
+Skipped without torch or a CUDA device (CI); the loader's choices are tested without torch in
+test_native_loader.py, and the GPU path's use of it with a stand-in in
 test_gpu_path_fake_torch.py."""
 
 import pytest

@@ -74,5 +74,6 @@ def test_a_cached_module_of_another_abi_is_refused(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "torch", torch)
     monkeypatch.setitem(__import__("sys").modules, "torch.utils", utils)
     monkeypatch.setitem(__import__("sys").modules, "torch.utils.cpp_extension", fake_ext)
-    with pytest.raises(RuntimeError, match=f"has ABI {_native.ABI + 1}, this package needs {_native.ABI}"):
+    want = f"has ABI {_native.ABI + 1}, this package needs {_native.ABI}"
+    with pytest.raises(RuntimeError, match=want):
         _native._build(torch)
