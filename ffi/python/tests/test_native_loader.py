@@ -2,6 +2,9 @@
 is parsed, 0 never builds, auto warns once and keeps the pure-Python path when the build fails,
 1 raises naming why. The helper itself is tested on the GPU machine (test_native.py)."""
 
+import pathlib
+import sys
+import threading
 import types
 import warnings
 
@@ -64,16 +67,59 @@ def test_required_raises_with_the_reason(monkeypatch, fresh):
     assert len(fresh) == 1
 
 
-def test_a_cached_module_of_another_abi_is_refused(monkeypatch):
-    """_build checks the module's ABI (a stale cache of an older package)."""
-    fake_ext = types.SimpleNamespace(load=lambda **kw: types.SimpleNamespace(ABI=_native.ABI + 1))
+@pytest.fixture
+def fake_torch(monkeypatch, tmp_path):
+    """A torch whose cpp_extension.load records its arguments and returns a module of ``abi``
+    (``loads``: the calls), with TORCH_EXTENSIONS_DIR in a temporary folder."""
+    loads = []
+    fake_ext = types.SimpleNamespace(
+        get_default_build_root=lambda: str(tmp_path / "default"),
+        load=lambda **kw: loads.append(kw) or types.SimpleNamespace(ABI=fake_ext.abi),
+        abi=_native.ABI)
     utils = types.ModuleType("torch.utils")
     utils.cpp_extension = fake_ext
     torch = types.ModuleType("torch")
-    torch.utils = utils
-    monkeypatch.setitem(__import__("sys").modules, "torch", torch)
-    monkeypatch.setitem(__import__("sys").modules, "torch.utils", utils)
-    monkeypatch.setitem(__import__("sys").modules, "torch.utils.cpp_extension", fake_ext)
+    torch.utils, torch.__version__ = utils, "2.11.0+cu130"
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setitem(sys.modules, "torch.utils", utils)
+    monkeypatch.setitem(sys.modules, "torch.utils.cpp_extension", fake_ext)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    return torch, fake_ext, loads
+
+
+def test_builds_in_a_folder_per_python_and_torch(fake_torch, tmp_path, monkeypatch):
+    torch, _, loads = fake_torch
+    assert _native._build(torch).ABI == _native.ABI
+    d = loads[0]["build_directory"]
+    py = f"py{sys.version_info.major}{sys.version_info.minor}"
+    assert d == str(tmp_path / "ext" / f"fabric_ep_native-{py}-torch2.11.0_cu130")
+    assert loads[0]["sources"] == [_native._SRC] and pathlib.Path(d).is_dir()
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    _native._build(torch)
+    assert loads[1]["build_directory"].startswith(str(tmp_path / "default"))
+
+
+def test_a_stale_build_lock_is_waited_for_with_a_deadline(fake_torch, monkeypatch):
+    """torch's own wait on the build folder's lock file has none: a build killed midway would
+    hang every later Buffer."""
+    torch, _, loads = fake_torch
+    d = _native._build_dir(torch, torch.utils.cpp_extension)
+    lock = pathlib.Path(d) / "lock"
+    lock.write_text("")
+    monkeypatch.setattr(_native, "LOCK_WAIT_S", 0.3)
+    with pytest.raises(RuntimeError, match="lock still exists after 0 s.*delete the file"):
+        _native._build(torch)
+    assert loads == []  # torch's load, which would wait forever, was not called
+    # A lock that goes away within the deadline (another process's build ending): built.
+    monkeypatch.setattr(_native, "LOCK_WAIT_S", 30.0)
+    threading.Timer(0.1, lock.unlink).start()
+    assert _native._build(torch).ABI == _native.ABI and len(loads) == 1
+
+
+def test_a_cached_module_of_another_abi_is_refused(fake_torch):
+    """_build checks the module's ABI (a stale cache of an older package)."""
+    torch, fake_ext, _ = fake_torch
+    fake_ext.abi = _native.ABI + 1
     want = f"has ABI {_native.ABI + 1}, this package needs {_native.ABI}"
     with pytest.raises(RuntimeError, match=want):
         _native._build(torch)
