@@ -55,6 +55,16 @@
 #define FEP_BACKEND_GPU 1
 
 /**
+ * `fep_config.modes`: normal mode (dispatch / combine).
+ */
+#define FEP_MODE_NORMAL 1
+
+/**
+ * `fep_config.modes`: low-latency mode.
+ */
+#define FEP_MODE_LOW_LATENCY 2
+
+/**
  * `struct_size` of the first `fep_config` (up to and including `provider`): still accepted;
  * the fields after it take their defaults.
  */
@@ -78,6 +88,12 @@ typedef enum fep_status {
   FEP_ERR_VERSION = 7010,
   FEP_ERR_INTERNAL = 7011,
 } fep_status;
+
+/**
+ * A joined bootstrap (opaque); free it with [`fep_boot_destroy`] after every buffer created
+ * over it.
+ */
+typedef struct fep_boot fep_boot;
 
 /**
  * An EP buffer (opaque).
@@ -184,7 +200,12 @@ typedef struct fep_config {
    * always sends directly.
    */
   int32_t internode_hierarchy;
-  int32_t reserved2;
+  /**
+   * `FEP_BACKEND_GPU`: which modes' buffers to allocate, `FEP_MODE_NORMAL` |
+   * `FEP_MODE_LOW_LATENCY`; 0: both. A call of a mode not allocated is `FEP_ERR_INVALID_ARGUMENT`.
+   * The host backend always has both.
+   */
+  int32_t modes;
 } fep_config;
 
 /**
@@ -335,6 +356,47 @@ enum fep_status fep_plan_table(int64_t num_ranks,
                                size_t *needed);
 
 /**
+ * Joins the store named by the torchrun variables (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
+ * `MASTER_PORT` or `FEP_MASTER_PORT`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`). Collective: every rank
+ * calls it. `timeout_s` bounds the rendezvous; 0: 60 s; it must be finite and not negative.
+ *
+ * # Safety
+ * `out` must be a valid pointer.
+ */
+enum fep_status fep_boot_create(double timeout_s, struct fep_boot **out);
+
+/**
+ * This rank, the world size, the rank within its node and the node's rank count.
+ *
+ * # Safety
+ * `boot` must come from [`fep_boot_create`]; the out-pointers may be NULL.
+ */
+enum fep_status fep_boot_rank(const struct fep_boot *boot,
+                              int32_t *rank,
+                              int32_t *num_ranks,
+                              int32_t *local_rank,
+                              int32_t *local_world_size);
+
+/**
+ * Equal-length all-gather over the bootstrap (the `fep_allgather_fn` signature, `user` = the
+ * `fep_boot`): `send` has `len` bytes, `recv` `len * num_ranks`. Returns 0 on success, else a
+ * `fep_status` (the message through `fep_last_error`). Collective.
+ *
+ * # Safety
+ * `send`/`recv` must hold the bytes above; `user` must be a live `fep_boot`.
+ */
+int32_t fep_boot_allgather(const void *send, size_t len, void *recv, void *user);
+
+/**
+ * Leaves the bootstrap (rank 0 stops the store once every rank has left or the timeout
+ * passed). NULL is a no-op; every buffer created over it must be destroyed first.
+ *
+ * # Safety
+ * `boot` must come from [`fep_boot_create`] and not be used afterwards.
+ */
+enum fep_status fep_boot_destroy(struct fep_boot *boot);
+
+/**
  * Fills `cfg` with its size, version and defaults (zero / -1 fields).
  *
  * # Safety
@@ -363,6 +425,18 @@ enum fep_status fep_buffer_create(const struct fep_config *cfg,
                                   fep_allgather_fn allgather,
                                   void *user,
                                   struct fep_buffer **out);
+
+/**
+ * [`fep_buffer_create`] over a bootstrap the caller keeps ([`super::fep_boot_create`]): several
+ * buffers of one job (a normal and a low-latency one, one per model shape) share one store
+ * connection. `cfg`'s rank fields of -1 take the bootstrap's.
+ *
+ * # Safety
+ * `cfg`, `boot` and `out` must be valid; `boot` must outlive the buffer.
+ */
+enum fep_status fep_buffer_create_boot(const struct fep_config *cfg,
+                                       const struct fep_boot *boot,
+                                       struct fep_buffer **out);
 
 /**
  * Tears the buffer down (a bounded barrier with the other ranks, then teardown) and frees it.
@@ -563,7 +637,8 @@ enum fep_status fep_gpu_combine(struct fep_buffer *buf,
 /**
  * Low-latency dispatch on the GPU (DeepEP V1): `x` `[T <= max_tokens_per_rank, H]` bf16,
  * `topk_idx` `[T, K]` int64 (-1 = none), outputs in `outputs`. `use_fp8` must match the
- * buffer's `dispatch_dtype` (its buffers are sized for it); `round_scale` must be false. With
+ * buffer's `dispatch_dtype` (its buffers are sized for it); `round_scale` (fp8 only) makes the
+ * scales powers of two. With
  * `return_recv_hook` only the send is launched and `fep_gpu_ll_complete` launches the receive.
  * No host synchronisation; collective. `*out_op` is freed with `fep_gpu_ll_op_destroy`.
  *

@@ -659,6 +659,16 @@ impl LlGpuRank {
         })
     }
 
+    /// Power-of-two fp8 scales (DeepEP's `round_scale`) for the dispatches launched from now on
+    /// (a per-call choice: the receive only copies what the send cast).
+    pub fn set_round_scale(&mut self, on: bool) -> Result<()> {
+        if on && !self.cfg.use_fp8 {
+            return Err(Error::arg("round_scale", "only meaningful with use_fp8"));
+        }
+        self.cfg.round_scale = on;
+        Ok(())
+    }
+
     /// Launches the dispatch send of `x [num_tokens, hidden]` bf16 and `topk_idx
     /// [num_tokens, K]` int64 (global ids, -1 = none, distinct per token) on this rank's stream.
     /// `out.pos` is written here; the rest of `out` by [`Self::dispatch_recv`] with the ticket.

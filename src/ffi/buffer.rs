@@ -102,8 +102,16 @@ pub struct fep_config {
     /// fan-out inside its node), 0 = direct per-rank sends (the default). Low-latency mode
     /// always sends directly.
     pub internode_hierarchy: i32,
-    pub reserved2: i32,
+    /// `FEP_BACKEND_GPU`: which modes' buffers to allocate, `FEP_MODE_NORMAL` |
+    /// `FEP_MODE_LOW_LATENCY`; 0: both. A call of a mode not allocated is `FEP_ERR_INVALID_ARGUMENT`.
+    /// The host backend always has both.
+    pub modes: i32,
 }
+
+/// `fep_config.modes`: normal mode (dispatch / combine).
+pub const FEP_MODE_NORMAL: i32 = 1;
+/// `fep_config.modes`: low-latency mode.
+pub const FEP_MODE_LOW_LATENCY: i32 = 2;
 
 /// `struct_size` of the first `fep_config` (up to and including `provider`): still accepted;
 /// the fields after it take their defaults.
@@ -198,7 +206,7 @@ pub unsafe extern "C" fn fep_config_init(cfg: *mut fep_config) -> super::fep_sta
             device: -1,
             gpu_reserve_tokens: 0,
             internode_hierarchy: 0,
-            reserved2: 0,
+            modes: 0,
         };
         Ok(())
     })
@@ -375,18 +383,6 @@ pub unsafe extern "C" fn fep_buffer_create(
         *out = std::ptr::null_mut();
         let r = resolve(cfg)?;
         let s = &r.settings;
-        let hier = r.raw.internode_hierarchy;
-        if hier != 0 && (hier != 1 || r.backend != Backend::Gpu || s.ranks_per_node >= s.num_ranks)
-        {
-            return Err(Error::arg(
-                "internode_hierarchy",
-                format!(
-                    "{hier}: 1 (on) is for the GPU backend across nodes (ranks_per_node {} < \
-                     num_ranks {}), 0 off",
-                    s.ranks_per_node, s.num_ranks
-                ),
-            ));
-        }
         let boot: Arc<dyn Bootstrap> = match allgather {
             Some(f) => {
                 // NOTES: the pointer is only used during fep_buffer_create (the Buffer's connect
@@ -417,62 +413,114 @@ pub unsafe extern "C" fn fep_buffer_create(
             }
             None => Arc::new(TcpStore::from_env(s.timeout)?),
         };
-        if boot.rank() != s.rank || boot.world_size() != s.num_ranks {
-            return Err(Error::arg(
-                "cfg",
-                format!(
-                    "rank {}/{} disagrees with the bootstrap's {}/{}",
-                    s.rank,
-                    s.num_ranks,
-                    boot.rank(),
-                    boot.world_size()
-                ),
-            ));
-        }
-        let (opts, dev, hier_opts) = match r.backend {
-            Backend::Host => (BufferOptions::host(&r.provider), None, None),
-            Backend::Gpu => {
-                let (mut o, dev) = super::gpu::options(&r.raw, r.local_rank)?;
-                // The provider to other nodes, for both modes' proxy lanes.
-                o.proxy_provider = r.provider.clone();
-                o.ll_provider = Some(r.provider.clone());
-                // With the hierarchy, normal mode is its stages' and this buffer keeps low
-                // latency only.
-                let h = (hier == 1).then(|| GpuOptions { low_latency: false, ..o.clone() });
-                if h.is_some() {
-                    o.normal = false;
-                }
-                (BufferOptions::gpu(o), Some(dev), h)
-            }
-        };
-        let cfg = EpConfig::new(r.settings)?;
-        let mut buf = Buffer::new(cfg.clone(), boot.clone(), opts)?;
-        let gpu = match dev {
-            Some(d) => {
-                let mut st = super::gpu::GpuState::new(d)?;
-                let tokens = match r.raw.gpu_reserve_tokens {
-                    0 => super::gpu::DEFAULT_RESERVE_TOKENS,
-                    t if t < 0 => 0,
-                    t => t as usize,
-                };
-                if let Some(o) = hier_opts {
-                    let hb = GpuHierBuffer::new(cfg, boot.clone(), BufferOptions::gpu(o))?;
-                    st.set_hier(hb);
-                }
-                if tokens > 0 {
-                    st.reserve(&mut buf, tokens, super::gpu::RESERVED_HANDLES)?;
-                }
-                // NOTES: no rank may start a step (whose kernels spin on its peers) while a
-                // peer still allocates (its allocation would wait for those kernels): every
-                // rank allocates above, then this barrier.
-                boot.barrier()?;
-                Some(st)
-            }
-            None => None,
-        };
-        *out = Box::into_raw(Box::new(fep_buffer { inner: Some(buf), gpu }));
+        *out = create_on(r, boot)?;
         Ok(())
     })
+}
+
+/// [`fep_buffer_create`] over a bootstrap the caller keeps ([`super::fep_boot_create`]): several
+/// buffers of one job (a normal and a low-latency one, one per model shape) share one store
+/// connection. `cfg`'s rank fields of -1 take the bootstrap's.
+///
+/// # Safety
+/// `cfg`, `boot` and `out` must be valid; `boot` must outlive the buffer.
+#[no_mangle]
+pub unsafe extern "C" fn fep_buffer_create_boot(
+    cfg: *const fep_config,
+    boot: *const super::fep_boot,
+    out: *mut *mut fep_buffer,
+) -> super::fep_status {
+    guard(|| {
+        let out = out.as_mut().ok_or_else(|| Error::arg("out", "NULL pointer"))?;
+        *out = std::ptr::null_mut();
+        let boot = boot.as_ref().ok_or_else(|| Error::arg("boot", "NULL pointer"))?.get()?;
+        let mut raw = read_config(cfg)?;
+        if raw.rank < 0 {
+            raw.rank = boot.rank() as i32;
+        }
+        if raw.num_ranks < 0 {
+            raw.num_ranks = boot.world_size() as i32;
+        }
+        if raw.local_rank < 0 {
+            raw.local_rank = boot.local_rank() as i32;
+        }
+        if raw.ranks_per_node <= 0 {
+            raw.ranks_per_node = boot.local_world_size() as i32;
+        }
+        let r = resolve(&raw)?;
+        *out = create_on(r, boot)?;
+        Ok(())
+    })
+}
+
+/// The collective part of buffer creation, over a bootstrap.
+fn create_on(r: Resolved, boot: Arc<dyn Bootstrap>) -> Result<*mut fep_buffer, Error> {
+    let s = &r.settings;
+    let hier = r.raw.internode_hierarchy;
+    if hier != 0 && (hier != 1 || r.backend != Backend::Gpu || s.ranks_per_node >= s.num_ranks) {
+        return Err(Error::arg(
+            "internode_hierarchy",
+            format!(
+                "{hier}: 1 (on) is for the GPU backend across nodes (ranks_per_node {} < \
+                     num_ranks {}), 0 off",
+                s.ranks_per_node, s.num_ranks
+            ),
+        ));
+    }
+    if boot.rank() != s.rank || boot.world_size() != s.num_ranks {
+        return Err(Error::arg(
+            "cfg",
+            format!(
+                "rank {}/{} disagrees with the bootstrap's {}/{}",
+                s.rank,
+                s.num_ranks,
+                boot.rank(),
+                boot.world_size()
+            ),
+        ));
+    }
+    let (opts, dev, hier_opts) = match r.backend {
+        Backend::Host => (BufferOptions::host(&r.provider), None, None),
+        Backend::Gpu => {
+            let (mut o, dev) = super::gpu::options(&r.raw, r.local_rank)?;
+            // The provider to other nodes, for both modes' proxy lanes.
+            o.proxy_provider = r.provider.clone();
+            o.ll_provider = Some(r.provider.clone());
+            // With the hierarchy, normal mode is its stages' and this buffer keeps low
+            // latency only.
+            let h = (hier == 1 && o.normal).then(|| GpuOptions { low_latency: false, ..o.clone() });
+            if h.is_some() {
+                o.normal = false;
+            }
+            (BufferOptions::gpu(o), Some(dev), h)
+        }
+    };
+    let cfg = EpConfig::new(r.settings)?;
+    let mut buf = Buffer::new(cfg.clone(), boot.clone(), opts)?;
+    let gpu = match dev {
+        Some(d) => {
+            let mut st = super::gpu::GpuState::new(d)?;
+            let tokens = match r.raw.gpu_reserve_tokens {
+                0 => super::gpu::DEFAULT_RESERVE_TOKENS,
+                t if t < 0 => 0,
+                t => t as usize,
+            };
+            if let Some(o) = hier_opts {
+                let hb = GpuHierBuffer::new(cfg, boot.clone(), BufferOptions::gpu(o))?;
+                st.set_hier(hb);
+            }
+            if tokens > 0 {
+                st.reserve(&mut buf, tokens, super::gpu::RESERVED_HANDLES)?;
+            }
+            // NOTES: no rank may start a step (whose kernels spin on its peers) while a
+            // peer still allocates (its allocation would wait for those kernels): every
+            // rank allocates above, then this barrier.
+            boot.barrier()?;
+            Some(st)
+        }
+        None => None,
+    };
+    Ok(Box::into_raw(Box::new(fep_buffer { inner: Some(buf), gpu })))
 }
 
 /// Tears the buffer down (a bounded barrier with the other ranks, then teardown) and frees it.
@@ -720,51 +768,45 @@ pub unsafe extern "C" fn fep_handle_copy_out(
         };
         let out = slot.take().ok_or_else(|| Error::arg("handle", "outputs already copied out"))?;
         let rows = out.handle.num_out_rows() as i64;
+        // NOTES: a row width is derived from the output's length, which says nothing when no
+        // row arrived: then any width is accepted (a rank that receives nothing passes the
+        // same `[0, hidden]` tensors as its peers).
+        let width = |len: usize| (rows > 0).then(|| len as i64 / rows);
         let restore = |slot: &mut Option<DispatchOutput>, out| *slot = Some(out);
         let res = (|| -> Result<(), Error> {
             match &out.recv_x {
                 OwnedTokens::Bf16(v) => {
-                    let hidden = v.len() as i64 / rows.max(1);
-                    view_mut::<u16>("recv_x", recv_x, FEP_DTYPE_BF16, &[Some(rows), Some(hidden)])?
+                    let hidden = width(v.len());
+                    view_mut::<u16>("recv_x", recv_x, FEP_DTYPE_BF16, &[Some(rows), hidden])?
                         .copy_from_slice(v)
                 }
                 OwnedTokens::Fp8 { x, scales } => {
-                    let hidden = x.len() as i64 / rows.max(1);
-                    view_mut::<u8>(
-                        "recv_x",
-                        recv_x,
-                        FEP_DTYPE_FP8_E4M3,
-                        &[Some(rows), Some(hidden)],
-                    )?
-                    .copy_from_slice(x);
+                    let hidden = width(x.len());
+                    view_mut::<u8>("recv_x", recv_x, FEP_DTYPE_FP8_E4M3, &[Some(rows), hidden])?
+                        .copy_from_slice(x);
                     if !recv_x_scales.is_null() {
                         view_mut::<f32>(
                             "recv_x_scales",
                             recv_x_scales,
                             FEP_DTYPE_F32,
-                            &[Some(rows), Some(hidden / 128)],
+                            &[Some(rows), width(scales.len())],
                         )?
                         .copy_from_slice(scales);
                     }
                 }
             }
             if !recv_topk_idx.is_null() && !out.recv_topk_idx.is_empty() {
-                let k = out.recv_topk_idx.len() as i64 / rows.max(1);
-                view_mut::<i64>(
-                    "recv_topk_idx",
-                    recv_topk_idx,
-                    FEP_DTYPE_I64,
-                    &[Some(rows), Some(k)],
-                )?
-                .copy_from_slice(&out.recv_topk_idx);
+                let k = width(out.recv_topk_idx.len());
+                view_mut::<i64>("recv_topk_idx", recv_topk_idx, FEP_DTYPE_I64, &[Some(rows), k])?
+                    .copy_from_slice(&out.recv_topk_idx);
             }
             if !recv_topk_weights.is_null() && !out.recv_topk_weights.is_empty() {
-                let k = out.recv_topk_weights.len() as i64 / rows.max(1);
+                let k = width(out.recv_topk_weights.len());
                 view_mut::<f32>(
                     "recv_topk_weights",
                     recv_topk_weights,
                     FEP_DTYPE_F32,
-                    &[Some(rows), Some(k)],
+                    &[Some(rows), k],
                 )?
                 .copy_from_slice(&out.recv_topk_weights);
             }

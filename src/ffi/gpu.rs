@@ -30,6 +30,7 @@ use cudarc::driver::sys::{CUevent, CUstream};
 use super::buffer::{
     check_tensor, fep_buffer, fep_config, fep_handle, fep_tensor, HandleKind, FEP_DTYPE_BF16,
     FEP_DTYPE_BOOL, FEP_DTYPE_F32, FEP_DTYPE_FP8_E4M3, FEP_DTYPE_I32, FEP_DTYPE_I64,
+    FEP_MODE_LOW_LATENCY, FEP_MODE_NORMAL,
 };
 use super::{fep_status, guard};
 use crate::cuda::{Device, DeviceBuffer, Event, Stream};
@@ -228,6 +229,19 @@ pub(crate) fn options(c: &fep_config, local_rank: usize) -> Result<(GpuOptions, 
     let dev = Device::new(ordinal)
         .map_err(|e| Error::arg("device", format!("CUDA device {ordinal}: {e}")))?;
     let mut o = GpuOptions::new(dev.clone());
+    match c.modes {
+        0 => {}
+        m if m & !(FEP_MODE_NORMAL | FEP_MODE_LOW_LATENCY) == 0 => {
+            o.normal = m & FEP_MODE_NORMAL != 0;
+            o.low_latency = m & FEP_MODE_LOW_LATENCY != 0;
+        }
+        m => {
+            return Err(Error::arg(
+                "modes",
+                format!("{m}: FEP_MODE_NORMAL (1) | FEP_MODE_LOW_LATENCY (2), or 0 for both"),
+            ))
+        }
+    }
     if c.num_sms > 0 {
         o.num_sms = Some(c.num_sms as usize);
     }
@@ -848,7 +862,8 @@ pub struct fep_gpu_ll_op {
 
 /// Low-latency dispatch on the GPU (DeepEP V1): `x` `[T <= max_tokens_per_rank, H]` bf16,
 /// `topk_idx` `[T, K]` int64 (-1 = none), outputs in `outputs`. `use_fp8` must match the
-/// buffer's `dispatch_dtype` (its buffers are sized for it); `round_scale` must be false. With
+/// buffer's `dispatch_dtype` (its buffers are sized for it); `round_scale` (fp8 only) makes the
+/// scales powers of two. With
 /// `return_recv_hook` only the send is launched and `fep_gpu_ll_complete` launches the receive.
 /// No host synchronisation; collective. `*out_op` is freed with `fep_gpu_ll_op_destroy`.
 ///
@@ -872,13 +887,13 @@ pub unsafe extern "C" fn fep_gpu_ll_dispatch(
         let out_op = out_op.as_mut().ok_or_else(|| Error::arg("out_op", "NULL pointer"))?;
         *out_op = std::ptr::null_mut();
         let (b, st) = parts(buf)?;
-        if round_scale {
+        if round_scale && !use_fp8 {
             return Err(Error::arg(
                 "round_scale",
-                "the GPU backend's low-latency fp8 scales are not rounded to powers of two: \
-                 pass false",
+                "true needs use_fp8 (bf16 rows carry no scales)",
             ));
         }
+        b.gpu()?.set_ll_round_scale(round_scale)?;
         let c = b.config();
         let (h, k, m) = (c.hidden as i64, c.num_topk as i64, c.max_tokens_per_rank);
         let (xs, shape) = dev("x", x, FEP_DTYPE_BF16, &[None, Some(h)])?;

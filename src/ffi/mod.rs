@@ -8,11 +8,13 @@
 
 #![allow(non_camel_case_types)]
 
+mod boot;
 mod buffer;
 mod gpu;
 mod ll;
 mod status;
 
+pub use boot::*;
 pub use buffer::*;
 pub use gpu::*;
 pub use ll::*;

@@ -18,7 +18,8 @@ path.
 
 from ._lib import FabricEPArgumentError, FabricEPError, FabricEPTimeoutError
 from ._native import status as native_status
-from .buffer import Buffer, DispatchHandle, LowLatencyHandle
+from ._facade import Buffer
+from .buffer import DispatchHandle, LowLatencyHandle
 from .config import Config
 from .utils import EventOverlap, ThreadGroup
 

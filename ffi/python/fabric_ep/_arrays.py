@@ -317,3 +317,42 @@ def tensor(ptr: int, code: int, shape: Sequence[int]) -> fep_tensor:
 
 def addr(t: Optional[fep_tensor]) -> Optional[int]:
     return None if t is None else ctypes.addressof(t)
+
+
+def _bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _f32_to_bf16_bits(f: np.ndarray) -> np.ndarray:
+    """Round to nearest even (the GPU's and torch's rounding); NaN stays NaN."""
+    u = np.ascontiguousarray(f, dtype=np.float32).view(np.uint32)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(f)
+    if nan.any():
+        r[nan] = 0x7FC0
+    return r
+
+
+def add_bf16_inplace(out: Any, biases: Tuple[Any, ...]) -> None:
+    """``out += sum(biases)`` for bf16 arrays of the host backend (numpy bits or ml_dtypes,
+    torch CPU), in float32, rounded once."""
+    if type(out) is np.ndarray:
+        for b in biases:
+            if type(b) is not np.ndarray or b.dtype != out.dtype:
+                raise TypeError(f"bias: expected a numpy array of {out.dtype}, got "
+                                f"{type(b).__name__} {getattr(b, 'dtype', '')}")
+        if out.dtype.kind in "ui":
+            s = _bf16_bits_to_f32(out.view(np.uint16))
+            for b in biases:
+                s = s + _bf16_bits_to_f32(b.view(np.uint16))
+            out.view(np.uint16)[...] = _f32_to_bf16_bits(s)
+        else:
+            s = out.astype(np.float32)
+            for b in biases:
+                s = s + b.astype(np.float32)
+            out[...] = s.astype(out.dtype)
+        return
+    acc = out.float()
+    for b in biases:
+        acc += b.float()
+    out.copy_(acc)

@@ -418,35 +418,11 @@ class GpuPath:
             run.wait_event(ev)
         elif run is not compute:
             run.wait_stream(compute)
-        r, rpn, lx = b.num_ranks, b.ranks_per_node, b.num_local_experts
         with torch.cuda.stream(run):
-            t = topk_idx.shape[0]
-            valid = topk_idx >= 0
-            rank_of = torch.where(valid, topk_idx // lx, torch.full_like(topk_idx, r))
-            hit = torch.zeros((t, r + 1), dtype=torch.bool, device=self.dev)
-            hit.scatter_(1, rank_of, True)
-            in_rank = hit[:, :r].contiguous()
-            per_rank = in_rank.sum(0, dtype=torch.int32)
-            per_expert = torch.bincount(topk_idx[valid], minlength=num_experts).to(torch.int32)
-            nodes = r // rpn
-            per_node = (in_rank.view(t, nodes, rpn).any(2).sum(0, dtype=torch.int32)
-                        if nodes > 1 else None)
-        self._layout_out = (per_rank, per_node, per_expert, in_rank)
-        if not async_finish:
-            return per_rank, per_node, per_expert, in_rank, NO_EVENT
-        if run is not compute:
-            # As the calls' finish: the input read on the communication stream, the outputs
-            # allocated there used on the compute stream.
-            if self._nat is not None:
-                self._nat.record(self._comm_sid, (topk_idx,), 0, self._layout_out)
-            else:
-                topk_idx.record_stream(run)
-                for o in self._layout_out:
-                    if o is not None:
-                        o.record_stream(compute)
-        e = torch.cuda.Event()
-        e.record(run)
-        return per_rank, per_node, per_expert, in_rank, EventOverlap(e)
+            self._layout_out = _layout_ops(torch, topk_idx, num_experts, b.num_ranks,
+                                           b.ranks_per_node, self.dev)
+        return _layout_finish(torch, self._nat, self._comm_sid, topk_idx, self._layout_out, run,
+                              compute, async_finish)
 
     # ------------------------------------------------------------------ normal mode
 
@@ -1025,6 +1001,72 @@ class GpuPath:
         self.current_stream(self.dev).synchronize()
         self.comm.synchronize()
         self._layout_out = ()
+
+
+def _layout_ops(torch: Any, topk_idx: Any, num_experts: int, r: int, rpn: int,
+                dev: int) -> Tuple[Any, ...]:
+    """DeepEP's layout counts with torch ops on the current stream."""
+    lx = num_experts // r
+    t = topk_idx.shape[0]
+    valid = topk_idx >= 0
+    rank_of = torch.where(valid, topk_idx // lx, torch.full_like(topk_idx, r))
+    hit = torch.zeros((t, r + 1), dtype=torch.bool, device=dev)
+    hit.scatter_(1, rank_of, True)
+    in_rank = hit[:, :r].contiguous()
+    per_rank = in_rank.sum(0, dtype=torch.int32)
+    per_expert = torch.bincount(topk_idx[valid], minlength=num_experts).to(torch.int32)
+    nodes = r // rpn
+    per_node = (in_rank.view(t, nodes, rpn).any(2).sum(0, dtype=torch.int32)
+                if nodes > 1 else None)
+    return per_rank, per_node, per_expert, in_rank
+
+
+def _layout_finish(torch: Any, nat: Any, comm_sid: int, topk_idx: Any, outs: Tuple[Any, ...],
+                   run: Any, compute: Any, async_finish: bool) -> Tuple[Any, ...]:
+    per_rank, per_node, per_expert, in_rank = outs
+    if not async_finish:
+        return per_rank, per_node, per_expert, in_rank, NO_EVENT
+    if run is not compute:
+        # As the calls' finish: the input read on the communication stream, the outputs
+        # allocated there used on the compute stream.
+        if nat is not None:
+            nat.record(comm_sid, (topk_idx,), 0, outs)
+        else:
+            topk_idx.record_stream(run)
+            for o in outs:
+                if o is not None:
+                    o.record_stream(compute)
+    e = torch.cuda.Event()
+    e.record(run)
+    return per_rank, per_node, per_expert, in_rank, EventOverlap(e)
+
+
+def layout_gpu(fac: Any, topk_idx: Any, num_experts: int, previous_event: Any,
+               async_finish: bool, allocate_on_comm_stream: bool) -> Tuple[Any, ...]:
+    """``get_dispatch_layout`` of a :class:`fabric_ep.Buffer` that has no GPU native buffer of
+    ``num_experts`` yet (the layout needs none): as :meth:`GpuPath.get_dispatch_layout`, on the
+    Buffer's communication stream with ``allocate_on_comm_stream``."""
+    import torch
+
+    GpuPath.check_async(previous_event, async_finish, allocate_on_comm_stream)
+    if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2 \
+            or topk_idx.dtype != torch.int64 or not topk_idx.is_cuda:
+        raise ValueError(
+            f"topk_idx: expected a [T, K] int64 CUDA tensor, got {type(topk_idx).__name__} "
+            f"{getattr(topk_idx, 'dtype', '')} shape {list(getattr(topk_idx, 'shape', []))}")
+    if not topk_idx.is_contiguous():
+        raise ValueError("topk_idx: must be contiguous (use .contiguous())")
+    ev = GpuPath.event_ptr(previous_event) and previous_event.event
+    compute = torch.cuda.current_stream()
+    run = fac._comm_stream() if allocate_on_comm_stream else compute
+    if ev:
+        run.wait_event(ev)
+    elif run is not compute:
+        run.wait_stream(compute)
+    with torch.cuda.stream(run):
+        outs = _layout_ops(torch, topk_idx, num_experts, fac.num_ranks, fac.ranks_per_node,
+                           topk_idx.device.index)
+    return _layout_finish(torch, None, 0, topk_idx, outs, run, compute, async_finish)
 
 
 class CallbackAllGather:

@@ -27,6 +27,9 @@ FEP_DTYPE_BOOL = 5
 FEP_BACKEND_HOST = 0
 FEP_BACKEND_GPU = 1
 
+FEP_MODE_NORMAL = 1
+FEP_MODE_LOW_LATENCY = 2
+
 FEP_OK = 0
 FEP_ERR_INVALID_ARGUMENT = 7001
 FEP_ERR_TIMEOUT = 7002
@@ -57,7 +60,7 @@ class fep_config(ctypes.Structure):
         ("device", ctypes.c_int32),
         ("gpu_reserve_tokens", ctypes.c_int32),
         ("internode_hierarchy", ctypes.c_int32),
-        ("reserved2", ctypes.c_int32),
+        ("modes", ctypes.c_int32),
     ]
 
 
@@ -238,6 +241,13 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("fep_gpu_ll_op_destroy", None, _vp),
         ("fep_gpu_sync", _st, _vp, _vp),
         ("fep_gpu_info", _st, _vp, _vp, _vp, _vp),
+        # A bootstrap shared by several buffers.
+        ("fep_boot_create", _st, ctypes.c_double, _P(_vp)),
+        ("fep_boot_rank", _st, _vp, _P(ctypes.c_int32), _P(ctypes.c_int32), _P(ctypes.c_int32),
+         _P(ctypes.c_int32)),
+        ("fep_boot_destroy", _st, _vp),
+        ("fep_boot_allgather", ctypes.c_int32, _vp, ctypes.c_size_t, _vp, _vp),
+        ("fep_buffer_create_boot", _st, _P(fep_config), _vp, _P(_vp)),
     ]
     for name, restype, *argtypes in optional:
         if hasattr(lib, name):

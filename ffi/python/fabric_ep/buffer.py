@@ -148,8 +148,8 @@ class _TorchAllGather:
             return 1
 
 
-class Buffer:
-    """DeepEP V1's ``Buffer`` on fabric-ep: the host backend (CPU threads over host memory; numpy
+class _Engine:
+    """One native buffer of one model shape (what :class:`fabric_ep.Buffer` creates per shape) on fabric-ep: the host backend (CPU threads over host memory; numpy
     arrays or torch CPU tensors) or the GPU backend (CUDA kernels; torch CUDA tensors, the
     current CUDA stream; see :mod:`fabric_ep._gpu` for the stream rules).
 
@@ -223,8 +223,14 @@ class Buffer:
         ranks_per_node: Optional[int] = None,
         gpu_reserve_tokens: int = 4096,
         internode_hierarchy: bool = False,
+        _boot: Any = None,
+        _modes: int = 0,
+        _comm_ptr: int = 0,
     ) -> None:
         self._ptr = 0  # set last: __del__ must see a consistent object if __init__ raises
+        # The facade's shared bootstrap (fabric_ep.Buffer): its gather or native store, instead
+        # of one made from ``group`` here.
+        self._boot = _boot
         self._g: Optional[Any] = None
         missing = [
             n for n, v in (("num_experts", num_experts), ("hidden", hidden), ("num_topk", num_topk))
@@ -290,7 +296,14 @@ class Buffer:
         explicit_config = config is not None
         cfg = _lib.new_config()
         self._gather: Optional[Any] = None
-        if group is not None and hasattr(group, "all_gather_bytes"):
+        if _boot is not None:
+            self._gather = _boot.gather
+            cfg.rank = _boot.rank
+            cfg.num_ranks = _boot.size
+            world = _boot.size
+            if ranks_per_node is None:
+                ranks_per_node = _boot.local_size
+        elif group is not None and hasattr(group, "all_gather_bytes"):
             from ._gpu import CallbackAllGather
 
             self._gather = CallbackAllGather(group)
@@ -320,7 +333,7 @@ class Buffer:
                 )
             cfg.internode_hierarchy = 1
         if config is None:
-            config = Buffer.get_dispatch_config(world if world else 1)
+            config = _public_buffer().get_dispatch_config(world if world else 1)
         sms, chunk, slots = config.fabric_chunking()
         self.config = config
         cfg.num_experts = num_experts
@@ -355,18 +368,24 @@ class Buffer:
             # unless the caller chose.
             if not explicit_config:
                 cfg.chunk_tokens = cfg.slots_per_peer = 0
-                if Buffer.num_sms == DEFAULT_NUM_SMS:
+                if _public_buffer().num_sms == DEFAULT_NUM_SMS:
                     cfg.num_sms = 0
+        cfg.modes = _modes if backend == "gpu" else 0
         cfg.timeout_s = float(timeout_s)
         self._provider = provider.encode() if provider is not None else None
         cfg.provider = self._provider
         self._cfg = cfg
 
         out = ctypes.c_void_p()
-        fn = self._gather.fn if self._gather is not None else _lib.ALLGATHER_FN()
-        st = lib.fep_buffer_create(ctypes.byref(cfg), fn, None, ctypes.byref(out))
+        if _boot is not None and _boot.ptr:
+            call = "fep_buffer_create_boot"
+            st = lib.fep_buffer_create_boot(ctypes.byref(cfg), _boot.ptr, ctypes.byref(out))
+        else:
+            call = "fep_buffer_create"
+            fn = self._gather.fn if self._gather is not None else _lib.ALLGATHER_FN()
+            st = lib.fep_buffer_create(ctypes.byref(cfg), fn, None, ctypes.byref(out))
         if st != _lib.FEP_OK:
-            err = _lib.error("fep_buffer_create", st)
+            err = _lib.error(call, st)
             if self._gather is not None and self._gather.error is not None:
                 raise err from self._gather.error
             raise err
@@ -400,7 +419,8 @@ class Buffer:
             _lib.check("fep_gpu_info", lib.fep_gpu_info(self._ptr, ctypes.byref(d), ctypes.byref(sms),
                                                         ctypes.byref(comm)))
             self.num_sms = sms.value
-            self._g = GpuPath(self, torch_mod, int(cfg.device), threads, comm.value or 0,
+            self._g = GpuPath(self, torch_mod, int(cfg.device), threads,
+                              _comm_ptr or comm.value or 0,
                               reserve_tokens=gpu_reserve_tokens)
 
     # ---------------------------------------------------------------- lifetime
@@ -438,39 +458,6 @@ class Buffer:
             self.destroy()
 
     # ---------------------------------------------------------------- static helpers
-
-    @staticmethod
-    def set_num_sms(new_num_sms: int) -> None:
-        """Sets the SM budget the default configs carry (DeepEP's ``Buffer.set_num_sms``)."""
-        if isinstance(new_num_sms, bool) or not isinstance(new_num_sms, int) or new_num_sms <= 0:
-            raise ValueError(f"new_num_sms: {new_num_sms!r} must be a positive int")
-        Buffer.num_sms = new_num_sms
-
-    @staticmethod
-    def get_dispatch_config(num_ranks: int) -> Config:
-        """fabric-ep's normal-mode config for ``num_ranks`` ranks: 64-token chunks, 4 slots per
-        peer, ``Buffer.num_sms`` SMs (the same for every ``num_ranks`` and for combine)."""
-        if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks <= 0:
-            raise ValueError(f"num_ranks: {num_ranks!r} must be a positive int")
-        return Config(Buffer.num_sms)
-
-    @staticmethod
-    def get_combine_config(num_ranks: int) -> Config:
-        """Same as :meth:`get_dispatch_config`: fabric-ep's dispatch and combine share chunking."""
-        return Buffer.get_dispatch_config(num_ranks)
-
-    @staticmethod
-    def get_low_latency_rdma_size_hint(
-        num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
-    ) -> int:
-        """Bytes of fabric-ep's low-latency buffer per rank (both alternating sets), sized for
-        bf16 like DeepEP's hint."""
-        cfg = _lib.new_config()
-        cfg.rank, cfg.num_ranks, cfg.ranks_per_node, cfg.local_rank = 0, num_ranks, 1, 0
-        cfg.num_experts, cfg.hidden, cfg.num_topk = num_experts, hidden, 1
-        cfg.max_tokens_per_rank = num_max_dispatch_tokens_per_rank
-        cfg.provider = b"shm"
-        return int(_lib.size_hints(cfg).ll_bytes)
 
     def size_hints(self) -> "dict[str, int]":
         """What this buffer's configuration needs per rank: ``normal_bytes``, ``ll_bytes``,
@@ -532,28 +519,8 @@ class Buffer:
         if self._g is not None:
             return self._g.get_dispatch_layout(topk_idx, num_experts, previous_event,
                                                async_finish, allocate_on_comm_stream)
-        _no_event(previous_event)
-        _host_only(async_finish, allocate_on_comm_stream)
-        idx = arr("topk_idx", topk_idx, FEP_DTYPE_I64, (None, None))
-        t, k = idx.shape
-        r = self.num_ranks
-        per_rank = idx.empty((r,), FEP_DTYPE_I32)
-        per_node = idx.empty((self._num_nodes,), FEP_DTYPE_I32)
-        per_expert = idx.empty((num_experts,), FEP_DTYPE_I32)
-        in_rank = idx.empty((t, r), FEP_DTYPE_BOOL)
-        st = lib.fep_get_dispatch_layout_host(
-            idx.ptr, t, k, num_experts, r, self.ranks_per_node,
-            data_ptr(per_rank), data_ptr(per_node), data_ptr(per_expert), data_ptr(in_rank),
-        )
-        if st:
-            raise _lib.error("fep_get_dispatch_layout_host", st)
-        return (
-            per_rank,
-            per_node if self._num_nodes > 1 else None,
-            per_expert,
-            in_rank,
-            NO_EVENT,
-        )
+        return layout_host(self.num_ranks, self.ranks_per_node, topk_idx, num_experts,
+                           previous_event, async_finish, allocate_on_comm_stream)
 
     def _check_config(self, config: Optional[Config]) -> None:
         if config is not None and config != self.config:
@@ -1094,18 +1061,45 @@ class Buffer:
         self._ll_shape_args(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         if self._g is not None:
             # GPU: no kernel of the group may run while any rank resets (collective fence).
-            from ._gpu import group_barrier
-
             self._g.quiesce()
-            group_barrier(self.group)
+            self._barrier()
         st = lib.fep_clean_low_latency_buffer(p)
         if st:
             raise _lib.error("fep_clean_low_latency_buffer", st)
         if self._g is not None:
+            self._barrier()
+
+    def _barrier(self) -> None:
+        if self._boot is not None:
+            self._boot.barrier()
+        else:
+            from ._gpu import group_barrier
+
             group_barrier(self.group)
 
 
 _addr = ctypes.addressof
+
+
+def layout_host(r: int, rpn: int, topk_idx: Any, num_experts: int, previous_event: Any,
+                async_finish: bool, allocate_on_comm_stream: bool) -> Tuple[Any, ...]:
+    """``get_dispatch_layout`` on the host backend for ``r`` ranks, ``rpn`` per node."""
+    _no_event(previous_event)
+    _host_only(async_finish, allocate_on_comm_stream)
+    idx = arr("topk_idx", topk_idx, FEP_DTYPE_I64, (None, None))
+    t, k = idx.shape
+    nodes = r // rpn
+    per_rank = idx.empty((r,), FEP_DTYPE_I32)
+    per_node = idx.empty((nodes,), FEP_DTYPE_I32)
+    per_expert = idx.empty((num_experts,), FEP_DTYPE_I32)
+    in_rank = idx.empty((t, r), FEP_DTYPE_BOOL)
+    st = lib.fep_get_dispatch_layout_host(
+        idx.ptr, t, k, num_experts, r, rpn,
+        data_ptr(per_rank), data_ptr(per_node), data_ptr(per_expert), data_ptr(in_rank),
+    )
+    if st:
+        raise _lib.error("fep_get_dispatch_layout_host", st)
+    return per_rank, per_node if nodes > 1 else None, per_expert, in_rank, NO_EVENT
 
 
 def _check_cached_handle(handle: Any, buf: Any, topk_idx: Any, topk_weights: Any, t: int) -> None:
@@ -1230,7 +1224,7 @@ class LowLatencyHandle:
 
     __slots__ = ("_ptr", "_buffer_id", "_received", "num_tokens", "num_max_dispatch_tokens_per_rank",
                  "hidden", "num_experts", "_src_rank", "_src_idx", "_layout_range", "_gpu",
-                 "_pairs_v", "_routing", "_keep")
+                 "_pairs_v", "_routing", "_keep", "_zero_copy")
 
     def __init__(self, ptr: int, buffer_id: int, num_tokens: int, max_tokens: int, hidden: int,
                  num_experts: int, gpu: bool = False):
@@ -1247,6 +1241,8 @@ class LowLatencyHandle:
         # three are views of it, made on first read (GpuPath.ll_dispatch).
         self._routing: Any = None
         self._keep: Any = None
+        # The zero-copy combine's input (fabric_ep.Buffer.get_next_low_latency_combine_buffer).
+        self._zero_copy: Any = None
 
     def _part(self, i: int) -> Any:
         block, views = self._routing
@@ -1300,3 +1296,10 @@ class LowLatencyHandle:
         p, self._ptr = self._ptr, 0
         if p:
             (_destroy_gpu if self._gpu else _destroy)(p)
+
+
+def _public_buffer() -> Any:
+    """:class:`fabric_ep.Buffer` (its class settings, ``num_sms``, and default configs)."""
+    from ._facade import Buffer
+
+    return Buffer

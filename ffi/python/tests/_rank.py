@@ -283,16 +283,86 @@ def run_ll(r, num_ranks):
     amax = np.repeat(np.abs(ref).reshape(L, S, H // 128, 128).max(3), 128, axis=2)
     assert np.all(np.abs(deq - ref) <= amax / 16 + 1e-6), "fp8 dequantised rows too far off"
 
-    # clean_low_latency_buffer: arguments checked against the buffer, then collective.
-    try:
-        buf.clean_low_latency_buffer(MAX_LL + 1, H, e_all)
-        raise AssertionError("a mismatched clean_low_latency_buffer was accepted")
-    except ValueError as e:
-        assert str(e).startswith("num_max_dispatch_tokens_per_rank:"), e
+    # clean_low_latency_buffer: collective; a shape never used has nothing to clean.
+    buf.clean_low_latency_buffer(MAX_LL + 1, H, e_all)
     buf.clean_low_latency_buffer(MAX_LL, H, e_all)
     rx, cnt, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_LL, e_all, use_fp8=False)
     assert np.array_equal(rx, ref_x)
     buf.destroy()
+
+
+def _shape(h, k):
+    """Sets the module's hidden size and top-k (the helpers above read them)."""
+    global H, K
+    H, K = h, k
+
+
+def run_deepep(r, num_ranks, rpn):
+    """DeepEP's call sequence as frameworks write it: one Buffer sized by byte counts, no model
+    shape; bf16 and fp8 on it, two hidden sizes and top-ks, low latency in both formats with and
+    without the hook; rank 1 sends nothing and the ranks' token counts differ."""
+    h0, k0 = H, K
+    e_all = L * num_ranks
+    hint = Buffer.get_dispatch_config(num_ranks).get_nvl_buffer_size_hint(h0 * 2, num_ranks)
+    ll_bytes = Buffer.get_low_latency_rdma_size_hint(MAX_LL, h0, num_ranks, e_all)
+    buf = Buffer(None, hint, ll_bytes, True, explicitly_destroy=True)
+    assert (buf.rank, buf.group_size) == (r, num_ranks)
+    try:
+        for h, k, salt in ((h0, k0, 3), (128, 2, 4), (h0, k0, 5)):
+            _shape(h, k)
+            all_in = [inputs(s, num_ranks, salt=salt) for s in range(num_ranks)]
+            x, idx, w = all_in[r]
+            n_rank, n_rdma, n_exp, in_rank = check_layout(buf, r, num_ranks, x, idx, rpn)
+            rx, ri, rw, counts, handle, _ = buf.dispatch(
+                x, num_tokens_per_rank=n_rank, num_tokens_per_rdma_rank=n_rdma,
+                is_token_in_rank=in_rank, num_tokens_per_expert=n_exp, topk_idx=idx,
+                topk_weights=w, config=Buffer.get_dispatch_config(num_ranks))
+            ref_x, ref_i, ref_w, ref_counts = reference_recv(r, num_ranks, all_in)
+            assert np.array_equal(rx, ref_x) and np.array_equal(ri, ref_i)
+            assert np.array_equal(rw, ref_w) and counts == ref_counts, (counts, ref_counts)
+            back = f2bf(bf2f(rx) * (r + 1))
+            cx, cw, _ = buf.combine(back, handle, topk_weights=rw)
+            factor = (dest_ranks(idx, num_ranks) * (np.arange(num_ranks) + 1)).sum(1)
+            assert np.array_equal(bf2f(cx), bf2f(x) * factor[:, None].astype(np.float32))
+            assert np.array_equal(cw, np.where(idx >= 0, w, 0))
+            # fp8 with scales on the same Buffer and routing (as SGLang: fp8 dispatch, bf16
+            # combine), then the cached form.
+            xq = (np.arange(x.shape[0] * h) % 251).astype(np.uint8).reshape(x.shape[0], h)
+            xs = np.full((x.shape[0], h // 128), r + 0.25, np.float32)
+            (q, sc), qi, _, qcounts, qh, _ = buf.dispatch(
+                (xq, xs), topk_idx=idx, topk_weights=w, num_tokens_per_expert=n_exp)
+            assert np.array_equal(qi, ref_i) and qcounts == ref_counts
+            src = np.concatenate([np.full(int(dest_ranks(all_in[s][1], num_ranks)[:, r].sum()),
+                                          s + 0.25, np.float32) for s in range(num_ranks)])
+            assert np.array_equal(sc, np.repeat(src[:, None], h // 128, 1))
+            cq, _, _ = buf.combine(f2bf(np.ones((q.shape[0], h), np.float32)), qh)
+            dests = dest_ranks(idx, num_ranks).sum(1).astype(np.float32)
+            assert np.array_equal(bf2f(cq), np.repeat(dests[:, None], h, 1))
+            again = buf.dispatch(x, handle=handle)[0]
+            assert np.array_equal(again, ref_x)
+            # Low latency: bf16 with the hook, then fp8 without, on the same Buffer.
+            ref = ll_reference(r, num_ranks, all_in)
+            for use_fp8, hooked in ((False, True), (True, False)):
+                rx, cnt, lh, _, hook = buf.low_latency_dispatch(
+                    x, idx, MAX_LL, e_all, use_fp8=use_fp8, return_recv_hook=hooked)
+                if hooked:
+                    hook()
+                assert cnt.tolist() == ref[1].tolist(), (cnt, ref[1])
+                if not use_fp8:
+                    assert np.array_equal(rx, ref[0])
+                    y = np.zeros(rx.shape, np.uint16)
+                    for e in range(L):
+                        y[e] = f2bf(bf2f(rx[e]) * (e + 1))
+                else:
+                    assert rx[0].shape == (L, num_ranks * MAX_LL, h)
+                    y = np.zeros((L, num_ranks * MAX_LL, h), np.uint16)
+                    for e in range(L):
+                        y[e] = f2bf(bf2f(ref[0][e]) * (e + 1))
+                cx, _, _ = buf.low_latency_combine(y, idx, w, lh)
+                assert np.array_equal(cx, ll_combine_want(x, idx, w))
+    finally:
+        _shape(h0, k0)
+        buf.destroy()
 
 
 def main():
@@ -306,6 +376,8 @@ def main():
     if fabric_ep.buffer.HAVE_LOW_LATENCY:
         os.environ["FEP_MASTER_PORT"] = os.environ["FEP_TEST_PORT3"]
         run_ll(r, n)
+        os.environ["FEP_MASTER_PORT"] = os.environ["FEP_TEST_PORT4"]
+        run_deepep(r, n, rpn)
     print(f"rank {r}/{n}: ok ({fabric_ep.__name__})")
 
 

@@ -61,8 +61,8 @@ def run_ranks(script: pathlib.Path, world: int, local_world: int = 0, timeout: f
         env = rank_env(r, world, port, local_world)
         # All ranks must agree on the extra ports: rank 0 picks them, the others take the same.
         if r == 0:
-            extra_ports = (str(free_port()), str(free_port()))
-        env["FEP_TEST_PORT2"], env["FEP_TEST_PORT3"] = extra_ports
+            extra_ports = (str(free_port()), str(free_port()), str(free_port()))
+        env["FEP_TEST_PORT2"], env["FEP_TEST_PORT3"], env["FEP_TEST_PORT4"] = extra_ports
         env.update(extra_env or {})
         p = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)

@@ -560,7 +560,7 @@ def test_async_calls_record_each_tensor_on_the_stream_that_shares_it(path):
 def test_dispatch_checks_layout_tensors_unless_they_are_the_last_layout(path):
     """Buffer.dispatch: get_dispatch_layout's last outputs passed back unchanged are not checked
     again; any other layout tensor is (Buffer._layout_args)."""
-    from fabric_ep.buffer import Buffer
+    from fabric_ep.buffer import _Engine as Buffer
 
     g, torch, rec, _ = path
     x, idx, w = inputs(torch)

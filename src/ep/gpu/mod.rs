@@ -1051,6 +1051,16 @@ impl GpuBuffer {
         })
     }
 
+    /// Power-of-two fp8 scales (DeepEP's `round_scale`) for this rank's later low-latency
+    /// dispatches; an error without the low-latency part or with bf16 dispatch.
+    pub fn set_ll_round_scale(&mut self, on: bool) -> Result<()> {
+        match self.ll.as_mut() {
+            Some(l) => l.rank.set_round_scale(on),
+            None if !on => Ok(()),
+            None => Err(Error::arg("round_scale", "this buffer has no low-latency part")),
+        }
+    }
+
     /// Completes a hooked low-latency dispatch: launches its receive into the same `out`.
     ///
     /// # Safety
