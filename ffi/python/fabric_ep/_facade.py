@@ -239,6 +239,13 @@ class Buffer:
         for n, v in (("num_experts", num_experts), ("hidden", hidden), ("num_topk", num_topk)):
             if v is not None:
                 _int_arg(n, v, 1)
+        if backend != "host" and _torch_cuda():
+            # The torch helper is built (first use on a machine) or loaded now, before the
+            # bootstrap's rendezvous: a rank building it inside its first call would hold up
+            # its peers' bounded waits there.
+            from . import _native
+
+            _native.get(sys.modules["torch"])
         self._boot = _Boot(group, float(timeout_s))
         try:
             self._setup(ranks_per_node, backend, num_experts, hidden, num_topk, dispatch_dtype,

@@ -453,6 +453,26 @@ fn check_work_queues(in_ctx: usize, max_connections: Option<&str>, under_mps: bo
     Ok(())
 }
 
+/// Refuses processes sharing one GPU without an MPS server (`under_mps`: its pipe directory is
+/// known): their kernels would time-slice, and every wait on another process would last until
+/// the GPU switches contexts, so steps fail with timeouts instead of running. `allow`
+/// (`FEP_ALLOW_NO_MPS`) lets a caller whose MPS server lives elsewhere proceed.
+fn check_mps(rank: usize, peer: usize, under_mps: bool, allow: bool) -> Result<()> {
+    if under_mps || allow {
+        return Ok(());
+    }
+    Err(Error::arg(
+        "MPS",
+        format!(
+            "rank {rank} shares its GPU with rank {peer}, a process of its own, and no MPS server \
+             was found (neither CUDA_MPS_PIPE_DIRECTORY nor /tmp/nvidia-mps/control): without \
+             MPS the processes' kernels time-slice and cannot wait for each other; start \
+             `nvidia-cuda-mps-control -d` before the ranks (or set FEP_ALLOW_NO_MPS=1 if the \
+             server's pipe directory is elsewhere)"
+        ),
+    ))
+}
+
 /// Normal mode's default chunks in flight per (sender, receiver) pair: 32 up to 8 ranks, 16
 /// beyond.
 ///
@@ -503,6 +523,11 @@ impl GpuBuffer {
             std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok().as_deref(),
             under_mps,
         )?;
+        if let Some(peer) =
+            peers.paths().iter().position(|p| *p == ipc::PeerPath::Ipc { same_gpu: true })
+        {
+            check_mps(rank, peer, under_mps, std::env::var_os("FEP_ALLOW_NO_MPS").is_some())?;
+        }
         let sms = dev.sm_count() as usize;
         // The cap is normal mode's (its kernels were tuned at 32 blocks); low latency alone
         // takes its whole share of the GPU (more blocks, more rows in flight).
@@ -1153,6 +1178,14 @@ impl GpuBuffer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn processes_sharing_a_gpu_need_mps() {
+        assert!(check_mps(0, 1, true, false).is_ok());
+        assert!(check_mps(0, 1, false, true).is_ok());
+        let e = check_mps(2, 3, false, false).unwrap_err().to_string();
+        assert!(e.contains("MPS") && e.contains("rank 3") && e.contains("nvidia-cuda-mps-control"));
+    }
 
     #[test]
     fn work_queue_check_names_the_variable() {

@@ -1,0 +1,120 @@
+"""GPU ranks as processes, launched as torchrun launches them (one process per rank with RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), running DeepEP's call sequence through
+``fabric_ep.Buffer`` (tests/_gpu_proc_rank.py). On a one-GPU machine the ranks share the GPU,
+which needs the MPS control daemon (``nvidia-cuda-mps-control -d``) started first.
+
+Skipped without torch, a CUDA device, or (for several processes on one GPU) MPS. Runnable
+without pytest: ``python3 test_gpu_procs.py`` runs every case and prints a summary."""
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+RANK_SCRIPT = HERE / "_gpu_proc_rank.py"
+
+
+def _why_skip(world):
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if os.environ.get("FEP_TEST_DEVICE") == "cpu":
+        return None
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if world > torch.cuda.device_count() and not os.path.exists(
+            os.path.join(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"), "control")):
+        return "several processes per GPU need MPS (nvidia-cuda-mps-control -d)"
+    return None
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world, group, case="deepep", timeout=400):
+    """Runs ``world`` rank processes; returns [(rc, output)]."""
+    port, store = _port(), _port()
+    procs = []
+    for r in range(world):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
+                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   FEP_MASTER_PORT=str(store), FEP_TEST_GROUP=group, FEP_TEST_CASE=case,
+                   PYTHONUNBUFFERED="1")
+        procs.append(subprocess.Popen([sys.executable, str(RANK_SCRIPT)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    deadline = time.monotonic() + timeout
+    out = []
+    for p in procs:
+        try:
+            o, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            out.append((p.returncode, o))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            o, _ = p.communicate()
+            out.append((None, o + "\n[killed after the timeout: a hang]"))
+    return out
+
+
+def check(world, group, case="deepep"):
+    results = launch(world, group, case)
+    survivors = range(world - 1) if case == "dead_peer" else range(world)
+    bad = [(r, rc, o) for r, (rc, o) in enumerate(results) if r in survivors and
+           (rc != 0 or f"rank {r}/{world}: ok" not in o)]
+    assert not bad, "\n".join(f"--- rank {r} rc={rc}\n{o}" for r, rc, o in bad)
+    return results
+
+
+try:
+    import pytest
+
+    def _case(world):
+        why = _why_skip(world)
+        return pytest.mark.skipif(why is not None, reason=why or "")
+
+    @pytest.mark.parametrize("world,group", [(2, "gloo"), (4, "gloo"), (2, "env"), (4, "env")])
+    def test_deepep_sequence(world, group):
+        if _why_skip(world):
+            pytest.skip(_why_skip(world))
+        check(world, group)
+
+    def test_dead_peer_is_named():
+        if _why_skip(3):
+            pytest.skip(_why_skip(3))
+        check(3, "gloo", "dead_peer")
+except ImportError:  # the plain runner below
+    pass
+
+
+if __name__ == "__main__":
+    cases = [(2, "gloo", "deepep"), (4, "gloo", "deepep"), (2, "env", "deepep"),
+             (4, "env", "deepep"), (3, "gloo", "dead_peer")]
+    passed = failed = skipped = 0
+    for world, group, case in cases:
+        why = _why_skip(world)
+        name = f"{case} world={world} group={group}"
+        if why:
+            print(f"SKIP {name}: {why}")
+            skipped += 1
+            continue
+        t0 = time.time()
+        try:
+            res = check(world, group, case)
+            print(f"PASS {name} ({time.time() - t0:.1f} s)")
+            for r, (_, o) in enumerate(res):
+                for line in o.splitlines():
+                    if "took" in line or "raised after" in line:
+                        print("   ", line)
+            passed += 1
+        except AssertionError as e:
+            print(f"FAIL {name} ({time.time() - t0:.1f} s)\n{e}")
+            failed += 1
+    print(f"{passed} passed, {failed} failed, {skipped} skipped")
+    sys.exit(1 if failed else 0)
