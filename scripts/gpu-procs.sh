@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The installed-package GPU check, in two halves (the GPU machine has Python + torch, no Rust):
+#
+#   scripts/gpu-procs.sh build    (here) the release wheel (`make wheel`, the native library and
+#                                 libfabric inside) and ep-bench with the libfabric it loads,
+#                                 gathered in gpu-bundle-procs/ (git-ignored).
+#   bash scripts/gpu-procs.sh run (GPU machine, repo root) installs the wheel into a fresh
+#                                 folder (no repository path on PYTHONPATH), starts the MPS
+#                                 control daemon, runs tests/test_gpu_procs.py (DeepEP's sequence
+#                                 as torchrun-style processes sharing the GPU), `ep-bench verify
+#                                 --backend gpu` (FEP_VERIFY_CASES, default 200) and the Python
+#                                 call-overhead bench; logs and a summary under $OUT.
+#                                 FEP_PROCS_SECTIONS (default "procs,verify,overhead") picks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bundle=gpu-bundle-procs
+
+build() {
+  make wheel
+  cargo build --release --bin ep-bench
+  rm -rf "$bundle"
+  mkdir -p "$bundle/lib" "$bundle/bin"
+  cp dist/fabric_ep-*.whl "$bundle/"
+  cp "${CARGO_TARGET_DIR:-target}/release/ep-bench" "$bundle/bin/"
+  strip "$bundle/bin/ep-bench"
+  local fab dep
+  fab=$(ldconfig -p | awk '/libfabric\.so\.1 /{print $NF; exit}')
+  cp -L "$fab" "$bundle/lib/libfabric.so.1"
+  for dep in $(ldd "$fab" | awk '$3 ~ /^\// {print $3}'); do
+    case "$(basename "$dep")" in libc.so.*|ld-linux*|libm.so.*|libpthread.so.*|libdl.so.*) continue ;; esac
+    cp -L "$dep" "$bundle/lib/"
+  done
+  echo "built from $(git rev-parse --short HEAD)$(git diff --quiet || echo '+dirty')" >"$bundle/MANIFEST"
+  du -sh "$bundle"
+}
+
+has() { case ",${FEP_PROCS_SECTIONS:-procs,verify,overhead}," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+
+run() {
+  local out=${OUT:-/tmp/fep-procs-out} site=/tmp/fep-site rc fail=0
+  mkdir -p "$out"
+  : >"$out/summary.txt"
+  rm -rf "$site"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$bundle"/fabric_ep-*.whl
+  nvidia-cuda-mps-control -d || true
+  sleep 1
+  export PYTHONUNBUFFERED=1
+  if has procs; then
+    set +e
+    (cd /tmp && PYTHONPATH=$site timeout 560 python3 "$OLDPWD/ffi/python/tests/test_gpu_procs.py") 2>&1 \
+      | tee "$out/procs.log"
+    rc=${PIPESTATUS[0]}
+    set -e
+    [ "$rc" -eq 0 ] || fail=1
+    echo "procs rc=$rc $(tail -n 1 "$out/procs.log")" >>"$out/summary.txt"
+  fi
+  if has verify; then
+    set +e
+    LD_LIBRARY_PATH=$bundle/lib timeout 500 "$bundle/bin/ep-bench" verify --backend gpu --procs \
+      --cases "${FEP_VERIFY_CASES:-200}" --seed "${FEP_VERIFY_SEED:-1}" 2>&1 | tee "$out/verify.log"
+    rc=${PIPESTATUS[0]}
+    set -e
+    [ "$rc" -eq 0 ] || fail=1
+    echo "verify rc=$rc $(tail -n 1 "$out/verify.log")" >>"$out/summary.txt"
+  fi
+  if has overhead; then
+    set +e
+    (cd /tmp && PYTHONPATH=$site FABRIC_EP_NATIVE=1 timeout 300 python3 \
+      "$OLDPWD/ffi/python/tests/bench_overhead_gpu.py") 2>&1 | tee "$out/overhead.log"
+    rc=${PIPESTATUS[0]}
+    set -e
+    echo "overhead rc=$rc" >>"$out/summary.txt"
+  fi
+  echo quit | nvidia-cuda-mps-control || true
+  cat "$out/summary.txt"
+  return $fail
+}
+
+case "${1:-}" in
+  build) build ;;
+  run) run ;;
+  *) echo "usage: $0 build | run" >&2; exit 2 ;;
+esac
