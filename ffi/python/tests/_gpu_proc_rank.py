@@ -53,7 +53,7 @@ def inputs(s, t, h, k, experts, case, hot=False):
     scores = torch.rand((t, experts), generator=g)
     if hot:  # skew: experts 0 and 1 attract most tokens
         scores[:, :2] += 0.7
-    idx = scores.argsort(dim=1, descending=True)[:, :k].to(torch.int64)
+    idx = scores.argsort(dim=1, descending=True)[:, :k].to(torch.int64).contiguous()
     idx[torch.rand((t, k), generator=g) < 0.2] = -1
     if t > 5:
         idx[5] = -1  # a token routed nowhere
