@@ -649,11 +649,18 @@ class Buffer:
         backend = self._backend_for(x)
         key = ("l", backend, num_experts, _width("x", x), _width("topk_idx", topk_idx), m,
                bool(use_fp8) if backend == "gpu" else None)
+        if use_ue8m0 and not (use_fp8 and round_scale):
+            raise ValueError("use_ue8m0=True: needs use_fp8=True and round_scale=True (as in "
+                             "DeepEP: UE8M0 scales are the rounded scales' exponents)")
+        if use_ue8m0 and key[3] % 512:
+            raise ValueError(f"use_ue8m0=True: hidden {key[3]} must be a multiple of 512 (four "
+                             "UE8M0 scales per int32)")
         e = self._engines.get(key) or self._make(key, m)
-        return e.low_latency_dispatch(x, topk_idx, m, num_experts,
-                                      cumulative_local_expert_recv_stats,
-                                      dispatch_wait_recv_cost_stats, use_fp8, round_scale,
-                                      use_ue8m0, async_finish, return_recv_hook)
+        out = e.low_latency_dispatch(x, topk_idx, m, num_experts,
+                                     cumulative_local_expert_recv_stats,
+                                     dispatch_wait_recv_cost_stats, use_fp8, round_scale,
+                                     False, async_finish, return_recv_hook)
+        return _ue8m0(e, out, async_finish) if use_ue8m0 else out
 
     def low_latency_combine(
         self,
@@ -793,6 +800,45 @@ def _add_bias(e: _Engine, out: Any, biases: Tuple[Any, ...], ev: EventOverlap,
     ne = torch.cuda.Event()
     ne.record(stream)
     return out, EventOverlap(ne)
+
+
+def _ue8m0(e: _Engine, out: Tuple[Any, ...], async_finish: bool) -> Tuple[Any, ...]:
+    """DeepEP's ``use_ue8m0`` form of a low-latency dispatch's result: the power-of-two float32
+    scales ``[L, S, H / 128]`` as their exponent bytes (UE8M0), four per int32:
+    ``[L, S, H / 512]``. Filled once the receive has run: at once, after the hook, or on the
+    communication stream before a new event (``async_finish``)."""
+    (q, scales), count, handle, ev, hook = out
+    shape = tuple(scales.shape[:-1]) + (scales.shape[-1] // 4,)
+    if type(scales) is np.ndarray:
+        packed = np.empty(shape, np.int32)
+
+        def fill() -> None:
+            packed.view(np.uint8).reshape(scales.shape)[...] = \
+                (scales.view(np.uint32) >> 23) & 0xFF
+    else:
+        torch = sys.modules["torch"]
+        packed = torch.empty(shape, dtype=torch.int32, device=scales.device)
+
+        def fill() -> None:
+            b = ((scales.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+            packed.view(torch.uint8).view(b.shape).copy_(b)
+
+    g = e._g
+    if hook is not None:
+        def ue8m0_hook() -> None:
+            hook()  # the receive, on the current stream (GPU)
+            fill()
+
+        return (q, packed), count, handle, ev, ue8m0_hook
+    if g is not None and async_finish:
+        torch = g.torch
+        with torch.cuda.stream(g.comm):
+            fill()
+        ne = torch.cuda.Event()
+        ne.record(g.comm)
+        return (q, packed), count, handle, EventOverlap(ne), None
+    fill()
+    return (q, packed), count, handle, ev, None
 
 
 class _MpiGroup:

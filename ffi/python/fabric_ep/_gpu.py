@@ -817,11 +817,8 @@ class GpuPath:
                     return_recv_hook: bool) -> Exception:
         """What a low-latency dispatch refuses of its options (the caller checked that one is)."""
         b = self.buf
-        if round_scale:
-            return ValueError(
-                "round_scale=True: the GPU backend's fp8 scales are plain float32 (not rounded to "
-                "powers of two); pass False"
-            )
+        if round_scale and not use_fp8:
+            return ValueError("round_scale=True: needs use_fp8=True (bf16 rows have no scales)")
         if bool(use_fp8) != (b.dispatch_dtype == "fp8"):
             return ValueError(
                 f"use_fp8={bool(use_fp8)}: this Buffer's low-latency buffers are sized for "
@@ -841,7 +838,8 @@ class GpuPath:
         p = b._ptr
         h, k, dev, tensor = self.h, self.k, self.dev, self.Tensor
         m, l = b.num_max_dispatch_tokens_per_rank, b.num_local_experts
-        if round_scale or bool(use_fp8) is not self._ll_fp8 or (async_finish and return_recv_hook):
+        if (round_scale and not use_fp8) or bool(use_fp8) is not self._ll_fp8 \
+                or (async_finish and return_recv_hook):
             raise self._ll_refused(use_fp8, round_scale, async_finish, return_recv_hook)
         nat = self._nat
         got = nat.ptrs(dev, x, self._like_bf16, -1, h, topk_idx, self._like_i64, -2, k) \
@@ -901,7 +899,8 @@ class GpuPath:
         w[52] = rp + o_pos
         op = self._op_out
         op.value = None  # the C call writes it (NULL first); never a previous call's
-        st = lib.fep_gpu_ll_dispatch(p, a[1], a[2], bool(use_fp8), False, bool(return_recv_hook),
+        st = lib.fep_gpu_ll_dispatch(p, a[1], a[2], bool(use_fp8), bool(round_scale),
+                                     bool(return_recv_hook),
                                      a[3], a[0], self._op_out_addr)
         if st:
             raise _lib.error("fep_gpu_ll_dispatch", st)

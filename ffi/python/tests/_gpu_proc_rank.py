@@ -175,7 +175,7 @@ def normal_case(buf, case, h, k, lx):
     sync()
 
 
-def ll_case(buf, case, h, k, experts, use_fp8, hooked, round_scale=False):
+def ll_case(buf, case, h, k, experts, use_fp8, hooked, round_scale=False, ue8m0=False):
     lx = experts // WORLD
     all_in = [inputs(s, min(tokens_of(s, case), MAX_LL), h, k, experts, 100 + case)
               for s in range(WORLD)]
@@ -183,7 +183,7 @@ def ll_case(buf, case, h, k, experts, use_fp8, hooked, round_scale=False):
     stats = torch.zeros(lx, dtype=torch.int32, device=dev)
     rx, cnt, handle, ev, hook = buf.low_latency_dispatch(
         x, idx, MAX_LL, experts, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8,
-        round_scale=round_scale, return_recv_hook=hooked)
+        round_scale=round_scale, use_ue8m0=ue8m0, return_recv_hook=hooked)
     if hooked:
         hook()
     sync()
@@ -192,6 +192,9 @@ def ll_case(buf, case, h, k, experts, use_fp8, hooked, round_scale=False):
     assert stats.tolist() == want_cnt
     rows = (rx[0] if use_fp8 else rx).cpu()
     scales = rx[1].cpu() if use_fp8 else None
+    if ue8m0:  # exponent bytes, four per int32
+        assert scales.dtype == torch.int32 and scales.shape[-1] == h // 512
+        scales = torch.pow(2.0, scales.view(torch.uint8).view(lx, -1, h // 128).float() - 127)
     src_rank, src_idx = handle.src_rank.cpu(), handle.src_idx.cpu()
     host_in = [(a[0].cpu(), a[1].cpu()) for a in all_in]
     y = torch.zeros((lx, WORLD * MAX_LL, h), dtype=torch.bfloat16)
@@ -247,6 +250,9 @@ def run_deepep(group):
             (2560, 4, 4 * WORLD, True, True, True), (7168, 8, 8 * WORLD, True, True, False)]):
         ll_case(buf, case, h, k, e, fp8, hooked, rs)
         log(f"low-latency case {case} (hidden {h}, top-{k}, fp8 {fp8}, hook {hooked}) ok")
+    for case, hooked in ((4, False), (5, True)):
+        ll_case(buf, case, 7168, 8, 8 * WORLD, True, hooked, True, True)
+        log(f"low-latency case {case} (use_ue8m0, hook {hooked}) ok")
     buf.clean_low_latency_buffer(MAX_LL, 7168, 8 * WORLD)
     ll_case(buf, 9, 7168, 8, 8 * WORLD, True, False)
     log(f"sequence took {time.time() - t0:.1f} s")
