@@ -128,9 +128,11 @@ class FabricEPTimeoutError(FabricEPError, TimeoutError):
 
 
 def _candidates() -> List[pathlib.Path]:
-    """Where to look, in order: next to the package (a wheel that bundles the library), then
-    the cargo target directories (``$CARGO_TARGET_DIR``, and the repository's ``target/`` when
-    the package runs from its source tree ``<repo>/ffi/python/fabric_ep``), newest build first."""
+    """Where to look after ``FABRIC_EP_LIBRARY``, in order: the package directory (an installed
+    wheel carries the library there, with the libfabric it links in ``.libs/``), then the cargo
+    target directories of a developer checkout (``$CARGO_TARGET_DIR``, and the repository's
+    ``target/`` when the package runs from its source tree ``<repo>/ffi/python/fabric_ep``),
+    newest build first."""
     names = ["libfabric_ep.so", "libfabric_ep.dylib"]
     here = pathlib.Path(__file__).resolve().parent
     bundled = [here / n for n in names]
@@ -148,24 +150,39 @@ def _candidates() -> List[pathlib.Path]:
 
 
 def _load() -> ctypes.CDLL:
+    def _open(path: str, origin: str) -> ctypes.CDLL:
+        try:
+            return ctypes.CDLL(path)
+        except OSError as e:
+            # Typically a library it links is missing (libfabric.so.1 for a cargo build on a
+            # machine without libfabric): the loader's message names it.
+            raise ImportError(
+                f"fabric_ep: {origin} {path} does not load: {e}. An installed wheel's library "
+                "loads the libfabric it carries (fabric_ep/.libs/; rebuild the wheel if that is "
+                "missing); a cargo build needs libfabric installed (apt-get install libfabric1), "
+                "or use a wheel (`make wheel`, then `pip install dist/fabric_ep-*.whl`)."
+            ) from e
+
     explicit = os.environ.get("FABRIC_EP_LIBRARY")
     if explicit:
         if not os.path.exists(explicit):
             raise ImportError(f"FABRIC_EP_LIBRARY={explicit!r}: no such file")
-        return ctypes.CDLL(explicit)
+        return _open(explicit, "FABRIC_EP_LIBRARY:")
     tried = []
     for p in _candidates():
         tried.append(str(p))
         if p.exists():
-            return ctypes.CDLL(str(p))
+            return _open(str(p), "library")
     found = ctypes.util.find_library("fabric_ep")
     if found:
-        return ctypes.CDLL(found)
+        return _open(found, "system library")
     raise ImportError(
-        "fabric_ep: cannot find libfabric_ep.so. Build it (`cargo build --lib` or "
-        "`cargo build --release --lib` in the fabric-ep repository) and set CARGO_TARGET_DIR, "
-        "or point FABRIC_EP_LIBRARY at it. Tried: " + ", ".join(tried) + " and the system "
-        "library path."
+        "fabric_ep: cannot find libfabric_ep.so. Install the wheel, which carries it (in the "
+        "fabric-ep repository: `pip install ffi/python`, or `make wheel` and `pip install "
+        "dist/fabric_ep-*.whl` on another machine); in a checkout, build it with `cargo build "
+        "--release --lib` (and set CARGO_TARGET_DIR if cargo builds elsewhere); or point "
+        "FABRIC_EP_LIBRARY at a libfabric_ep.so. Tried: " + ", ".join(tried) + " and the "
+        "system library path."
     )
 
 
