@@ -47,7 +47,7 @@ run() {
   export PYTHONUNBUFFERED=1
   if has procs; then
     set +e
-    (cd /tmp && PYTHONPATH=$site timeout 560 python3 "$OLDPWD/ffi/python/tests/test_gpu_procs.py") 2>&1 \
+    (cd /tmp && PYTHONPATH=$site timeout 430 python3 "$OLDPWD/ffi/python/tests/test_gpu_procs.py") 2>&1 \
       | tee "$out/procs.log"
     rc=${PIPESTATUS[0]}
     set -e
@@ -65,7 +65,7 @@ run() {
   fi
   if has overhead; then
     set +e
-    (cd /tmp && PYTHONPATH=$site FABRIC_EP_NATIVE=1 timeout 300 python3 \
+    (cd /tmp && PYTHONPATH=$site FABRIC_EP_NATIVE=1 timeout 140 python3 \
       "$OLDPWD/ffi/python/tests/bench_overhead_gpu.py") 2>&1 | tee "$out/overhead.log"
     rc=${PIPESTATUS[0]}
     set -e

@@ -38,7 +38,7 @@ def _port():
         return s.getsockname()[1]
 
 
-def launch(world, group, case="deepep", timeout=400):
+def launch(world, group, case="deepep", timeout=200):
     """Runs ``world`` rank processes; returns [(rc, output)]."""
     port, store = _port(), _port()
     procs = []
