@@ -480,6 +480,7 @@ def measure(n=400, reps=25):
     t0 = time.perf_counter()
     _native.get(torch)  # built (or loaded from the cache) here, not inside a timed loop
     out["setting"]["native"] = _native.status()
+    out["setting"]["package"] = os.path.dirname(_native.__file__)
     out["setting"]["native_load_s"] = round(time.perf_counter() - t0, 2)
     for key in ("end_to_end_us", "raw_ctypes_us", "difference_us", "paired_median_difference_us",
                 "python_side_us", "python_side_prealloc_us", "python_side_pure_us",
@@ -498,5 +499,8 @@ def measure(n=400, reps=25):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    try:  # an installed package first (the wheel), else this checkout's
+        import fabric_ep  # noqa: F401
+    except ImportError:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     print(json.dumps(measure(), indent=1))

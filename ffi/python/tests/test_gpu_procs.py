@@ -110,7 +110,8 @@ if __name__ == "__main__":
             print(f"PASS {name} ({time.time() - t0:.1f} s)")
             for r, (_, o) in enumerate(res):
                 for line in o.splitlines():
-                    if "took" in line or "raised after" in line:
+                    if "took" in line or "raised after" in line or (
+                            r == 0 and "fabric_ep from" in line):
                         print("   ", line)
             passed += 1
         except AssertionError as e:
