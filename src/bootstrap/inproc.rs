@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use super::{check_ranks, later, node_local_world, Bootstrap, BootstrapError, MAX_BLOB};
+use super::{check_ranks, later, node_local_world, Bootstrap, BootstrapError, DeadSet, MAX_BLOB};
 
 /// Why the group can no longer complete a round. Kept (cloneable) in the shared state so that every
 /// rank, including ones that arrive later, reports the same cause.
@@ -21,7 +21,8 @@ impl Failure {
     fn to_error(&self, op: &'static str, waited: Duration) -> BootstrapError {
         match self {
             Failure::Timeout { round, missing } => {
-                BootstrapError::Timeout { op, round: *round, missing: missing.clone(), waited }
+                let (round, missing) = (*round, missing.clone());
+                BootstrapError::Timeout { op, round, missing, waited, note: String::new() }
             }
             Failure::Gone { rank } => BootstrapError::PeerGone { rank: *rank, op },
         }
@@ -43,6 +44,8 @@ struct Shared {
     timeout: Duration,
     state: Mutex<State>,
     cv: Condvar,
+    /// Ranks dropped so far, readable without the state lock.
+    dead: DeadSet,
 }
 
 /// Builds a group of in-process ranks.
@@ -74,6 +77,7 @@ impl InProcGroup {
                 failed: None,
             }),
             cv: Condvar::new(),
+            dead: DeadSet::new(world_size),
         });
         Ok((0..world_size)
             .map(|rank| InProcBootstrap {
@@ -172,10 +176,17 @@ impl Bootstrap for InProcBootstrap {
     fn barrier(&self) -> Result<(), BootstrapError> {
         self.gather(&[], "barrier").map(|_| ())
     }
+    fn dead_ranks(&self) -> Vec<usize> {
+        self.shared.dead.list()
+    }
+    fn is_dead(&self, rank: usize) -> bool {
+        self.shared.dead.is_dead(rank)
+    }
 }
 
 impl Drop for InProcBootstrap {
     fn drop(&mut self) {
+        self.shared.dead.mark(self.rank);
         let mut st = self.shared.state.lock();
         if st.failed.is_none() {
             st.failed = Some(Failure::Gone { rank: self.rank });
@@ -222,6 +233,15 @@ mod tests {
             BootstrapError::Timeout { round: 0, missing, .. } => assert_eq!(missing, vec![1, 2]),
             other => panic!("expected Timeout, got {other}"),
         }
+    }
+
+    #[test]
+    fn dropped_rank_is_dead_for_the_others() {
+        let mut group = InProcGroup::new(3, 3, Duration::from_secs(5)).expect("group");
+        assert!(group[0].dead_ranks().is_empty() && !group[0].is_dead(1));
+        drop(group.remove(1));
+        assert_eq!((group[0].dead_ranks(), group[1].is_dead(1)), (vec![1], true));
+        assert!(!group[0].is_dead(0) && !group[0].is_dead(7));
     }
 
     #[test]

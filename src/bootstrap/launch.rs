@@ -13,6 +13,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
 
+use super::auth::random_bytes;
 use super::{later, node_local_world};
 use crate::util::SplitMix64;
 
@@ -74,8 +75,9 @@ impl LocalJob {
     /// Starts `world_size` processes of `exe args...` with `MASTER_ADDR=127.0.0.1`, a free
     /// `MASTER_PORT` (also as `FEP_MASTER_PORT`, so an inherited override cannot redirect them),
     /// `RANK`, `WORLD_SIZE`, `LOCAL_RANK = rank % local_world_size`, `LOCAL_WORLD_SIZE`,
-    /// `GROUP_RANK` (the node) and a unique `FEP_JOB_ID`, plus `extra_env`. Each rank's stdout and
-    /// stderr go to files read back by [`wait`](Self::wait).
+    /// `GROUP_RANK` (the node), a unique `FEP_JOB_ID` and a random `FEP_JOB_SECRET` (so that no
+    /// other process on the machine can join the job's store), plus `extra_env`. Each rank's stdout
+    /// and stderr go to files read back by [`wait`](Self::wait).
     pub fn spawn(
         exe: &Path,
         args: &[String],
@@ -87,7 +89,8 @@ impl LocalJob {
     }
 
     /// [`spawn`](Self::spawn) with per-rank env vars on top (applied last, so they may override the
-    /// launcher's own: failure tests give one rank a wrong `WORLD_SIZE` or `FEP_JOB_ID`).
+    /// launcher's own: failure tests give one rank a wrong `WORLD_SIZE` or `FEP_JOB_SECRET`; an
+    /// empty value counts as unset for the store).
     pub fn spawn_with(
         exe: &Path,
         args: &[String],
@@ -107,6 +110,7 @@ impl LocalJob {
         }
         let port = free_port()?;
         let job_id = unique_job_id();
+        let secret: String = random_bytes::<16>()?.iter().map(|b| format!("{b:02x}")).collect();
         let dir = std::env::temp_dir().join(&job_id);
         fs::create_dir_all(&dir)?;
         let mut job = LocalJob {
@@ -137,7 +141,8 @@ impl LocalJob {
                     node_local_world(rank, world_size, local_world_size).to_string(),
                 )
                 .env("GROUP_RANK", (rank / local_world_size).to_string())
-                .env("FEP_JOB_ID", &job.job_id);
+                .env("FEP_JOB_ID", &job.job_id)
+                .env("FEP_JOB_SECRET", &secret);
             for (k, v) in extra_env.iter().cloned().chain(rank_env(rank)) {
                 cmd.env(k, v);
             }
@@ -307,13 +312,13 @@ mod tests {
 
     #[test]
     fn runs_and_captures_a_shell_per_rank() {
-        let args = vec!["-c".to_string(), "echo r=$RANK/$WORLD_SIZE l=$LOCAL_RANK/$LOCAL_WORLD_SIZE g=$GROUP_RANK x=$X; exit $RANK".to_string()];
+        let args = vec!["-c".to_string(), "echo r=$RANK/$WORLD_SIZE l=$LOCAL_RANK/$LOCAL_WORLD_SIZE g=$GROUP_RANK x=$X s=${#FEP_JOB_SECRET}; exit $RANK".to_string()];
         let mut job =
             LocalJob::spawn(Path::new("/bin/sh"), &args, 3, 2, &[("X".into(), "y".into())])
                 .expect("spawn");
         let out = job.wait(Duration::from_secs(10)).expect("wait");
-        assert_eq!(out[0].stdout.trim(), "r=0/3 l=0/2 g=0 x=y");
-        assert_eq!(out[2].stdout.trim(), "r=2/3 l=0/1 g=1 x=y");
+        assert_eq!(out[0].stdout.trim(), "r=0/3 l=0/2 g=0 x=y s=32");
+        assert_eq!(out[2].stdout.trim(), "r=2/3 l=0/1 g=1 x=y s=32");
         assert!(out[0].success());
         assert_eq!(out[1].status.and_then(|s| s.code()), Some(1));
     }

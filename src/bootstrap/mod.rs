@@ -3,8 +3,10 @@
 //! Three implementations sit behind one object-safe trait, [`Bootstrap`]:
 //! - [`TcpStore`]: a small store served by rank 0 over TCP, configured from the env vars torchrun and
 //!   Kubeflow's PyTorchJob set (`MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
-//!   `LOCAL_WORLD_SIZE`). It refuses peers of another job, and a dead peer becomes an error that
-//!   names it on every other rank.
+//!   `LOCAL_WORLD_SIZE`). Every connection proves it knows the job's secret ([`JobSecret`]; the
+//!   threat model is in `auth.rs`), so strangers are refused without disturbing the job, and a
+//!   dead peer is pushed to every rank at once ([`Bootstrap::dead_ranks`]) and becomes an error that
+//!   names it. Several stores in one process share rank 0's port (one server, one namespace each).
 //! - [`InProcGroup`]: threads as ranks, for tests.
 //! - [`CallbackBootstrap`]: the caller supplies an equal-length all-gather (C ABI, torch process
 //!   groups).
@@ -17,13 +19,18 @@
 //! this module exists to prevent.
 
 use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+mod auth;
 mod callback;
 mod inproc;
 mod launch;
+mod server;
 mod tcp;
+mod wire;
 
+pub use auth::{JobSecret, SecretSource, MIN_SECRET_LEN};
 pub use callback::{AllGatherFn, CallbackBootstrap};
 pub use inproc::{InProcBootstrap, InProcGroup};
 pub use launch::{LocalJob, RankOutcome};
@@ -58,6 +65,49 @@ pub trait Bootstrap: Send + Sync {
     fn barrier(&self) -> Result<(), BootstrapError> {
         self.all_gather(&[]).map(|_| ())
     }
+    /// Ranks this bootstrap has seen leave while it was open, ascending: their connection closed
+    /// (killed, crashed, or closed their bootstrap early). A rank never leaves this list, and any
+    /// collective that needs it fails naming it. Default: none known (a bootstrap that cannot watch
+    /// its peers, such as a caller's callback).
+    fn dead_ranks(&self) -> Vec<usize> {
+        Vec::new()
+    }
+    /// Whether `rank` is in [`dead_ranks`](Self::dead_ranks). For the TCP store and in-process
+    /// groups this is one atomic load, so a data path waiting on a peer can ask it while polling.
+    fn is_dead(&self, rank: usize) -> bool {
+        self.dead_ranks().contains(&rank)
+    }
+}
+
+/// Ranks known gone, written by whoever observes a death and read lock-free by the data path.
+pub(crate) struct DeadSet {
+    flags: Box<[AtomicBool]>,
+    any: AtomicBool,
+}
+
+impl DeadSet {
+    pub(crate) fn new(world: usize) -> Self {
+        DeadSet { flags: (0..world).map(|_| AtomicBool::new(false)).collect(), any: false.into() }
+    }
+
+    /// Records `rank` (out-of-range ranks from the wire are ignored: they name no peer).
+    pub(crate) fn mark(&self, rank: usize) {
+        if let Some(f) = self.flags.get(rank) {
+            f.store(true, Ordering::Release);
+            self.any.store(true, Ordering::Release);
+        }
+    }
+
+    pub(crate) fn is_dead(&self, rank: usize) -> bool {
+        self.flags.get(rank).is_some_and(|f| f.load(Ordering::Acquire))
+    }
+
+    pub(crate) fn list(&self) -> Vec<usize> {
+        if !self.any.load(Ordering::Acquire) {
+            return Vec::new();
+        }
+        (0..self.flags.len()).filter(|&r| self.is_dead(r)).collect()
+    }
 }
 
 /// Errors from bootstrapping. Each names what was wrong and, where a peer is at fault, which rank,
@@ -67,13 +117,17 @@ pub enum BootstrapError {
     /// A launcher env var is missing or malformed.
     #[error("environment variable {var}: {msg}")]
     Env { var: &'static str, msg: String },
-    /// The store at `addr` belongs to another job (or the ranks were given different job ids).
+    /// The store at `addr` knows this rank's secret but serves another job id (two jobs given the
+    /// same `FEP_JOB_SECRET`, or ranks given different job ids).
     #[error(
         "job id mismatch: this rank has '{ours}', the store at {addr} belongs to '{theirs}' \
-         (another job is using this MASTER_ADDR:MASTER_PORT, or FEP_JOB_ID/TORCHELASTIC_RUN_ID \
-         differ between ranks)"
+         (another job with the same FEP_JOB_SECRET is using this MASTER_ADDR:MASTER_PORT, or \
+         FEP_JOB_ID/TORCHELASTIC_RUN_ID differ between ranks)"
     )]
     JobIdMismatch { ours: String, theirs: String, addr: String },
+    /// The handshake's proof of the job secret failed, in either direction.
+    #[error("authentication with the bootstrap store at {addr} failed: {detail}")]
+    Auth { addr: String, detail: String },
     /// `rank` was launched with `WORLD_SIZE=ours`, the store (rank 0) with `theirs`.
     #[error(
         "world size mismatch: rank {rank} has WORLD_SIZE={ours}, the store (rank 0) has \
@@ -87,20 +141,18 @@ pub enum BootstrapError {
     #[error("invalid bootstrap configuration: {0}")]
     Config(String),
     /// A collective did not complete in time; `missing` are the ranks that never contributed.
+    /// `note` (possibly empty) says what the store refused from processes claiming those ranks.
     #[error(
         "{op} round {round} timed out after {waited:?}: ranks {missing:?} never arrived (not started, \
-         hung, or still busy with earlier work); check those ranks' logs or raise the timeout"
+         hung, or still busy with earlier work){note}; check those ranks' logs or raise the timeout"
     )]
-    Timeout { op: &'static str, round: u64, missing: Vec<usize>, waited: Duration },
+    Timeout { op: &'static str, round: u64, missing: Vec<usize>, waited: Duration, note: String },
     /// A rank's connection closed while the job still needed it.
     #[error(
         "rank {rank} is gone ({op}): its connection to the store closed (process killed, crashed or \
          exited early); see rank {rank}'s log"
     )]
     PeerGone { rank: usize, op: &'static str },
-    /// Another rank of this job was refused at connect time, so the job cannot complete.
-    #[error("rank {rank} was refused by the store, so this job cannot complete: {reason}")]
-    PeerRefused { rank: usize, reason: String },
     /// The store (served by rank 0) closed the connection or stopped answering.
     #[error(
         "lost the bootstrap store at {addr} (served by rank 0) during {op}: {detail}; rank 0 \

@@ -1,23 +1,12 @@
-//! The TCP store: rank 0 serves, every rank (rank 0 included) is a client.
+//! The TCP store: rank 0 serves (`server.rs`), every rank (rank 0 included) is a client.
 //!
-//! Protocol (all integers little-endian). A frame is `u32 body_len` then the body, `kind: u8` plus a
-//! payload; `body_len` is checked against a cap before anything is allocated for it.
-//! - client -> store `HELLO { magic "FEPB", version u32, rank u64, world u64, job_id str }`;
-//!   store -> client `WELCOME { version u32 }` or `REFUSE { code u8, .. }` and a close.
-//! - client -> store `CONTRIBUTE { round u64, timeout_ms u64, data }`; once every rank contributed
-//!   to the round, store -> every rank `GATHERED { round u64, world u64 }` followed by `world`
-//!   `BLOB { data }` frames in rank order. If the round cannot complete (a rank's connection
-//!   dropped, the deadline passed, a rank was refused), store -> every waiting rank
-//!   `FAILED { round u64, code u8, .. }`, and the store stays failed: later rounds get the same answer.
-//!
-//! The store is one thread with `poll(2)` over non-blocking sockets (no thread per rank, so a few
-//! thousand ranks cost file descriptors, not threads). Clients use blocking sockets whose timeouts
-//! are re-armed from the deadline before every read and write.
+//! The wire format is in `wire.rs`, the handshake's proofs and the threat model in `auth.rs`.
+//! Clients use blocking sockets whose timeouts are re-armed from the deadline before every write;
+//! after the handshake a reader thread per store takes every frame off the socket, so that the
+//! store's news of a dead peer reaches [`Bootstrap::dead_ranks`] while no collective is running.
 
-use std::io::{self, Read, Write};
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::os::fd::AsRawFd;
-use std::os::unix::net::UnixStream;
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::{self, JoinHandle};
@@ -25,43 +14,20 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::{check_ranks, later, Bootstrap, BootstrapError, MAX_BLOB, MAX_WORLD};
+use super::auth::{
+    random_bytes, JobSecret, Role, SecretSource, Transcript, MAC_LEN, MIN_SECRET_LEN, NONCE_LEN,
+};
+use super::server::{self, Instance, ServerConfig};
+use super::wire::*;
+use super::{check_ranks, later, Bootstrap, BootstrapError, DeadSet, MAX_BLOB, MAX_WORLD};
 
-const MAGIC: [u8; 4] = *b"FEPB";
-const PROTOCOL_VERSION: u32 = 1;
-/// Largest frame body: a full blob plus the contribute header.
-const MAX_FRAME: usize = MAX_BLOB + 64;
-/// Largest frame accepted before a connection has said a valid hello, so that a stray client
-/// cannot make the store buffer much.
-const HELLO_MAX_FRAME: usize = 4096;
-/// Largest frame a client accepts as the answer to its hello.
-const REPLY_MAX_FRAME: usize = 64 << 10;
-const MAX_JOB_ID: usize = 1024;
 /// Extra time a client gives the store beyond its own deadline to deliver the store's verdict
 /// (the store's round deadline is never later than this client's, so normally it answers first).
 const ANSWER_GRACE: Duration = Duration::from_secs(2);
-/// How long a stopping store keeps flushing answers already queued (a final round's result to
-/// ranks slower than rank 0) before it closes the sockets.
-const DRAIN_GRACE: Duration = Duration::from_secs(2);
 
-const K_HELLO: u8 = 1;
-const K_CONTRIBUTE: u8 = 2;
-const K_WELCOME: u8 = 3;
-const K_REFUSE: u8 = 4;
-const K_GATHERED: u8 = 5;
-const K_BLOB: u8 = 6;
-const K_FAILED: u8 = 7;
-
-const REFUSE_JOB: u8 = 1;
-const REFUSE_WORLD: u8 = 2;
-const REFUSE_RANGE: u8 = 3;
-const REFUSE_DUPLICATE: u8 = 4;
-const REFUSE_VERSION: u8 = 5;
-
-const FAIL_TIMEOUT: u8 = 1;
-const FAIL_GONE: u8 = 2;
-const FAIL_REFUSED: u8 = 3;
-const FAIL_PROTOCOL: u8 = 4;
+/// What a rank says when the other end does not behave like a fabric-ep store.
+const NOT_OURS: &str = "it is probably not a fabric-ep store (under torchrun the agent's own store \
+     listens on MASTER_PORT; fabric-ep uses MASTER_PORT + 1 unless FEP_MASTER_PORT names a free port)";
 
 /// Everything a [`TcpStore`] needs; [`TcpStoreOptions::from_env`] fills it from launcher env vars.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -74,21 +40,28 @@ pub struct TcpStoreOptions {
     pub world_size: usize,
     pub local_rank: usize,
     pub local_world_size: usize,
-    /// Peers presenting another job id are refused (`FEP_JOB_ID`, else `TORCHELASTIC_RUN_ID`,
-    /// else `"none"`).
+    /// Names the job in messages; an authenticated peer presenting another id is refused
+    /// (`FEP_JOB_ID`, else `TORCHELASTIC_RUN_ID`, else `"none"`).
     pub job_id: String,
-    /// Bound on construction (connect + hello) and on each all-gather.
+    /// What every connection proves it knows (`FEP_JOB_SECRET`, else derived from `job_id`).
+    pub secret: JobSecret,
+    /// Every rank runs on rank 0's host: the store listens on, and ranks connect to, loopback
+    /// only, whatever `addr` says (set from the env when `LOCAL_WORLD_SIZE` equals `WORLD_SIZE`).
+    pub loopback: bool,
+    /// Bound on construction (connect + handshake) and on each all-gather.
     pub timeout: Duration,
 }
 
 impl TcpStoreOptions {
     /// Reads `MASTER_ADDR`, `MASTER_PORT` (the store listens on `MASTER_PORT + 1`, or on
-    /// `FEP_MASTER_PORT` when set), `RANK`, `WORLD_SIZE`,
-    /// `LOCAL_RANK` and `LOCAL_WORLD_SIZE` (these two default to `RANK` and `WORLD_SIZE`, i.e. one
-    /// node), and the job id from `FEP_JOB_ID`, else `TORCHELASTIC_RUN_ID`, else `"none"`.
+    /// `FEP_MASTER_PORT` when set), `RANK`, `WORLD_SIZE`, `LOCAL_RANK` and `LOCAL_WORLD_SIZE`
+    /// (these two default to `RANK` and `WORLD_SIZE`, i.e. one node), the job id from
+    /// `FEP_JOB_ID`, else `TORCHELASTIC_RUN_ID`, else `"none"`, and the secret from
+    /// `FEP_JOB_SECRET` (at least [`MIN_SECRET_LEN`] bytes), else derived from the job id.
     ///
     /// Under torchrun the agent's own store already listens on `MASTER_PORT`, hence the `+ 1`;
-    /// `FEP_MASTER_PORT` picks any other port.
+    /// `FEP_MASTER_PORT` picks any other port. An explicit `LOCAL_WORLD_SIZE` equal to
+    /// `WORLD_SIZE` says every rank is on this host, so the store stays on loopback.
     pub fn from_env(timeout: Duration) -> Result<Self, BootstrapError> {
         Self::from_lookup(
             |k| std::env::var_os(k).map(|v| v.to_string_lossy().into_owned()),
@@ -140,9 +113,9 @@ impl TcpStoreOptions {
             Some(v) => number("LOCAL_RANK", v)?,
             None => rank,
         };
-        let local_world_size = match get("LOCAL_WORLD_SIZE") {
-            Some(v) => number("LOCAL_WORLD_SIZE", v)?,
-            None => world_size,
+        let (local_world_size, local_given) = match get("LOCAL_WORLD_SIZE") {
+            Some(v) => (number("LOCAL_WORLD_SIZE", v)?, true),
+            None => (world_size, false),
         };
         let job_id = get("FEP_JOB_ID")
             .or_else(|| get("TORCHELASTIC_RUN_ID"))
@@ -169,6 +142,25 @@ impl TcpStoreOptions {
         if job_id.len() > MAX_JOB_ID {
             return env("FEP_JOB_ID", format!("longer than {MAX_JOB_ID} bytes"));
         }
+        let secret = match get("FEP_JOB_SECRET") {
+            Some(s) if s.len() < MIN_SECRET_LEN => {
+                return env(
+                    "FEP_JOB_SECRET",
+                    format!(
+                        "{} bytes is too short to be a secret; give every rank the same random \
+                         value of at least {MIN_SECRET_LEN} bytes (e.g. 32 hex digits)",
+                        s.len()
+                    ),
+                )
+            }
+            Some(s) => JobSecret::new(s.as_bytes()),
+            // NOTES: nothing else in torchrun's environment is both common to every rank and
+            // unknown to outsiders (see auth.rs): the job id is the best there is.
+            None => JobSecret::from_job_id(&job_id),
+        };
+        // Without an explicit LOCAL_WORLD_SIZE the default (one node) is an assumption, and a
+        // PyTorchJob of one rank per pod would be cut off by loopback.
+        let loopback = local_given && local_world_size == world_size;
         Ok(TcpStoreOptions {
             addr,
             port,
@@ -177,16 +169,28 @@ impl TcpStoreOptions {
             local_rank,
             local_world_size,
             job_id,
+            secret,
+            loopback,
             timeout,
         })
     }
 
+    /// The host ranks connect to: loopback for a single-host job, else `addr`.
+    fn connect_host(&self) -> &str {
+        if self.loopback {
+            "127.0.0.1"
+        } else {
+            &self.addr
+        }
+    }
+
     /// `host:port` as it appears in error messages (IPv6 literals bracketed).
     pub fn store_addr(&self) -> String {
-        if self.addr.contains(':') {
-            format!("[{}]:{}", self.addr, self.port)
+        let host = self.connect_host();
+        if host.contains(':') {
+            format!("[{host}]:{}", self.port)
         } else {
-            format!("{}:{}", self.addr, self.port)
+            format!("{host}:{}", self.port)
         }
     }
 
@@ -205,16 +209,54 @@ impl TcpStoreOptions {
     }
 }
 
+/// The instance number of the next store this process creates as `rank` on `host:port`: the k-th
+/// one is instance k on every rank, since every rank creates its stores in the same order.
+fn next_instance(host: &str, port: u16, rank: usize) -> u64 {
+    static NEXT: Mutex<Vec<(String, u16, usize, u64)>> = Mutex::new(Vec::new());
+    let mut next = NEXT.lock();
+    match next.iter_mut().find(|(h, p, r, _)| h == host && *p == port && *r == rank) {
+        Some((_, _, _, n)) => {
+            *n += 1;
+            *n - 1
+        }
+        None => {
+            next.push((host.to_string(), port, rank, 1));
+            0
+        }
+    }
+}
+
+/// Where rank 0 listens. A single-host job and a loopback `MASTER_ADDR` bind loopback only (local
+/// jobs and tests stay off the network); anything else binds all interfaces, as torch's store
+/// does, because the name other ranks use (a Kubernetes service, a load balancer) may not be an
+/// address of this host. Every connection must still prove the job secret.
+fn bind_target(opts: &TcpStoreOptions) -> SocketAddr {
+    if opts.loopback {
+        return SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), opts.port);
+    }
+    let first = (opts.addr.as_str(), opts.port).to_socket_addrs().ok().and_then(|mut a| a.next());
+    match first {
+        Some(sa) if sa.ip().is_loopback() => sa,
+        Some(SocketAddr::V6(_)) => SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), opts.port),
+        _ => SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), opts.port),
+    }
+}
+
 /// [`Bootstrap`] over a TCP store served by rank 0.
 ///
-/// Construction returns once this rank's hello was accepted (rank 0 also starts the store first);
-/// it does not wait for the other ranks: the first collective does, bounded by the timeout.
+/// Construction returns once this rank's handshake was accepted (rank 0 also opens its instance
+/// of the store first); it does not wait for the other ranks: the first collective does, bounded
+/// by the timeout. Several stores may live in one process on the same port, at once or one after
+/// another: the k-th one created as a given rank meets the k-th one of every other rank.
 pub struct TcpStore {
     opts: TcpStoreOptions,
     addr: String,
-    // NOTES: field order is drop order: this rank's connection closes before rank 0 stops its store.
+    instance: u64,
+    dead: Arc<DeadSet>,
+    // NOTES: field order is drop order: this rank's connection closes before rank 0 closes its
+    // instance of the store.
     client: Mutex<Client>,
-    server: Option<StoreServer>,
+    server: Option<Instance>,
 }
 
 impl TcpStore {
@@ -223,29 +265,42 @@ impl TcpStore {
         Self::new(TcpStoreOptions::from_env(timeout)?)
     }
 
-    /// Joins the store at `opts.addr:opts.port`, starting it first when `opts.rank == 0`. Other
-    /// ranks retry connecting until the timeout, since rank 0 may start late.
+    /// Joins the store at `opts.addr:opts.port`, opening this process's server there first when
+    /// `opts.rank == 0`. Other ranks retry connecting until the timeout, since rank 0 may start
+    /// late.
     pub fn new(opts: TcpStoreOptions) -> Result<Self, BootstrapError> {
+        Self::with_config(opts, ServerConfig::default())
+    }
+
+    /// [`new`](Self::new) with the server's limits on unproven connections (tests shorten them).
+    pub(crate) fn with_config(
+        opts: TcpStoreOptions,
+        cfg: ServerConfig,
+    ) -> Result<Self, BootstrapError> {
         opts.validate()?;
         let deadline = later(Instant::now(), opts.timeout);
         let addr = opts.store_addr();
-        let server = if opts.rank == 0 {
-            let listener = bind_store(&opts.addr, opts.port)?;
-            Some(StoreServer::start(
-                listener,
-                opts.job_id.clone(),
+        let host = opts.connect_host().to_string();
+        // Counted before anything can fail, so that a failed attempt still keeps every rank's
+        // count in step.
+        let instance = next_instance(&host, opts.port, opts.rank);
+        let server = match opts.rank {
+            0 => Some(server::open(
+                bind_target(&opts),
+                &opts.secret,
+                instance,
                 opts.world_size,
-                opts.timeout,
+                &opts.job_id,
+                cfg,
+                deadline,
                 &addr,
-            )?)
-        } else {
-            None
+            )?),
+            _ => None,
         };
-        let stream = connect_until(&opts.addr, opts.port, &addr, deadline)?;
-        let mut client = Client { stream, next_round: 0, broken: None };
-        let fatal = server.as_ref().map(|s| Arc::clone(&s.fatal));
-        client.hello(&opts, &addr, deadline, fatal.as_deref())?;
-        Ok(TcpStore { opts, addr, client: Mutex::new(client), server })
+        let dead = Arc::new(DeadSet::new(opts.world_size));
+        let client =
+            Client::connect(&opts, &host, &addr, instance, deadline, &dead, server.as_ref())?;
+        Ok(TcpStore { opts, addr, instance, dead, client: Mutex::new(client), server })
     }
 
     /// The job id this rank presented.
@@ -253,9 +308,20 @@ impl TcpStore {
         &self.opts.job_id
     }
 
+    /// Where this rank's secret came from.
+    pub fn secret_source(&self) -> SecretSource {
+        self.opts.secret.source()
+    }
+
     /// `host:port` of the store.
     pub fn store_addr(&self) -> &str {
         &self.addr
+    }
+
+    /// Which of this process's stores on that port this is (0 for the first created as this
+    /// rank); the same number on every rank of the job.
+    pub fn instance(&self) -> u64 {
+        self.instance
     }
 
     /// The bound on each collective.
@@ -263,21 +329,21 @@ impl TcpStore {
         self.opts.timeout
     }
 
-    /// Closes this rank's connection and, on rank 0, stops the store (after flushing answers
-    /// already queued, bounded). Dropping does the same; this form reports a store that failed.
+    /// Closes this rank's connection and, on rank 0, this instance of the store (the server
+    /// flushes answers already queued, bounded, and stops with its last instance). Dropping does
+    /// the same; this form reports a store that failed.
     pub fn close(mut self) -> Result<(), BootstrapError> {
-        if let Err(e) = self.client.get_mut().stream.shutdown(std::net::Shutdown::Both) {
-            if e.kind() != io::ErrorKind::NotConnected {
-                return Err(BootstrapError::Io {
-                    call: "shutdown",
-                    addr: self.addr.clone(),
-                    source: e,
-                });
-            }
+        if let Err(e) = self.client.get_mut().close() {
+            return Err(BootstrapError::Io {
+                call: "shutdown",
+                addr: self.addr.clone(),
+                source: e,
+            });
         }
-        if let Some(mut server) = self.server.take() {
-            server.stop();
-            if let Some(msg) = server.fatal.lock().clone() {
+        if let Some(server) = self.server.take() {
+            let fatal = server.fatal();
+            drop(server);
+            if let Some(msg) = fatal {
                 return Err(BootstrapError::Protocol(format!("the store thread failed: {msg}")));
             }
         }
@@ -292,9 +358,8 @@ impl TcpStore {
                 data.len()
             )));
         }
-        let fatal = self.server.as_ref().map(|s| Arc::clone(&s.fatal));
         let mut client = self.client.lock();
-        client.gather(&self.opts, &self.addr, data, op, fatal.as_deref())
+        client.gather(&self.opts, &self.addr, data, op, self.server.as_ref())
     }
 }
 
@@ -317,263 +382,151 @@ impl Bootstrap for TcpStore {
     fn barrier(&self) -> Result<(), BootstrapError> {
         self.gather(&[], "barrier").map(|_| ())
     }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Framing
-
-/// Appends one frame to `out`.
-fn put_frame(out: &mut Vec<u8>, kind: u8, payload: &[&[u8]]) {
-    let body: usize = 1 + payload.iter().map(|p| p.len()).sum::<usize>();
-    // Callers keep bodies under MAX_FRAME (< 4 GiB), so the cast is exact.
-    out.extend_from_slice(&(body as u32).to_le_bytes());
-    out.push(kind);
-    for p in payload {
-        out.extend_from_slice(p);
+    fn dead_ranks(&self) -> Vec<usize> {
+        self.dead.list()
     }
-}
-
-fn frame(kind: u8, payload: &[&[u8]]) -> Vec<u8> {
-    let mut out = Vec::new();
-    put_frame(&mut out, kind, payload);
-    out
-}
-
-fn str_field(s: &str) -> Vec<u8> {
-    let mut v = Vec::with_capacity(4 + s.len());
-    v.extend_from_slice(&(s.len() as u32).to_le_bytes());
-    v.extend_from_slice(s.as_bytes());
-    v
-}
-
-/// A bounds-checked cursor over a received payload.
-struct Fields<'a> {
-    buf: &'a [u8],
-    what: &'static str,
-}
-
-impl<'a> Fields<'a> {
-    fn new(buf: &'a [u8], what: &'static str) -> Self {
-        Fields { buf, what }
+    fn is_dead(&self, rank: usize) -> bool {
+        self.dead.is_dead(rank)
     }
-    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
-        if self.buf.len() < n {
-            return Err(format!("{} frame is truncated", self.what));
-        }
-        let (head, tail) = self.buf.split_at(n);
-        self.buf = tail;
-        Ok(head)
-    }
-    fn u8(&mut self) -> Result<u8, String> {
-        Ok(self.take(1)?[0])
-    }
-    fn u32(&mut self) -> Result<u32, String> {
-        let mut b = [0u8; 4];
-        b.copy_from_slice(self.take(4)?);
-        Ok(u32::from_le_bytes(b))
-    }
-    fn u64(&mut self) -> Result<u64, String> {
-        let mut b = [0u8; 8];
-        b.copy_from_slice(self.take(8)?);
-        Ok(u64::from_le_bytes(b))
-    }
-    fn usize(&mut self) -> Result<usize, String> {
-        let v = self.u64()?;
-        usize::try_from(v).map_err(|_| format!("{} frame: {v} does not fit in usize", self.what))
-    }
-    fn string(&mut self) -> Result<String, String> {
-        let n = self.u32()? as usize;
-        Ok(String::from_utf8_lossy(self.take(n)?).into_owned())
-    }
-    fn rest(&mut self) -> &'a [u8] {
-        std::mem::take(&mut self.buf)
-    }
-}
-
-/// Splits complete frames off the front of `buf`; leaves a partial one in place.
-fn split_frames(buf: &mut Vec<u8>, max_body: usize) -> Result<Vec<(u8, Vec<u8>)>, String> {
-    let mut frames = Vec::new();
-    let mut pos = 0;
-    while buf.len() - pos >= 4 {
-        let mut h = [0u8; 4];
-        h.copy_from_slice(&buf[pos..pos + 4]);
-        let len = u32::from_le_bytes(h) as usize;
-        if len == 0 || len > max_body {
-            return Err(format!("frame length {len} is outside 1..={max_body}"));
-        }
-        if buf.len() - pos - 4 < len {
-            break;
-        }
-        frames.push((buf[pos + 4], buf[pos + 5..pos + 4 + len].to_vec()));
-        pos += 4 + len;
-    }
-    buf.drain(..pos);
-    Ok(frames)
 }
 
 // ---------------------------------------------------------------------------------------------
 // Client side
 
-/// Why a blocking frame read or write stopped.
-enum Wire {
-    TimedOut,
-    Closed(io::Error),
+/// What the reader thread hands to the collective waiting for an answer.
+enum Incoming {
+    Frame(u8, Vec<u8>),
+    /// The connection closed or failed.
+    Lost(String),
+    /// The store sent something this protocol does not allow.
     Bad(String),
 }
 
-fn timed_out(e: &io::Error) -> bool {
-    matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
-}
-
-fn write_all_by(stream: &mut TcpStream, mut buf: &[u8], deadline: Instant) -> Result<(), Wire> {
-    while !buf.is_empty() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(Wire::TimedOut);
-        }
-        stream.set_write_timeout(Some(left)).map_err(Wire::Closed)?;
-        match stream.write(buf) {
-            Ok(0) => return Err(Wire::Closed(io::ErrorKind::WriteZero.into())),
-            Ok(n) => buf = &buf[n..],
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) if timed_out(&e) => return Err(Wire::TimedOut),
-            Err(e) => return Err(Wire::Closed(e)),
-        }
-    }
-    Ok(())
-}
-
-fn read_exact_by(
-    stream: &mut TcpStream,
-    mut buf: &mut [u8],
-    deadline: Instant,
-) -> Result<(), Wire> {
-    while !buf.is_empty() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(Wire::TimedOut);
-        }
-        stream.set_read_timeout(Some(left)).map_err(Wire::Closed)?;
-        match stream.read(buf) {
-            Ok(0) => return Err(Wire::Closed(io::ErrorKind::UnexpectedEof.into())),
-            Ok(n) => buf = &mut buf[n..],
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) if timed_out(&e) => return Err(Wire::TimedOut),
-            Err(e) => return Err(Wire::Closed(e)),
-        }
-    }
-    Ok(())
-}
-
-/// Reads one frame, refusing a length above `max_body` before allocating anything for it, and
-/// growing the buffer only as bytes actually arrive.
-fn read_frame(
-    stream: &mut TcpStream,
-    deadline: Instant,
-    max_body: usize,
-) -> Result<(u8, Vec<u8>), Wire> {
-    let mut h = [0u8; 4];
-    read_exact_by(stream, &mut h, deadline)?;
-    let len = u32::from_le_bytes(h) as usize;
-    if len == 0 || len > max_body {
-        return Err(Wire::Bad(format!("frame length {len} is outside 1..={max_body}")));
-    }
-    let mut body = Vec::new();
-    while body.len() < len {
-        let old = body.len();
-        body.resize(old + (len - old).min(1 << 20), 0);
-        read_exact_by(stream, &mut body[old..], deadline)?;
-    }
-    let payload = body.split_off(1);
-    Ok((body[0], payload))
+/// How a handshake attempt ended without a verdict.
+enum Hs {
+    /// The connection closed before the store answered: a server that was stopping, or one that
+    /// evicted this connection to make room. Worth another connection.
+    Retry(String),
+    Fatal(BootstrapError),
 }
 
 struct Client {
     stream: TcpStream,
+    rx: mpsc::Receiver<Incoming>,
+    reader: Option<JoinHandle<()>>,
+    /// Set before this rank closes the connection itself, so the reader does not take the close
+    /// for rank 0's death.
+    closing: Arc<AtomicBool>,
+    dead: Arc<DeadSet>,
     next_round: u64,
-    /// Set once the stream may be out of step with the store (an I/O error mid-frame); every later
-    /// call reports it instead of reading garbage.
+    /// Set once the stream may be out of step with the store (an I/O error mid-frame, a missed
+    /// answer); every later call reports it instead of reading garbage.
     broken: Option<String>,
 }
 
 impl Client {
+    /// Connects and runs the handshake, reconnecting (until `deadline`) when the store closes the
+    /// connection before its verdict; then starts the reader thread.
+    fn connect(
+        opts: &TcpStoreOptions,
+        host: &str,
+        addr: &str,
+        ns: u64,
+        deadline: Instant,
+        dead: &Arc<DeadSet>,
+        server: Option<&Instance>,
+    ) -> Result<Client, BootstrapError> {
+        let with_fatal = |detail: String| match server.and_then(Instance::fatal) {
+            Some(msg) => format!("{detail} (the store thread in this process failed: {msg})"),
+            None => detail,
+        };
+        let mut backoff = Duration::from_millis(20);
+        let mut retried: Option<String> = None;
+        let stream = loop {
+            let stream = match connect_until(host, opts.port, addr, deadline) {
+                Ok(s) => s,
+                Err(e) => {
+                    let Some(why) = retried else { return Err(e) };
+                    let detail = format!(
+                        "the store kept closing the connection during the handshake (last: \
+                         {why}) until the timeout; {NOT_OURS}"
+                    );
+                    return Err(BootstrapError::StoreLost {
+                        addr: addr.to_string(),
+                        op: "connect",
+                        detail: with_fatal(detail),
+                    });
+                }
+            };
+            keepalive(&stream);
+            match handshake(&stream, opts, ns, addr, deadline) {
+                Ok(()) => break stream,
+                Err(Hs::Fatal(BootstrapError::StoreLost { addr, op, detail })) => {
+                    return Err(BootstrapError::StoreLost { addr, op, detail: with_fatal(detail) })
+                }
+                Err(Hs::Fatal(e)) => return Err(e),
+                Err(Hs::Retry(why)) => {
+                    retried = Some(why);
+                    thread::sleep(backoff.min(deadline.saturating_duration_since(Instant::now())));
+                    backoff = (backoff * 2).min(Duration::from_millis(500));
+                }
+            }
+        };
+        let io_err = |call: &'static str| {
+            let addr = addr.to_string();
+            move |source| BootstrapError::Io { call, addr, source }
+        };
+        let rx_stream = stream.try_clone().map_err(io_err("duplicate the connection to"))?;
+        let (tx, rx) = mpsc::channel();
+        let closing = Arc::new(AtomicBool::new(false));
+        let reader = {
+            let (dead, closing) = (Arc::clone(dead), Arc::clone(&closing));
+            let rank = opts.rank;
+            thread::Builder::new()
+                .name("fep-bootstrap-rx".into())
+                .spawn(move || read_loop(rx_stream, tx, dead, closing, rank))
+                .map_err(io_err("spawn the reader thread for the connection to"))?
+        };
+        Ok(Client {
+            stream,
+            rx,
+            reader: Some(reader),
+            closing,
+            dead: Arc::clone(dead),
+            next_round: 0,
+            broken: None,
+        })
+    }
+
+    /// Shuts the connection (which wakes the reader) and joins the reader. Idempotent.
+    fn close(&mut self) -> io::Result<()> {
+        let Some(reader) = self.reader.take() else { return Ok(()) };
+        self.closing.store(true, Ordering::Release);
+        if let Err(e) = self.stream.shutdown(std::net::Shutdown::Both) {
+            // Not connected: the reader already saw the connection end. Anything else: the
+            // reader may not wake, so it is left detached rather than waited on (it ends when the
+            // store closes its side).
+            if e.kind() != io::ErrorKind::NotConnected && !reader.is_finished() {
+                return Err(e);
+            }
+        }
+        let _ = reader.join();
+        Ok(())
+    }
+
     fn lost(
         &mut self,
         addr: &str,
         op: &'static str,
         detail: String,
-        fatal: Option<&Mutex<Option<String>>>,
+        server: Option<&Instance>,
     ) -> BootstrapError {
-        let detail = match fatal.and_then(|f| f.lock().clone()) {
+        let detail = match server.and_then(Instance::fatal) {
             Some(msg) => format!("{detail} (the store thread in this process failed: {msg})"),
             None => detail,
         };
         self.broken = Some(detail.clone());
         BootstrapError::StoreLost { addr: addr.to_string(), op, detail }
-    }
-
-    fn hello(
-        &mut self,
-        opts: &TcpStoreOptions,
-        addr: &str,
-        deadline: Instant,
-        fatal: Option<&Mutex<Option<String>>>,
-    ) -> Result<(), BootstrapError> {
-        let msg = frame(
-            K_HELLO,
-            &[
-                &MAGIC,
-                &PROTOCOL_VERSION.to_le_bytes(),
-                &(opts.rank as u64).to_le_bytes(),
-                &(opts.world_size as u64).to_le_bytes(),
-                &str_field(&opts.job_id),
-            ],
-        );
-        let not_ours =
-            "it is probably not a fabric-ep store (under torchrun the agent's own store \
-                        listens on MASTER_PORT; fabric-ep uses MASTER_PORT + 1 unless FEP_MASTER_PORT names a free port)";
-        match write_all_by(&mut self.stream, &msg, deadline) {
-            Ok(()) => {}
-            Err(Wire::TimedOut) => {
-                return Err(self.lost(addr, "connect", "sending the hello timed out".into(), fatal))
-            }
-            Err(Wire::Closed(e)) => {
-                return Err(self.lost(addr, "connect", format!("sending the hello: {e}"), fatal))
-            }
-            Err(Wire::Bad(m)) => return Err(BootstrapError::Protocol(m)),
-        }
-        let (kind, payload) = match read_frame(&mut self.stream, deadline, REPLY_MAX_FRAME) {
-            Ok(f) => f,
-            Err(Wire::TimedOut) => {
-                let detail = format!("no answer to the hello within the timeout; {not_ours}");
-                return Err(self.lost(addr, "connect", detail, fatal));
-            }
-            Err(Wire::Closed(e)) => {
-                let detail = format!("connection closed during the hello ({e}); {not_ours}");
-                return Err(self.lost(addr, "connect", detail, fatal));
-            }
-            Err(Wire::Bad(m)) => {
-                return Err(BootstrapError::Protocol(format!(
-                    "answer to the hello from {addr}: {m}; {not_ours}"
-                )))
-            }
-        };
-        let bad =
-            |m: String| BootstrapError::Protocol(format!("answer to the hello from {addr}: {m}"));
-        let mut f = Fields::new(&payload, "hello answer");
-        match kind {
-            K_WELCOME => {
-                let v = f.u32().map_err(bad)?;
-                if v != PROTOCOL_VERSION {
-                    return Err(bad(format!(
-                        "welcome for protocol v{v}, this rank speaks v{PROTOCOL_VERSION}"
-                    )));
-                }
-                Ok(())
-            }
-            K_REFUSE => Err(refusal(opts, addr, &mut f).unwrap_or_else(bad)),
-            other => Err(bad(format!("unexpected frame kind {other}; {not_ours}"))),
-        }
     }
 
     fn gather(
@@ -582,7 +535,7 @@ impl Client {
         addr: &str,
         data: &[u8],
         op: &'static str,
-        fatal: Option<&Mutex<Option<String>>>,
+        server: Option<&Instance>,
     ) -> Result<Vec<Vec<u8>>, BootstrapError> {
         if let Some(why) = &self.broken {
             return Err(BootstrapError::StoreLost {
@@ -597,20 +550,20 @@ impl Client {
         self.next_round += 1;
         let timeout_ms = u64::try_from(opts.timeout.as_millis()).unwrap_or(u64::MAX);
         let msg = frame(K_CONTRIBUTE, &[&round.to_le_bytes(), &timeout_ms.to_le_bytes(), data]);
-        match write_all_by(&mut self.stream, &msg, deadline) {
+        match write_all_by(&self.stream, &msg, deadline) {
             Ok(()) => {}
             Err(Wire::TimedOut) => {
                 let detail =
                     format!("sending round {round} did not finish within {:?}", opts.timeout);
-                return Err(self.lost(addr, op, detail, fatal));
+                return Err(self.lost(addr, op, detail, server));
             }
             Err(Wire::Closed(e)) => {
-                return Err(self.lost(addr, op, format!("sending round {round}: {e}"), fatal))
+                return Err(self.lost(addr, op, format!("sending round {round}: {e}"), server))
             }
             Err(Wire::Bad(m)) => return Err(BootstrapError::Protocol(m)),
         }
         let answer_by = later(deadline, ANSWER_GRACE);
-        let (kind, payload) = self.read(addr, op, round, answer_by, MAX_FRAME, fatal)?;
+        let (kind, payload) = self.recv(addr, op, round, answer_by, server)?;
         let bad = |m: String| {
             BootstrapError::Protocol(format!("{op} round {round} answer from {addr}: {m}"))
         };
@@ -629,7 +582,7 @@ impl Client {
                 let transfer_by = later(Instant::now(), opts.timeout);
                 let mut blobs = Vec::with_capacity(world);
                 for _ in 0..world {
-                    let (kind, blob) = self.read(addr, op, round, transfer_by, MAX_FRAME, fatal)?;
+                    let (kind, blob) = self.recv(addr, op, round, transfer_by, server)?;
                     if kind != K_BLOB {
                         self.broken = Some(format!("frame kind {kind} inside a result"));
                         return Err(bad(format!("expected a blob frame, got kind {kind}")));
@@ -639,7 +592,11 @@ impl Client {
                 Ok(blobs)
             }
             K_FAILED => {
-                Err(failure(op, start.elapsed(), opts.world_size, &mut f).unwrap_or_else(bad))
+                let err = failure(op, start.elapsed(), opts.world_size, &mut f).unwrap_or_else(bad);
+                if let BootstrapError::PeerGone { rank, .. } = &err {
+                    self.dead.mark(*rank);
+                }
+                Err(err)
             }
             other => {
                 self.broken = Some(format!("unexpected frame kind {other}"));
@@ -648,30 +605,215 @@ impl Client {
         }
     }
 
-    fn read(
+    fn recv(
         &mut self,
         addr: &str,
         op: &'static str,
         round: u64,
         deadline: Instant,
-        max_body: usize,
-        fatal: Option<&Mutex<Option<String>>>,
+        server: Option<&Instance>,
     ) -> Result<(u8, Vec<u8>), BootstrapError> {
-        match read_frame(&mut self.stream, deadline, max_body) {
-            Ok(f) => Ok(f),
-            Err(Wire::TimedOut) => {
-                let detail = format!("no answer for round {round} by the deadline (store hung?)");
-                Err(self.lost(addr, op, detail, fatal))
-            }
-            Err(Wire::Closed(e)) => {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match self.rx.recv_timeout(left) {
+            Ok(Incoming::Frame(kind, payload)) => Ok((kind, payload)),
+            Ok(Incoming::Lost(e)) => {
                 let detail = format!("connection closed while waiting for round {round} ({e})");
-                Err(self.lost(addr, op, detail, fatal))
+                Err(self.lost(addr, op, detail, server))
             }
-            Err(Wire::Bad(m)) => {
+            Ok(Incoming::Bad(m)) => {
                 self.broken = Some(m.clone());
                 Err(BootstrapError::Protocol(format!("{op} round {round} from {addr}: {m}")))
             }
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                let detail = format!("no answer for round {round} by the deadline (store hung?)");
+                Err(self.lost(addr, op, detail, server))
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                let detail = "the connection's reader had already stopped".to_string();
+                Err(self.lost(addr, op, detail, server))
+            }
         }
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        let _ = self.close();
+    }
+}
+
+/// The reader thread: news of dead peers goes straight to `dead`; everything else, in order, to
+/// the collective waiting on `tx`. Ends when the connection does.
+fn read_loop(
+    stream: TcpStream,
+    tx: mpsc::Sender<Incoming>,
+    dead: Arc<DeadSet>,
+    closing: Arc<AtomicBool>,
+    rank: usize,
+) {
+    loop {
+        match read_frame(&stream, None, MAX_FRAME) {
+            Ok((K_PEER_GONE, payload)) => match Fields::new(&payload, "peer gone").usize() {
+                Ok(r) => dead.mark(r),
+                Err(m) => {
+                    let _ = tx.send(Incoming::Bad(m));
+                    return;
+                }
+            },
+            Ok((kind, payload)) => {
+                if tx.send(Incoming::Frame(kind, payload)).is_err() {
+                    return;
+                }
+            }
+            Err(Wire::Closed(e)) => {
+                // The store is rank 0's: losing it without having closed it ourselves means rank
+                // 0 (or its instance of the store) is gone.
+                if rank != 0 && !closing.load(Ordering::Acquire) {
+                    dead.mark(0);
+                }
+                let _ = tx.send(Incoming::Lost(e.to_string()));
+                return;
+            }
+            Err(Wire::Bad(m)) => {
+                let _ = tx.send(Incoming::Bad(m));
+                return;
+            }
+            Err(Wire::TimedOut) => {} // no deadline: cannot happen, keep reading
+        }
+    }
+}
+
+/// One handshake on a fresh connection: hello, challenge, proof, verdict (see `wire.rs`).
+fn handshake(
+    stream: &TcpStream,
+    opts: &TcpStoreOptions,
+    ns: u64,
+    addr: &str,
+    deadline: Instant,
+) -> Result<(), Hs> {
+    let client_nonce = random_bytes::<NONCE_LEN>().map_err(|source| {
+        Hs::Fatal(BootstrapError::Io {
+            call: "getrandom for the handshake with",
+            addr: addr.into(),
+            source,
+        })
+    })?;
+    let (rank, world) = (opts.rank as u64, opts.world_size as u64);
+    let hello = frame(
+        K_HELLO,
+        &[
+            &MAGIC,
+            &PROTOCOL_VERSION.to_le_bytes(),
+            &rank.to_le_bytes(),
+            &world.to_le_bytes(),
+            &str_field(""),
+            &ns.to_le_bytes(),
+            &client_nonce,
+        ],
+    );
+    send_hs(stream, &hello, deadline, addr, "the hello")?;
+    let no_answer = format!("no answer to the hello within the timeout; {NOT_OURS}");
+    let (kind, payload) = recv_hs(stream, deadline, addr, "the hello", no_answer)?;
+    let bad = |m: String| {
+        Hs::Fatal(BootstrapError::Protocol(format!(
+            "answer to the hello from {addr}: {m}; {NOT_OURS}"
+        )))
+    };
+    let mut f = Fields::new(&payload, "challenge");
+    let server_nonce = match kind {
+        K_CHALLENGE => {
+            let v = f.u32().map_err(bad)?;
+            if v != PROTOCOL_VERSION {
+                return Err(bad(format!(
+                    "challenge for protocol v{v}, this rank speaks v{PROTOCOL_VERSION}"
+                )));
+            }
+            f.array::<NONCE_LEN>().map_err(bad)?
+        }
+        K_REFUSE => {
+            return Err(Hs::Fatal(
+                refusal(opts, addr, ns, &mut f).unwrap_or_else(BootstrapError::Protocol),
+            ))
+        }
+        other => return Err(bad(format!("unexpected frame kind {other}"))),
+    };
+    let t = Transcript {
+        server_nonce: &server_nonce,
+        client_nonce: &client_nonce,
+        instance: ns,
+        rank,
+        world,
+        job_id: &opts.job_id,
+    };
+    let proof = frame(K_PROOF, &[&opts.secret.prove(Role::Rank, &t), &str_field(&opts.job_id)]);
+    send_hs(stream, &proof, deadline, addr, "the proof")?;
+    let no_verdict = format!(
+        "the store took this rank's proof of the job secret but gave no verdict within the \
+         timeout: rank 0 has not opened instance {ns} of its store (rank 0 is late or hung, or \
+         it created fewer stores/Buffers on this port than this rank)"
+    );
+    let (kind, payload) = recv_hs(stream, deadline, addr, "the proof", no_verdict)?;
+    let mut f = Fields::new(&payload, "verdict");
+    match kind {
+        K_WELCOME => {
+            let tag = f.array::<MAC_LEN>().map_err(bad)?;
+            if opts.secret.check(Role::Store, &t, &tag) {
+                Ok(())
+            } else {
+                Err(Hs::Fatal(BootstrapError::Auth {
+                    addr: addr.to_string(),
+                    detail: "the store's welcome does not prove it knows this job's secret: \
+                             whatever listens there is not this job's store"
+                        .into(),
+                }))
+            }
+        }
+        K_REFUSE => {
+            Err(Hs::Fatal(refusal(opts, addr, ns, &mut f).unwrap_or_else(BootstrapError::Protocol)))
+        }
+        other => Err(bad(format!("unexpected frame kind {other}"))),
+    }
+}
+
+fn send_hs(
+    stream: &TcpStream,
+    msg: &[u8],
+    deadline: Instant,
+    addr: &str,
+    what: &str,
+) -> Result<(), Hs> {
+    match write_all_by(stream, msg, deadline) {
+        Ok(()) => Ok(()),
+        Err(Wire::Closed(e)) => Err(Hs::Retry(format!("sending {what}: {e}"))),
+        Err(Wire::TimedOut) => Err(Hs::Fatal(BootstrapError::StoreLost {
+            addr: addr.to_string(),
+            op: "connect",
+            detail: format!("sending {what} timed out"),
+        })),
+        Err(Wire::Bad(m)) => Err(Hs::Fatal(BootstrapError::Protocol(m))),
+    }
+}
+
+fn recv_hs(
+    stream: &TcpStream,
+    deadline: Instant,
+    addr: &str,
+    what: &str,
+    on_timeout: String,
+) -> Result<(u8, Vec<u8>), Hs> {
+    match read_frame(stream, Some(deadline), REPLY_MAX_FRAME) {
+        Ok(f) => Ok(f),
+        Err(Wire::Closed(e)) => {
+            Err(Hs::Retry(format!("the store closed the connection before answering {what} ({e})")))
+        }
+        Err(Wire::TimedOut) => Err(Hs::Fatal(BootstrapError::StoreLost {
+            addr: addr.to_string(),
+            op: "connect",
+            detail: on_timeout,
+        })),
+        Err(Wire::Bad(m)) => Err(Hs::Fatal(BootstrapError::Protocol(format!(
+            "answer to {what} from {addr}: {m}; {NOT_OURS}"
+        )))),
     }
 }
 
@@ -679,9 +821,24 @@ impl Client {
 fn refusal(
     opts: &TcpStoreOptions,
     addr: &str,
+    ns: u64,
     f: &mut Fields<'_>,
 ) -> Result<BootstrapError, String> {
     Ok(match f.u8()? {
+        REFUSE_AUTH => BootstrapError::Auth {
+            addr: addr.to_string(),
+            detail: match opts.secret.source() {
+                SecretSource::Explicit => "the store refused this rank's proof of FEP_JOB_SECRET: \
+                     it belongs to another job, or FEP_JOB_SECRET differs between ranks"
+                    .to_string(),
+                SecretSource::JobId => format!(
+                    "the store refused this rank's proof of the job secret, which is derived from \
+                     job id '{}' since FEP_JOB_SECRET is not set: the store belongs to another job, \
+                     or FEP_JOB_ID/TORCHELASTIC_RUN_ID (or FEP_JOB_SECRET) differ between ranks",
+                    opts.job_id
+                ),
+            },
+        },
         REFUSE_JOB => BootstrapError::JobIdMismatch {
             ours: opts.job_id.clone(),
             theirs: f.string()?,
@@ -702,13 +859,18 @@ fn refusal(
             world_size: opts.world_size,
             why: format!(
                 "another process already joined the store at {addr} as this rank (duplicate RANK, \
-                 or a stale process of an earlier run with the same job id)"
+                 or a stale process of an earlier run with the same job secret)"
             ),
         },
         REFUSE_VERSION => BootstrapError::Protocol(format!(
             "the store at {addr} speaks bootstrap protocol v{}, this rank v{PROTOCOL_VERSION}: \
              all ranks must run the same fabric-ep build",
             f.u32()?
+        )),
+        REFUSE_CLOSED => BootstrapError::Protocol(format!(
+            "the store at {addr} already closed instance {ns}: rank 0 created and closed that \
+             store (Buffer) before this rank joined it (its creation failed on rank 0, or this \
+             rank created more stores on this port than rank 0)"
         )),
         code => return Err(format!("unknown refusal code {code}")),
     })
@@ -729,10 +891,10 @@ fn failure(
                 return Err(format!("{n} missing ranks in a world of {world}"));
             }
             let missing = (0..n).map(|_| f.usize()).collect::<Result<Vec<_>, _>>()?;
-            BootstrapError::Timeout { op, round, missing, waited }
+            let note = if f.is_empty() { String::new() } else { f.string()? };
+            BootstrapError::Timeout { op, round, missing, waited, note }
         }
         FAIL_GONE => BootstrapError::PeerGone { rank: f.usize()?, op },
-        FAIL_REFUSED => BootstrapError::PeerRefused { rank: f.usize()?, reason: f.string()? },
         FAIL_PROTOCOL => BootstrapError::Protocol(f.string()?),
         code => return Err(format!("unknown failure code {code}")),
     })
@@ -789,596 +951,12 @@ fn connect_until(
     }
 }
 
-/// Binds rank 0's listener. A loopback `MASTER_ADDR` binds loopback only (local jobs and tests stay
-/// off the network); anything else binds all interfaces, as torch's store does, because the name
-/// other ranks use (a Kubernetes service, a load balancer) may not be an address of this host.
-///
-/// NOTES: std's `TcpListener::bind` sets `SO_REUSEADDR` on Unix, so a store restarted on the port
-/// of a finished job does not wait out TIME_WAIT.
-fn bind_store(host: &str, port: u16) -> Result<TcpListener, BootstrapError> {
-    let first = (host, port).to_socket_addrs().ok().and_then(|mut a| a.next());
-    let bind_to = match first {
-        Some(sa) if sa.ip().is_loopback() => sa,
-        Some(SocketAddr::V6(_)) => SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), port),
-        _ => SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), port),
-    };
-    TcpListener::bind(bind_to).map_err(|e| BootstrapError::Io {
-        call: if e.kind() == io::ErrorKind::AddrInUse {
-            "bind the store (rank 0 serves it on MASTER_PORT + 1, or FEP_MASTER_PORT if set; another \
-             job, or torchrun's own store, holds that port) on"
-        } else {
-            "bind the store (rank 0) on"
-        },
-        addr: bind_to.to_string(),
-        source: e,
-    })
-}
-
-// ---------------------------------------------------------------------------------------------
-// Store (rank 0)
-
-/// Handle to the store thread: started with a handshake, stopped with a flag, a wake-up and a join
-/// (bounded: a thread that does not report its exit in time is left detached, never waited on).
-struct StoreServer {
-    stop: Arc<AtomicBool>,
-    wake: UnixStream,
-    /// In a mutex only because `Receiver` is not `Sync` and the store must be.
-    done: Mutex<mpsc::Receiver<()>>,
-    thread: Option<JoinHandle<()>>,
-    /// Why the store thread died, if it did; rank 0's client quotes it.
-    fatal: Arc<Mutex<Option<String>>>,
-}
-
-/// Sends on drop, so the handle learns the thread ended even if it panicked.
-struct DoneGuard(mpsc::SyncSender<()>);
-
-impl Drop for DoneGuard {
-    fn drop(&mut self) {
-        let _ = self.0.try_send(());
-    }
-}
-
-impl StoreServer {
-    fn start(
-        listener: TcpListener,
-        job_id: String,
-        world: usize,
-        timeout: Duration,
-        addr: &str,
-    ) -> Result<Self, BootstrapError> {
-        let io_err = |call: &'static str| {
-            let addr = addr.to_string();
-            move |source| BootstrapError::Io { call, addr, source }
-        };
-        listener.set_nonblocking(true).map_err(io_err("set non-blocking on the store listener"))?;
-        let (wake, wake_rx) =
-            UnixStream::pair().map_err(io_err("create the store wake-up pair for"))?;
-        wake_rx
-            .set_nonblocking(true)
-            .map_err(io_err("set non-blocking on the store wake-up for"))?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let fatal = Arc::new(Mutex::new(None));
-        let (ready_tx, ready_rx) = mpsc::sync_channel(1);
-        let (done_tx, done) = mpsc::sync_channel(1);
-        let thread = {
-            let stop = Arc::clone(&stop);
-            let fatal = Arc::clone(&fatal);
-            thread::Builder::new()
-                .name("fep-bootstrap-store".into())
-                .spawn(move || {
-                    let _done = DoneGuard(done_tx);
-                    let mut store = Store::new(listener, wake_rx, stop, job_id, world, timeout);
-                    let _ = ready_tx.send(());
-                    if let Err(msg) = store.run() {
-                        *fatal.lock() = Some(msg);
-                    }
-                })
-                .map_err(io_err("spawn the store thread for"))?
-        };
-        let mut server =
-            StoreServer { stop, wake, done: Mutex::new(done), thread: Some(thread), fatal };
-        if ready_rx.recv_timeout(Duration::from_secs(10)).is_err() {
-            server.stop();
-            return Err(BootstrapError::Protocol(format!(
-                "the store thread for {addr} did not start within 10 s"
-            )));
-        }
-        Ok(server)
-    }
-
-    fn stop(&mut self) {
-        let Some(thread) = self.thread.take() else { return };
-        self.stop.store(true, Ordering::Release);
-        let _ = (&self.wake).write(&[1]);
-        match self.done.get_mut().recv_timeout(DRAIN_GRACE + Duration::from_secs(3)) {
-            Ok(()) | Err(mpsc::RecvTimeoutError::Disconnected) => {
-                let _ = thread.join();
-            }
-            Err(mpsc::RecvTimeoutError::Timeout) => {} // detached; it exits on its next wake-up
-        }
-    }
-}
-
-impl Drop for StoreServer {
-    fn drop(&mut self) {
-        self.stop();
-    }
-}
-
-/// Why the store can no longer complete rounds.
-enum Failure {
-    Timeout { missing: Vec<usize> },
-    Gone { rank: usize },
-    Refused { rank: usize, reason: String },
-    Protocol(String),
-}
-
-struct Conn {
-    stream: TcpStream,
-    inbuf: Vec<u8>,
-    /// Queued answers; shared buffers so a result goes to every rank from one copy.
-    out: std::collections::VecDeque<(Arc<Vec<u8>>, usize)>,
-    rank: Option<usize>,
-    accepted: Instant,
-    /// Refused: send what is queued, then close, and read nothing more.
-    closing: bool,
-    dead: bool,
-}
-
-struct Store {
-    listener: TcpListener,
-    wake: UnixStream,
-    stop: Arc<AtomicBool>,
-    job_id: String,
-    world: usize,
-    timeout: Duration,
-    conns: Vec<Option<Conn>>,
-    rank_conn: Vec<Option<usize>>,
-    joined: Vec<bool>,
-    round: u64,
-    slots: Vec<Option<Vec<u8>>>,
-    arrived: usize,
-    round_deadline: Option<Instant>,
-    failed: Option<Arc<Vec<u8>>>,
-}
-
-impl Store {
-    fn new(
-        listener: TcpListener,
-        wake: UnixStream,
-        stop: Arc<AtomicBool>,
-        job_id: String,
-        world: usize,
-        timeout: Duration,
-    ) -> Self {
-        Store {
-            listener,
-            wake,
-            stop,
-            job_id,
-            world,
-            timeout,
-            conns: Vec::new(),
-            rank_conn: vec![None; world],
-            joined: vec![false; world],
-            round: 0,
-            slots: vec![None; world],
-            arrived: 0,
-            round_deadline: None,
-            failed: None,
-        }
-    }
-
-    fn run(&mut self) -> Result<(), String> {
-        loop {
-            if self.stop.load(Ordering::Acquire) {
-                self.drain();
-                return Ok(());
-            }
-            let now = Instant::now();
-            let mut next = later(now, Duration::from_secs(1));
-            if let Some(d) = self.round_deadline {
-                next = next.min(d);
-            }
-            for c in self.conns.iter().flatten() {
-                if c.rank.is_none() && !c.closing {
-                    next = next.min(later(c.accepted, self.timeout));
-                }
-            }
-            let (mut fds, ids) = self.poll_set(false);
-            poll(&mut fds, next.saturating_duration_since(now))?;
-            if fds[0].revents != 0 {
-                let mut sink = [0u8; 64];
-                while matches!((&self.wake).read(&mut sink), Ok(n) if n > 0) {}
-            }
-            if fds[1].revents != 0 {
-                self.accept_all();
-            }
-            for (fd, &id) in fds[2..].iter().zip(&ids) {
-                if fd.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0 {
-                    self.on_readable(id);
-                }
-                if fd.revents & libc::POLLOUT != 0 {
-                    self.flush(id);
-                }
-            }
-            self.expire(Instant::now());
-            self.reap();
-        }
-    }
-
-    /// `[wake, listener, conns...]` and the slab index of each conn entry. While draining, only
-    /// connections with output still queued are watched (a hung-up idle one would make `poll`
-    /// return at once, over and over), and neither wake-up nor listener (`poll` skips fd -1).
-    fn poll_set(&self, draining: bool) -> (Vec<libc::pollfd>, Vec<usize>) {
-        let pfd = |fd, events| libc::pollfd { fd, events, revents: 0 };
-        let (wake, listener) = match draining {
-            // The stop request's wake-up byte may still be unread: watching it would spin.
-            true => (-1, -1),
-            false => (self.wake.as_raw_fd(), self.listener.as_raw_fd()),
-        };
-        let mut fds = vec![pfd(wake, libc::POLLIN), pfd(listener, libc::POLLIN)];
-        let mut ids = Vec::new();
-        for (i, c) in self.conns.iter().enumerate() {
-            let Some(c) = c else { continue };
-            if c.dead || (draining && c.out.is_empty()) {
-                continue;
-            }
-            let mut events = if draining { 0 } else { libc::POLLIN };
-            if !c.out.is_empty() {
-                events |= libc::POLLOUT;
-            }
-            fds.push(pfd(c.stream.as_raw_fd(), events));
-            ids.push(i);
-        }
-        (fds, ids)
-    }
-
-    /// After a stop request: keep writing queued answers (a final round's result to ranks slower
-    /// than rank 0) until they are out or `DRAIN_GRACE` passes, then let the sockets close.
-    fn drain(&mut self) {
-        let until = later(Instant::now(), DRAIN_GRACE);
-        loop {
-            for id in 0..self.conns.len() {
-                self.flush(id);
-            }
-            let pending = self.conns.iter().flatten().any(|c| !c.dead && !c.out.is_empty());
-            let left = until.saturating_duration_since(Instant::now());
-            if !pending || left.is_zero() {
-                return;
-            }
-            let (mut fds, _) = self.poll_set(true);
-            if poll(&mut fds, left).is_err() {
-                return;
-            }
-        }
-    }
-
-    fn accept_all(&mut self) {
-        loop {
-            match self.listener.accept() {
-                Ok((stream, _)) => {
-                    // A socket we cannot configure is dropped; its client retries or times out.
-                    if stream.set_nonblocking(true).is_err() || stream.set_nodelay(true).is_err() {
-                        continue;
-                    }
-                    let conn = Conn {
-                        stream,
-                        inbuf: Vec::new(),
-                        out: Default::default(),
-                        rank: None,
-                        accepted: Instant::now(),
-                        closing: false,
-                        dead: false,
-                    };
-                    match self.conns.iter().position(Option::is_none) {
-                        Some(i) => self.conns[i] = Some(conn),
-                        None => self.conns.push(Some(conn)),
-                    }
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                // WouldBlock: all accepted. Anything else (EMFILE, ECONNABORTED): try again on the
-                // next readiness; the pending client's own deadline bounds it.
-                Err(_) => return,
-            }
-        }
-    }
-
-    fn on_readable(&mut self, id: usize) {
-        let mut scratch = [0u8; 64 << 10];
-        let mut frames = Vec::new();
-        {
-            let Some(Some(c)) = self.conns.get_mut(id) else { return };
-            loop {
-                match c.stream.read(&mut scratch) {
-                    Ok(0) => {
-                        c.dead = true;
-                        break;
-                    }
-                    Ok(n) => {
-                        if c.closing {
-                            continue;
-                        }
-                        c.inbuf.extend_from_slice(&scratch[..n]);
-                        let max = if c.rank.is_some() { MAX_FRAME } else { HELLO_MAX_FRAME };
-                        match split_frames(&mut c.inbuf, max) {
-                            Ok(mut f) => frames.append(&mut f),
-                            Err(_) => {
-                                // Garbage on the wire: drop the connection. A joined rank
-                                // that does this is reported gone, by name, in reap().
-                                c.dead = true;
-                                break;
-                            }
-                        }
-                    }
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                    Err(_) => {
-                        c.dead = true;
-                        break;
-                    }
-                }
-            }
-        }
-        for (kind, payload) in frames {
-            let Some(Some(c)) = self.conns.get(id) else { return };
-            if c.dead || c.closing {
-                return;
-            }
-            match (c.rank, kind) {
-                (None, K_HELLO) => self.on_hello(id, &payload),
-                (Some(rank), K_CONTRIBUTE) => self.on_contribute(id, rank, &payload),
-                (rank, kind) => {
-                    if let Some(rank) = rank {
-                        self.fail(Failure::Protocol(format!(
-                            "rank {rank} sent frame kind {kind}, which the store does not accept"
-                        )));
-                    }
-                    self.kill(id);
-                    return;
-                }
-            }
-        }
-    }
-
-    fn on_hello(&mut self, id: usize, payload: &[u8]) {
-        let mut f = Fields::new(payload, "hello");
-        let parsed = (|| -> Result<_, String> {
-            if f.take(4)? != MAGIC {
-                return Err("bad magic".into());
-            }
-            Ok((f.u32()?, f.usize()?, f.usize()?, f.string()?))
-        })();
-        let Ok((version, rank, world, job_id)) = parsed else {
-            // Not our protocol: close without answering in a framing the peer does not speak.
-            self.kill(id);
-            return;
-        };
-        let refuse = |code: u8, rest: &[u8]| frame(K_REFUSE, &[&[code], rest]);
-        let verdict = if version != PROTOCOL_VERSION {
-            Err((refuse(REFUSE_VERSION, &PROTOCOL_VERSION.to_le_bytes()), None))
-        } else if job_id != self.job_id {
-            // Another job's process: refuse it, but it must not disturb this job.
-            Err((refuse(REFUSE_JOB, &str_field(&self.job_id)), None))
-        } else if world != self.world {
-            let why = format!("it has WORLD_SIZE={world}, the store (rank 0) has {}", self.world);
-            Err((refuse(REFUSE_WORLD, &(self.world as u64).to_le_bytes()), Some(why)))
-        } else if rank >= self.world {
-            let why = format!("RANK={rank} is out of range for WORLD_SIZE={}", self.world);
-            Err((refuse(REFUSE_RANGE, &(self.world as u64).to_le_bytes()), Some(why)))
-        } else if self.joined[rank] {
-            let why = format!("two processes claim RANK={rank}");
-            Err((refuse(REFUSE_DUPLICATE, &[]), Some(why)))
-        } else {
-            Ok(())
-        };
-        match verdict {
-            Ok(()) => {
-                self.rank_conn[rank] = Some(id);
-                self.joined[rank] = true;
-                if let Some(Some(c)) = self.conns.get_mut(id) {
-                    c.rank = Some(rank);
-                }
-                self.send(id, Arc::new(frame(K_WELCOME, &[&PROTOCOL_VERSION.to_le_bytes()])));
-            }
-            Err((answer, poison)) => {
-                if let Some(reason) = poison {
-                    // Same job, wrong shape: the job cannot complete, so say so to every rank now
-                    // rather than let them time out.
-                    self.fail(Failure::Refused { rank, reason });
-                }
-                if let Some(Some(c)) = self.conns.get_mut(id) {
-                    c.closing = true;
-                }
-                self.send(id, Arc::new(answer));
-            }
-        }
-    }
-
-    fn on_contribute(&mut self, id: usize, rank: usize, payload: &[u8]) {
-        let mut f = Fields::new(payload, "contribute");
-        let (round, timeout_ms) = match (f.u64(), f.u64()) {
-            (Ok(r), Ok(t)) => (r, t),
-            _ => {
-                self.fail(Failure::Protocol(format!("rank {rank} sent a truncated contribution")));
-                self.kill(id);
-                return;
-            }
-        };
-        let data = f.rest();
-        if let Some(answer) = &self.failed {
-            let answer = Arc::clone(answer);
-            self.send(id, answer);
-            return;
-        }
-        if round != self.round || self.slots[rank].is_some() {
-            let msg = format!(
-                "rank {rank} contributed to round {round} while the store collects round {}: \
-                 ranks called all_gather/barrier a different number of times",
-                self.round
-            );
-            self.slots[rank] = Some(Vec::new());
-            self.fail(Failure::Protocol(msg));
-            return;
-        }
-        self.slots[rank] = Some(data.to_vec());
-        self.arrived += 1;
-        let deadline = later(Instant::now(), Duration::from_millis(timeout_ms));
-        self.round_deadline = Some(self.round_deadline.map_or(deadline, |d| d.min(deadline)));
-        if self.arrived == self.world {
-            self.complete();
-        }
-    }
-
-    fn complete(&mut self) {
-        let mut out = Vec::new();
-        put_frame(
-            &mut out,
-            K_GATHERED,
-            &[&self.round.to_le_bytes(), &(self.world as u64).to_le_bytes()],
-        );
-        for slot in &mut self.slots {
-            put_frame(&mut out, K_BLOB, &[&slot.take().unwrap_or_default()]);
-        }
-        let out = Arc::new(out);
-        for r in 0..self.world {
-            if let Some(id) = self.rank_conn[r] {
-                self.send(id, Arc::clone(&out));
-            }
-        }
-        self.round += 1;
-        self.arrived = 0;
-        self.round_deadline = None;
-    }
-
-    /// Marks the store failed and tells every rank waiting in the current round; later
-    /// contributions get the same answer.
-    fn fail(&mut self, why: Failure) {
-        if self.failed.is_some() {
-            return;
-        }
-        let mut payload = self.round.to_le_bytes().to_vec();
-        match why {
-            Failure::Timeout { missing } => {
-                payload.push(FAIL_TIMEOUT);
-                payload.extend_from_slice(&(missing.len() as u64).to_le_bytes());
-                for r in missing {
-                    payload.extend_from_slice(&(r as u64).to_le_bytes());
-                }
-            }
-            Failure::Gone { rank } => {
-                payload.push(FAIL_GONE);
-                payload.extend_from_slice(&(rank as u64).to_le_bytes());
-            }
-            Failure::Refused { rank, reason } => {
-                payload.push(FAIL_REFUSED);
-                payload.extend_from_slice(&(rank as u64).to_le_bytes());
-                payload.extend_from_slice(&str_field(&reason));
-            }
-            Failure::Protocol(msg) => {
-                payload.push(FAIL_PROTOCOL);
-                payload.extend_from_slice(&str_field(&msg));
-            }
-        }
-        let answer = Arc::new(frame(K_FAILED, &[&payload]));
-        for r in 0..self.world {
-            if let (Some(_), Some(id)) = (&self.slots[r], self.rank_conn[r]) {
-                self.send(id, Arc::clone(&answer));
-            }
-        }
-        self.failed = Some(answer);
-        self.round_deadline = None;
-    }
-
-    fn expire(&mut self, now: Instant) {
-        if self.round_deadline.is_some_and(|d| d <= now) {
-            let missing = (0..self.world).filter(|&r| self.slots[r].is_none()).collect();
-            self.fail(Failure::Timeout { missing });
-        }
-        for c in self.conns.iter_mut().flatten() {
-            if c.rank.is_none() && !c.closing && later(c.accepted, self.timeout) <= now {
-                c.dead = true; // never said hello
-            }
-        }
-    }
-
-    fn send(&mut self, id: usize, buf: Arc<Vec<u8>>) {
-        if let Some(Some(c)) = self.conns.get_mut(id) {
-            c.out.push_back((buf, 0));
-        }
-        self.flush(id);
-    }
-
-    fn flush(&mut self, id: usize) {
-        let Some(Some(c)) = self.conns.get_mut(id) else { return };
-        while let Some((buf, off)) = c.out.front_mut() {
-            if c.dead {
-                c.out.clear();
-                break;
-            }
-            match c.stream.write(&buf[*off..]) {
-                Ok(0) => c.dead = true,
-                Ok(n) => {
-                    *off += n;
-                    if *off == buf.len() {
-                        c.out.pop_front();
-                    }
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(_) => c.dead = true,
-            }
-        }
-        if c.closing && c.out.is_empty() {
-            c.dead = true;
-        }
-    }
-
-    fn kill(&mut self, id: usize) {
-        if let Some(Some(c)) = self.conns.get_mut(id) {
-            c.dead = true;
-        }
-    }
-
-    /// Drops dead connections; a joined rank's dead connection fails the store naming that rank.
-    fn reap(&mut self) {
-        let mut gone = Vec::new();
-        for (id, slot) in self.conns.iter_mut().enumerate() {
-            if slot.as_ref().is_some_and(|c| c.dead) {
-                if let Some(rank) = slot.take().and_then(|c| c.rank) {
-                    if self.rank_conn[rank] == Some(id) {
-                        self.rank_conn[rank] = None;
-                        gone.push(rank);
-                    }
-                }
-            }
-        }
-        for rank in gone {
-            self.fail(Failure::Gone { rank });
-        }
-    }
-}
-
-/// `poll(2)` with a timeout in whole milliseconds, rounded up so that a deadline less than a
-/// millisecond away sleeps instead of spinning.
-fn poll(fds: &mut [libc::pollfd], wait: Duration) -> Result<(), String> {
-    let ms = wait.as_micros().div_ceil(1000).min(i32::MAX as u128) as libc::c_int;
-    // SAFETY: `fds` is a valid, exclusively borrowed slice of `pollfd` for the whole call and its
-    // length is passed alongside; the fds belong to sockets this store owns.
-    let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
-    if n < 0 {
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(format!("poll: {e}"));
-        }
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::collections::HashMap;
+    use std::io::{Read, Write};
+    use std::net::TcpListener;
 
     fn lookup(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
         let map: HashMap<String, String> =
@@ -1414,6 +992,9 @@ mod tests {
         let o = TcpStoreOptions::from_lookup(lookup(BASE), Duration::from_secs(1)).expect("opts");
         assert_eq!((o.rank, o.world_size, o.local_rank, o.local_world_size), (3, 8, 3, 8));
         assert_eq!(o.job_id, "none");
+        assert_eq!(o.secret, JobSecret::from_job_id("none"));
+        assert_eq!(o.secret.source(), SecretSource::JobId);
+        assert!(!o.loopback, "an implied LOCAL_WORLD_SIZE must not cut other hosts off");
         assert_eq!(o.store_addr(), "10.0.0.1:29501", "MASTER_PORT + 1 beside torch's store");
     }
 
@@ -1428,9 +1009,18 @@ mod tests {
         let o = TcpStoreOptions::from_lookup(lookup(&vars), Duration::from_secs(1)).expect("opts");
         assert_eq!((o.local_rank, o.local_world_size, o.port), (1, 2, 29600));
         assert_eq!(o.job_id, "elastic");
+        assert_eq!(o.secret, JobSecret::from_job_id("elastic"));
+        assert!(!o.loopback);
         let vars = with(&[("TORCHELASTIC_RUN_ID", "elastic"), ("FEP_JOB_ID", "fep")]);
         let o = TcpStoreOptions::from_lookup(lookup(&vars), Duration::from_secs(1)).expect("opts");
         assert_eq!(o.job_id, "fep");
+        let vars = with(&[("FEP_JOB_SECRET", "0123456789abcdef0123"), ("LOCAL_WORLD_SIZE", "8")]);
+        let o = TcpStoreOptions::from_lookup(lookup(&vars), Duration::from_secs(1)).expect("opts");
+        assert_eq!(o.secret, JobSecret::new(b"0123456789abcdef0123"));
+        assert_eq!(o.secret.source(), SecretSource::Explicit);
+        assert!(o.loopback, "every rank on this host");
+        assert_eq!(o.store_addr(), "127.0.0.1:29501");
+        assert_eq!(bind_target(&o), "127.0.0.1:29501".parse().expect("addr"));
     }
 
     #[test]
@@ -1450,6 +1040,7 @@ mod tests {
             ("FEP_MASTER_PORT", "x", "FEP_MASTER_PORT"),
             ("LOCAL_RANK", "-1", "LOCAL_RANK"),
             ("LOCAL_WORLD_SIZE", "9", "LOCAL_WORLD_SIZE"),
+            ("FEP_JOB_SECRET", "short", "FEP_JOB_SECRET"),
         ];
         for &(k, v, expect) in cases {
             let vars = with(&[(k, v)]);
@@ -1466,27 +1057,7 @@ mod tests {
         assert_eq!(o.store_addr(), "[::1]:29501");
     }
 
-    #[test]
-    fn split_frames_checks_lengths() {
-        let mut buf = frame(K_BLOB, &[b"abc"]);
-        buf.extend_from_slice(&frame(K_BLOB, &[b""]));
-        buf.extend_from_slice(&[9, 0]); // partial header stays
-        let frames = split_frames(&mut buf, 16).expect("frames");
-        assert_eq!(frames, vec![(K_BLOB, b"abc".to_vec()), (K_BLOB, vec![])]);
-        assert_eq!(buf, vec![9, 0]);
-        let mut huge = u32::MAX.to_le_bytes().to_vec();
-        assert!(split_frames(&mut huge, MAX_FRAME).is_err());
-        let mut empty = 0u32.to_le_bytes().to_vec();
-        assert!(split_frames(&mut empty, MAX_FRAME).is_err());
-    }
-
-    #[test]
-    fn fields_reject_truncation() {
-        let mut f = Fields::new(&[1, 2, 3], "test");
-        assert!(f.u64().is_err());
-        let mut f = Fields::new(&[255, 255, 255, 255], "test");
-        assert!(f.string().is_err(), "a string length beyond the payload must not allocate");
-    }
+    const SECRET: &[u8] = b"unit-test-secret-0123456789";
 
     fn opts(port: u16, rank: usize, world: usize, job: &str, timeout_ms: u64) -> TcpStoreOptions {
         TcpStoreOptions {
@@ -1497,12 +1068,67 @@ mod tests {
             local_rank: rank,
             local_world_size: world,
             job_id: job.into(),
+            secret: JobSecret::new(SECRET),
+            loopback: true,
             timeout: Duration::from_millis(timeout_ms),
         }
     }
 
     fn free_port() -> u16 {
         super::super::launch::free_port().expect("port")
+    }
+
+    fn deadline_in(ms: u64) -> Instant {
+        later(Instant::now(), Duration::from_millis(ms))
+    }
+
+    /// A rank's handshake by hand, without the reader thread, so a test can drive the raw socket.
+    fn raw_join(o: &TcpStoreOptions, ns: u64) -> TcpStream {
+        let deadline = deadline_in(5000);
+        let stream = connect_until("127.0.0.1", o.port, "test", deadline).expect("connect");
+        match handshake(&stream, o, ns, "test", deadline) {
+            Ok(()) => stream,
+            Err(Hs::Retry(m)) => panic!("handshake closed: {m}"),
+            Err(Hs::Fatal(e)) => panic!("handshake failed: {e}"),
+        }
+    }
+
+    /// Reads until EOF or `within`; true if the store closed the connection in time.
+    fn closed_within(mut s: &TcpStream, within: Duration) -> bool {
+        let until = Instant::now() + within;
+        let mut buf = [0u8; 256];
+        loop {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            s.set_read_timeout(Some(left)).expect("timeout");
+            match s.read(&mut buf) {
+                Ok(0) => return true,
+                Ok(_) => {}
+                Err(e)
+                    if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) =>
+                {
+                    return false
+                }
+                Err(_) => return true,
+            }
+        }
+    }
+
+    fn hello_bytes(version: u32, rank: u64, world: u64, ns: u64) -> Vec<u8> {
+        frame(
+            K_HELLO,
+            &[
+                &MAGIC,
+                &version.to_le_bytes(),
+                &rank.to_le_bytes(),
+                &world.to_le_bytes(),
+                &str_field(""),
+                &ns.to_le_bytes(),
+                &[9u8; 32],
+            ],
+        )
     }
 
     #[test]
@@ -1535,19 +1161,141 @@ mod tests {
     fn stray_client_is_refused_without_disturbing_the_job() {
         let port = free_port();
         let s0 = TcpStore::new(opts(port, 0, 1, "job-a", 3000)).expect("rank 0");
-        // Rank 1 of a 2-rank job-b: the job id is checked first, and rank 0 of job-a is not disturbed.
-        let err = TcpStore::new(opts(port, 1, 2, "job-b", 3000)).err().expect("refused");
-        match &err {
-            BootstrapError::JobIdMismatch { ours, theirs, .. } => {
+        // Another job (its own derived secret) learns nothing, not even the job id.
+        let mut other = opts(port, 1, 2, "job-b", 3000);
+        other.secret = JobSecret::from_job_id("job-b");
+        match TcpStore::new(other) {
+            Err(BootstrapError::Auth { detail, .. }) => {
+                assert!(detail.contains("'job-b'") && !detail.contains("job-a"), "{detail}")
+            }
+            other => panic!("expected Auth, got {:?}", other.err()),
+        }
+        // A job given the same secret is told the id apart, after proving it. (Rank 2 of a world
+        // of 3: this process's rank-1 count already moved on, and a second rank 0 here would be
+        // a new instance of this process's server, not a stranger.)
+        match TcpStore::new(opts(port, 2, 3, "job-b", 3000)) {
+            Err(BootstrapError::JobIdMismatch { ours, theirs, .. }) => {
                 assert_eq!((ours.as_str(), theirs.as_str()), ("job-b", "job-a"));
             }
-            other => panic!("expected JobIdMismatch, got {other}"),
+            other => panic!("expected JobIdMismatch, got {:?}", other.err()),
         }
         // Garbage on the port must not disturb the job either.
         let mut junk = TcpStream::connect(("127.0.0.1", port)).expect("connect");
         let _ = junk.write_all(b"GET / HTTP/1.0\r\n\r\n");
         assert_eq!(s0.all_gather(b"ok").expect("still fine"), vec![b"ok".to_vec()]);
+        assert!(closed_within(&junk, Duration::from_secs(3)), "garbage is dropped");
         s0.close().expect("close");
+    }
+
+    #[test]
+    fn stranger_with_the_job_id_cannot_claim_a_rank_or_read_blobs() {
+        let port = free_port();
+        let s0 = TcpStore::new(opts(port, 0, 2, "job", 5000)).expect("rank 0");
+        // The stranger knows the job id, instance and world but not the secret; it claims rank 1
+        // first and holds the connection open.
+        let mut stranger = opts(port, 1, 2, "job", 3000);
+        stranger.secret = JobSecret::new(b"a-guess-at-the-secret");
+        let deadline = deadline_in(3000);
+        let s = connect_until("127.0.0.1", port, "t", deadline).expect("connect");
+        match handshake(&s, &stranger, 0, "t", deadline) {
+            Err(Hs::Fatal(BootstrapError::Auth { .. })) => {}
+            Err(Hs::Fatal(e)) => panic!("expected Auth, got {e}"),
+            Err(Hs::Retry(m)) => panic!("expected Auth, got a close: {m}"),
+            Ok(()) => panic!("a stranger was welcomed"),
+        }
+        assert!(closed_within(&s, Duration::from_secs(3)), "refused connections close");
+        // A second stranger parks mid-handshake (hello sent, no proof) during the whole job.
+        let mut parked = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+        parked.write_all(&hello_bytes(PROTOCOL_VERSION, 1, 2, 0)).expect("hello");
+        let real = thread::spawn(move || {
+            let s1 = TcpStore::new(opts(port, 1, 2, "job", 5000))?;
+            s1.all_gather(b"one")
+        });
+        let got = s0.all_gather(b"zero").expect("rank 0");
+        assert_eq!(got, vec![b"zero".to_vec(), b"one".to_vec()]);
+        assert_eq!(real.join().expect("thread").expect("rank 1"), got);
+        // The parked one got a challenge and nothing else.
+        let (kind, _) =
+            read_frame(&parked, Some(deadline_in(2000)), REPLY_MAX_FRAME).ok().expect("challenge");
+        assert_eq!(kind, K_CHALLENGE);
+        parked.set_read_timeout(Some(Duration::from_millis(200))).expect("timeout");
+        assert!(parked.read(&mut [0u8; 16]).is_err(), "nothing more for a stranger");
+    }
+
+    #[test]
+    fn unproven_connections_are_dropped_after_the_deadline_and_capped() {
+        let port = free_port();
+        let cfg = ServerConfig { handshake: Duration::from_millis(400), pending_min: 4 };
+        let s0 = TcpStore::with_config(opts(port, 0, 2, "cap", 8000), cfg).expect("rank 0");
+        // Silent, and stalled after the hello: both gone after the handshake deadline.
+        let t0 = Instant::now();
+        let silent = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+        let mut stalled = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+        stalled.write_all(&hello_bytes(PROTOCOL_VERSION, 1, 2, 0)).expect("hello");
+        assert!(closed_within(&silent, Duration::from_secs(3)), "silent one kept");
+        assert!(closed_within(&stalled, Duration::from_secs(3)), "stalled one kept");
+        assert!(t0.elapsed() >= Duration::from_millis(350), "dropped before the deadline");
+        // A flood beyond the cap evicts the oldest, and the real rank still gets in.
+        let flood: Vec<TcpStream> =
+            (0..12).map(|_| TcpStream::connect(("127.0.0.1", port)).expect("connect")).collect();
+        thread::sleep(Duration::from_millis(100));
+        let s1 = TcpStore::with_config(opts(port, 1, 2, "cap", 8000), cfg).expect("rank 1");
+        let h = thread::spawn(move || s1.barrier());
+        s0.barrier().expect("rank 0 barrier");
+        h.join().expect("thread").expect("rank 1 barrier");
+        let evicted =
+            flood[..8].iter().filter(|s| closed_within(s, Duration::from_millis(50))).count();
+        assert!(evicted >= 7, "only {evicted} of the oldest 8 evicted under a cap of 4");
+    }
+
+    #[test]
+    fn wrong_world_or_duplicate_rank_is_refused_alone() {
+        let port = free_port();
+        let s0 = TcpStore::new(opts(port, 0, 2, "alone", 5000)).expect("rank 0");
+        // Hand-made claims for instance 0 (TcpStore::new would count instances, and validate()
+        // would reject rank 5 locally): proven, but wrong, so refused one by one.
+        let claim = |o: TcpStoreOptions| {
+            let deadline = deadline_in(3000);
+            let s = connect_until("127.0.0.1", port, "t", deadline).expect("connect");
+            match handshake(&s, &o, 0, "t", deadline) {
+                Err(Hs::Fatal(e)) => e,
+                Err(Hs::Retry(m)) => panic!("closed without a verdict: {m}"),
+                Ok(()) => panic!("a wrong claim was welcomed"),
+            }
+        };
+        match claim(opts(port, 1, 3, "alone", 3000)) {
+            BootstrapError::WorldSizeMismatch { ours: 3, theirs: 2, rank: 1 } => {}
+            other => panic!("expected WorldSizeMismatch, got {other}"),
+        }
+        match claim(TcpStoreOptions { rank: 5, ..opts(port, 1, 2, "alone", 3000) }) {
+            BootstrapError::BadRank { rank: 5, world_size: 2, .. } => {}
+            other => panic!("expected BadRank, got {other}"),
+        }
+        let s1 =
+            TcpStore::new(opts(port, 1, 2, "alone", 5000)).expect("the real rank 1 still joins");
+        match claim(opts(port, 1, 2, "alone", 3000)) {
+            BootstrapError::BadRank { rank: 1, .. } => {}
+            other => panic!("expected BadRank for the duplicate, got {other}"),
+        }
+        let h = thread::spawn(move || s1.all_gather(b"b"));
+        assert_eq!(s0.all_gather(b"a").expect("job goes on"), vec![b"a".to_vec(), b"b".to_vec()]);
+        h.join().expect("thread").expect("rank 1");
+    }
+
+    #[test]
+    fn timeout_names_what_the_store_refused() {
+        let port = free_port();
+        let s0 = TcpStore::new(opts(port, 0, 2, "note", 700)).expect("rank 0");
+        assert!(TcpStore::new(opts(port, 1, 4, "note", 3000)).is_err());
+        match s0.barrier() {
+            Err(e @ BootstrapError::Timeout { .. }) => {
+                let BootstrapError::Timeout { missing, note, .. } = &e else { unreachable!() };
+                assert_eq!(missing, &vec![1]);
+                assert!(note.contains("WORLD_SIZE=4"), "{e}");
+                assert!(e.to_string().contains("WORLD_SIZE=4"), "{e}");
+            }
+            other => panic!("expected Timeout, got {other:?}"),
+        }
     }
 
     #[test]
@@ -1557,21 +1305,19 @@ mod tests {
         let s0 = TcpStore::new(opts(port, 0, 2, "drain", 10_000)).expect("rank 0");
         // Rank 1 by hand, so that it can be slow to read its 16 MiB result.
         let o1 = opts(port, 1, 2, "drain", 10_000);
-        let deadline = later(Instant::now(), o1.timeout);
-        let stream = connect_until(&o1.addr, port, "test", deadline).expect("connect");
-        let mut c1 = Client { stream, next_round: 0, broken: None };
-        c1.hello(&o1, "test", deadline, None).expect("hello");
+        let c1 = raw_join(&o1, s0.instance());
+        let deadline = deadline_in(10_000);
         let msg = frame(K_CONTRIBUTE, &[&0u64.to_le_bytes(), &10_000u64.to_le_bytes(), &big(1)]);
         let writer = thread::spawn(move || {
-            write_all_by(&mut c1.stream, &msg, deadline).map_err(|_| "write").map(|()| c1)
+            write_all_by(&c1, &msg, deadline).map_err(|_| "write").map(|()| c1)
         });
         assert_eq!(s0.all_gather(&big(0)).expect("rank 0 gather").len(), 2);
         let reader = thread::spawn(move || {
-            let mut c1 = writer.join().expect("thread").expect("rank 1 contributed");
+            let c1 = writer.join().expect("thread").expect("rank 1 contributed");
             thread::sleep(Duration::from_millis(300));
             let mut frames = Vec::new();
             for _ in 0..3 {
-                frames.push(read_frame(&mut c1.stream, deadline, MAX_FRAME).ok().expect("frame"));
+                frames.push(read_frame(&c1, Some(deadline), MAX_FRAME).ok().expect("frame"));
             }
             frames
         });
@@ -1584,13 +1330,134 @@ mod tests {
     }
 
     #[test]
-    fn duplicate_rank_is_refused() {
+    fn instances_share_the_port_at_once_and_in_turn() {
         let port = free_port();
-        let _s0 = TcpStore::new(opts(port, 0, 2, "dup", 3000)).expect("rank 0");
-        let _s1 = TcpStore::new(opts(port, 1, 2, "dup", 3000)).expect("rank 1");
-        match TcpStore::new(opts(port, 1, 2, "dup", 3000)) {
-            Err(BootstrapError::BadRank { rank: 1, .. }) => {}
-            other => panic!("expected BadRank, got {:?}", other.err()),
+        let world = 3;
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                thread::spawn(move || -> Result<(), BootstrapError> {
+                    // Two alive at once, used interleaved: each sees only its own blobs.
+                    let a = TcpStore::new(opts(port, rank, world, "ns", 5000))?;
+                    let b = TcpStore::new(opts(port, rank, world, "ns", 5000))?;
+                    assert_eq!((a.instance() + 1, b.instance()), (1, 1));
+                    for round in 0..3u8 {
+                        let ga = a.all_gather(&[b'a', rank as u8, round])?;
+                        let gb = b.all_gather(&[b'b', rank as u8, round])?;
+                        for r in 0..world {
+                            assert_eq!(
+                                (ga[r].clone(), gb[r].clone()),
+                                (vec![b'a', r as u8, round], vec![b'b', r as u8, round])
+                            );
+                        }
+                    }
+                    drop(a);
+                    b.barrier()?;
+                    drop(b);
+                    // Then one after another, with rank-dependent jitter on who leaves first.
+                    for i in 0..10u8 {
+                        let s = TcpStore::new(opts(port, rank, world, "ns", 5000))?;
+                        let got = s.all_gather(&[i, rank as u8])?;
+                        assert_eq!(got, (0..world).map(|r| vec![i, r as u8]).collect::<Vec<_>>());
+                        thread::sleep(Duration::from_millis(
+                            ((rank * 7 + i as usize * 3) % 11) as u64,
+                        ));
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        for (rank, h) in handles.into_iter().enumerate() {
+            h.join().expect("thread").unwrap_or_else(|e| panic!("rank {rank}: {e}"));
         }
+    }
+
+    #[test]
+    fn a_closed_peer_is_pushed_to_every_rank_at_once() {
+        let port = free_port();
+        let world = 3;
+        let stores: Vec<TcpStore> = {
+            let hs: Vec<_> = (0..world)
+                .map(|r| thread::spawn(move || TcpStore::new(opts(port, r, world, "dead", 10_000))))
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("thread").expect("join")).collect()
+        };
+        let mut stores = stores.into_iter();
+        let (s0, s1, s2) = (stores.next().unwrap(), stores.next().unwrap(), stores.next().unwrap());
+        // Everyone has joined once the first barrier completes.
+        let (h1, h2) = (
+            thread::spawn(move || s1.barrier().map(|()| s1)),
+            thread::spawn(move || s2.barrier().map(|()| s2)),
+        );
+        s0.barrier().expect("barrier");
+        let s1 = h1.join().expect("thread").expect("barrier 1");
+        drop(h2.join().expect("thread").expect("barrier 2")); // rank 2 leaves
+        let t0 = Instant::now();
+        while !(s0.is_dead(2) && s1.is_dead(2)) && t0.elapsed() < Duration::from_secs(2) {
+            thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!((s0.dead_ranks(), s1.dead_ranks()), (vec![2], vec![2]), "not seen in 2 s");
+        assert!(!s1.is_dead(0) && !s1.is_dead(1));
+        // And a rank blocked in a collective hears it by name, not at the timeout.
+        let t1 = Instant::now();
+        match s1.barrier() {
+            Err(BootstrapError::PeerGone { rank: 2, .. }) => {}
+            other => panic!("expected PeerGone(2), got {other:?}"),
+        }
+        assert!(t1.elapsed() < Duration::from_secs(2));
+        // Rank 0 leaving is seen by rank 1 too (its store is gone).
+        drop(s0);
+        let t2 = Instant::now();
+        while !s1.is_dead(0) && t2.elapsed() < Duration::from_secs(2) {
+            thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(s1.dead_ranks(), vec![0, 2]);
+    }
+
+    #[test]
+    fn a_fake_store_is_refused() {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        let fake = thread::spawn(move || {
+            let (s, _) = listener.accept().expect("accept");
+            let by = deadline_in(5000);
+            let _ = read_frame(&s, Some(by), HELLO_MAX_FRAME).ok().expect("hello");
+            let challenge = frame(K_CHALLENGE, &[&PROTOCOL_VERSION.to_le_bytes(), &[5u8; 32]]);
+            write_all_by(&s, &challenge, by).ok().expect("challenge");
+            let _ = read_frame(&s, Some(by), HELLO_MAX_FRAME).ok().expect("proof");
+            write_all_by(&s, &frame(K_WELCOME, &[&[0u8; 32]]), by).ok().expect("welcome");
+            thread::sleep(Duration::from_millis(200));
+        });
+        match TcpStore::new(opts(port, 1, 2, "fake", 3000)) {
+            Err(BootstrapError::Auth { detail, .. }) => {
+                assert!(detail.contains("not this job's store"))
+            }
+            other => panic!("expected Auth, got {:?}", other.err()),
+        }
+        fake.join().expect("fake");
+    }
+
+    #[test]
+    fn other_versions_are_refused_by_version() {
+        let port = free_port();
+        let _s0 = TcpStore::new(opts(port, 0, 2, "ver", 3000)).expect("rank 0");
+        let s = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+        // v1's hello: magic, version, rank, world, job id, and nothing after.
+        let v1 = frame(
+            K_HELLO,
+            &[
+                &MAGIC,
+                &1u32.to_le_bytes(),
+                &1u64.to_le_bytes(),
+                &2u64.to_le_bytes(),
+                &str_field("ver"),
+            ],
+        );
+        write_all_by(&s, &v1, deadline_in(2000)).ok().expect("send");
+        let (kind, payload) =
+            read_frame(&s, Some(deadline_in(2000)), REPLY_MAX_FRAME).ok().expect("answer");
+        assert_eq!(
+            (kind, payload),
+            (K_REFUSE, [&[REFUSE_VERSION][..], &PROTOCOL_VERSION.to_le_bytes()].concat())
+        );
     }
 }
