@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PKGS=(libfabric-dev libfabric-bin libclang-dev pkg-config)
+# cmake: tests/ffi_example.rs builds the C example through the installed CMake package.
+APT_PKGS=(libfabric-dev libfabric-bin libclang-dev pkg-config cmake)
 CUDA_WHEELS=(nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88
              nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85)
 PY_PKGS=(numpy pyyaml pytest)
