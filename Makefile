@@ -6,7 +6,7 @@ export NVCC ?= $(ROOT)/tools/cuda/nvidia/cu13/bin/nvcc
 export PYTHONPATH := $(ROOT)/tools/py:$(ROOT)/ffi/python$(if $(PYTHONPATH),:$(PYTHONPATH))
 CARGO ?= cargo
 
-.PHONY: setup test bench lint gpu-bundle wheel clean-tools
+.PHONY: setup test bench lint gpu-bundle wheel clean-tools lib install uninstall
 
 setup:
 	@bash scripts/setup.sh
@@ -46,3 +46,58 @@ wheel: setup
 
 clean-tools:
 	rm -rf tools
+
+# The C library. `make lib` builds libfabric_ep.so (SONAME libfabric_ep.so.0, RUNPATH $ORIGIN) and
+# libfabric_ep.a in target/$(PROFILE), with a libfabric_ep.so.0 link beside the .so so programs
+# linked there (-L target/release -lfabric_ep -Wl,-rpath,...) find it. `make install
+# PREFIX=/opt/fabric-ep` (DESTDIR for staging) installs:
+#   include/fabric_ep.h
+#   lib/libfabric_ep.so.$(VERSION), libfabric_ep.so.0 -> it, libfabric_ep.so -> libfabric_ep.so.0
+#   lib/libfabric_ep.a
+#   lib/pkgconfig/fabric_ep.pc (shared; --static: + Requires.private/Libs.private)
+#   lib/pkgconfig/fabric_ep-static.pc (links libfabric_ep.a)
+#   lib/cmake/fabric_ep/ (find_package(fabric_ep): fabric_ep::fabric_ep, fabric_ep::fabric_ep_static)
+# fabric_ep.pc's Libs carry -Wl,-rpath,$(LIBDIR) (PC_RPATH=no: without, for a prefix the loader
+# searches anyway). tests/ffi_example.rs installs into a temporary prefix and links
+# ffi/examples/roundtrip.c every way. Needs no set-up beyond the build's (libfabric, nvcc).
+PREFIX ?= /usr/local
+LIBDIR ?= $(PREFIX)/lib
+INCLUDEDIR ?= $(PREFIX)/include
+PROFILE ?= release
+PC_RPATH ?= yes
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' $(ROOT)/Cargo.toml | head -n1)
+LIB_BUILD_DIR = $(or $(CARGO_TARGET_DIR),$(ROOT)/target)/$(if $(filter release,$(PROFILE)),release,debug)
+# rustc's `--print native-static-libs` for libfabric_ep.a, less libfabric (a pkg-config Requires).
+FEP_NATIVE_LIBS := -ldl -lgcc_s -lutil -lrt -lpthread -lm -lc
+FEP_PC_SED = -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@LIBDIR@|$(LIBDIR)|g' \
+	-e 's|@INCLUDEDIR@|$(INCLUDEDIR)|g' -e 's|@VERSION@|$(VERSION)|g' \
+	-e 's|@NATIVE_LIBS@|$(FEP_NATIVE_LIBS)|g' \
+	-e 's|@NATIVE_LIBS_CMAKE@|$(subst $(eval) ,;,$(patsubst -l%,%,$(FEP_NATIVE_LIBS)))|g' \
+	-e 's|@RPATH@|$(if $(filter yes,$(PC_RPATH)),-Wl$(comma)-rpath$(comma)$${libdir} )|g' \
+	-e "s|@LIBDIR_FROM_CMAKEDIR@|$$(realpath -m --relative-to=$(LIBDIR)/cmake/fabric_ep $(LIBDIR))|g" \
+	-e "s|@INCLUDEDIR_FROM_CMAKEDIR@|$$(realpath -m --relative-to=$(LIBDIR)/cmake/fabric_ep $(INCLUDEDIR))|g"
+comma := ,
+
+lib:
+	$(CARGO) build --lib $(if $(filter release,$(PROFILE)),--release)
+	ln -sf libfabric_ep.so $(LIB_BUILD_DIR)/libfabric_ep.so.0
+
+install: lib
+	@test -n "$(VERSION)" || { echo "install: no version in Cargo.toml" >&2; exit 1; }
+	install -d $(DESTDIR)$(INCLUDEDIR) $(DESTDIR)$(LIBDIR)/pkgconfig $(DESTDIR)$(LIBDIR)/cmake/fabric_ep
+	install -m 644 ffi/include/fabric_ep.h $(DESTDIR)$(INCLUDEDIR)/fabric_ep.h
+	install -m 755 $(LIB_BUILD_DIR)/libfabric_ep.so $(DESTDIR)$(LIBDIR)/libfabric_ep.so.$(VERSION)
+	ln -sf libfabric_ep.so.$(VERSION) $(DESTDIR)$(LIBDIR)/libfabric_ep.so.0
+	ln -sf libfabric_ep.so.0 $(DESTDIR)$(LIBDIR)/libfabric_ep.so
+	install -m 644 $(LIB_BUILD_DIR)/libfabric_ep.a $(DESTDIR)$(LIBDIR)/libfabric_ep.a
+	for f in fabric_ep fabric_ep-static; do \
+	  sed $(FEP_PC_SED) ffi/pkgconfig/$$f.pc.in > $(DESTDIR)$(LIBDIR)/pkgconfig/$$f.pc || exit 1; done
+	for f in fabric_epConfig fabric_epConfigVersion; do \
+	  sed $(FEP_PC_SED) ffi/cmake/$$f.cmake.in > $(DESTDIR)$(LIBDIR)/cmake/fabric_ep/$$f.cmake || exit 1; done
+
+uninstall:
+	rm -f $(DESTDIR)$(INCLUDEDIR)/fabric_ep.h $(DESTDIR)$(LIBDIR)/libfabric_ep.so.$(VERSION) \
+	  $(DESTDIR)$(LIBDIR)/libfabric_ep.so.0 $(DESTDIR)$(LIBDIR)/libfabric_ep.so \
+	  $(DESTDIR)$(LIBDIR)/libfabric_ep.a $(DESTDIR)$(LIBDIR)/pkgconfig/fabric_ep.pc \
+	  $(DESTDIR)$(LIBDIR)/pkgconfig/fabric_ep-static.pc
+	rm -rf $(DESTDIR)$(LIBDIR)/cmake/fabric_ep

