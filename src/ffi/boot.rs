@@ -44,7 +44,7 @@ pub unsafe extern "C" fn fep_boot_create(timeout_s: f64, out: *mut *mut fep_boot
         let timeout =
             Duration::try_from_secs_f64(t).map_err(|e| Error::arg("timeout_s", e.to_string()))?;
         let store: Arc<dyn Bootstrap> = Arc::new(TcpStore::from_env(timeout)?);
-        *out = Box::into_raw(Box::new(fep_boot { inner: Some(store) }));
+        *out = super::live::boxed(fep_boot { inner: Some(store) });
         Ok(())
     })
 }
@@ -62,7 +62,7 @@ pub unsafe extern "C" fn fep_boot_rank(
     local_world_size: *mut i32,
 ) -> fep_status {
     guard(|| {
-        let b = boot.as_ref().ok_or_else(|| Error::arg("boot", "NULL pointer"))?.get()?;
+        let b = super::live::get(boot, "boot")?.get()?;
         for (p, v) in [
             (rank, b.rank()),
             (num_ranks, b.world_size()),
@@ -91,10 +91,7 @@ pub unsafe extern "C" fn fep_boot_allgather(
     user: *mut c_void,
 ) -> i32 {
     guard(|| {
-        let b = (user as *const fep_boot)
-            .as_ref()
-            .ok_or_else(|| Error::arg("user", "NULL bootstrap"))?
-            .get()?;
+        let b = super::live::get(user as *const fep_boot, "user")?.get()?;
         let n = b.world_size();
         let total = len.checked_mul(n).ok_or_else(|| Error::arg("len", "len * ranks overflows"))?;
         if len > 0 && (send.is_null() || recv.is_null()) {
@@ -131,7 +128,7 @@ pub unsafe extern "C" fn fep_boot_allgather(
 pub unsafe extern "C" fn fep_boot_destroy(boot: *mut fep_boot) -> fep_status {
     guard(|| {
         if !boot.is_null() {
-            let mut b = Box::from_raw(boot);
+            let mut b = super::live::take(boot, "boot")?;
             b.inner.take();
         }
         Ok(())

@@ -239,7 +239,8 @@ unsafe fn read_config(cfg: *const fep_config) -> Result<fep_config, Error> {
         std::ptr::read_unaligned(cfg.cast::<u32>()),
         std::ptr::read_unaligned(cfg.cast::<u32>().add(1)),
     );
-    if version != FEP_ABI_VERSION || size < FEP_CONFIG_V1_SIZE {
+    let ours = std::mem::size_of::<fep_config>() as u32;
+    if version != FEP_ABI_VERSION || size < FEP_CONFIG_V1_SIZE || size > ours || size % 4 != 0 {
         return Err(Error::arg(
             "cfg",
             format!(
@@ -263,6 +264,42 @@ unsafe fn read_config(cfg: *const fep_config) -> Result<fep_config, Error> {
 unsafe fn resolve(cfg: *const fep_config) -> Result<Resolved, Error> {
     let raw = read_config(cfg)?;
     let c = &raw;
+    // Fields whose 0 (or -1) means "the default": any other negative is a mistake, not a
+    // request for the default.
+    for (name, v, least) in [
+        ("rank", c.rank, -1),
+        ("num_ranks", c.num_ranks, -1),
+        ("ranks_per_node", c.ranks_per_node, 0),
+        ("local_rank", c.local_rank, -1),
+        ("max_tokens_per_rank", c.max_tokens_per_rank, 0),
+        ("num_sms", c.num_sms, 0),
+        ("chunk_tokens", c.chunk_tokens, 0),
+        ("slots_per_peer", c.slots_per_peer, 0),
+        ("device", c.device, -1),
+        ("gpu_reserve_tokens", c.gpu_reserve_tokens, -1),
+    ] {
+        if v < least {
+            return Err(Error::arg(name, format!("{v}: must be >= {least}")));
+        }
+    }
+    if !(0..=1).contains(&c.internode_hierarchy) {
+        return Err(Error::arg(
+            "internode_hierarchy",
+            format!("{}: 1 (on) or 0 (off)", c.internode_hierarchy),
+        ));
+    }
+    if !(0..=FEP_MODE_NORMAL | FEP_MODE_LOW_LATENCY).contains(&c.modes) {
+        return Err(Error::arg(
+            "modes",
+            format!("{}: FEP_MODE_NORMAL (1) | FEP_MODE_LOW_LATENCY (2), or 0 for both", c.modes),
+        ));
+    }
+    if !c.timeout_s.is_finite() || c.timeout_s < 0.0 {
+        return Err(Error::arg(
+            "timeout_s",
+            format!("{}: must be finite and >= 0 (0: the default)", c.timeout_s),
+        ));
+    }
     let pos = |name: &'static str, v: i32| -> Result<usize, Error> {
         if v <= 0 {
             Err(Error::arg(name, format!("{v}: must be positive")))
@@ -324,10 +361,14 @@ unsafe fn resolve(cfg: *const fep_config) -> Result<Resolved, Error> {
     let provider = if c.provider.is_null() {
         std::env::var("FI_PROVIDER").unwrap_or_else(|_| "shm".into())
     } else {
-        CStr::from_ptr(c.provider)
+        let p = CStr::from_ptr(c.provider)
             .to_str()
             .map_err(|_| Error::arg("provider", "not UTF-8"))?
-            .to_string()
+            .to_string();
+        if p.trim().is_empty() {
+            return Err(Error::arg("provider", "empty (NULL picks FI_PROVIDER, else shm)"));
+        }
+        p
     };
     let local_rank = if c.local_rank >= 0 {
         c.local_rank as usize
@@ -433,7 +474,7 @@ pub unsafe extern "C" fn fep_buffer_create_boot(
     guard(|| {
         let out = out.as_mut().ok_or_else(|| Error::arg("out", "NULL pointer"))?;
         *out = std::ptr::null_mut();
-        let boot = boot.as_ref().ok_or_else(|| Error::arg("boot", "NULL pointer"))?.get()?;
+        let boot = super::live::get(boot, "boot")?.get()?;
         let mut raw = read_config(cfg)?;
         if raw.rank < 0 {
             raw.rank = boot.rank() as i32;
@@ -520,7 +561,7 @@ fn create_on(r: Resolved, boot: Arc<dyn Bootstrap>) -> Result<*mut fep_buffer, E
         }
         None => None,
     };
-    Ok(Box::into_raw(Box::new(fep_buffer { inner: Some(buf), gpu })))
+    Ok(super::live::boxed(fep_buffer { inner: Some(buf), gpu }))
 }
 
 /// Tears the buffer down (a bounded barrier with the other ranks, then teardown) and frees it.
@@ -534,7 +575,7 @@ pub unsafe extern "C" fn fep_buffer_destroy(buf: *mut fep_buffer) -> super::fep_
         if buf.is_null() {
             return Ok(());
         }
-        let mut b = Box::from_raw(buf);
+        let mut b = super::live::take(buf, "buf")?;
         // The hierarchy's stages first (collective, in the same order on every rank).
         let hier = b.gpu.as_mut().and_then(|g| g.take_hier()).map(|h| h.destroy());
         let res = match b.inner.take() {
@@ -558,9 +599,28 @@ pub unsafe extern "C" fn fep_buffer_destroy(buf: *mut fep_buffer) -> super::fep_
 /// `handle` must come from `fep_dispatch` and not be used afterwards.
 #[no_mangle]
 pub unsafe extern "C" fn fep_handle_destroy(handle: *mut fep_handle) {
-    if !handle.is_null() {
-        super::free_boxed(handle);
+    super::live::free(handle, "handle");
+}
+
+/// `num_worst_tokens` as output rows: at most 2^31 - 1, and the host backend's outputs of that
+/// many rows must be allocatable (a probe, so a huge value is an error, not an abort).
+fn worst_rows(n: i64, c: &EpConfig) -> Result<usize, Error> {
+    if !(0..=i64::from(i32::MAX)).contains(&n) {
+        return Err(Error::arg("num_worst_tokens", format!("{n}: must be in [0, 2^31 - 1]")));
     }
+    let rows = n as usize;
+    let row_bytes = c.hidden * 2 + c.hidden / 128 * 4 + c.num_topk * 12;
+    let bytes = rows.checked_mul(row_bytes).ok_or_else(|| {
+        Error::arg("num_worst_tokens", format!("{n} rows of {row_bytes} bytes overflow"))
+    })?;
+    let mut probe: Vec<u8> = Vec::new();
+    probe.try_reserve_exact(bytes).map_err(|_| {
+        Error::arg(
+            "num_worst_tokens",
+            format!("{n} rows need {bytes} bytes of output, which cannot be allocated"),
+        )
+    })?;
+    Ok(rows)
 }
 
 pub(crate) fn dtype_name(d: i32) -> &'static str {
@@ -629,9 +689,10 @@ pub(crate) unsafe fn view_mut<'a, T>(
 
 pub(crate) fn buffer<'a>(buf: *mut fep_buffer) -> Result<&'a mut Buffer, Error> {
     // SAFETY: the caller passes a pointer from fep_buffer_create (checked for NULL).
-    unsafe { buf.as_mut() }
-        .and_then(|b| b.inner.as_mut())
-        .ok_or_else(|| Error::arg("buf", "NULL or destroyed buffer"))
+    unsafe { super::live::get(buf, "buf") }?
+        .inner
+        .as_mut()
+        .ok_or_else(|| Error::arg("buf", "destroyed buffer"))
 }
 
 pub(crate) fn no_stream(stream: *mut c_void, buf: &mut Buffer) -> Result<(), Error> {
@@ -677,6 +738,12 @@ pub unsafe extern "C" fn fep_dispatch(
         let b = buffer(buf)?;
         no_stream(stream, b)?;
         let (hidden, k) = (b.config().hidden as i64, b.config().num_topk as i64);
+        if !cached.is_null() && (!topk_idx.is_null() || !topk_weights.is_null()) {
+            return Err(Error::arg(
+                "topk_idx/topk_weights",
+                "must be NULL with a cached handle (the handle holds the routing)",
+            ));
+        }
         let xt = x.as_ref().ok_or_else(|| Error::arg("x", "NULL tensor"))?;
         let tokens = xt.shape[0];
         let xs = match xt.dtype {
@@ -713,7 +780,7 @@ pub unsafe extern "C" fn fep_dispatch(
                     .0,
             )
         };
-        let cached = match cached.as_ref() {
+        let cached = match super::live::get_opt(cached, "cached")? {
             Some(h) => Some(h.host()?),
             None => None,
         };
@@ -724,8 +791,8 @@ pub unsafe extern "C" fn fep_dispatch(
             layout: None,
             handle: cached,
             expert_alignment: usize_arg("expert_alignment", expert_alignment as i64)?,
-            num_worst_tokens: if num_worst_tokens > 0 {
-                Some(num_worst_tokens as usize)
+            num_worst_tokens: if num_worst_tokens != 0 {
+                Some(worst_rows(num_worst_tokens, b.config())?)
             } else {
                 None
             },
@@ -734,9 +801,9 @@ pub unsafe extern "C" fn fep_dispatch(
         if !num_recv_tokens.is_null() {
             *num_recv_tokens = out.handle.num_out_rows() as i64;
         }
-        *out_handle = Box::into_raw(Box::new(fep_handle {
+        *out_handle = super::live::boxed(fep_handle {
             kind: HandleKind::Host { handle: out.handle.clone(), out: Some(out) },
-        }));
+        });
         Ok(())
     })
 }
@@ -759,7 +826,7 @@ pub unsafe extern "C" fn fep_handle_copy_out(
     num_recv_tokens_per_expert: *mut fep_tensor,
 ) -> super::fep_status {
     guard(|| {
-        let h = handle.as_mut().ok_or_else(|| Error::arg("handle", "NULL pointer"))?;
+        let h = super::live::get(handle, "handle")?;
         let HandleKind::Host { out: slot, .. } = &mut h.kind else {
             return Err(Error::arg(
                 "handle",
@@ -840,7 +907,7 @@ pub unsafe extern "C" fn fep_handle_copy_out(
 /// `handle` must be valid or NULL (returns -1).
 #[no_mangle]
 pub unsafe extern "C" fn fep_handle_num_recv_tokens(handle: *const fep_handle) -> i64 {
-    handle.as_ref().map_or(-1, |h| match &h.kind {
+    super::live::get_opt(handle, "handle").ok().flatten().map_or(-1, |h| match &h.kind {
         HandleKind::Host { handle, .. } => handle.num_out_rows() as i64,
         HandleKind::Gpu(p) => p.num_out_rows().map_or(-1, |r| r as i64),
         HandleKind::GpuHier(p) => p.get().map_or(-1, |h| h.num_out_rows() as i64),
@@ -867,7 +934,7 @@ pub unsafe extern "C" fn fep_combine(
     guard(|| {
         let b = buffer(buf)?;
         no_stream(stream, b)?;
-        let h = handle.as_ref().ok_or_else(|| Error::arg("handle", "NULL pointer"))?.host()?;
+        let h = super::live::get(handle, "handle")?.host()?;
         let (hidden, k) = (b.config().hidden as i64, b.config().num_topk as i64);
         let rows = h.num_out_rows() as i64;
         let xs = view::<u16>("x", x, FEP_DTYPE_BF16, &[Some(rows), Some(hidden)])?.0;

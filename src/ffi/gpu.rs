@@ -256,7 +256,7 @@ pub(crate) fn options(c: &fep_config, local_rank: usize) -> Result<(GpuOptions, 
 
 fn parts<'a>(buf: *mut fep_buffer) -> Result<(&'a mut Buffer, &'a mut GpuState), Error> {
     // SAFETY: the caller passes a pointer from fep_buffer_create (checked for NULL).
-    let b = unsafe { buf.as_mut() }.ok_or_else(|| Error::arg("buf", "NULL pointer"))?;
+    let b = unsafe { super::live::get(buf, "buf") }?;
     let st = b.gpu.as_mut().ok_or_else(|| {
         Error::arg(
             "buf",
@@ -530,8 +530,11 @@ unsafe fn notify(
             format!("{}: must be >= 1", a.expert_alignment),
         ));
     }
-    if a.num_worst_tokens < 0 {
-        return Err(Error::arg("num_worst_tokens", format!("{} is negative", a.num_worst_tokens)));
+    if !(0..=i64::from(i32::MAX)).contains(&a.num_worst_tokens) {
+        return Err(Error::arg(
+            "num_worst_tokens",
+            format!("{}: must be in [0, 2^31 - 1]", a.num_worst_tokens),
+        ));
     }
     let inp = match with {
         Some((x, xs, w)) => Some(inputs(b, Some(t as i64), x, xs, topk_idx, w)?),
@@ -584,12 +587,12 @@ unsafe fn notify(
     if let Some(n) = out.num_recv_tokens.as_mut() {
         *n = rows as i64;
     }
-    *out_handle = Box::into_raw(Box::new(fep_handle { kind }));
+    *out_handle = super::live::boxed(fep_handle { kind });
     Ok(())
 }
 
 unsafe fn gpu_handle<'a>(handle: *const fep_handle) -> Result<&'a GpuHandle, Error> {
-    match &handle.as_ref().ok_or_else(|| Error::arg("handle", "NULL pointer"))?.kind {
+    match &super::live::get(handle, "handle")?.kind {
         HandleKind::Gpu(p) => p.get(),
         HandleKind::GpuHier(_) => Err(Error::arg(
             "handle",
@@ -612,8 +615,7 @@ unsafe fn hier_handle<'a>(
 ) -> Result<Option<&'a mut GpuHierHandle>, Error> {
     // NOTES: the ABI passes handles as const pointers; the hierarchy handle records the step it
     // is at, so it is reached mutably through the box it lives in.
-    match &mut handle.cast_mut().as_mut().ok_or_else(|| Error::arg("handle", "NULL pointer"))?.kind
-    {
+    match &mut super::live::get(handle, "handle")?.kind {
         HandleKind::GpuHier(p) => Ok(Some(p.get_mut()?)),
         _ => Ok(None),
     }
@@ -915,9 +917,9 @@ pub unsafe extern "C" fn fep_gpu_ll_dispatch(
         };
         let hook = b.gpu()?.low_latency_dispatch_gpu(&args, &view)?;
         finish(st, &o, &s)?;
-        *out_op = Box::into_raw(Box::new(fep_gpu_ll_op {
+        *out_op = super::live::boxed(fep_gpu_ll_op {
             state: GpuLl::Dispatch { out, num_tokens: t, hook },
-        }));
+        });
         Ok(())
     })
 }
@@ -935,7 +937,7 @@ pub unsafe extern "C" fn fep_gpu_ll_complete(
 ) -> fep_status {
     guard(|| {
         let (b, st) = parts(buf)?;
-        let op = op.as_mut().ok_or_else(|| Error::arg("op", "NULL pointer"))?;
+        let op = super::live::get(op, "op")?;
         match &mut op.state {
             GpuLl::Dispatch { out, hook, .. } => {
                 let Some(hk) = hook.take() else { return Ok(()) };
@@ -989,7 +991,7 @@ pub unsafe extern "C" fn fep_gpu_ll_combine(
         let out_op = out_op.as_mut().ok_or_else(|| Error::arg("out_op", "NULL pointer"))?;
         *out_op = std::ptr::null_mut();
         let (b, st) = parts(buf)?;
-        let d = dispatch_op.as_ref().ok_or_else(|| Error::arg("dispatch_op", "NULL pointer"))?;
+        let d = super::live::get(dispatch_op, "dispatch_op")?;
         let (handle, t) = match &d.state {
             GpuLl::Dispatch { out, num_tokens, hook: None } => (*out, *num_tokens),
             GpuLl::Dispatch { hook: Some(_), .. } => {
@@ -1023,7 +1025,7 @@ pub unsafe extern "C" fn fep_gpu_ll_combine(
         };
         let hook = b.gpu()?.low_latency_combine_gpu(&args)?;
         finish(st, &o, &stream)?;
-        *out_op = Box::into_raw(Box::new(fep_gpu_ll_op {
+        *out_op = super::live::boxed(fep_gpu_ll_op {
             state: GpuLl::Combine {
                 hook,
                 x: xs,
@@ -1033,7 +1035,7 @@ pub unsafe extern "C" fn fep_gpu_ll_combine(
                 num_tokens: t,
                 handle,
             },
-        }));
+        });
         Ok(())
     })
 }
@@ -1044,9 +1046,7 @@ pub unsafe extern "C" fn fep_gpu_ll_combine(
 /// `op` must come from `fep_gpu_ll_dispatch` / `fep_gpu_ll_combine` and not be used afterwards.
 #[no_mangle]
 pub unsafe extern "C" fn fep_gpu_ll_op_destroy(op: *mut fep_gpu_ll_op) {
-    if !op.is_null() {
-        super::free_boxed(op);
-    }
+    super::live::free(op, "op");
 }
 
 /// Waits (bounded: twice the config's timeout plus 5 s) until `stream` has run its work, then

@@ -76,7 +76,7 @@ pub unsafe extern "C" fn fep_low_latency_dispatch(
                 fep_ll_op { handle: None, state: State::DispatchPending(hk) }
             }
         };
-        *out_op = Box::into_raw(Box::new(op));
+        *out_op = super::live::boxed(op);
         Ok(())
     })
 }
@@ -92,7 +92,7 @@ pub unsafe extern "C" fn fep_ll_op_complete(
 ) -> super::fep_status {
     guard(|| {
         let b: &mut Buffer = super::buffer::buffer(buf)?;
-        let op = op.as_mut().ok_or_else(|| Error::arg("op", "NULL pointer"))?;
+        let op = super::live::get(op, "op")?;
         match std::mem::replace(&mut op.state, State::Failed) {
             State::DispatchPending(hk) => {
                 let o = hk.complete(b)?;
@@ -128,7 +128,7 @@ pub unsafe extern "C" fn fep_ll_dispatch_copy_out(
     layout_range: *mut fep_tensor,
 ) -> super::fep_status {
     guard(|| {
-        let op = op.as_mut().ok_or_else(|| Error::arg("op", "NULL pointer"))?;
+        let op = super::live::get(op, "op")?;
         let o = match &op.state {
             State::DispatchDone(o) => o,
             State::DispatchPending(_) => {
@@ -210,7 +210,7 @@ pub unsafe extern "C" fn fep_low_latency_combine(
         *out_op = std::ptr::null_mut();
         let b = super::buffer::buffer(buf)?;
         super::buffer::no_stream(stream, b)?;
-        let d = dispatch_op.as_ref().ok_or_else(|| Error::arg("dispatch_op", "NULL pointer"))?;
+        let d = super::live::get(dispatch_op, "dispatch_op")?;
         let handle = d.handle.as_ref().ok_or_else(|| {
             Error::arg(
                 "dispatch_op",
@@ -235,7 +235,7 @@ pub unsafe extern "C" fn fep_low_latency_combine(
             crate::ep::buffer::LlCombineOutcome::Received(o) => State::CombineDone(o),
             crate::ep::buffer::LlCombineOutcome::Hook(hk) => State::CombinePending(hk),
         };
-        *out_op = Box::into_raw(Box::new(fep_ll_op { state, handle: None }));
+        *out_op = super::live::boxed(fep_ll_op { state, handle: None });
         Ok(())
     })
 }
@@ -250,7 +250,7 @@ pub unsafe extern "C" fn fep_ll_combine_copy_out(
     combined_x: *mut fep_tensor,
 ) -> super::fep_status {
     guard(|| {
-        let op = op.as_mut().ok_or_else(|| Error::arg("op", "NULL pointer"))?;
+        let op = super::live::get(op, "op")?;
         let State::CombineDone(o) = &op.state else {
             return Err(Error::arg(
                 "op",
@@ -278,9 +278,7 @@ pub unsafe extern "C" fn fep_ll_combine_copy_out(
 /// `op` must come from a `fep_low_latency_*` call and not be used afterwards.
 #[no_mangle]
 pub unsafe extern "C" fn fep_ll_op_destroy(op: *mut fep_ll_op) {
-    if !op.is_null() {
-        super::free_boxed(op);
-    }
+    super::live::free(op, "op");
 }
 
 /// Makes the low-latency buffers usable again after a failed step (collective: every rank calls

@@ -11,6 +11,7 @@
 mod boot;
 mod buffer;
 mod gpu;
+mod live;
 mod ll;
 mod status;
 

@@ -514,10 +514,10 @@ class GpuPath:
                     wp = topk_weights.data_ptr()
                 else:
                     wp = self._t2_slow("topk_weights", topk_weights, self.f32s, t, k)[0]
-            if type(expert_alignment) is not int or expert_alignment < 1:
-                raise ValueError(f"expert_alignment: {expert_alignment!r} must be an int >= 1")
-            if type(num_worst_tokens) is not int or num_worst_tokens < 0:
-                raise ValueError(f"num_worst_tokens: {num_worst_tokens!r} must be an int >= 0")
+            if type(expert_alignment) is not int or not 1 <= expert_alignment < 2**31:
+                raise ValueError(f"expert_alignment: {expert_alignment!r} must be an int in [1, 2**31)")
+            if type(num_worst_tokens) is not int or not 0 <= num_worst_tokens < 2**31:
+                raise ValueError(f"num_worst_tokens: {num_worst_tokens!r} must be an int in [0, 2**31)")
         nb = self._nb
         a_o0, a_o1, a_x, a_xs, a_i, a_w, a_rx, a_rxs, a_ri, a_rw, a_src = nb.addr
         # The dispatch block's words (_DISPATCH_DESC): orders [0] at 0 (waits for the compute

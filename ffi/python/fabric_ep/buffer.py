@@ -643,10 +643,10 @@ class _Engine:
                 or is_token_in_rank is not None or num_tokens_per_expert is not None):
             self._layout_args(t, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                               num_tokens_per_expert)
-        if type(expert_alignment) is not int or expert_alignment < 1:
-            raise ValueError(f"expert_alignment: {expert_alignment!r} must be an int >= 1")
-        if type(num_worst_tokens) is not int or num_worst_tokens < 0:
-            raise ValueError(f"num_worst_tokens: {num_worst_tokens!r} must be an int >= 0")
+        if type(expert_alignment) is not int or not 1 <= expert_alignment < 2**31:
+            raise ValueError(f"expert_alignment: {expert_alignment!r} must be an int in [1, 2**31)")
+        if type(num_worst_tokens) is not int or not 0 <= num_worst_tokens < 2**31:
+            raise ValueError(f"num_worst_tokens: {num_worst_tokens!r} must be an int in [0, 2**31)")
 
         # ---- step 1: communicate; learn the row count. Slots 0..3: x, x_scales, idx, weights.
         ts = self._slots
