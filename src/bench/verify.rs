@@ -117,6 +117,8 @@ pub struct NormalCall {
     /// After the fresh step, a cached dispatch (new token values, same routing) and its
     /// combine; `Some(true)`: with `topk_idx` and (new) weights, `Some(false)`: `x` only.
     pub cached: Option<bool>,
+    /// The whole call this many times back to back (a benchmark's loop), each checked.
+    pub repeat: usize,
 }
 
 /// One low-latency call: a dispatch (two with `double`) and a combine.
@@ -135,6 +137,10 @@ pub struct LlCall {
     pub combine_mask: bool,
     /// `clean_low_latency_buffer` before this call.
     pub clean_before: bool,
+    /// A second combine on the same handle (DeepEP's test combines each dispatch twice).
+    pub combine_twice: bool,
+    /// The whole call this many times back to back (a benchmark's loop), each checked.
+    pub repeat: usize,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -184,6 +190,9 @@ pub struct CaseSpec {
     pub intranode: Option<&'static str>,
     pub num_ranks: usize,
     pub ranks_per_node: usize,
+    /// Host backend: `FEP_MR_MAX_BYTES` for the case, so buffers are registered (and their
+    /// slots placed) in many chunks; `None`: the default (1 GiB).
+    pub mr_max_bytes: Option<u64>,
     pub shapes: Vec<ShapeSpec>,
 }
 
@@ -196,14 +205,15 @@ impl CaseSpec {
     /// One line: what the case runs.
     pub fn describe(&self) -> String {
         let mut s = format!(
-            "case {}: {} {} ranks as {} ({} per node{}), {}",
+            "case {}: {} {} ranks as {} ({} per node{}), {}{}",
             self.index,
             self.mode.name(),
             self.num_ranks,
             if self.procs { "processes" } else { "threads" },
             self.ranks_per_node,
             self.intranode.map(|p| format!(", intranode {p}")).unwrap_or_default(),
-            self.provider
+            self.provider,
+            self.mr_max_bytes.map(|b| format!(", FEP_MR_MAX_BYTES={b}")).unwrap_or_default()
         );
         for (i, sh) in self.shapes.iter().enumerate() {
             s += &format!(
@@ -244,6 +254,9 @@ impl CaseSpec {
                             Some(false) => s += ", cached (x only)",
                             None => {}
                         }
+                        if n.repeat > 1 {
+                            s += &format!(", {} times", n.repeat);
+                        }
                     }
                     CallKind::Ll(l) => {
                         s += if l.fp8 { ", fp8" } else { ", bf16" };
@@ -263,6 +276,12 @@ impl CaseSpec {
                         }
                         if l.clean_before {
                             s += ", clean first";
+                        }
+                        if l.combine_twice {
+                            s += ", combine twice";
+                        }
+                        if l.repeat > 1 {
+                            s += &format!(", {} times", l.repeat);
                         }
                     }
                 }
@@ -343,9 +362,12 @@ pub fn draw_case(seed: u64, index: usize, backend: VerifyBackend, launch: Launch
         && chance(&mut rng, 0.5))
     .then_some("shm");
     let n_shapes = pick(&mut rng, &[1, 1, 1, 2, 2, 3]);
-    let shapes = (0..n_shapes)
+    let shapes: Vec<ShapeSpec> = (0..n_shapes)
         .map(|_| draw_shape(&mut rng, backend, mode, num_ranks, ranks_per_node))
         .collect();
+    let mr_max_bytes = (backend == VerifyBackend::Host && chance(&mut rng, 0.3))
+        .then(|| largest_unit(mode, num_ranks, &shapes).map(|u| u.next_power_of_two() << rng.below(3)))
+        .flatten();
     CaseSpec {
         index,
         seed,
@@ -356,8 +378,44 @@ pub fn draw_case(seed: u64, index: usize, backend: VerifyBackend, launch: Launch
         intranode,
         num_ranks,
         ranks_per_node,
+        mr_max_bytes,
         shapes,
     }
+}
+
+/// The largest unit one write fills (a normal-mode slot, a low-latency message unit), over the
+/// shapes: the smallest registration chunk that holds every unit.
+fn largest_unit(mode: Mode, r: usize, shapes: &[ShapeSpec]) -> Option<u64> {
+    let mut max = 0u64;
+    for sh in shapes {
+        let dtype = if sh.fp8 { DispatchDtype::Fp8E4m3 } else { DispatchDtype::Bf16 };
+        // Every host Buffer builds its normal-mode buffers; the low-latency lane comes on top.
+        let slot = crate::ep::plan::NormalLayout::from_parts(
+            r as u64,
+            sh.experts as u64,
+            sh.hidden as u64,
+            sh.topk as u64,
+            dtype,
+            sh.chunk_tokens.unwrap_or(crate::ep::config::DEFAULT_CHUNK_TOKENS) as u64,
+            sh.slots_per_peer.unwrap_or(crate::ep::config::DEFAULT_SLOTS_PER_PEER) as u64,
+        )
+        .ok()?
+        .slot_bytes;
+        max = max.max(slot);
+        if mode == Mode::LowLatency {
+            let unit = crate::ep::plan::LlLayout::from_parts(
+                r as u64,
+                sh.experts as u64,
+                sh.hidden as u64,
+                DispatchDtype::Bf16,
+                sh.max_tokens as u64,
+            )
+            .ok()?
+            .unit_bytes;
+            max = max.max(unit);
+        }
+    }
+    Some(max.max(4096))
 }
 
 fn draw_hidden(rng: &mut SplitMix64) -> usize {
@@ -470,6 +528,7 @@ fn draw_call(
             weights: chance(rng, 0.7),
             pass_layout: chance(rng, 0.5),
             cached: chance(rng, 0.4).then(|| chance(rng, 0.5)),
+            repeat: if chance(rng, 0.1) { between(rng, 2, 12) } else { 1 },
         }),
         Mode::LowLatency => {
             // The GPU's low-latency buffers are sized for the config's dtype; the host's per
@@ -488,6 +547,8 @@ fn draw_call(
                 overlap: double && chance(rng, 0.5),
                 combine_mask: chance(rng, 0.2),
                 clean_before: chance(rng, 0.15),
+                combine_twice: chance(rng, 0.2),
+                repeat: if chance(rng, 0.1) { between(rng, 2, 24) } else { 1 },
             })
         }
     };
@@ -1235,10 +1296,15 @@ fn host_rank_inner(
             let cref = refs.get(si, ci)?;
             match (&call.kind, cref) {
                 (CallKind::Normal(n), CallRef::Normal(r)) => {
-                    host_normal_call(&mut buf, sh, n, r, rank, &|w| at(si, ci, w), checks)?
+                    for _ in 0..n.repeat.max(1) {
+                        host_normal_call(&mut buf, sh, n, r, rank, &|w| at(si, ci, w), checks)?
+                    }
                 }
                 (CallKind::Ll(l), CallRef::Ll(r)) => {
-                    host_ll_call(&mut buf, sh, l, r, rank, &|w| at(si, ci, w), checks)?
+                    for i in 0..l.repeat.max(1) {
+                        let l = LlCall { clean_before: l.clean_before && i == 0, ..l.clone() };
+                        host_ll_call(&mut buf, sh, &l, r, rank, &|w| at(si, ci, w), checks)?
+                    }
                 }
                 _ => return Err(Error::Other("reference of the wrong mode (bug)".into())),
             }
@@ -1373,6 +1439,19 @@ fn host_ll_call(
         })?
         .complete(buf)?;
     checks.combine(&at("combine"), &c.combined_x, &r.want_c[rank], None, None, h);
+    if l.combine_twice {
+        // The same handle again, the other hook mode.
+        let c = buf
+            .low_latency_combine(&LlCombineArgs {
+                x: &r.y[rank],
+                topk_idx: &r.combine_topk[rank],
+                topk_weights: &last_in.topk_weights,
+                handle: &d.handle,
+                return_recv_hook: !l.hook_combine,
+            })?
+            .complete(buf)?;
+        checks.combine(&at("second combine"), &c.combined_x, &r.want_c[rank], None, None, h);
+    }
     Ok(())
 }
 
@@ -1480,6 +1559,16 @@ pub fn fold_verdicts(v: Vec<(usize, RankVerdict)>) -> CaseOutcome {
     CaseOutcome::Ok { combines, exact_combines: exact }
 }
 
+/// Sets (or removes) `FEP_MR_MAX_BYTES` for `spec`: read when each rank opens its provider. No
+/// rank of this case runs yet, and every earlier case's ranks ended (or hung, their
+/// registrations long done).
+fn apply_mr_env(spec: &CaseSpec) {
+    match spec.mr_max_bytes {
+        Some(b) => std::env::set_var("FEP_MR_MAX_BYTES", b.to_string()),
+        None => std::env::remove_var("FEP_MR_MAX_BYTES"),
+    }
+}
+
 /// Runs a case with its ranks as threads of this process; a rank still running at the deadline
 /// makes it a hang (its thread is left behind: its waits are bounded, so it ends by itself).
 pub fn run_case_threads(opts: &VerifyOptions, spec: &CaseSpec, rank_fn: RankFn) -> CaseOutcome {
@@ -1489,6 +1578,7 @@ pub fn run_case_threads(opts: &VerifyOptions, spec: &CaseSpec, rank_fn: RankFn) 
         Err(e) => return CaseOutcome::Mismatch(format!("bootstrap: {e}")),
     };
     let refs = Arc::new(CaseRefs::new(spec));
+    apply_mr_env(spec);
     let spec = Arc::new(spec.clone());
     let (tx, rx) = mpsc::channel();
     for (rank, b) in boots.into_iter().enumerate() {
@@ -1560,6 +1650,8 @@ pub fn run_case_procs(opts: &VerifyOptions, spec: &CaseSpec) -> CaseOutcome {
     if opts.launch != Launch::Auto {
         args.extend(["--launch".to_string(), opts.launch.name().to_string()]);
     }
+    // The rank processes inherit it.
+    apply_mr_env(spec);
     let mut job = match crate::bootstrap::LocalJob::spawn(
         &opts.exe,
         &args,

@@ -193,13 +193,30 @@ fn gpu_normal_shape(
         let at = |w: &str| format!("rank {rank} shape {si} call {ci} {w}");
         let (fresh, cached) = &steps[ci];
         let t = fresh.tokens / k;
-        boot.barrier()?;
-        let got = normal_step(gpu, &o, &out_c, &out_cw, &stream, fresh, &mut handle, t, Some(n.alignment), r.worst, h, k)?;
-        compare_normal(checks, &at(""), &got, &r.fresh, rank, h, k);
-        if let (Some(c), Some(cr)) = (cached, &r.cached) {
+        for _ in 0..n.repeat.max(1) {
             boot.barrier()?;
-            let got = normal_step(gpu, &o, &out_c, &out_cw, &stream, c, &mut handle, t, None, r.worst, h, k)?;
-            compare_normal(checks, &at("cached "), &got, cr, rank, h, k);
+            let got = normal_step(
+                gpu,
+                &o,
+                &out_c,
+                &out_cw,
+                &stream,
+                fresh,
+                &mut handle,
+                t,
+                Some(n.alignment),
+                r.worst,
+                h,
+                k,
+            )?;
+            compare_normal(checks, &at(""), &got, &r.fresh, rank, h, k);
+            if let (Some(c), Some(cr)) = (cached, &r.cached) {
+                boot.barrier()?;
+                let got = normal_step(
+                    gpu, &o, &out_c, &out_cw, &stream, c, &mut handle, t, None, r.worst, h, k,
+                )?;
+                compare_normal(checks, &at("cached "), &got, cr, rank, h, k);
+            }
         }
     }
     boot.barrier()?;
@@ -399,8 +416,9 @@ fn gpu_ll_shape(
         let r = ll_ref(refs, si, ci)?;
         let at = |w: &str| format!("rank {rank} shape {si} call {ci} {w}");
         let d = &ins[ci];
+        for rep in 0..l.repeat.max(1) {
         boot.barrier()?;
-        if l.clean_before {
+        if l.clean_before && rep == 0 {
             gpu.clean_low_latency_gpu()?;
             boot.barrier()?;
         }
@@ -462,6 +480,32 @@ fn gpu_ll_shape(
         compare_ll(checks, &at("dispatch"), &out_b, &r.last.want_d[rank], l.fp8, h)?;
         let got: Vec<u16> = out_c.to_vec::<u16>()?.into_iter().take(d.tokens * h).collect();
         checks.combine(&at("combine"), &got, &r.want_c[rank], None, None, h);
+        if l.combine_twice {
+            // The same handle again, the other hook mode (after a barrier: the read-back above
+            // must not overlap a peer's kernels).
+            boot.barrier()?;
+            out_c.memset_async(0xAB, &stream)?;
+            let ca = GpuLlCombineArgs {
+                x: DevSlice::of(&d.y),
+                topk_idx: DevSlice::of(&d.cti),
+                topk_weights: DevSlice::of(&d.tw),
+                num_tokens: d.tokens,
+                handle: &out_b,
+                out: DevSlice::of(&out_c),
+                return_recv_hook: !l.hook_combine,
+                stream: &stream,
+            };
+            // SAFETY: as above.
+            unsafe {
+                if let Some(hk) = gpu.low_latency_combine_gpu(&ca)? {
+                    gpu.low_latency_combine_recv_gpu(hk, &ca)?;
+                }
+            }
+            gpu.sync_gpu(&stream)?;
+            let got: Vec<u16> = out_c.to_vec::<u16>()?.into_iter().take(d.tokens * h).collect();
+            checks.combine(&at("second combine"), &got, &r.want_c[rank], None, None, h);
+        }
+        }
     }
     boot.barrier()?;
     Ok(())
