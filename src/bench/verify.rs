@@ -28,9 +28,10 @@ use std::time::{Duration, Instant};
 
 use crate::bootstrap::{Bootstrap, BootstrapError, InProcGroup};
 use crate::ep::buffer::{
-    Buffer, BufferOptions, CombineArgs, DispatchArgs, DispatchOutput, LlCombineArgs,
-    LlDispatchArgs, LlDispatchOutput, OwnedTokens, Tokens,
+    Buffer, BufferOptions, CombineArgs, CombineOutput, DispatchArgs, DispatchOutput,
+    LlCombineArgs, LlDispatchArgs, LlDispatchOutput, OwnedTokens, Tokens,
 };
+use crate::ep::hier::{HierBuffer, HierDispatchArgs, HierDispatchOutput};
 use crate::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use crate::ep::quant::{bf16_to_f32, dequantize_row, f32_to_bf16, quantize_bf16};
 use crate::ep::reference::{self as refm};
@@ -174,6 +175,9 @@ pub struct ShapeSpec {
     pub slots_per_peer: Option<usize>,
     /// Low-latency capacity (tokens per rank).
     pub max_tokens: usize,
+    /// Normal mode, host backend, 2 or more nodes: DeepEP's hierarchy (`ep::hier::HierBuffer`)
+    /// instead of direct sends; its combine is checked against the node-grouped sum.
+    pub hier: bool,
     pub calls: Vec<CallSpec>,
 }
 
@@ -193,6 +197,12 @@ pub struct CaseSpec {
     /// Host backend: `FEP_MR_MAX_BYTES` for the case, so buffers are registered (and their
     /// slots placed) in many chunks; `None`: the default (1 GiB).
     pub mr_max_bytes: Option<u64>,
+    /// Host backend: command ring entries (`BufferOptions::ring_capacity`; small rings make
+    /// every step wait for ring space); `None`: the default.
+    pub ring_capacity: Option<u32>,
+    /// Host backend, normal mode, split: writes to other nodes capped at this many GB/s
+    /// (`BufferOptions::emulate_network_gbps`: backpressure as EAGAIN).
+    pub emulate_gbps: Option<f64>,
     pub shapes: Vec<ShapeSpec>,
 }
 
@@ -214,10 +224,13 @@ impl CaseSpec {
             self.intranode.map(|p| format!(", intranode {p}")).unwrap_or_default(),
             self.provider,
             self.mr_max_bytes.map(|b| format!(", FEP_MR_MAX_BYTES={b}")).unwrap_or_default()
+                + &self.ring_capacity.map(|c| format!(", ring {c}")).unwrap_or_default()
+                + &self.emulate_gbps.map(|g| format!(", network {g} GB/s")).unwrap_or_default()
         );
         for (i, sh) in self.shapes.iter().enumerate() {
             s += &format!(
-                "; shape {i}: hidden {} top-{} of {} experts{}{}",
+                "; shape {i}: {}hidden {} top-{} of {} experts{}{}",
+                if sh.hier { "hierarchy, " } else { "" },
                 sh.hidden,
                 sh.topk,
                 sh.experts,
@@ -313,7 +326,7 @@ fn between(rng: &mut SplitMix64, lo: usize, hi: usize) -> usize {
 /// within the 2-core CI machine's time (debug builds included) while every hidden size runs.
 const NORMAL_ELEMS: usize = 1 << 19;
 /// Most normal-mode tokens per rank in one call.
-const NORMAL_MAX_TOKENS: usize = 512;
+const NORMAL_MAX_TOKENS: usize = 4096;
 /// Elements of one rank's low-latency receive buffer (`experts x max_tokens x hidden`) on the
 /// host backend: every rank's `[L, R * max_tokens, hidden]` output, its reference and its
 /// registered sets are this size, all ranks of a case in one process.
@@ -365,9 +378,13 @@ pub fn draw_case(seed: u64, index: usize, backend: VerifyBackend, launch: Launch
     let shapes: Vec<ShapeSpec> = (0..n_shapes)
         .map(|_| draw_shape(&mut rng, backend, mode, num_ranks, ranks_per_node))
         .collect();
-    let mr_max_bytes = (backend == VerifyBackend::Host && chance(&mut rng, 0.3))
+    let host = backend == VerifyBackend::Host;
+    let mr_max_bytes = (host && chance(&mut rng, 0.3))
         .then(|| largest_unit(mode, num_ranks, &shapes).map(|u| u.next_power_of_two() << rng.below(3)))
         .flatten();
+    let ring_capacity = (host && chance(&mut rng, 0.2)).then(|| pick(&mut rng, &[1, 2, 3, 8, 64]));
+    let emulate_gbps = (host && mode == Mode::Normal && ranks_per_node < num_ranks && chance(&mut rng, 0.2))
+        .then(|| pick(&mut rng, &[1.0, 4.0]));
     CaseSpec {
         index,
         seed,
@@ -379,6 +396,8 @@ pub fn draw_case(seed: u64, index: usize, backend: VerifyBackend, launch: Launch
         num_ranks,
         ranks_per_node,
         mr_max_bytes,
+        ring_capacity,
+        emulate_gbps,
         shapes,
     }
 }
@@ -389,11 +408,13 @@ fn largest_unit(mode: Mode, r: usize, shapes: &[ShapeSpec]) -> Option<u64> {
     let mut max = 0u64;
     for sh in shapes {
         let dtype = if sh.fp8 { DispatchDtype::Fp8E4m3 } else { DispatchDtype::Bf16 };
-        // Every host Buffer builds its normal-mode buffers; the low-latency lane comes on top.
+        // Every host Buffer builds its normal-mode buffers; the low-latency lane comes on top;
+        // the hierarchy's node stage carries 128 more channels.
+        let hidden = sh.hidden + if sh.hier { crate::ep::hier::META_CHANNELS } else { 0 };
         let slot = crate::ep::plan::NormalLayout::from_parts(
             r as u64,
             sh.experts as u64,
-            sh.hidden as u64,
+            hidden as u64,
             sh.topk as u64,
             dtype,
             sh.chunk_tokens.unwrap_or(crate::ep::config::DEFAULT_CHUNK_TOKENS) as u64,
@@ -479,7 +500,15 @@ fn draw_shape(
             draw_call(rng, backend, mode, r, rpn, experts, fp8, cap)
         })
         .collect();
-    ShapeSpec { hidden, topk, experts, fp8, chunk_tokens, slots_per_peer, max_tokens, calls }
+    // The hierarchy's node stage holds the experts of one node: `experts / nodes` of them.
+    // Its stages are Buffers whose configs need top-k within their experts (a limit of
+    // `ep::hier`: `num_topk <= num_experts / nodes`).
+    let hier = backend == VerifyBackend::Host
+        && mode == Mode::Normal
+        && rpn < r
+        && topk <= experts / (r / rpn)
+        && chance(rng, 0.4);
+    ShapeSpec { hidden, topk, experts, fp8, chunk_tokens, slots_per_peer, max_tokens, hier, calls }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -775,6 +804,7 @@ fn normal_step_ref(
     worst: Option<usize>,
     inputs: Vec<RankIn>,
     salt: u64,
+    group: usize,
 ) -> Result<NormalStepRef> {
     let p = normal_params(sh, n, worst);
     let rin: Vec<refm::NormalRankInput> = inputs
@@ -805,18 +835,25 @@ fn normal_step_ref(
         .zip(&yw)
         .map(|(x, w)| refm::NormalCombineInput { x, topk_weights: w.as_deref() })
         .collect();
-    let want_c = refm::normal_combine(&p, &want_d, &cin)?;
+    // The hierarchy's gateways round each node's partial sum to bf16 (`group` ranks a node).
+    let want_c = refm::normal_combine_grouped(&p, &want_d, &cin, group)?;
     Ok(NormalStepRef { inputs, want_d, y, yw, want_c })
 }
 
-fn normal_call_ref(sh: &ShapeSpec, c: &CallSpec, n: &NormalCall) -> Result<NormalCallRef> {
+fn normal_call_ref(
+    sh: &ShapeSpec,
+    c: &CallSpec,
+    n: &NormalCall,
+    rpn: usize,
+) -> Result<NormalCallRef> {
+    let group = if sh.hier { rpn } else { c.tokens.len() };
     let inputs = call_inputs(sh, c, 0, sh.fp8)?;
     let local = sh.experts / c.tokens.len();
     let worst = n.worst_extra.map(|extra| {
         (0..c.tokens.len()).map(|d| recv_rows(&inputs, sh.topk, local, d)).max().unwrap_or(0)
             + extra
     });
-    let fresh = normal_step_ref(sh, n, worst, inputs, c.seed)?;
+    let fresh = normal_step_ref(sh, n, worst, inputs, c.seed, group)?;
     let cached = match n.cached {
         None => None,
         Some(_) => {
@@ -825,7 +862,7 @@ fn normal_call_ref(sh: &ShapeSpec, c: &CallSpec, n: &NormalCall) -> Result<Norma
             for (a, f) in again.iter_mut().zip(&fresh.inputs) {
                 a.topk_idx.clone_from(&f.topk_idx);
             }
-            Some(normal_step_ref(sh, n, worst, again, c.seed ^ 0xcac4e)?)
+            Some(normal_step_ref(sh, n, worst, again, c.seed ^ 0xcac4e, group)?)
         }
     };
     Ok(NormalCallRef { worst, fresh, cached })
@@ -923,7 +960,9 @@ impl CaseRefs {
             let sh = &self.spec.shapes[s];
             let call = &sh.calls[c];
             let r = match &call.kind {
-                CallKind::Normal(n) => normal_call_ref(sh, call, n).map(CallRef::Normal),
+                CallKind::Normal(n) => {
+                    normal_call_ref(sh, call, n, self.spec.ranks_per_node).map(CallRef::Normal)
+                }
                 CallKind::Ll(l) => ll_call_ref(sh, call, l).map(CallRef::Ll),
             };
             r.map_err(|e| e.to_string())
@@ -1285,37 +1324,138 @@ fn host_rank_inner(
     checks: &mut Checks,
 ) -> Result<()> {
     let at = |s: usize, c: usize, what: &str| format!("rank {rank} shape {s} call {c} {what}");
+    test_stall(rank, spec, timeout);
     for (si, sh) in spec.shapes.iter().enumerate() {
         let cfg = shape_config(spec, sh, rank, timeout)?;
-        let opts = BufferOptions {
+        let mut opts = BufferOptions {
             intranode_provider: spec.intranode.map(str::to_string),
+            emulate_network_gbps: spec.emulate_gbps,
             ..BufferOptions::host(spec.provider)
         };
-        let mut buf = Buffer::new(cfg, boot.clone(), opts)?;
+        if let Some(c) = spec.ring_capacity {
+            opts.ring_capacity = c;
+        }
+        let mut eng = if sh.hier {
+            HostNormal::Hier(HierBuffer::new(cfg, boot.clone(), opts)?)
+        } else {
+            HostNormal::Direct(Buffer::new(cfg, boot.clone(), opts)?)
+        };
         for (ci, call) in sh.calls.iter().enumerate() {
             let cref = refs.get(si, ci)?;
-            match (&call.kind, cref) {
-                (CallKind::Normal(n), CallRef::Normal(r)) => {
+            match (&call.kind, cref, &mut eng) {
+                (CallKind::Normal(n), CallRef::Normal(r), eng) => {
                     for _ in 0..n.repeat.max(1) {
-                        host_normal_call(&mut buf, sh, n, r, rank, &|w| at(si, ci, w), checks)?
+                        host_normal_call(eng, sh, n, r, rank, &|w| at(si, ci, w), checks)?
                     }
                 }
-                (CallKind::Ll(l), CallRef::Ll(r)) => {
+                (CallKind::Ll(l), CallRef::Ll(r), HostNormal::Direct(buf)) => {
                     for i in 0..l.repeat.max(1) {
                         let l = LlCall { clean_before: l.clean_before && i == 0, ..l.clone() };
-                        host_ll_call(&mut buf, sh, &l, r, rank, &|w| at(si, ci, w), checks)?
+                        host_ll_call(buf, sh, &l, r, rank, &|w| at(si, ci, w), checks)?
                     }
                 }
                 _ => return Err(Error::Other("reference of the wrong mode (bug)".into())),
             }
         }
-        buf.destroy()?;
+        match eng {
+            HostNormal::Direct(b) => b.destroy()?,
+            HostNormal::Hier(b) => b.destroy()?,
+        }
     }
     Ok(())
 }
 
+/// Normal mode's two routings on the host backend.
+enum HostNormal {
+    Direct(Buffer),
+    Hier(HierBuffer),
+}
+
+/// A dispatch result of either routing.
+enum HostOut {
+    Direct(DispatchOutput),
+    Hier(HierDispatchOutput),
+}
+
+impl HostOut {
+    fn got(&self) -> NormalGot<'_> {
+        match self {
+            HostOut::Direct(o) => normal_got(o),
+            HostOut::Hier(o) => NormalGot {
+                recv_x: got_tokens(&o.recv_x),
+                recv_topk_idx: Some(&o.recv_topk_idx),
+                recv_topk_weights: Some(&o.recv_topk_weights),
+                per_expert: &o.num_recv_tokens_per_expert,
+                num_recv_tokens: o.num_recv_tokens,
+                rank_prefix: o.handle.rank_prefix(),
+                recv_src_idx: o.handle.recv_src_idx(),
+            },
+        }
+    }
+}
+
+impl HostNormal {
+    /// A fresh dispatch (`cached: None`) or one on a previous dispatch's handle.
+    fn dispatch(
+        &mut self,
+        me: &RankIn,
+        with_topk: bool,
+        layout: bool,
+        n: &NormalCall,
+        worst: Option<usize>,
+        cached: Option<&HostOut>,
+    ) -> Result<HostOut> {
+        let idx = with_topk.then_some(&me.topk_idx[..]);
+        let w = with_topk.then_some(&me.topk_weights[..]);
+        match (self, cached) {
+            (HostNormal::Direct(b), c) => {
+                let lay = if layout { Some(b.get_dispatch_layout(&me.topk_idx)?) } else { None };
+                let handle = match c {
+                    Some(HostOut::Direct(o)) => Some(&o.handle),
+                    Some(HostOut::Hier(_)) => return Err(Error::Other("handle kind (bug)".into())),
+                    None => None,
+                };
+                Ok(HostOut::Direct(b.dispatch(&DispatchArgs {
+                    x: me.tokens(),
+                    topk_idx: idx,
+                    topk_weights: w,
+                    layout: lay.as_ref(),
+                    handle,
+                    expert_alignment: n.alignment,
+                    num_worst_tokens: worst,
+                })?))
+            }
+            (HostNormal::Hier(b), c) => {
+                let handle = match c {
+                    Some(HostOut::Hier(o)) => Some(&o.handle),
+                    Some(HostOut::Direct(_)) => return Err(Error::Other("handle kind (bug)".into())),
+                    None => None,
+                };
+                Ok(HostOut::Hier(b.dispatch(&HierDispatchArgs {
+                    x: me.tokens(),
+                    topk_idx: idx,
+                    topk_weights: w,
+                    handle,
+                    expert_alignment: n.alignment,
+                    num_worst_tokens: worst,
+                })?))
+            }
+        }
+    }
+
+    fn combine(&mut self, out: &HostOut, y: &[u16], w: Option<&[f32]>) -> Result<CombineOutput> {
+        match (self, out) {
+            (HostNormal::Direct(b), HostOut::Direct(o)) => {
+                b.combine(&CombineArgs { x: y, handle: &o.handle, topk_weights: w })
+            }
+            (HostNormal::Hier(b), HostOut::Hier(o)) => b.combine(y, &o.handle, w),
+            _ => Err(Error::Other("handle kind (bug)".into())),
+        }
+    }
+}
+
 fn host_normal_call(
-    buf: &mut Buffer,
+    eng: &mut HostNormal,
     sh: &ShapeSpec,
     n: &NormalCall,
     r: &NormalCallRef,
@@ -1325,22 +1465,12 @@ fn host_normal_call(
 ) -> Result<()> {
     let (h, k) = (sh.hidden, sh.topk);
     let me = &r.fresh.inputs[rank];
-    let layout = if n.pass_layout { Some(buf.get_dispatch_layout(&me.topk_idx)?) } else { None };
-    let out = buf.dispatch(&DispatchArgs {
-        x: me.tokens(),
-        topk_idx: Some(&me.topk_idx),
-        topk_weights: Some(&me.topk_weights),
-        layout: layout.as_ref(),
-        handle: None,
-        expert_alignment: n.alignment,
-        num_worst_tokens: r.worst,
-    })?;
-    checks.note(&at("dispatch"), normal_dispatch_diff(&normal_got(&out), &r.fresh.want_d[rank], h, k));
-    let c = buf.combine(&CombineArgs {
-        x: &r.fresh.y[rank],
-        handle: &out.handle,
-        topk_weights: r.fresh.yw[rank].as_deref(),
-    })?;
+    let out = eng.dispatch(me, true, n.pass_layout, n, r.worst, None)?;
+    checks.note(&at("dispatch"), normal_dispatch_diff(&out.got(), &r.fresh.want_d[rank], h, k));
+    let mut c = eng.combine(&out, &r.fresh.y[rank], r.fresh.yw[rank].as_deref())?;
+    if test_corrupt() {
+        corrupt(&mut c.combined_x);
+    }
     let want = &r.fresh.want_c[rank];
     checks.combine(
         &at("combine"),
@@ -1352,29 +1482,19 @@ fn host_normal_call(
     );
     if let (Some(with_topk), Some(cr)) = (n.cached, &r.cached) {
         let me2 = &cr.inputs[rank];
-        let out2 = buf.dispatch(&DispatchArgs {
-            x: me2.tokens(),
-            topk_idx: with_topk.then_some(&me2.topk_idx[..]),
-            topk_weights: with_topk.then_some(&me2.topk_weights[..]),
-            layout: None,
-            handle: Some(&out.handle),
-            expert_alignment: n.alignment,
-            num_worst_tokens: r.worst,
-        })?;
-        let mut got = normal_got(&out2);
+        let out2 = eng.dispatch(me2, with_topk, false, n, r.worst, Some(&out))?;
+        let mut got = out2.got();
         if !with_topk {
-            if !out2.recv_topk_idx.is_empty() || !out2.recv_topk_weights.is_empty() {
+            let returned = got.recv_topk_idx.is_some_and(|v| !v.is_empty())
+                || got.recv_topk_weights.is_some_and(|v| !v.is_empty());
+            if returned {
                 checks.note(&at("cached dispatch"), Some("returned top-k it was not given".into()));
             }
             got.recv_topk_idx = None;
             got.recv_topk_weights = None;
         }
         checks.note(&at("cached dispatch"), normal_dispatch_diff(&got, &cr.want_d[rank], h, k));
-        let c2 = buf.combine(&CombineArgs {
-            x: &cr.y[rank],
-            handle: &out2.handle,
-            topk_weights: cr.yw[rank].as_deref(),
-        })?;
+        let c2 = eng.combine(&out2, &cr.y[rank], cr.yw[rank].as_deref())?;
         let want = &cr.want_c[rank];
         checks.combine(
             &at("cached combine"),
@@ -1429,7 +1549,7 @@ fn host_ll_call(
         None => buf.low_latency_dispatch(&args(last_in, l, l.hook_dispatch))?.complete(buf)?,
     };
     checks.note(&at("dispatch"), ll_dispatch_diff(&ll_got(&d), &r.last.want_d[rank], h));
-    let c = buf
+    let mut c = buf
         .low_latency_combine(&LlCombineArgs {
             x: &r.y[rank],
             topk_idx: &r.combine_topk[rank],
@@ -1438,6 +1558,9 @@ fn host_ll_call(
             return_recv_hook: l.hook_combine,
         })?
         .complete(buf)?;
+    if test_corrupt() {
+        corrupt(&mut c.combined_x);
+    }
     checks.combine(&at("combine"), &c.combined_x, &r.want_c[rank], None, None, h);
     if l.combine_twice {
         // The same handle again, the other hook mode.
@@ -1485,6 +1608,48 @@ pub struct VerifyOptions {
     pub exe: std::path::PathBuf,
 }
 
+/// Collective steps of a call (each a dispatch + combine pair, or a clean).
+fn call_steps(c: &CallSpec) -> usize {
+    match &c.kind {
+        CallKind::Normal(n) => n.repeat.max(1) * (1 + usize::from(n.cached.is_some())),
+        CallKind::Ll(l) => {
+            l.repeat.max(1) * (1 + usize::from(l.double) + usize::from(l.combine_twice))
+                + usize::from(l.clean_before)
+        }
+    }
+}
+
+/// Test hooks of the matrix's own failure paths (tests/ep_verify_host.rs): every rank's
+/// combine output gets one value changed (`FEP_TEST_VERIFY_CORRUPT=1`), or this rank sleeps
+/// past its case's deadline before its first call (`FEP_TEST_VERIFY_STALL_RANK=r`).
+fn test_corrupt() -> bool {
+    std::env::var("FEP_TEST_VERIFY_CORRUPT").is_ok_and(|v| v == "1")
+}
+
+fn test_stall(rank: usize, spec: &CaseSpec, timeout: Duration) {
+    if std::env::var("FEP_TEST_VERIFY_STALL_RANK").ok().and_then(|v| v.parse().ok()) == Some(rank)
+    {
+        let o = VerifyOptions {
+            backend: spec.backend,
+            cases: 0,
+            seed: 0,
+            case: None,
+            repeat: 1,
+            launch: Launch::Auto,
+            timeout,
+            verbose: false,
+            exe: Default::default(),
+        };
+        std::thread::sleep(o.deadline(spec) + Duration::from_secs(2));
+    }
+}
+
+fn corrupt(v: &mut [u16]) {
+    if let Some(x) = v.first_mut() {
+        *x ^= 0x4000;
+    }
+}
+
 /// Default bound on one wait in a case.
 pub const DEFAULT_TIMEOUT_S: u64 = 20;
 
@@ -1508,8 +1673,9 @@ impl VerifyOptions {
     /// The deadline of a case: every wait's bound, three times over (a failed rank's peers
     /// time out one after another), plus room for the data and the set-up.
     pub fn deadline(&self, spec: &CaseSpec) -> Duration {
-        let calls: usize = spec.shapes.iter().map(|s| s.calls.len() + 1).sum();
-        self.timeout * 3 + Duration::from_secs(30 + 5 * calls as u64)
+        let calls: usize =
+            spec.shapes.iter().map(|s| 1 + s.calls.iter().map(call_steps).sum::<usize>()).sum();
+        self.timeout * 3 + Duration::from_secs(10 + 2 * calls as u64)
     }
 }
 
