@@ -8,3 +8,5 @@ pub mod plan;
 pub mod report;
 pub mod stats;
 pub mod trace;
+pub mod verify;
+pub mod verify_gpu;

@@ -33,9 +33,10 @@ struct Common {
     /// libfabric's own variable, else shm).
     #[arg(long, env = "FI_PROVIDER", default_value = "shm", global = true)]
     provider: String,
-    /// Seconds any rank may wait for a peer before failing (default: $FEP_TIMEOUT_S, else 60).
-    #[arg(long, env = "FEP_TIMEOUT_S", default_value_t = 60, global = true)]
-    timeout: u64,
+    /// Seconds any rank may wait for a peer before failing (default: $FEP_TIMEOUT_S, else 60;
+    /// `verify`: 20, each case's deadline following from it).
+    #[arg(long, env = "FEP_TIMEOUT_S", global = true)]
+    timeout: Option<u64>,
     /// EP mode (normal / low-latency dispatch+combine).
     #[arg(long, value_enum, default_value_t = Mode::Both, global = true)]
     mode: Mode,
@@ -127,6 +128,13 @@ struct Common {
     iters: usize,
 }
 
+impl Common {
+    /// `--timeout`, or its default of 60 s.
+    fn timeout_s(&self) -> u64 {
+        self.timeout.unwrap_or(60)
+    }
+}
+
 #[derive(Subcommand, Debug)]
 enum Cmd {
     /// RMA-write bandwidth and latency between two ranks, beside Debian's fi_pingpong.
@@ -179,6 +187,29 @@ enum Cmd {
         #[arg(long)]
         hierarchy: bool,
     },
+    /// A seeded randomized matrix over both modes, every output compared with the
+    /// single-process reference; the last line is `verify: N cases, M mismatches, H hangs` and
+    /// the exit status is non-zero unless M and H are 0. Every failure prints the command that
+    /// replays it alone.
+    Verify {
+        /// Cases to draw (case i is a function of --seed and i alone).
+        #[arg(long, default_value_t = 300)]
+        cases: usize,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Run only this case (with its description).
+        #[arg(long)]
+        case: Option<usize>,
+        /// Run the whole matrix this many times in this process (state left between calls).
+        #[arg(long, default_value_t = 1)]
+        repeat: usize,
+        /// Ranks as threads or processes (auto: drawn per case; --procs means processes).
+        #[arg(long, value_enum, default_value_t = LaunchArg::Auto)]
+        launch: LaunchArg,
+        /// Print every case as it ends.
+        #[arg(long)]
+        verbose: bool,
+    },
     /// All-to-all of RMA writes with immediate data between all ranks, every byte checked.
     Selftest {
         /// Bytes every rank writes to each peer.
@@ -195,6 +226,13 @@ enum Mode {
     Normal,
     LowLatency,
     Both,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum LaunchArg {
+    Auto,
+    Threads,
+    Procs,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -232,6 +270,9 @@ fn main() -> ExitCode {
         // GPU ranks would be threads of this process: before the first CUDA call (the GPU probe
         // below), one thread so far. Harmless for the host backend.
         fabric_ep::bench::ep_gpu::set_work_queues_for_threads();
+    }
+    if let Some(Cmd::Verify { .. }) = &cli.cmd {
+        return verify(&cli);
     }
     let res = match &cli.cmd {
         Some(Cmd::Plan { at, chunk_tokens, slots_per_peer, ll_tokens, max_region, hierarchy }) => {
@@ -339,6 +380,70 @@ fn main() -> ExitCode {
 
 type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
 
+/// `ep-bench verify`: the matrix (launcher), or one rank of one case (inside a job).
+fn verify(cli: &Cli) -> ExitCode {
+    use fabric_ep::bench::verify::{self as v, Launch, VerifyBackend, VerifyOptions};
+    let c = &cli.common;
+    let Some(Cmd::Verify { cases, seed, case, repeat, launch, verbose }) = &cli.cmd else {
+        return ExitCode::FAILURE;
+    };
+    let backend = match c.backend {
+        Some(Backend::Gpu) => VerifyBackend::Gpu,
+        Some(Backend::Host) => VerifyBackend::Host,
+        None if fabric_ep::cuda::gpu_available() => VerifyBackend::Gpu,
+        None => VerifyBackend::Host,
+    };
+    let launch = match (launch, c.procs) {
+        (_, true) | (LaunchArg::Procs, _) => Launch::Procs,
+        (LaunchArg::Threads, _) => Launch::Threads,
+        (LaunchArg::Auto, _) => Launch::Auto,
+    };
+    let exe = match std::env::current_exe() {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("ep-bench: error: current_exe: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let opts = VerifyOptions {
+        backend,
+        cases: *cases,
+        seed: *seed,
+        case: *case,
+        repeat: *repeat,
+        launch,
+        timeout: Duration::from_secs(c.timeout.unwrap_or(v::DEFAULT_TIMEOUT_S).max(1)),
+        verbose: *verbose,
+        exe,
+    };
+    let rank_fn: v::RankFn = match backend {
+        VerifyBackend::Host => v::host_rank,
+        VerifyBackend::Gpu => fabric_ep::bench::verify_gpu::gpu_rank,
+    };
+    if in_job() {
+        let res = TcpStore::from_env(opts.timeout * 2)
+            .map_err(fabric_ep::Error::from)
+            .and_then(|b| v::rank_process(&opts, std::sync::Arc::new(b), rank_fn));
+        return match res {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("ep-bench: error: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    if backend == VerifyBackend::Gpu && launch != Launch::Procs {
+        // GPU ranks as threads of this process: before the first CUDA call.
+        fabric_ep::bench::ep_gpu::set_work_queues_for_threads();
+    }
+    let (_, m, h) = v::run_matrix(&opts, rank_fn);
+    if m == 0 && h == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
 /// Launcher: start the ranks as local processes running this same command line.
 fn launch(cli: &Cli) -> AnyResult<()> {
     let c = &cli.common;
@@ -384,7 +489,7 @@ fn run_job(c: &Common, args: &[String], ranks: usize, what: &str) -> AnyResult<S
     bar.enable_steady_tick(Duration::from_millis(120));
     let marker = [(LAUNCHED_VAR.to_string(), "1".to_string())];
     let mut job = LocalJob::spawn(&exe, args, ranks, local, &marker)?;
-    let outcomes = job.wait(Duration::from_secs(c.timeout + 120));
+    let outcomes = job.wait(Duration::from_secs(c.timeout_s() + 120));
     bar.finish_and_clear();
     let outcomes = outcomes?;
     let mut failed = Vec::new();
@@ -560,7 +665,7 @@ fn sweep(cli: &Cli) -> AnyResult<()> {
 /// One rank of a job (launched by us, torchrun, mpirun or Kubernetes).
 fn run_rank(cli: &Cli) -> AnyResult<()> {
     let c = &cli.common;
-    let boot = TcpStore::from_env(Duration::from_secs(c.timeout))?;
+    let boot = TcpStore::from_env(Duration::from_secs(c.timeout_s()))?;
     let rank = boot.rank();
     match &cli.cmd {
         Some(Cmd::Fabric { sizes, lat_bytes, window, span, .. }) => {
@@ -580,7 +685,7 @@ fn run_rank(cli: &Cli) -> AnyResult<()> {
                 &c.provider,
                 *bytes_per_peer,
                 *msgs_per_peer,
-                Duration::from_secs(c.timeout),
+                Duration::from_secs(c.timeout_s()),
             )?;
             if boot.rank() == 0 {
                 println!(
@@ -595,6 +700,9 @@ fn run_rank(cli: &Cli) -> AnyResult<()> {
         }
         Some(Cmd::Plan { .. }) => {
             return Err("`plan` runs without ranks: do not launch it as a job".into())
+        }
+        Some(Cmd::Verify { .. }) => {
+            return Err("`verify` is handled before any job starts (bug)".into())
         }
         None if c.backend == Some(Backend::Gpu) => run_gpu_rank(c, std::sync::Arc::new(boot))?,
         None => {
@@ -619,7 +727,7 @@ fn run_normal_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult
     let (rank, world) = (boot.rank(), boot.world_size());
     let mut s = EpSettings::new(rank, world, c.experts, c.hidden, c.topk);
     s.ranks_per_node = c.ranks_per_node.unwrap_or(world).min(world);
-    s.timeout = Duration::from_secs(c.timeout);
+    s.timeout = Duration::from_secs(c.timeout_s());
     if c.fp8 {
         s.dispatch_dtype = DispatchDtype::Fp8E4m3;
     }
@@ -741,7 +849,7 @@ fn run_ll_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult<()>
     let m = c.tokens.unwrap_or(128);
     let mut s = EpSettings::new(rank, world, c.experts, c.hidden, c.topk);
     s.ranks_per_node = c.ranks_per_node.unwrap_or(world).min(world);
-    s.timeout = Duration::from_secs(c.timeout);
+    s.timeout = Duration::from_secs(c.timeout_s());
     s.max_tokens_per_rank = m;
     let cfg = EpConfig::new(s)?;
     let mut buf = Buffer::new(cfg.clone(), boot, BufferOptions::host(&c.provider))?;
@@ -908,7 +1016,7 @@ fn gpu_params(c: &Common, ranks: usize, tokens: usize) -> fabric_ep::bench::ep_g
         num_experts: c.experts,
         fp8: !c.bf16,
         iters: c.iters.max(1),
-        timeout: Duration::from_secs(c.timeout),
+        timeout: Duration::from_secs(c.timeout_s()),
         ..fabric_ep::bench::ep_gpu::GpuBenchParams::normal_standard(ranks)
     }
 }

@@ -217,6 +217,18 @@ impl HierBuffer {
                 ),
             ));
         }
+        if s.num_topk > node.num_experts {
+            // The node stage is a Buffer over one node's experts, whose config takes top-k
+            // within its experts.
+            return Err(Error::arg(
+                "num_topk",
+                format!(
+                    "{}: the hierarchy's node stage holds num_experts / nodes = {} / {nodes} = {} \
+                     experts, and top-k may not exceed them",
+                    s.num_topk, s.num_experts, node.num_experts
+                ),
+            ));
+        }
         Ok((rail, node))
     }
 
@@ -314,11 +326,13 @@ impl HierBuffer {
         let wide = widen(&rail_out.recv_x, h, n1, |i| {
             (src_node[i] as u32, rail_out.handle.recv_src_idx()[i] as u32)
         });
-        let cached = args.handle.is_some();
+        // A cached dispatch given top-k returns it, as the direct path's does: the rail stage's
+        // node-local ids route the node stage exactly as the handle's.
+        let with_topk = args.topk_idx.is_some();
         let node_out = self.node.dispatch(&DispatchArgs {
             x: wide.as_ref(),
-            topk_idx: (!cached).then_some(&rail_out.recv_topk_idx[..]),
-            topk_weights: (!cached).then_some(&rail_out.recv_topk_weights[..]),
+            topk_idx: with_topk.then_some(&rail_out.recv_topk_idx[..]),
+            topk_weights: with_topk.then_some(&rail_out.recv_topk_weights[..]),
             layout: None,
             handle: args.handle.map(|hd| &hd.node),
             expert_alignment: args.expert_alignment,
@@ -343,8 +357,9 @@ impl HierBuffer {
         let (perm, rank_prefix, src_idx) = final_order(&self.cfg, &meta, &gateway)?;
         let k = self.cfg.num_topk;
         let recv_x = narrow(&node_out.recv_x, h, &perm, rows);
-        let recv_topk_idx = permute_rows(&node_out.recv_topk_idx, &perm, rows, k, -1);
-        let recv_topk_weights = permute_rows(&node_out.recv_topk_weights, &perm, rows, k, 0.0);
+        let recv_topk_idx = permute_rows(&node_out.recv_topk_idx, &perm, rows, k, -1, with_topk);
+        let recv_topk_weights =
+            permute_rows(&node_out.recv_topk_weights, &perm, rows, k, 0.0, with_topk);
         let num_recv_tokens_per_expert = node_out.num_recv_tokens_per_expert.clone();
         Ok(HierDispatchOutput {
             recv_x,
@@ -623,8 +638,18 @@ fn proxy_world_err(p: ProxyError, stage: &str, to_world: &impl Fn(usize) -> usiz
 
 /// Rows of `k` values of `v` in output order (`perm`), padded to `rows` with `fill`; empty
 /// stays empty (a cached dispatch returns no top-k).
-fn permute_rows<T: Copy>(v: &[T], perm: &[u32], rows: usize, k: usize, fill: T) -> Vec<T> {
-    if v.is_empty() {
+/// `[rows, k]` of `v`'s rows in `perm` order, padding rows `fill`; empty when the dispatch had
+/// no top-k (`present` false). Not "when `v` is empty": a rank receiving no row still returns
+/// `num_worst_tokens` padding rows.
+fn permute_rows<T: Copy>(
+    v: &[T],
+    perm: &[u32],
+    rows: usize,
+    k: usize,
+    fill: T,
+    present: bool,
+) -> Vec<T> {
+    if !present {
         return Vec::new();
     }
     let mut o = vec![fill; rows * k];

@@ -475,8 +475,21 @@ fn ll_check(p: &LlParams, num_ranks: usize) -> Result<usize> {
 
 /// Low-latency dispatch for every rank at once.
 pub fn ll_dispatch(p: &LlParams, inputs: &[LlRankInput<'_>]) -> Result<Vec<LlDispatchOut>> {
+    (0..inputs.len()).map(|dst| ll_dispatch_for(p, inputs, dst)).collect()
+}
+
+/// [`ll_dispatch`]'s output of rank `dst` alone (a process checking one rank needs no other
+/// rank's `[L, S, hidden]` output).
+pub fn ll_dispatch_for(
+    p: &LlParams,
+    inputs: &[LlRankInput<'_>],
+    dst: usize,
+) -> Result<LlDispatchOut> {
     let r_count = inputs.len();
     let l = ll_check(p, r_count)?;
+    if dst >= r_count {
+        return Err(Error::arg("dst", format!("{dst} not in 0..{r_count}")));
+    }
     let (h, k, m) = (p.hidden, p.num_topk, p.max_tokens_per_rank);
     let mut num_tokens = Vec::new();
     for inp in inputs {
@@ -495,57 +508,53 @@ pub fn ll_dispatch(p: &LlParams, inputs: &[LlRankInput<'_>]) -> Result<Vec<LlDis
     }
     let s_rows = r_count * m;
     let groups = h / FP8_GROUP;
-    let mut outs = Vec::new();
-    for dst in 0..r_count {
-        let mut x = vec![0u16; l * s_rows * h];
-        let mut src_rank = vec![-1i32; l * s_rows];
-        let mut src_idx = vec![-1i32; l * s_rows];
-        let mut recv_count = vec![0u32; l];
-        let mut layout_range = vec![(0u32, 0u32); l * r_count];
-        for e in 0..l {
-            let g = (dst * l + e) as i64;
-            for (src, inp) in inputs.iter().enumerate() {
-                let begin = recv_count[e];
-                for t in 0..num_tokens[src] {
-                    if inp.topk_idx[t * k..(t + 1) * k].contains(&g) {
-                        let row = e * s_rows + recv_count[e] as usize;
-                        x[row * h..(row + 1) * h].copy_from_slice(&inp.x[t * h..(t + 1) * h]);
-                        src_rank[row] = src as i32;
-                        src_idx[row] = t as i32;
-                        recv_count[e] += 1;
-                    }
+    let mut x = vec![0u16; l * s_rows * h];
+    let mut src_rank = vec![-1i32; l * s_rows];
+    let mut src_idx = vec![-1i32; l * s_rows];
+    let mut recv_count = vec![0u32; l];
+    let mut layout_range = vec![(0u32, 0u32); l * r_count];
+    for e in 0..l {
+        let g = (dst * l + e) as i64;
+        for (src, inp) in inputs.iter().enumerate() {
+            let begin = recv_count[e];
+            for t in 0..num_tokens[src] {
+                if inp.topk_idx[t * k..(t + 1) * k].contains(&g) {
+                    let row = e * s_rows + recv_count[e] as usize;
+                    x[row * h..(row + 1) * h].copy_from_slice(&inp.x[t * h..(t + 1) * h]);
+                    src_rank[row] = src as i32;
+                    src_idx[row] = t as i32;
+                    recv_count[e] += 1;
                 }
-                layout_range[e * r_count + src] = (begin, recv_count[e] - begin);
+            }
+            layout_range[e * r_count + src] = (begin, recv_count[e] - begin);
+        }
+    }
+    let recv_x = if p.use_fp8 {
+        let mut q = vec![0u8; x.len()];
+        let mut scales = vec![0f32; l * s_rows * groups];
+        for (e, &count) in recv_count.iter().enumerate() {
+            for i in 0..count as usize {
+                let row = e * s_rows + i;
+                quantize_row_bf16(
+                    &x[row * h..(row + 1) * h],
+                    p.round_scale,
+                    &mut q[row * h..(row + 1) * h],
+                    &mut scales[row * groups..(row + 1) * groups],
+                )?;
             }
         }
-        let recv_x = if p.use_fp8 {
-            let mut q = vec![0u8; x.len()];
-            let mut scales = vec![0f32; l * s_rows * groups];
-            for (e, &count) in recv_count.iter().enumerate() {
-                for i in 0..count as usize {
-                    let row = e * s_rows + i;
-                    quantize_row_bf16(
-                        &x[row * h..(row + 1) * h],
-                        p.round_scale,
-                        &mut q[row * h..(row + 1) * h],
-                        &mut scales[row * groups..(row + 1) * groups],
-                    )?;
-                }
-            }
-            Tokens::Fp8 { x: q, scales }
-        } else {
-            Tokens::Bf16(x)
-        };
-        outs.push(LlDispatchOut {
-            recv_x,
-            recv_count,
-            recv_src_rank: src_rank,
-            recv_src_idx: src_idx,
-            layout_range,
-            num_tokens: num_tokens[dst],
-        });
-    }
-    Ok(outs)
+        Tokens::Fp8 { x: q, scales }
+    } else {
+        Tokens::Bf16(x)
+    };
+    Ok(LlDispatchOut {
+        recv_x,
+        recv_count,
+        recv_src_rank: src_rank,
+        recv_src_idx: src_idx,
+        layout_range,
+        num_tokens: num_tokens[dst],
+    })
 }
 
 /// One rank's low-latency combine input.
@@ -596,37 +605,62 @@ pub fn ll_combine(
     }
     let mut outs = Vec::new();
     for (s, inp) in inputs.iter().enumerate() {
-        let t_count = dispatched[s].num_tokens;
-        let mut out = vec![0u16; t_count * h];
-        let mut acc = vec![0f32; h];
-        for t in 0..t_count {
-            acc.fill(0.0);
-            for j in 0..k {
-                let g = inp.topk_idx[t * k + j];
-                if g < 0 {
-                    continue;
-                }
-                let (r, e) = (g as usize / l, g as usize % l);
-                let row = *where_row.get(&(r, e, s as i32, t as i32)).ok_or_else(|| {
-                    Error::arg(
-                        "topk_idx",
-                        format!("rank {s} token {t} k {j}: expert {g} was not dispatched"),
-                    )
-                })?;
-                let w = inp.topk_weights[t * k + j];
-                let y = &inputs[r].x[row * h..(row + 1) * h];
-                for c in 0..h {
-                    // Fused multiply-add, as nvcc contracts `acc += y * w` on the GPU.
-                    acc[c] = bf16_to_f32(y[c]).mul_add(w, acc[c]);
-                }
-            }
-            for c in 0..h {
-                out[t * h + c] = f32_to_bf16(acc[c]);
-            }
-        }
+        let out = ll_combine_rows(p, inp.topk_idx, inp.topk_weights, |t, j, g| {
+            let (r, e) = (g / l, g % l);
+            let row = *where_row.get(&(r, e, s as i32, t as i32)).ok_or_else(|| {
+                Error::arg(
+                    "topk_idx",
+                    format!("rank {s} token {t} k {j}: expert {g} was not dispatched"),
+                )
+            })?;
+            Ok(&inputs[r].x[row * h..(row + 1) * h])
+        })?;
         outs.push(out);
     }
     Ok(outs)
+}
+
+/// The low-latency combine of one rank's tokens (`topk_idx`, `topk_weights` `[T, K]`):
+/// `acc = fma(y, w, acc)` over each token's entries that are not -1, `k` ascending, fp32,
+/// rounded to bf16 once; `expert_row(t, k, g)` is the `[hidden]` bf16 row expert `g` returned
+/// for token `t`'s entry `k`. [`ll_combine`] is this with the rows looked up in every expert
+/// rank's outputs.
+pub fn ll_combine_rows<'a>(
+    p: &LlParams,
+    topk_idx: &[i64],
+    topk_weights: &[f32],
+    mut expert_row: impl FnMut(usize, usize, usize) -> Result<&'a [u16]>,
+) -> Result<Vec<u16>> {
+    let (h, k) = (p.hidden, p.num_topk);
+    if k == 0 || topk_idx.len() % k != 0 {
+        return Err(Error::arg("topk_idx", format!("length {} is not [T, {k}]", topk_idx.len())));
+    }
+    let t_count = topk_idx.len() / k;
+    check_weights(topk_weights, t_count, k)?;
+    let mut out = vec![0u16; t_count * h];
+    let mut acc = vec![0f32; h];
+    for t in 0..t_count {
+        acc.fill(0.0);
+        for j in 0..k {
+            let g = topk_idx[t * k + j];
+            if g < 0 {
+                continue;
+            }
+            let w = topk_weights[t * k + j];
+            let y = expert_row(t, j, g as usize)?;
+            if y.len() != h {
+                return Err(Error::arg("expert_row", format!("{} values, hidden is {h}", y.len())));
+            }
+            for c in 0..h {
+                // Fused multiply-add, as nvcc contracts `acc += y * w` on the GPU.
+                acc[c] = bf16_to_f32(y[c]).mul_add(w, acc[c]);
+            }
+        }
+        for c in 0..h {
+            out[t * h + c] = f32_to_bf16(acc[c]);
+        }
+    }
+    Ok(out)
 }
 
 // Index loops over ranks/tokens/channels read closest to the math they check.
