@@ -8,8 +8,11 @@
 #                                 folder (no repository path on PYTHONPATH), starts the MPS
 #                                 control daemon, runs tests/test_gpu_procs.py (DeepEP's sequence
 #                                 as torchrun-style processes sharing the GPU), `ep-bench verify
-#                                 --backend gpu` (FEP_VERIFY_CASES, default 200) and the Python
+#                                 --backend gpu` (FEP_VERIFY_CASES, default 150; FEP_VERIFY_SEED,
+#                                 FEP_VERIFY_LAUNCH procs|threads|auto) and the Python
 #                                 call-overhead bench; logs and a summary under $OUT.
+#                                 call-overhead bench; "epbench" (not default): ep-bench's GPU
+#                                 figures at DeepEP's setting.
 #                                 FEP_PROCS_SECTIONS (default "procs,verify,overhead") picks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -56,8 +59,10 @@ run() {
   fi
   if has verify; then
     set +e
-    LD_LIBRARY_PATH=$bundle/lib timeout 500 "$bundle/bin/ep-bench" verify --backend gpu --procs \
-      --cases "${FEP_VERIFY_CASES:-200}" --seed "${FEP_VERIFY_SEED:-1}" 2>&1 | tee "$out/verify.log"
+    CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=EAGER LD_LIBRARY_PATH=$bundle/lib \
+      timeout "${FEP_VERIFY_TIMEOUT:-300}" "$bundle/bin/ep-bench" verify --backend gpu \
+      --launch "${FEP_VERIFY_LAUNCH:-procs}" --cases "${FEP_VERIFY_CASES:-150}" \
+      --seed "${FEP_VERIFY_SEED:-1}" 2>&1 | tee "$out/verify.log"
     rc=${PIPESTATUS[0]}
     set -e
     [ "$rc" -eq 0 ] || fail=1
@@ -70,6 +75,20 @@ run() {
     rc=${PIPESTATUS[0]}
     set -e
     echo "overhead rc=$rc" >>"$out/summary.txt"
+  fi
+  if has epbench; then
+    # The normal mode at DeepEP's setting: 1 rank beside NCCL all-to-all + permute (fresh and
+    # cached dispatch), then 2 and 4 processes sharing the GPU; low latency at 1 and 4.
+    set +e
+    for args in "--ranks 1 --mode normal --fp8" "--ranks 1 --mode normal --fp8 --cached" \
+        "--ranks 2 --procs --mode normal --fp8" "--ranks 4 --procs --mode normal --fp8" \
+        "--ranks 1 --mode low-latency --fp8" "--ranks 4 --procs --mode low-latency --fp8"; do
+      echo "===== ep-bench --backend gpu $args" | tee -a "$out/epbench.log"
+      LD_LIBRARY_PATH=$bundle/lib timeout 120 "$bundle/bin/ep-bench" --backend gpu $args 2>&1 \
+        | tee -a "$out/epbench.log"
+      echo "epbench rc=${PIPESTATUS[0]} $args" >>"$out/summary.txt"
+    done
+    set -e
   fi
   echo quit | nvidia-cuda-mps-control || true
   cat "$out/summary.txt"
