@@ -59,7 +59,11 @@ run() {
   fi
   if has verify; then
     set +e
-    CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=EAGER LD_LIBRARY_PATH=$bundle/lib \
+    # Ranks as threads of one context need many hardware queues; processes under MPS must not
+    # ask for them (their contexts then fail to start: out of memory).
+    local threads_env=()
+    [ "${FEP_VERIFY_LAUNCH:-procs}" = procs ] || threads_env=(CUDA_DEVICE_MAX_CONNECTIONS=32)
+    env "${threads_env[@]}" CUDA_MODULE_LOADING=EAGER LD_LIBRARY_PATH=$bundle/lib \
       timeout "${FEP_VERIFY_TIMEOUT:-300}" "$bundle/bin/ep-bench" verify --backend gpu \
       --launch "${FEP_VERIFY_LAUNCH:-procs}" --cases "${FEP_VERIFY_CASES:-150}" \
       --seed "${FEP_VERIFY_SEED:-1}" 2>&1 | tee "$out/verify.log"

@@ -46,6 +46,7 @@ from .config import DEFAULT_NUM_SMS, Config
 from .utils import NO_EVENT, EventOverlap
 
 _DTYPES = ("bf16", "fp8")
+_BACKENDS = {True: "gpu", False: "host"}
 
 
 def _int_arg(name: str, v: Any, lo: int, hi: int = 2**31 - 1) -> int:
@@ -233,6 +234,8 @@ class Buffer:
         self.enable_shrink = False
         self.internode_hierarchy = bool(internode_hierarchy)
         self._backend = backend
+        self._auto = backend == "auto"
+        self._by_id: Dict[int, _Engine] = {}
         self._opts = dict(provider=provider, timeout_s=float(timeout_s),
                           gpu_reserve_tokens=gpu_reserve_tokens,
                           internode_hierarchy=bool(internode_hierarchy), config=config)
@@ -336,6 +339,7 @@ class Buffer:
                 self._comm = e._g.comm
         self._engines[key] = e
         self._order.append(e)
+        self._by_id[id(e)] = e
         return e
 
     def _check_capacity(self, kind: str, experts: int, hidden: int, topk: int, max_tokens: int,
@@ -371,10 +375,10 @@ class Buffer:
         if type(handle) is not cls:
             raise TypeError(f"handle: expected a fabric_ep {cls.__name__}, got "
                             f"{type(handle).__name__}")
-        for e in self._order:
-            if id(e) == handle._buffer_id:
-                return e
-        raise ValueError("handle: made by another Buffer (or after destroy)")
+        e = self._by_id.get(handle._buffer_id)
+        if e is None:
+            raise ValueError("handle: made by another Buffer (or after destroy)")
+        return e
 
     def _live(self) -> None:
         if not self._live_flag:
@@ -405,7 +409,7 @@ class Buffer:
                     e.destroy()
             except BaseException as x:  # noqa: BLE001 - the others are still freed
                 err = err or x
-        self._order, self._engines = [], {}
+        self._order, self._engines, self._by_id = [], {}, {}
         if self._boot is not None:
             self._boot.close()
         if err is not None:
@@ -571,28 +575,43 @@ class Buffer:
         if handle is not None:
             e = self._by_handle(handle, DispatchHandle)
         else:
-            if not self._live_flag:
-                raise RuntimeError("Buffer: already destroyed")
+            # NOTES: the common case in one lookup (a torch tensor's shape and device read once
+            # each); anything unusual (numpy, a missing argument, a new shape, a destroyed
+            # Buffer) takes the checked path below.
             fp8 = type(x) is tuple
-            if fp8 and len(x) != 2:
-                raise ValueError(f"x: a tuple must be (x, x_scales), got {len(x)} elements")
-            x0 = x[0] if fp8 else x
-            if topk_idx is None:
-                raise ValueError("topk_idx: required unless a cached handle is given")
-            if num_tokens_per_expert is not None:
-                experts = _width_1d("num_tokens_per_expert", num_tokens_per_expert)
-            elif self._last_experts is not None:
-                experts = self._last_experts
-            else:
-                raise ValueError("num_tokens_per_expert: required (get_dispatch_layout's) to "
-                                 "know the number of experts")
-            key = ("n", self._backend_for(x0), experts, _width("x", x0),
-                   _width("topk_idx", topk_idx), fp8)
-            e = self._engines.get(key) or self._make(key, 0)
+            try:
+                x0 = x[0] if fp8 else x
+                key = ("n", _BACKENDS[x0.is_cuda] if self._auto else self._backend,
+                       self._last_experts if num_tokens_per_expert is None
+                       else num_tokens_per_expert.shape[0], x0.shape[1], topk_idx.shape[1], fp8)
+                e = self._engines[key]
+            except (AttributeError, IndexError, KeyError, TypeError):
+                e = self._normal_engine(x, topk_idx, num_tokens_per_expert)
         return e.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
                           is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
                           expert_alignment, num_worst_tokens, None, previous_event, async_finish,
                           allocate_on_comm_stream)
+
+    def _normal_engine(self, x: Any, topk_idx: Any, num_tokens_per_expert: Any) -> _Engine:
+        """The checked path of :meth:`dispatch`'s engine choice (creates it on first use)."""
+        if not self._live_flag:
+            raise RuntimeError("Buffer: already destroyed")
+        fp8 = type(x) is tuple
+        if fp8 and len(x) != 2:
+            raise ValueError(f"x: a tuple must be (x, x_scales), got {len(x)} elements")
+        x0 = x[0] if fp8 else x
+        if topk_idx is None:
+            raise ValueError("topk_idx: required unless a cached handle is given")
+        if num_tokens_per_expert is not None:
+            experts = _width_1d("num_tokens_per_expert", num_tokens_per_expert)
+        elif self._last_experts is not None:
+            experts = self._last_experts
+        else:
+            raise ValueError("num_tokens_per_expert: required (get_dispatch_layout's) to "
+                             "know the number of experts")
+        key = ("n", self._backend_for(x0), experts, _width("x", x0),
+               _width("topk_idx", topk_idx), fp8)
+        return self._engines.get(key) or self._make(key, 0)
 
     def combine(
         self,
@@ -639,28 +658,41 @@ class Buffer:
         bf16, ``topk_idx [T, K]`` int64. Returns ``recv_x [L, R * M, H]`` (with ``use_fp8`` a
         tuple with float32 scales ``[L, R * M, H / 128]``), ``recv_count [L]`` int32, the handle,
         the event and the hook (with ``return_recv_hook``)."""
-        if not self.low_latency_mode:
-            raise ValueError(
-                "low_latency_dispatch: this Buffer was built with low_latency_mode=False (as in "
-                "DeepEP, the low-latency calls need Buffer(..., low_latency_mode=True))"
-            )
-        self._live()
-        m = _int_arg("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
-        backend = self._backend_for(x)
-        key = ("l", backend, num_experts, _width("x", x), _width("topk_idx", topk_idx), m,
-               bool(use_fp8) if backend == "gpu" else None)
+        m = num_max_dispatch_tokens_per_rank
+        try:  # the common case in one lookup, as dispatch's
+            gpu = x.is_cuda if self._auto else self._backend == "gpu"
+            key = ("l", _BACKENDS[gpu], num_experts, x.shape[1], topk_idx.shape[1], m,
+                   bool(use_fp8) if gpu else None)
+            e = self._engines[key]
+        except (AttributeError, IndexError, KeyError, TypeError):
+            key = self._ll_key(x, topk_idx, m, num_experts, use_fp8)
+            e = None
         if use_ue8m0 and not (use_fp8 and round_scale):
             raise ValueError("use_ue8m0=True: needs use_fp8=True and round_scale=True (as in "
                              "DeepEP: UE8M0 scales are the rounded scales' exponents)")
         if use_ue8m0 and key[3] % 512:
             raise ValueError(f"use_ue8m0=True: hidden {key[3]} must be a multiple of 512 (four "
                              "UE8M0 scales per int32)")
-        e = self._engines.get(key) or self._make(key, m)
+        e = e or self._engines.get(key) or self._make(key, m)
         out = e.low_latency_dispatch(x, topk_idx, m, num_experts,
                                      cumulative_local_expert_recv_stats,
                                      dispatch_wait_recv_cost_stats, use_fp8, round_scale,
                                      False, async_finish, return_recv_hook)
         return _ue8m0(e, out, async_finish) if use_ue8m0 else out
+
+    def _ll_key(self, x: Any, topk_idx: Any, m: Any, num_experts: Any,
+                use_fp8: bool) -> Tuple[Any, ...]:
+        """The checked path of :meth:`low_latency_dispatch`'s engine choice."""
+        if not self.low_latency_mode:
+            raise ValueError(
+                "low_latency_dispatch: this Buffer was built with low_latency_mode=False (as in "
+                "DeepEP, the low-latency calls need Buffer(..., low_latency_mode=True))"
+            )
+        self._live()
+        m = _int_arg("num_max_dispatch_tokens_per_rank", m, 1)
+        backend = self._backend_for(x)
+        return ("l", backend, num_experts, _width("x", x), _width("topk_idx", topk_idx), m,
+                bool(use_fp8) if backend == "gpu" else None)
 
     def low_latency_combine(
         self,
