@@ -42,7 +42,7 @@ from .buffer import (
     _Engine,
     _TorchAllGather,
 )
-from .config import DEFAULT_NUM_SMS, Config
+from .config import DEFAULT_NUM_SMS, Config, gpu_chunking, normal_buffer_bytes
 from .utils import NO_EVENT, EventOverlap
 
 _DTYPES = ("bf16", "fp8")
@@ -315,7 +315,7 @@ class Buffer:
         _int_arg("num_topk", topk, 1)
         if kind == "l":
             _int_arg("num_max_dispatch_tokens_per_rank", max_tokens, 1)
-        self._check_capacity(kind, experts, hidden, topk, max_tokens, bool(fp8))
+        self._check_capacity(kind, backend, experts, hidden, topk, max_tokens, bool(fp8))
         modes = FEP_MODE_NORMAL if kind == "n" else FEP_MODE_LOW_LATENCY
         comm = self._comm_ptr
         if backend == "gpu" and not comm and self._comm is not None:
@@ -342,13 +342,22 @@ class Buffer:
         self._by_id[id(e)] = e
         return e
 
-    def _check_capacity(self, kind: str, experts: int, hidden: int, topk: int, max_tokens: int,
-                        fp8: bool) -> None:
+    def _check_capacity(self, kind: str, backend: str, experts: int, hidden: int, topk: int,
+                        max_tokens: int, fp8: bool) -> None:
         if kind == "n":
             cap = self.num_nvl_bytes + self.num_rdma_bytes
             if not cap:
                 return
-            need = _need_bytes(self.num_ranks, experts, hidden, topk, 128, fp8).normal_bytes
+            # The chunking the native buffer will get: the caller's Config, else the backend's
+            # default (the GPU's own; the host's from the default Config).
+            cfg = self._opts["config"]
+            if cfg is not None:
+                chunking = cfg.fabric_chunking()[1:]
+            elif backend == "gpu":
+                chunking = gpu_chunking(self.num_ranks)
+            else:
+                chunking = Buffer.get_dispatch_config(self.num_ranks).fabric_chunking()[1:]
+            need = normal_buffer_bytes(self.num_ranks, hidden, experts, topk, fp8, chunking)
             names = "num_nvl_bytes + num_rdma_bytes"
         else:
             cap = self.num_rdma_bytes

@@ -28,6 +28,31 @@ def _positive(name: str, v: object) -> int:
     return v
 
 
+# The size hints' defaults when the caller gives only DeepEP's (hidden_bytes, num_ranks): a
+# buffer sized by them takes any shape of that hidden size up to top-16 of 1024 experts.
+HINT_TOPK = 16
+HINT_EXPERTS = 1024
+
+
+def gpu_chunking(num_ranks: int) -> "tuple[int, int]":
+    """The GPU backend's default normal-mode ``(chunk_tokens, slots_per_peer)`` (the library's
+    ``GpuOptions``: 16-token chunks, 32 slots per peer up to 8 ranks, else 16)."""
+    return 16, 32 if num_ranks <= 8 else 16
+
+
+def normal_buffer_bytes(num_ranks: int, hidden: int, num_experts: int, num_topk: int, fp8: bool,
+                        chunking: "tuple[int, int]") -> int:
+    """Per-rank bytes of a normal-mode native buffer of this shape and ``(chunk_tokens,
+    slots_per_peer)`` (the library's size hints)."""
+    cfg = _lib.new_config()
+    cfg.rank, cfg.num_ranks, cfg.ranks_per_node, cfg.local_rank = 0, num_ranks, 1, 0
+    cfg.hidden, cfg.num_topk, cfg.num_experts = hidden, num_topk, num_experts
+    cfg.dispatch_dtype = _lib.FEP_DTYPE_FP8_E4M3 if fp8 else _lib.FEP_DTYPE_BF16
+    cfg.chunk_tokens, cfg.slots_per_peer = chunking
+    cfg.provider = b"shm"
+    return int(_lib.size_hints(cfg).normal_bytes)
+
+
 class Config:
     """DeepEP V1's ``Config(num_sms, nvl_send_chunk, nvl_recv_chunk, rdma_send_chunk,
     rdma_recv_chunk)`` (chunk sizes in tokens). Validated here, once."""
@@ -103,25 +128,18 @@ class Config:
         _positive("num_ranks", num_ranks)
         if hidden_bytes % 2 != 0:
             raise ValueError(f"hidden_bytes: {hidden_bytes} is not a whole number of bf16 values")
-        sms, chunk, slots = self.fabric_chunking()
-        cfg = _lib.new_config()
-        cfg.rank = 0
-        cfg.num_ranks = num_ranks
-        cfg.ranks_per_node = 1
-        cfg.local_rank = 0
-        cfg.hidden = hidden_bytes // 2
-        cfg.num_topk = _positive("num_topk", num_topk)
+        _positive("num_topk", num_topk)
         if num_experts is None:
-            num_experts = num_ranks * max(1, -(-num_topk // num_ranks))
-        cfg.num_experts = _positive("num_experts", num_experts)
-        cfg.num_sms = sms
-        cfg.chunk_tokens = chunk
-        cfg.slots_per_peer = slots
-        cfg.provider = b"shm"
-        return int(_lib.size_hints(cfg).normal_bytes)
+            # Generous: the per-expert counts grow the buffer a little with the experts.
+            num_experts = num_ranks * max(1, -(-max(num_topk, HINT_EXPERTS) // num_ranks))
+        _positive("num_experts", num_experts)
+        h = hidden_bytes // 2
+        # The larger of this config's chunking (the host backend's) and the GPU backend's own.
+        return max(normal_buffer_bytes(num_ranks, h, num_experts, num_topk, False, c)
+                   for c in (self.fabric_chunking()[1:], gpu_chunking(num_ranks)))
 
     def get_nvl_buffer_size_hint(
-        self, hidden_bytes: int, num_ranks: int, *, num_experts=None, num_topk: int = 8
+        self, hidden_bytes: int, num_ranks: int, *, num_experts=None, num_topk: int = HINT_TOPK
     ) -> int:
         """Bytes of fabric-ep's normal-mode buffer per rank when all ``num_ranks`` ranks share a
         node (``num_ranks <= 8``), else 0 (then :meth:`get_rdma_buffer_size_hint` has it).
@@ -135,7 +153,7 @@ class Config:
         return self._normal_bytes(hidden_bytes, num_ranks, num_experts, num_topk)
 
     def get_rdma_buffer_size_hint(
-        self, hidden_bytes: int, num_ranks: int, *, num_experts=None, num_topk: int = 8
+        self, hidden_bytes: int, num_ranks: int, *, num_experts=None, num_topk: int = HINT_TOPK
     ) -> int:
         """Bytes of fabric-ep's normal-mode buffer per rank when ``num_ranks > 8`` (several
         nodes), else 0; see :meth:`get_nvl_buffer_size_hint`."""

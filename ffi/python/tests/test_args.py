@@ -307,6 +307,14 @@ def test_event_overlap_and_helpers(buf):
     assert cfg.get_rdma_buffer_size_hint(7168 * 2, 16) > cfg.get_nvl_buffer_size_hint(7168 * 2, 8)
     assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 16, 256) > 128 * 7168 * 2 * 16
     raises(ValueError, "^num_sms: ", Config, 0)
+    # DeepEP's sizing (hidden bytes and ranks only) covers a real shape on either backend.
+    from fabric_ep.config import gpu_chunking, normal_buffer_bytes
+
+    for r in (2, 4, 8, 16):
+        c = Buffer.get_dispatch_config(r)
+        hint = c.get_nvl_buffer_size_hint(7168 * 2, r) + c.get_rdma_buffer_size_hint(7168 * 2, r)
+        for chunking in ((64, 4), gpu_chunking(r)):
+            assert hint >= normal_buffer_bytes(r, 7168, 256, 8, False, chunking), (r, chunking)
     hints = buf.size_hints()
     assert hints["normal_bytes"] > 0 and hints["ll_bytes"] > 0
 
