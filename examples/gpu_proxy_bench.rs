@@ -14,7 +14,7 @@
 //!     provider and message size, half round trip as it reports usec/xfer) run in the same job.
 //!     Two processes on one GPU time-slice unless MPS is running: the run says which.
 //!
-//! Measured on the H200 machine (2026-11-29, bundle dfd83ca, `bash gpu-bundle/gpu-check.sh run`,
+//! Measured on the H200 machine (`bash gpu-bundle/gpu-check.sh run`,
 //! 16 CPUs, Debian's libfabric 1.17 carried in the bundle for both this and fi_pingpong):
 //!
 //! | path | bytes | one-way median | p99 | fi_pingpong (same provider, size) |

@@ -103,8 +103,8 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
                 // bf16: the warp's 32 items are 64 uint4; lane l moves uint4 l and l + 32 of
                 // them, so each store instruction writes 512 contiguous bytes. NOTES: lane l
                 // storing its item's two uint4 (2l, 2l + 1) left every instruction half its span
-                // in holes: into mapped host memory (the proxy's staging) that cost 9x (run 6 of
-                // docs/results/2026-11-29-h200-i: 1.4 ms to stage 7 MB, fp8's 3.6 MB took 157 us).
+                // in holes: into mapped host memory (the proxy's staging) that cost 9x (H200,
+                // traced: 1.4 ms to stage 7 MB, fp8's 3.6 MB took 157 us).
                 const int nu = H / 8;
                 const int u0 = 2 * base + lane, u1 = u0 + 32;
                 const uint4 z = make_uint4(0, 0, 0, 0);

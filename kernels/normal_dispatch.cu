@@ -152,7 +152,7 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
                 // peer on another node) in one pass with many loads in flight, then unpack from
                 // there. NOTES: unpacking straight from host memory cost a chain of dependent
                 // PCIe reads per row (payload, scales, ids, weights, source): 105 us per 32-token
-                // chunk on the H200 (docs/results/2026-11-29-h200-e, run 3, traced).
+                // chunk on the H200 (traced).
                 block_copy16_px(reinterpret_cast<uint4*>(comm.slot_ptr(me, s, slot)),
                                 reinterpret_cast<const uint4*>(
                                     comm.px_recv(comm.px_data_off(s, slot))),

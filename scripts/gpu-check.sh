@@ -11,7 +11,7 @@
 #                                  FEP_GPU_BUILD=tests the test binaries and the package (no
 #                                  examples, benches or ep-bench). The device tool carries at most
 #                                  64 MiB: a bundle over 60 MiB is refused here (the full one was
-#                                  52 MiB in the twelfth session).
+#                                  52 MiB when last measured).
 #                                  FEP_GPU_TRACE=1 adds traced/gpu_normal_proxy_bench, built with
 #                                  FEP_TRACE_NORMAL=1 (build.rs) in target/trace.
 #   bash gpu-bundle/gpu-check.sh run   (GPU machine, repo root) run every GPU test

@@ -1,6 +1,6 @@
 //! fabric-ep: Mixture-of-Experts expert-parallel communication over libfabric.
 //!
-//! Layers (dependencies point downward only; see DESIGN.md):
+//! Layers (dependencies point downward only; docs/ARCHITECTURE.md maps them):
 //! `ffi` -> `ep` -> {`proxy`, `cuda`, `fabric`, `bootstrap`} -> `libfabric-sys` / cudarc.
 
 pub mod abi;

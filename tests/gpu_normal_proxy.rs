@@ -266,7 +266,7 @@ fn two_processes_one_per_node_over_shm() {
         return;
     }
     // NOTES: asked for explicitly on a GPU without MPS, this fails instead of passing unrun
-    // (a skip looked like a pass in the seventh session's summaries).
+    // (a skip looked like a pass in a run's summary).
     let mps = std::env::var_os("CUDA_MPS_PIPE_DIRECTORY").is_some()
         || std::env::var("FEP_GPU_MPS").is_ok_and(|v| v == "1");
     assert!(

@@ -85,7 +85,7 @@ __device__ __forceinline__ uint32_t fp8x2(float x, float y) {
 // host's threads) before its ticket increment; the last block fences again after reading the
 // ticket and passes a barrier, so the release stores that publish (flags, or the proxy ring's
 // head) follow every block's payload in causality order, and a reader that acquires them sees all
-// rows. Until the sixth session every thread also fenced its own stores when the CPU reads them
+// rows. Every thread used to fence its own stores as well when the CPU reads them
 // (a proxy lane): redundant under the model, and each system fence waits for the PCIe writes in
 // flight (the 1-token proxy phase spent ~11 us between staging and publishing; ll_notes.md).
 __device__ __forceinline__ bool last_block_ticket(uint32_t* ticket) {
@@ -110,7 +110,7 @@ __device__ __forceinline__ bool last_block_ticket(uint32_t* ticket) {
 // on the same stream ("chained"; FEP_LL_PDL=0: never), so the receive's blocks are resident and
 // waiting when the send ends. Not across anything else: with an event record/wait between the
 // two kernels, or across CUDA-graph boundaries, the H200 let the later kernel pass the wait
-// while the earlier one still ran (kernels/ll_notes.md, fourth session). Nothing is read before
+// while the earlier one still ran (kernels/ll_notes.md, "PDL"). Nothing is read before
 // the wait.
 __device__ __forceinline__ void pdl_enter() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -352,10 +352,10 @@ __device__ __forceinline__ fep_cmd px_cmd(uint64_t local, uint64_t remote, uint3
 // One thread of the receive's leader block (block 0): waits (bounded) for this call's message
 // on `slot`, returns its row count, advances sums_seen and leaves the count in mirror[slot] for
 // the followers; false after a timeout or an overrun (recorded, naming ctx.peer).
-// NOTES (one PCIe read per poll, seventh session): the proxy keeps a third word in the slot's
+// NOTES (one PCIe read per poll): the proxy keeps a third word in the slot's
 // counter line, packed = (arrivals << 32) | sums, both modulo 2^32, updated as one atomic word
 // (src/proxy/memory.rs CounterMemory::record_arrival). One ld.acquire.sys of it both tells the
-// arrival and carries the count: until the sixth session the leader polled `arrivals` and then
+// arrival and carries the count: the leader used to poll `arrivals` and then
 // read `sums` (+8, same line) with a second, dependent acquire: two PCIe round trips (~1-1.5 us
 // each on the H200) between an arrival and its count. Arithmetic is modulo 2^32 (the halves
 // wrap; fep::wait_packed_eq): the message has arrived when the high half = arr_base + calls of

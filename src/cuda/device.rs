@@ -160,9 +160,9 @@ impl Device {
     /// `cuMemsetD8` on device memory is asynchronous to the host (CUDA driver API, "API
     /// synchronization behavior"); both run on the legacy stream, which does not order against
     /// the non-blocking streams the kernels use. A test's input copy then raced the next step's
-    /// kernels on the H200 (docs/results/2026-11-29-h200-e, run 1: a dispatch read last
-    /// iteration's top-k). A private stream also keeps these calls out of the legacy stream's
-    /// implicit joins with a framework's blocking streams.
+    /// kernels on the H200 (a dispatch read the last iteration's top-k). A private stream also
+    /// keeps these calls out of the legacy stream's implicit joins with a framework's blocking
+    /// streams.
     pub fn blocking<F>(&self, enqueue: F) -> CudaResult<()>
     where
         F: FnOnce(CUstream) -> CudaResult<()>,

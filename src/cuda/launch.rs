@@ -47,9 +47,9 @@ pub fn ll_pdl() -> bool {
 /// the stream captures a graph.
 ///
 /// NOTES: a captured kernel keeps no programmatic dependency on work before the graph: on the
-/// H200 (fourth session, run 5) a replayed combine-send graph read the layout its rank's
-/// dispatch-receive graph had not yet written (4 ranks as threads, one graph per phase), so a
-/// capturing stream gets a plain launch.
+/// H200 a replayed combine-send graph read the layout its rank's dispatch-receive graph had not
+/// yet written (4 ranks as threads, one graph per phase), so a capturing stream gets a plain
+/// launch.
 unsafe fn launch_with<P: Pod>(
     stream: &Stream,
     kernel: Kernel,
@@ -268,8 +268,8 @@ pub unsafe fn ll_dispatch_send(
 ///
 /// NOTES: only then. With an event record/wait between the kernels (a hook's receive, or the
 /// next phase's send after the stream joins) the H200 let the later kernel pass
-/// `griddepcontrol.wait` while the earlier one still ran (fourth session, run 8: a combine send
-/// published counts of a layout its dispatch receive had not written; graphs likewise, run 5).
+/// `griddepcontrol.wait` while the earlier one still ran (a combine send published counts of a
+/// layout its dispatch receive had not written; across graph boundaries likewise).
 ///
 /// # Safety
 /// As [`ll_dispatch_send`].

@@ -221,7 +221,7 @@ impl DeviceBuffer {
     /// threads, so a pageable read here waits behind any peer thread's pageable read that is
     /// queued behind a kernel spinning on this rank (measured on the H200: a thread's pageable
     /// copy took 450 ms while another thread's waited for a 500 ms kernel; page-locked copies,
-    /// launches and stream syncs were not held up; docs/results/2026-11-29-h200-d/gil_probe.py).
+    /// launches and stream syncs were not held up).
     pub fn copy_to_pinned_async(
         &self,
         dst: &HostMapped,

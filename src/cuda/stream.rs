@@ -43,8 +43,9 @@ impl Stream {
     /// The stream a buffer lends to a framework (`fep_gpu_info`'s comm stream): torch's caching
     /// allocator records an event on a stream that a tensor was `record_stream`-ed on when that
     /// tensor is freed, which may be after the buffer is gone; a destroyed stream there is a
-    /// crash in `cuEventRecord` (seen on the H200 before this, docs/results/2026-11-30-h200-l
-    /// run 2). As many streams exist as buffers were ever alive at once, per device.
+    /// crash in `cuEventRecord` (seen on the H200 before this: benches that freed such tensors
+    /// after `destroy` died so). As many streams exist as buffers were ever alive at once, per
+    /// device.
     pub fn kept(dev: &Device) -> CudaResult<Stream> {
         let ord = dev.ordinal();
         let reuse = {

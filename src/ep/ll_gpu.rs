@@ -509,10 +509,10 @@ impl LlGpuRank {
 
     /// Runs `f` with this rank's launches going to `stream` (the caller's) instead of the
     /// rank's own: the kernels are ordered on it like any other work, with no event joins to a
-    /// side stream. NOTES: until the sixth session every call joined the rank's own stream with
-    /// two event waits; since they went (with the device-wide synchronisations after fills), the
-    /// 4-rank-threads flake has not recurred (ll_notes.md; the cause is not proven: a probe found
-    /// no stream held behind another's spinning kernel).
+    /// side stream. NOTES: every call used to join the rank's own stream with two event waits;
+    /// since they went (with the device-wide synchronisations after fills), the 4-rank-threads
+    /// flake has not recurred (ll_notes.md; the cause is not proven: a probe found no stream
+    /// held behind another's spinning kernel).
     /// Afterwards an event on `stream` marks the rank's last launch for [`Self::finish`] and
     /// [`Self::clean`] (not while `stream` is being captured: a captured record is no event to
     /// wait for).
@@ -599,7 +599,7 @@ impl LlGpuRank {
     /// strides its work over the grid, so blocks past the work would only join the grid-wide
     /// ticket, the proxy handoff and their fences; a one-block grid skips both. (Measured at one
     /// token through the proxy: the send took as long at 1 block as at 66; its cost was the
-    /// per-thread fences, since removed; ll_notes.md, sixth session.)
+    /// per-thread fences, since removed; ll_notes.md.)
     fn cfg(&self, smem: usize, work: usize) -> LaunchConfig {
         let grid = self.grid.min(u32::try_from(work.max(1)).unwrap_or(u32::MAX));
         LaunchConfig { grid, block: abi::FEP_LL_THREADS, shared_bytes: smem as u32 }

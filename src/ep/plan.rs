@@ -31,7 +31,7 @@ use crate::{Error, Result};
 /// Records are padded to this many bytes.
 ///
 /// NOTES: padding normal-mode records to 128 bytes (whole lines for the payload's warp stores)
-/// was tried and reverted (docs/results/2026-11-29-h200-i runs 8-9): the host-staged proxy lane
+/// was tried and reverted (measured on an H200, A/B runs alternated): the host-staged proxy lane
 /// gained 0-10% (7 of 8 alternated pairs), the intranode path lost 1.6-1.8% in dispatch and
 /// 0.7-1.0% in combine (the 1.1% / 0.7% more bytes), and intranode (and EFA with FI_HMEM, where
 /// records stay in device memory) is the path that matters.
@@ -42,8 +42,8 @@ pub const RECORD_ALIGN: u64 = 16;
 /// by whole warps, the tail (scales, source index, padding) by one warp from shared memory
 /// (kernels/ll_dispatch.cu). Tried because over the proxy lane without `FI_HMEM` those writes
 /// cross PCIe into host memory, and the send staged 3.6 MB in ~200 us while the combine's
-/// whole-line rows went at ~50 GB/s (docs/results/2026-11-29-h200-h run 2). Measured after (run
-/// 3): `gpu_ll_bench` dispatch 18.30 us at 1 rank (19.2 before), 48.22 at 4 (50.1); the traced
+/// whole-line rows went at ~50 GB/s (H200, traced). Measured after, on the same machine:
+/// `gpu_ll_bench` dispatch 18.30 us at 1 rank (19.2 before), 48.22 at 4 (50.1); the traced
 /// proxy send span did not shrink, so partial lines were not what slows that staging. Cost: 16
 /// bytes per fp8 record at hidden 7168 (0.2%), 112 per bf16 record.
 pub const LL_DISPATCH_RECORD_ALIGN: u64 = 128;

@@ -1,5 +1,5 @@
 //! RDM endpoint: RMA writes with immediate data, and send/recv for small control messages.
-//! Posting is `unsafe` (STYLE.md 4): the buffers must stay registered until the completion.
+//! Posting is `unsafe`: the buffers must stay registered (and unmoved) until the completion.
 
 use std::ptr;
 use std::sync::Arc;

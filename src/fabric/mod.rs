@@ -1,5 +1,5 @@
 //! Safe libfabric: one owner per fid, each holding an `Arc` to its parent, so teardown runs in
-//! dependency order by construction (STYLE.md 2). Errors name the call, code and text.
+//! dependency order by construction. Errors name the call, code and text.
 //!
 //! ```text
 //! Info -> Fabric -> Domain -> { CompletionQueue, AddressVector, Endpoint, MemoryRegion }

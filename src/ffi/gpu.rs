@@ -14,7 +14,7 @@
 //! receive launched by [`fep_gpu_ll_complete`]. Outputs are caller tensors
 //! ([`fep_gpu_ll_buffers`]) that must outlive the op and the matching combine.
 //!
-//! NOTES (ranks as threads of one process, the only GPU mode of this version): no device memory
+//! NOTES (ranks as threads of one process, as the tests run them): no device memory
 //! may be allocated or freed while a peer's kernel spins on this rank. Handles therefore come
 //! from a per-buffer pool (`fep_buffer_create` fills it, then waits for every rank, before any
 //! step; [`fep_gpu_reserve`] adds more) and

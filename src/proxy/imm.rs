@@ -1,4 +1,4 @@
-//! The 4-byte immediate: `slot << value_bits | value` (DESIGN.md "Transport": EFA carries 4 bytes).
+//! The 4-byte immediate: `slot << value_bits | value` (EFA carries 4 bytes of CQ data).
 
 use super::ProxyError;
 

@@ -3,11 +3,12 @@ C ABI (``libfabric_ep``), so a DeepEP user changes the import::
 
     from fabric_ep import Buffer, Config, EventOverlap
 
-The one difference: ``Buffer(...)`` needs ``num_experts=``, ``hidden=`` and ``num_topk=`` (fabric-ep
-sizes its buffers from the model shape, not from byte counts). Two backends: host (CPU threads
-over host memory; numpy arrays or torch CPU tensors) and GPU (CUDA kernels; torch CUDA tensors
-and the current CUDA stream; in this version ranks are threads of one process on one GPU, e.g.
-over a :class:`ThreadGroup`).
+``Buffer(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, ...)`` takes DeepEP's V1
+arguments as written; the model shape and token format come with each call, and each shape gets
+its own native buffer. Two backends, chosen by the tensors: host (CPU threads over host memory;
+numpy arrays or torch CPU tensors) and GPU (CUDA kernels; torch CUDA tensors and the current
+CUDA stream; ranks as processes, one per GPU, or as threads of one process over a
+:class:`ThreadGroup` for tests).
 
 The GPU backend makes its torch calls through a small C++ helper built on first use
 (``FABRIC_EP_NATIVE``: auto, 1, 0; :func:`native_status` says whether it is in use), else from

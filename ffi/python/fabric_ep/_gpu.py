@@ -27,7 +27,7 @@ stream id, without switching the current stream) and its ``record_stream`` calls
 with torch's own operators; without it each is a torch call from Python (``_nat`` is None), with
 the same streams and results. ``alloc_dispatch``/``alloc_combine``/``finish`` take both paths.
 
-NOTES (ranks as threads of one process on one GPU, this version's only GPU mode): a device
+NOTES (ranks as threads of one process on one GPU, the tests' mode): a device
 allocation or free while a peer's kernel spins on this rank can deadlock (it waits for the whole
 device). The library reserves its dispatch handles up front (``gpu_reserve_tokens``) and never
 frees one before ``destroy``; torch's caching allocator serves ``torch.empty`` from its cache
@@ -159,8 +159,8 @@ class GpuPath:
         # making and recording the event through torch.cuda.Event's base class: the public
         # spellings (``with torch.cuda.stream(s)``, ``torch.cuda.Event()``, ``Event.record``)
         # wrap the same calls in Python (the context manager makes two stream objects and
-        # checks their devices; ~15 us against ~2 us on the H200 host, run 1 of
-        # docs/results/2026-11-30-h200-l). Older torch without them: the public spellings.
+        # checks their devices; ~15 us against ~2 us measured on the H200 host,
+        # scripts/bench_torch_alloc.py). Older torch without them: the public spellings.
         C = torch._C
         self._get_stream = getattr(C, "_cuda_getCurrentStream", None)
         self._set_stream = getattr(C, "_cuda_setStream", None)
@@ -621,12 +621,11 @@ class GpuPath:
         both (``alloc_separate_us`` vs ``alloc_one_block_us``).
         NOTES (spelling): ``Tensor.new_empty_strided(shape, strides)`` of ``like`` (the input
         tokens) or of a zero-element tensor of the output's dtype on this GPU: no dtype or device
-        argument to parse. Measured on the H200, the spellings in turns in one process
-        (docs/results/2026-11-30-h200-k runs 4-6, nine benches of bench_overhead_gpu.py): a bf16
-        dispatch's Python side was faster this way in every bench, by a median of 0.28 us, than
-        with ``torch.empty_strided(shape, strides, dtype=, device=)`` (the spelling of the
-        eighth to tenth sessions, itself 2.1 against ``new_empty``'s 2.5 us per output: run 4
-        of docs/results/2026-11-29-h200-g). The bench keeps both as alternatives."""
+        argument to parse. Measured on the H200, the spellings in turns in one process (nine
+        benches of bench_overhead_gpu.py): a bf16 dispatch's Python side was faster this way in
+        every bench, by a median of 0.28 us, than with ``torch.empty_strided(shape, strides,
+        dtype=, device=)`` (the earlier spelling, itself 2.1 against ``new_empty``'s 2.5 us per
+        output). The bench keeps both as alternatives."""
         h, k, g = self.h, self.k, self.g
         nat = self._nat
         if nat is not None:

@@ -179,11 +179,11 @@ class _Engine:
         config: a :class:`Config` for normal mode (default ``Buffer.get_dispatch_config(R)``).
         backend: ``"host"``, ``"gpu"`` or ``"auto"`` (default): ``"gpu"`` when torch sees a CUDA
             device and ``group`` is an NCCL process group or an ``all_gather_bytes`` group (a
-            :class:`fabric_ep.ThreadGroup`), else ``"host"``. The GPU backend of this version runs
-            ranks as threads of one process on one GPU (the current CUDA device); ranks in other
-            processes are refused when the buffer connects. Thread mode is for tests (real jobs
-            run one process per GPU) and needs ``CUDA_DEVICE_MAX_CONNECTIONS=32`` and
-            ``CUDA_MODULE_LOADING=EAGER`` set before CUDA initialises (see ThreadGroup).
+            :class:`fabric_ep.ThreadGroup`), else ``"host"``. GPU ranks are processes (one per
+            GPU, peers reached through CUDA IPC; several on one GPU need MPS) or threads of one
+            process on one GPU. Thread mode is for tests and needs
+            ``CUDA_DEVICE_MAX_CONNECTIONS=32`` and ``CUDA_MODULE_LOADING=EAGER`` set before CUDA
+            initialises (see ThreadGroup).
         gpu_reserve_tokens: GPU backend: dispatch handles for up to this many input tokens are
             reserved at construction (4 of them; 0: none), so steps allocate no device memory; a
             larger dispatch allocates one when it runs (which, with ranks as threads, can stall

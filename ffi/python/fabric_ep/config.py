@@ -10,7 +10,8 @@ is no separate NVLink and RDMA path with their own chunk sizes. A ``Config`` the
 
 and the NVLink fields must equal the RDMA ones (a ``Config`` where they differ is refused where
 it would be used, naming the fields). The config is fixed when the :class:`~fabric_ep.Buffer` is
-built; a ``config=`` passed to ``dispatch``/``combine`` must equal the buffer's.
+built (``Buffer(..., config=)``, used by every normal-mode native buffer it creates); a
+``config=`` passed to ``dispatch``/``combine`` is accepted as a tuning hint and not used.
 """
 
 from __future__ import annotations
@@ -144,8 +145,8 @@ class Config:
         """Bytes of fabric-ep's normal-mode buffer per rank when all ``num_ranks`` ranks share a
         node (``num_ranks <= 8``), else 0 (then :meth:`get_rdma_buffer_size_hint` has it).
 
-        fabric-ep sizes its buffers itself from ``num_experts``/``hidden``/``num_topk`` at
-        ``Buffer`` construction; the figure is for planning. ``hidden_bytes`` is DeepEP's
+        :class:`~fabric_ep.Buffer` checks each shape's native buffer against the byte counts it
+        was given (``num_nvl_bytes + num_rdma_bytes``). ``hidden_bytes`` is DeepEP's
         ``hidden * 2`` (bf16); ``num_topk`` (default 8) and ``num_experts`` (default: the
         smallest multiple of ``num_ranks`` not below ``num_topk``) change it a little."""
         if num_ranks > 8:

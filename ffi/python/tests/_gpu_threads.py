@@ -31,13 +31,13 @@ def host(t):
     """``t.cpu()``, after waiting for the current stream first.
 
     NOTES: ranks are threads of one process here, and the driver serialises pageable
-    device-to-host copies across a process's threads (H200, docs/results/2026-11-29-h200-d
-    gil_probe.py: a thread's ``z.cpu()`` took 450 ms while another thread's copy waited for a
+    device-to-host copies across a process's threads (measured on the H200 with a probe of
+    threads: a thread's ``z.cpu()`` took 450 ms while another thread's copy waited for a
     500 ms kernel; page-locked copies, launches and stream syncs were not held up, and torch
     releases the GIL in all these calls). A rank whose ``.cpu()`` waits for a collective kernel
     therefore blocks a peer thread's ``.cpu()`` of an earlier result, that peer cannot launch its
-    part, and the group stalls until the kernels' timeout: the intermittent normal-mode failures
-    of the third session (a rank's next call delayed by exactly the 10 s timeout, run 3). Waiting
+    part, and the group stalls until the kernels' timeout: the cause of intermittent normal-mode
+    failures seen on the H200 (a rank's next call delayed by exactly the 10 s timeout). Waiting
     with ``Stream.synchronize`` first leaves the copy nothing to wait for. (The probe ran threads
     of one process; one process per rank, the real deployment, was not probed.) The library's
     own read inside a step (the counts after notify) uses page-locked memory."""

@@ -105,8 +105,8 @@ def main():
         "stores_out_9": stores_out,
         "handle_new_and_free": lambda: DispatchHandle(0, 1, T, rows),
         "per_expert_tolist": lambda: g._per_expert.tolist(),
-        "event_overlap_none": lambda: EventOverlap(None),  # what a call returned until run 1
-        #                                                   of the eleventh session
+        "event_overlap_none": lambda: EventOverlap(None),  # what a call returned before the
+        #                                                   shared read-only NO_EVENT
         "alloc_dispatch_3": lambda: g.alloc_dispatch(rows, x, False, False, False),
         "empty_strided_1": lambda: torch.empty_strided((rows, H), (H, 1), dtype=torch.bfloat16,
                                                        device=d),

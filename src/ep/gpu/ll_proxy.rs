@@ -225,7 +225,7 @@ fn mapped_region(dev: &Device, len: usize) -> Result<(SharedRegion, u64)> {
 
 /// Default proxy workers of the low-latency lane when `FEP_LL_PROXY_WORKERS` is not set.
 /// Measured on the H200 (2 processes x 1 rank per node under MPS, shm, 128 tokens, hidden 7168,
-/// top-8 of 256, fp8: 128 writes of 28-59 KB per phase; docs/results/2026-11-29-h200-h run 1):
+/// top-8 of 256, fp8: 128 writes of 28-59 KB per phase; `gpu_ll_proxy_bench --cases standard`):
 /// dispatch / combine phase 2510 / 2407 us with 1 worker, 1018 / 1221 with 2, 980 / 924 with 4,
 /// 976 / 760 with 6; one token per phase unchanged (22.9 / 21.5 us with 1, 22.4 / 21.6 with 4).
 /// Like the normal lane's default: each worker is a spinning thread (it backs off after 50 ms

@@ -477,7 +477,7 @@ fn check_mps(rank: usize, peer: usize, under_mps: bool, allow: bool) -> Result<(
 /// beyond.
 ///
 /// NOTES: measured on the H200 (ep-bench normal, 4096 tokens, hidden 7168, top-8 of 256, fp8,
-/// 16-token chunks; docs/results/2026-11-29-h200-h run 5): two GPUs over NVLink, one process
+/// 16-token chunks; `ep-bench --gpu-chunk 16 --gpu-slots S`): two GPUs over NVLink, one process
 /// each, combine 512.1 us with 16 slots and 349.4 us with 32 (NCCL all-to-all + permute: 310.7),
 /// 357.1 with 64; 4 ranks as threads on one GPU 748.6 / 722.1 us. A combine chunk goes to its
 /// peer and comes back as a credit: across NVLink 16 chunks in flight left the links idle. The

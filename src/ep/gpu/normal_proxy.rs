@@ -162,10 +162,10 @@ pub struct ProxyLaneSettings {
 
 /// Default proxy workers per lane when `FEP_GPU_PROXY_WORKERS` is not set. Measured on the H200
 /// (2 processes x 1 rank per node, shm, 4096 tokens, hidden 7168, chunk 32 x 16 slots;
-/// docs/results/2026-11-29-h200-e run 5): dispatch through the proxy 3.8 GB/s with 1 worker,
-/// 10.7 with 4, 10.6 with 6; 8 workers (run 3, 16 spinning threads on that 16-core host) were
-/// unsteady. Each worker is a spinning thread per rank: more only pay where the provider's copies
-/// run on the CPU (shm, tcp).
+/// `gpu_normal_proxy_bench`): dispatch through the proxy 3.8 GB/s with 1 worker, 10.7 with 4,
+/// 10.6 with 6; 8 workers (16 spinning threads on that 16-core host) were unsteady. Each worker
+/// is a spinning thread per rank: more only pay where the provider's copies run on the CPU (shm,
+/// tcp).
 pub const DEFAULT_PROXY_WORKERS: usize = 4;
 /// Most proxy workers per lane.
 pub const MAX_PROXY_WORKERS: usize = 16;
