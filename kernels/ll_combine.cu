@@ -141,6 +141,10 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     }
     for (int g = tid; g < E; g += kThreads) s_hist[g] = 0;
     __syncthreads();
+    // NOTES: s_hist counts the rows this combine reads per expert. The owner of expert g sends
+    // back every row this rank dispatched to g, so its count may exceed s_hist[g] when the
+    // caller masks entries of topk_idx (-1) for the combine (DeepEP allows it): only fewer rows
+    // than this combine reads is an error.
     for (int i = tid; i < T * K; i += kThreads) {
         const int64_t g = topk[i];
         if (g >= 0 && g < E) atomicAdd(&s_hist[g], 1);
@@ -156,7 +160,7 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
             uint64_t n = 0;
             if (!px_count(p.proxy, 1, p.set, px_slot(1, p.set, E, g), 4u * E, ctx, &n)) {
                 s_fail = 1;
-            } else if (n != static_cast<uint64_t>(s_hist[g])) {
+            } else if (n < static_cast<uint64_t>(s_hist[g])) {
                 fep::report_error(p.dev_error, FEP_DEV_BAD_COUNT, p.rank, FEP_PHASE_LL_COMBINE_RECV,
                                   g / L, s_hist[g], n);
                 s_fail = 1;
@@ -165,7 +169,8 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
             s_fail = 1;
         } else {
             const uint64_t v = fep::ld_acquire_sys(f);
-            if (v != flag_value(tag, static_cast<uint32_t>(s_hist[g]))) {
+            if ((v >> 32) != (flag_value(tag, 0) >> 32) ||
+                (v & 0xffffffffull) < static_cast<uint64_t>(s_hist[g])) {
                 fep::report_error(p.dev_error, FEP_DEV_BAD_COUNT, p.rank, FEP_PHASE_LL_COMBINE_RECV,
                                   g / L, flag_value(tag, s_hist[g]), v);
                 s_fail = 1;

@@ -609,7 +609,20 @@ impl GpuBuffer {
         }
         let entry = ll.as_ref().map(|(l, _)| l.peer_entry()).unwrap_or_default();
         blob.extend_from_slice(bytemuck::bytes_of(&entry));
-        let exported = [normal.as_ref().map_or(0, |(_, b)| b.device_ptr()), entry.buf, entry.flags];
+        // NOTES: a low-latency buffer in host memory (a proxy lane whose provider cannot
+        // register GPU memory) cannot be shared with this node's other processes through CUDA
+        // IPC; then every peer, this node's too, is reached through the proxy lane. The choice
+        // is the same on every rank (the same provider; IPC peers come in pairs).
+        let ll_host = ll.as_ref().is_some_and(|(_, p)| {
+            p.as_ref().is_some_and(|p| matches!(p.mem(), ll_gpu::LlMem::Host(_)))
+        });
+        let ll_all_proxy = ll_host && peers.any_ipc();
+        let ll_ptr = |v: u64| if ll_all_proxy { 0 } else { v };
+        let exported = [
+            normal.as_ref().map_or(0, |(_, b)| b.device_ptr()),
+            ll_ptr(entry.buf),
+            ll_ptr(entry.flags),
+        ];
         blob.extend_from_slice(&peers.export(&dev, &exported)?);
         let all = boot.all_gather(&blob)?;
         let mut maps = ipc::PeerMaps::default();
@@ -643,7 +656,7 @@ impl GpuBuffer {
             }
             let mut e: abi::fep_ll_peer =
                 bytemuck::pod_read_unaligned(b.get(56..BLOB_BYTES).ok_or_else(bad)?);
-            let theirs = [v(6)?, e.buf, e.flags];
+            let theirs = [v(6)?, ll_ptr(e.buf), ll_ptr(e.flags)];
             let ptrs = peers.resolve(&dev, peer, &theirs, &b[BLOB_BYTES..], &mut maps)?;
             normal_ptrs.push(ptrs[0]);
             (e.buf, e.flags) = (ptrs[1], ptrs[2]);
@@ -683,7 +696,8 @@ impl GpuBuffer {
             Some((mut l, prep)) => {
                 let lane = match prep {
                     Some(p) => {
-                        Some(p.connect(boot, cfg.ranks_per_node, &mut l, &mut table, timeout)?)
+                        let rpn = if ll_all_proxy { 1 } else { cfg.ranks_per_node };
+                        Some(p.connect(boot, rpn, &mut l, &mut table, timeout)?)
                     }
                     None => None,
                 };
