@@ -88,7 +88,7 @@ run() {
         "--ranks 2 --procs --mode normal --fp8" "--ranks 4 --procs --mode normal --fp8" \
         "--ranks 1 --mode low-latency --fp8" "--ranks 4 --procs --mode low-latency --fp8"; do
       echo "===== ep-bench --backend gpu $args" | tee -a "$out/epbench.log"
-      LD_LIBRARY_PATH=$bundle/lib timeout 120 "$bundle/bin/ep-bench" --backend gpu $args 2>&1 \
+      LD_LIBRARY_PATH=$bundle/lib timeout 75 "$bundle/bin/ep-bench" --backend gpu $args 2>&1 \
         | tee -a "$out/epbench.log"
       echo "epbench rc=${PIPESTATUS[0]} $args" >>"$out/summary.txt"
     done
