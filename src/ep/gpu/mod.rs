@@ -611,18 +611,28 @@ impl GpuBuffer {
         blob.extend_from_slice(bytemuck::bytes_of(&entry));
         // NOTES: a low-latency buffer in host memory (a proxy lane whose provider cannot
         // register GPU memory) cannot be shared with this node's other processes through CUDA
-        // IPC; then every peer, this node's too, is reached through the proxy lane. The choice
-        // is the same on every rank (the same provider; IPC peers come in pairs).
+        // IPC (cuIpcGetMemHandle refuses host memory): refused here, naming the cause, on every
+        // rank that has such a peer (the same provider everywhere; IPC peers come in pairs).
         let ll_host = ll.as_ref().is_some_and(|(_, p)| {
             p.as_ref().is_some_and(|p| matches!(p.mem(), ll_gpu::LlMem::Host(_)))
         });
-        let ll_all_proxy = ll_host && peers.any_ipc();
-        let ll_ptr = |v: u64| if ll_all_proxy { 0 } else { v };
-        let exported = [
-            normal.as_ref().map_or(0, |(_, b)| b.device_ptr()),
-            ll_ptr(entry.buf),
-            ll_ptr(entry.flags),
-        ];
+        if let Some(peer) =
+            peers.paths().iter().position(|p| matches!(p, ipc::PeerPath::Ipc { .. }))
+        {
+            if ll_host {
+                return Err(Error::arg(
+                    "provider",
+                    format!(
+                        "low latency across nodes over {:?}, which cannot register GPU memory \
+                         (no FI_HMEM): its buffer is host memory, which CUDA IPC cannot share \
+                         with rank {peer}, another process of rank {rank}'s node; use a \
+                         provider with FI_HMEM (efa), one process per node, or ranks as threads",
+                        opts.ll_provider.as_deref().unwrap_or("FI_PROVIDER")
+                    ),
+                ));
+            }
+        }
+        let exported = [normal.as_ref().map_or(0, |(_, b)| b.device_ptr()), entry.buf, entry.flags];
         blob.extend_from_slice(&peers.export(&dev, &exported)?);
         let all = boot.all_gather(&blob)?;
         let mut maps = ipc::PeerMaps::default();
@@ -656,7 +666,7 @@ impl GpuBuffer {
             }
             let mut e: abi::fep_ll_peer =
                 bytemuck::pod_read_unaligned(b.get(56..BLOB_BYTES).ok_or_else(bad)?);
-            let theirs = [v(6)?, ll_ptr(e.buf), ll_ptr(e.flags)];
+            let theirs = [v(6)?, e.buf, e.flags];
             let ptrs = peers.resolve(&dev, peer, &theirs, &b[BLOB_BYTES..], &mut maps)?;
             normal_ptrs.push(ptrs[0]);
             (e.buf, e.flags) = (ptrs[1], ptrs[2]);
@@ -696,8 +706,7 @@ impl GpuBuffer {
             Some((mut l, prep)) => {
                 let lane = match prep {
                     Some(p) => {
-                        let rpn = if ll_all_proxy { 1 } else { cfg.ranks_per_node };
-                        Some(p.connect(boot, rpn, &mut l, &mut table, timeout)?)
+                        Some(p.connect(boot, cfg.ranks_per_node, &mut l, &mut table, timeout)?)
                     }
                     None => None,
                 };
