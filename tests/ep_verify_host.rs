@@ -40,7 +40,13 @@ fn plain() -> NormalCall {
     }
 }
 
-fn shape(hidden: usize, topk: usize, experts: usize, hier: bool, calls: Vec<CallSpec>) -> ShapeSpec {
+fn shape(
+    hidden: usize,
+    topk: usize,
+    experts: usize,
+    hier: bool,
+    calls: Vec<CallSpec>,
+) -> ShapeSpec {
     ShapeSpec {
         hidden,
         topk,
@@ -124,7 +130,11 @@ fn direct_path_cached_topk_and_empty_ranks() {
     let calls = vec![
         normal_call(vec![3, 2], Routing::Uniform, NormalCall { cached: Some(true), ..plain() }),
         normal_call(vec![2, 1], Routing::Starve(1), NormalCall { worst_extra: Some(1), ..plain() }),
-        normal_call(vec![0, 0], Routing::Uniform, NormalCall { worst_extra: Some(2), cached: Some(false), ..plain() }),
+        normal_call(
+            vec![0, 0],
+            Routing::Uniform,
+            NormalCall { worst_extra: Some(2), cached: Some(false), ..plain() },
+        ),
     ];
     assert_ok(&case(Mode::Normal, 2, 1, vec![shape(128, 2, 8, false, calls)]));
 }
@@ -163,17 +173,18 @@ fn low_latency_sequence_of_deepeps_test() {
         combine_twice: true,
         repeat: 3,
     };
-    let calls = [(false, false, false), (true, true, false), (true, false, true), (false, true, true)]
-        .iter()
-        .enumerate()
-        .map(|(i, &(d, h, c))| CallSpec {
-            tokens: vec![8, if i % 2 == 0 { 0 } else { 8 }, 5],
-            routing: Routing::Uniform,
-            mask: 0.1,
-            seed: 40 + i as u64,
-            kind: CallKind::Ll(ll(d, h, c)),
-        })
-        .collect();
+    let calls =
+        [(false, false, false), (true, true, false), (true, false, true), (false, true, true)]
+            .iter()
+            .enumerate()
+            .map(|(i, &(d, h, c))| CallSpec {
+                tokens: vec![8, if i % 2 == 0 { 0 } else { 8 }, 5],
+                routing: Routing::Uniform,
+                mask: 0.1,
+                seed: 40 + i as u64,
+                kind: CallKind::Ll(ll(d, h, c)),
+            })
+            .collect();
     let mut sh = shape(256, 3, 12, false, calls);
     sh.max_tokens = 8;
     assert_ok(&case(Mode::LowLatency, 3, 3, vec![sh]));
@@ -287,7 +298,8 @@ fn verify_reports_mismatches_and_hangs() {
     assert!(!out.status.success(), "{stdout}");
     assert!(stdout.contains("MISMATCH") && stdout.contains("combined_x"), "{stdout}");
     assert!(
-        stdout.contains("replay: ep-bench verify --backend host --seed 1 --case 0 --launch threads"),
+        stdout
+            .contains("replay: ep-bench verify --backend host --seed 1 --case 0 --launch threads"),
         "{stdout}"
     );
     let last = stdout.lines().last().unwrap_or("");

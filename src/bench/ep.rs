@@ -632,7 +632,12 @@ pub fn ll_reference_rank(
         let (mut q, mut sc, mut f) = (vec![0u8; h], vec![0f32; g], vec![0f32; h]);
         let mut out = Vec::with_capacity(t * h);
         for tok in 0..t {
-            crate::ep::quant::quantize_row_bf16(&me.x[tok * h..(tok + 1) * h], round_scale, &mut q, &mut sc)?;
+            crate::ep::quant::quantize_row_bf16(
+                &me.x[tok * h..(tok + 1) * h],
+                round_scale,
+                &mut q,
+                &mut sc,
+            )?;
             dequantize_row(&q, &sc, &mut f)?;
             out.extend(f.iter().map(|&v| f32_to_bf16(v)));
         }

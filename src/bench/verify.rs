@@ -28,11 +28,11 @@ use std::time::{Duration, Instant};
 
 use crate::bootstrap::{Bootstrap, BootstrapError, InProcGroup};
 use crate::ep::buffer::{
-    Buffer, BufferOptions, CombineArgs, CombineOutput, DispatchArgs, DispatchOutput,
-    LlCombineArgs, LlDispatchArgs, LlDispatchOutput, OwnedTokens, Tokens,
+    Buffer, BufferOptions, CombineArgs, CombineOutput, DispatchArgs, DispatchOutput, LlCombineArgs,
+    LlDispatchArgs, LlDispatchOutput, OwnedTokens, Tokens,
 };
-use crate::ep::hier::{HierBuffer, HierDispatchArgs, HierDispatchOutput};
 use crate::ep::config::{DispatchDtype, EpConfig, EpSettings};
+use crate::ep::hier::{HierBuffer, HierDispatchArgs, HierDispatchOutput};
 use crate::ep::quant::{bf16_to_f32, dequantize_row, f32_to_bf16, quantize_bf16};
 use crate::ep::reference::{self as refm};
 use crate::util::SplitMix64;
@@ -282,7 +282,11 @@ impl CaseSpec {
                             if l.hook_combine { "c" } else { "-" }
                         );
                         if l.double {
-                            s += if l.overlap { ", two dispatches (overlapped)" } else { ", two dispatches" };
+                            s += if l.overlap {
+                                ", two dispatches (overlapped)"
+                            } else {
+                                ", two dispatches"
+                            };
                         }
                         if l.combine_mask {
                             s += ", combine mask";
@@ -333,6 +337,8 @@ const NORMAL_MAX_TOKENS: usize = 4096;
 const LL_ELEMS_HOST: usize = 1 << 21;
 /// The same on the GPU backend (device memory; the host still builds the reference).
 const LL_ELEMS_GPU: usize = 1 << 24;
+/// Calls repeated back to back move at most this many elements (all ranks' tokens x hidden).
+const REPEAT_ELEMS: usize = 1 << 18;
 /// Most low-latency tokens per rank (DeepEP's 128 and beyond).
 const LL_MAX_TOKENS: usize = 256;
 /// The GPU normal kernels' top-k limit (`ep::normal_gpu`); the host backend takes up to
@@ -380,11 +386,14 @@ pub fn draw_case(seed: u64, index: usize, backend: VerifyBackend, launch: Launch
         .collect();
     let host = backend == VerifyBackend::Host;
     let mr_max_bytes = (host && chance(&mut rng, 0.3))
-        .then(|| largest_unit(mode, num_ranks, &shapes).map(|u| u.next_power_of_two() << rng.below(3)))
+        .then(|| {
+            largest_unit(mode, num_ranks, &shapes).map(|u| u.next_power_of_two() << rng.below(3))
+        })
         .flatten();
     let ring_capacity = (host && chance(&mut rng, 0.2)).then(|| pick(&mut rng, &[1, 2, 3, 8, 64]));
-    let emulate_gbps = (host && mode == Mode::Normal && ranks_per_node < num_ranks && chance(&mut rng, 0.2))
-        .then(|| pick(&mut rng, &[1.0, 4.0]));
+    let emulate_gbps =
+        (host && mode == Mode::Normal && ranks_per_node < num_ranks && chance(&mut rng, 0.2))
+            .then(|| pick(&mut rng, &[1.0, 4.0]));
     CaseSpec {
         index,
         seed,
@@ -472,10 +481,9 @@ fn draw_shape(
     };
     let fp8 = chance(rng, 0.5);
     let (chunk_tokens, slots_per_peer) = match backend {
-        VerifyBackend::Host => (
-            Some(pick(rng, &[1, 2, 3, 7, 16, 64, 64, 128])),
-            Some(between(rng, 1, 4)),
-        ),
+        VerifyBackend::Host => {
+            (Some(pick(rng, &[1, 2, 3, 7, 16, 64, 64, 128])), Some(between(rng, 1, 4)))
+        }
         // The GPU path at its defaults (what jobs run), sometimes a larger chunk.
         VerifyBackend::Gpu => (chance(rng, 0.25).then_some(32), None),
     };
@@ -497,7 +505,7 @@ fn draw_shape(
                 Mode::Normal => normal_cap,
                 Mode::LowLatency => max_tokens,
             };
-            draw_call(rng, backend, mode, r, rpn, experts, fp8, cap)
+            draw_call(rng, backend, mode, r, hidden, experts, fp8, cap)
         })
         .collect();
     // The hierarchy's node stage holds the experts of one node: `experts / nodes` of them.
@@ -517,7 +525,7 @@ fn draw_call(
     backend: VerifyBackend,
     mode: Mode,
     r: usize,
-    _rpn: usize,
+    hidden: usize,
     experts: usize,
     shape_fp8: bool,
     cap: usize,
@@ -550,6 +558,8 @@ fn draw_call(
     };
     let mask = if chance(rng, 0.4) { 0.0 } else { 0.5 * rng.unit_f32() };
     let seed = rng.next_u64();
+    // Benchmark-like loops on small calls only (a case's cost stays bounded).
+    let small = tokens.iter().sum::<usize>() * hidden <= REPEAT_ELEMS;
     let kind = match mode {
         Mode::Normal => CallKind::Normal(NormalCall {
             alignment: pick(rng, &[1, 1, 4, 128]),
@@ -557,7 +567,7 @@ fn draw_call(
             weights: chance(rng, 0.7),
             pass_layout: chance(rng, 0.5),
             cached: chance(rng, 0.4).then(|| chance(rng, 0.5)),
-            repeat: if chance(rng, 0.1) { between(rng, 2, 12) } else { 1 },
+            repeat: if small && chance(rng, 0.15) { between(rng, 2, 12) } else { 1 },
         }),
         Mode::LowLatency => {
             // The GPU's low-latency buffers are sized for the config's dtype; the host's per
@@ -577,7 +587,7 @@ fn draw_call(
                 combine_mask: chance(rng, 0.2),
                 clean_before: chance(rng, 0.15),
                 combine_twice: chance(rng, 0.2),
-                repeat: if chance(rng, 0.1) { between(rng, 2, 24) } else { 1 },
+                repeat: if small && chance(rng, 0.15) { between(rng, 2, 24) } else { 1 },
             })
         }
     };
@@ -725,7 +735,11 @@ fn rows_f32(x: &OwnedTokens, hidden: usize, row: usize, out: &mut [f32]) -> Resu
         }
         OwnedTokens::Fp8 { x, scales } => {
             let g = hidden / 128;
-            dequantize_row(&x[row * hidden..(row + 1) * hidden], &scales[row * g..(row + 1) * g], out)
+            dequantize_row(
+                &x[row * hidden..(row + 1) * hidden],
+                &scales[row * g..(row + 1) * g],
+                out,
+            )
         }
     }
 }
@@ -809,7 +823,11 @@ fn normal_step_ref(
     let p = normal_params(sh, n, worst);
     let rin: Vec<refm::NormalRankInput> = inputs
         .iter()
-        .map(|i| refm::NormalRankInput { x: i.tokens(), topk_idx: &i.topk_idx, topk_weights: &i.topk_weights })
+        .map(|i| refm::NormalRankInput {
+            x: i.tokens(),
+            topk_idx: &i.topk_idx,
+            topk_weights: &i.topk_weights,
+        })
         .collect();
     let want_d = refm::normal_dispatch(&p, &rin)?;
     let (h, k) = (sh.hidden, sh.topk);
@@ -944,13 +962,25 @@ fn ll_call_ref(sh: &ShapeSpec, c: &CallSpec, l: &LlCall) -> Result<LlCallRef> {
 pub struct CaseRefs {
     spec: CaseSpec,
     calls: Vec<Vec<OnceLock<std::result::Result<CallRef, String>>>>,
+    /// Calls completed by the ranks sharing this (ranks as threads): the matrix's sign of
+    /// progress, so a slow case is not taken for a stuck one.
+    progress: std::sync::atomic::AtomicU64,
 }
 
 impl CaseRefs {
     pub fn new(spec: &CaseSpec) -> Self {
         let calls =
             spec.shapes.iter().map(|s| s.calls.iter().map(|_| OnceLock::new()).collect()).collect();
-        CaseRefs { spec: spec.clone(), calls }
+        CaseRefs { spec: spec.clone(), calls, progress: Default::default() }
+    }
+
+    /// A rank finished one call.
+    pub fn step_done(&self) {
+        self.progress.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn progress(&self) -> u64 {
+        self.progress.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The reference of call `c` of shape `s` (an error if the reference itself refused it).
@@ -1045,7 +1075,10 @@ pub(crate) fn normal_dispatch_diff(
         }
     };
     if got.num_recv_tokens != want.num_recv_tokens {
-        return Some(format!("num_recv_tokens {} (want {})", got.num_recv_tokens, want.num_recv_tokens));
+        return Some(format!(
+            "num_recv_tokens {} (want {})",
+            got.num_recv_tokens, want.num_recv_tokens
+        ));
     }
     let prefix: Vec<usize> = got.rank_prefix.iter().map(|&v| v as usize).collect();
     if prefix != want.rank_prefix {
@@ -1063,7 +1096,9 @@ pub(crate) fn normal_dispatch_diff(
             if g.len() != w.len() {
                 return Some(format!("recv_x has {} rows (want {rows})", g.len() / hidden));
             }
-            if let Some(r) = (0..rows).find(|&r| g[r * hidden..(r + 1) * hidden] != w[r * hidden..(r + 1) * hidden]) {
+            if let Some(r) = (0..rows)
+                .find(|&r| g[r * hidden..(r + 1) * hidden] != w[r * hidden..(r + 1) * hidden])
+            {
                 return Some(format!("recv_x row {r}{}", src_of(r)));
             }
         }
@@ -1086,7 +1121,11 @@ pub(crate) fn normal_dispatch_diff(
     }
     if let Some(ti) = got.recv_topk_idx {
         if ti.len() != want.recv_topk_idx.len() {
-            return Some(format!("recv_topk_idx length {} (want {})", ti.len(), want.recv_topk_idx.len()));
+            return Some(format!(
+                "recv_topk_idx length {} (want {})",
+                ti.len(),
+                want.recv_topk_idx.len()
+            ));
         }
         if let Some(i) = (0..ti.len()).find(|&i| ti[i] != want.recv_topk_idx[i]) {
             return Some(format!(
@@ -1109,12 +1148,18 @@ pub(crate) fn normal_dispatch_diff(
         }
         let w = &want.recv_topk_weights;
         if let Some(i) = (0..tw.len()).find(|&i| tw[i].to_bits() != w[i].to_bits()) {
-            return Some(format!("recv_topk_weights row {} entry {}{}", i / topk, i % topk, src_of(i / topk)));
+            return Some(format!(
+                "recv_topk_weights row {} entry {}{}",
+                i / topk,
+                i % topk,
+                src_of(i / topk)
+            ));
         }
     }
     let n = want.num_recv_tokens;
     if got.recv_src_idx.len() < n || got.recv_src_idx[..n] != want.recv_src_idx[..] {
-        let r = (0..n).find(|&r| got.recv_src_idx.get(r) != Some(&want.recv_src_idx[r])).unwrap_or(0);
+        let r =
+            (0..n).find(|&r| got.recv_src_idx.get(r) != Some(&want.recv_src_idx[r])).unwrap_or(0);
         return Some(format!("source index of row {r}{}", src_of(r)));
     }
     None
@@ -1150,7 +1195,11 @@ pub(crate) struct LlGot<'a> {
 
 /// The first difference of a low-latency dispatch (valid rows only: rows past the counts are
 /// not part of the contract).
-pub(crate) fn ll_dispatch_diff(got: &LlGot<'_>, want: &refm::LlDispatchOut, hidden: usize) -> Option<String> {
+pub(crate) fn ll_dispatch_diff(
+    got: &LlGot<'_>,
+    want: &refm::LlDispatchOut,
+    hidden: usize,
+) -> Option<String> {
     if got.recv_count != &want.recv_count[..] {
         return Some(format!("recv_count {:?} (want {:?})", got.recv_count, want.recv_count));
     }
@@ -1163,7 +1212,12 @@ pub(crate) fn ll_dispatch_diff(got: &LlGot<'_>, want: &refm::LlDispatchOut, hidd
     for (e, &c) in want.recv_count.iter().enumerate() {
         for i in 0..c as usize {
             let o = e * s_rows + i;
-            let at = || format!(" (local expert {e} row {i}: source rank {}, token {})", want.recv_src_rank[o], want.recv_src_idx[o]);
+            let at = || {
+                format!(
+                    " (local expert {e} row {i}: source rank {}, token {})",
+                    want.recv_src_rank[o], want.recv_src_idx[o]
+                )
+            };
             if got.recv_src_rank.get(o) != Some(&want.recv_src_rank[o])
                 || got.recv_src_idx.get(o) != Some(&want.recv_src_idx[o])
             {
@@ -1176,7 +1230,9 @@ pub(crate) fn ll_dispatch_diff(got: &LlGot<'_>, want: &refm::LlDispatchOut, hidd
                 (GotTokens::Fp8 { x: a, scales: sa }, OwnedTokens::Fp8 { x: b, scales: sb }) => {
                     a.get(o * hidden..(o + 1) * hidden) == Some(&b[o * hidden..(o + 1) * hidden])
                         && sa.get(o * g..(o + 1) * g).is_some_and(|s| {
-                            s.iter().zip(&sb[o * g..(o + 1) * g]).all(|(u, v)| u.to_bits() == v.to_bits())
+                            s.iter()
+                                .zip(&sb[o * g..(o + 1) * g])
+                                .all(|(u, v)| u.to_bits() == v.to_bits())
                         })
                 }
                 _ => return Some("recv_x dtype".into()),
@@ -1230,15 +1286,22 @@ impl Checks {
         hidden: usize,
     ) {
         let mut exact = true;
-        self.note(at, combine_diff(got, want, hidden, &mut exact).map(|d| format!("combined_x {d}")));
+        self.note(
+            at,
+            combine_diff(got, want, hidden, &mut exact).map(|d| format!("combined_x {d}")),
+        );
         match (got_w, want_w) {
-            (Some(g), Some(w)) => {
-                self.note(at, weights_diff(g, w, &mut exact).map(|d| format!("combined_topk_weights {d}")))
-            }
+            (Some(g), Some(w)) => self.note(
+                at,
+                weights_diff(g, w, &mut exact).map(|d| format!("combined_topk_weights {d}")),
+            ),
             (None, None) => {}
             (g, _) => self.note(
                 at,
-                Some(format!("combined_topk_weights {} (want the other)", if g.is_some() { "returned" } else { "missing" })),
+                Some(format!(
+                    "combined_topk_weights {} (want the other)",
+                    if g.is_some() { "returned" } else { "missing" }
+                )),
             ),
         }
         self.combines += 1;
@@ -1254,7 +1317,12 @@ impl Checks {
 }
 
 /// Rank `rank`'s config for shape `sh` of `spec`.
-pub fn shape_config(spec: &CaseSpec, sh: &ShapeSpec, rank: usize, timeout: Duration) -> Result<EpConfig> {
+pub fn shape_config(
+    spec: &CaseSpec,
+    sh: &ShapeSpec,
+    rank: usize,
+    timeout: Duration,
+) -> Result<EpConfig> {
     let mut s = EpSettings::new(rank, spec.num_ranks, sh.experts, sh.hidden, sh.topk);
     s.ranks_per_node = spec.ranks_per_node;
     s.timeout = timeout;
@@ -1336,30 +1404,32 @@ fn host_rank_inner(
             opts.ring_capacity = c;
         }
         let mut eng = if sh.hier {
-            HostNormal::Hier(HierBuffer::new(cfg, boot.clone(), opts)?)
+            HostNormal::Hier(Box::new(HierBuffer::new(cfg, boot.clone(), opts)?))
         } else {
-            HostNormal::Direct(Buffer::new(cfg, boot.clone(), opts)?)
+            HostNormal::Direct(Box::new(Buffer::new(cfg, boot.clone(), opts)?))
         };
         for (ci, call) in sh.calls.iter().enumerate() {
             let cref = refs.get(si, ci)?;
             match (&call.kind, cref, &mut eng) {
                 (CallKind::Normal(n), CallRef::Normal(r), eng) => {
                     for _ in 0..n.repeat.max(1) {
-                        host_normal_call(eng, sh, n, r, rank, &|w| at(si, ci, w), checks)?
+                        host_normal_call(eng, sh, n, r, rank, &|w| at(si, ci, w), checks)?;
+                        refs.step_done();
                     }
                 }
                 (CallKind::Ll(l), CallRef::Ll(r), HostNormal::Direct(buf)) => {
                     for i in 0..l.repeat.max(1) {
                         let l = LlCall { clean_before: l.clean_before && i == 0, ..l.clone() };
-                        host_ll_call(buf, sh, &l, r, rank, &|w| at(si, ci, w), checks)?
+                        host_ll_call(buf, sh, &l, r, rank, &|w| at(si, ci, w), checks)?;
+                        refs.step_done();
                     }
                 }
                 _ => return Err(Error::Other("reference of the wrong mode (bug)".into())),
             }
         }
         match eng {
-            HostNormal::Direct(b) => b.destroy()?,
-            HostNormal::Hier(b) => b.destroy()?,
+            HostNormal::Direct(b) => (*b).destroy()?,
+            HostNormal::Hier(b) => (*b).destroy()?,
         }
     }
     Ok(())
@@ -1367,14 +1437,14 @@ fn host_rank_inner(
 
 /// Normal mode's two routings on the host backend.
 enum HostNormal {
-    Direct(Buffer),
-    Hier(HierBuffer),
+    Direct(Box<Buffer>),
+    Hier(Box<HierBuffer>),
 }
 
 /// A dispatch result of either routing.
 enum HostOut {
-    Direct(DispatchOutput),
-    Hier(HierDispatchOutput),
+    Direct(Box<DispatchOutput>),
+    Hier(Box<HierDispatchOutput>),
 }
 
 impl HostOut {
@@ -1415,7 +1485,7 @@ impl HostNormal {
                     Some(HostOut::Hier(_)) => return Err(Error::Other("handle kind (bug)".into())),
                     None => None,
                 };
-                Ok(HostOut::Direct(b.dispatch(&DispatchArgs {
+                Ok(HostOut::Direct(Box::new(b.dispatch(&DispatchArgs {
                     x: me.tokens(),
                     topk_idx: idx,
                     topk_weights: w,
@@ -1423,22 +1493,24 @@ impl HostNormal {
                     handle,
                     expert_alignment: n.alignment,
                     num_worst_tokens: worst,
-                })?))
+                })?)))
             }
             (HostNormal::Hier(b), c) => {
                 let handle = match c {
                     Some(HostOut::Hier(o)) => Some(&o.handle),
-                    Some(HostOut::Direct(_)) => return Err(Error::Other("handle kind (bug)".into())),
+                    Some(HostOut::Direct(_)) => {
+                        return Err(Error::Other("handle kind (bug)".into()))
+                    }
                     None => None,
                 };
-                Ok(HostOut::Hier(b.dispatch(&HierDispatchArgs {
+                Ok(HostOut::Hier(Box::new(b.dispatch(&HierDispatchArgs {
                     x: me.tokens(),
                     topk_idx: idx,
                     topk_weights: w,
                     handle,
                     expert_alignment: n.alignment,
                     num_worst_tokens: worst,
-                })?))
+                })?)))
             }
         }
     }
@@ -1538,12 +1610,20 @@ fn host_ll_call(
             let a = buf.low_latency_dispatch(&args(&first.inputs[rank], l, true))?;
             let b = buf.low_latency_dispatch(&args(last_in, l, true))?;
             let da = a.complete(buf)?;
-            checks.note(&at("first dispatch"), ll_dispatch_diff(&ll_got(&da), &first.want_d[rank], h));
+            checks.note(
+                &at("first dispatch"),
+                ll_dispatch_diff(&ll_got(&da), &first.want_d[rank], h),
+            );
             b.complete(buf)?
         }
         Some(first) => {
-            let da = buf.low_latency_dispatch(&args(&first.inputs[rank], l, l.hook_dispatch))?.complete(buf)?;
-            checks.note(&at("first dispatch"), ll_dispatch_diff(&ll_got(&da), &first.want_d[rank], h));
+            let da = buf
+                .low_latency_dispatch(&args(&first.inputs[rank], l, l.hook_dispatch))?
+                .complete(buf)?;
+            checks.note(
+                &at("first dispatch"),
+                ll_dispatch_diff(&ll_got(&da), &first.want_d[rank], h),
+            );
             buf.low_latency_dispatch(&args(last_in, l, l.hook_dispatch))?.complete(buf)?
         }
         None => buf.low_latency_dispatch(&args(last_in, l, l.hook_dispatch))?.complete(buf)?,
@@ -1627,8 +1707,7 @@ fn test_corrupt() -> bool {
 }
 
 fn test_stall(rank: usize, spec: &CaseSpec, timeout: Duration) {
-    if std::env::var("FEP_TEST_VERIFY_STALL_RANK").ok().and_then(|v| v.parse().ok()) == Some(rank)
-    {
+    if std::env::var("FEP_TEST_VERIFY_STALL_RANK").ok().and_then(|v| v.parse().ok()) == Some(rank) {
         let o = VerifyOptions {
             backend: spec.backend,
             cases: 0,
@@ -1670,24 +1749,29 @@ impl VerifyOptions {
         s
     }
 
-    /// The deadline of a case: every wait's bound, three times over (a failed rank's peers
-    /// time out one after another), plus room for the data and the set-up.
+    /// How long a case with its ranks as threads may go without any rank finishing a call
+    /// before it is a hang: every wait's bound three times over (a failed rank's peers time out
+    /// one after another) plus room for a shape's set-up.
+    pub fn stall_limit(&self) -> Duration {
+        self.timeout * 3 + Duration::from_secs(20)
+    }
+
+    /// The deadline of a whole case (ranks as processes, whose progress this process does not
+    /// see; and a bound on a threads case that progresses forever): every wait's bound, three
+    /// times over, plus room for the data and the set-up.
     pub fn deadline(&self, spec: &CaseSpec) -> Duration {
         let calls: usize =
             spec.shapes.iter().map(|s| 1 + s.calls.iter().map(call_steps).sum::<usize>()).sum();
-        self.timeout * 3 + Duration::from_secs(10 + 2 * calls as u64)
+        self.timeout * 3 + Duration::from_secs(20 + 3 * calls as u64 * spec.num_ranks as u64)
     }
 }
 
 /// The runners a backend provides to the matrix.
-pub type RankFn =
-    fn(&CaseSpec, &CaseRefs, usize, Arc<dyn Bootstrap>, Duration) -> RankVerdict;
+pub type RankFn = fn(&CaseSpec, &CaseRefs, usize, Arc<dyn Bootstrap>, Duration) -> RankVerdict;
 
 fn is_timeout(e: &Error) -> bool {
-    matches!(
-        e,
-        Error::Timeout { .. } | Error::Bootstrap(BootstrapError::Timeout { .. })
-    ) || matches!(e, Error::Proxy(crate::proxy::ProxyError::SendTimeout { .. }))
+    matches!(e, Error::Timeout { .. } | Error::Bootstrap(BootstrapError::Timeout { .. }))
+        || matches!(e, Error::Proxy(crate::proxy::ProxyError::SendTimeout { .. }))
 }
 
 /// Folds the ranks' verdicts into the case's outcome: a failure other than a timeout is the
@@ -1749,45 +1833,69 @@ pub fn run_case_threads(opts: &VerifyOptions, spec: &CaseSpec, rank_fn: RankFn) 
     let (tx, rx) = mpsc::channel();
     for (rank, b) in boots.into_iter().enumerate() {
         let (tx, refs, spec, timeout) = (tx.clone(), refs.clone(), spec.clone(), opts.timeout);
-        let spawned = std::thread::Builder::new().name(format!("verify-rank-{rank}")).spawn(move || {
-            let boot: Arc<dyn Bootstrap> = Arc::new(b);
-            let v = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                rank_fn(&spec, &refs, rank, boot, timeout)
-            }))
-            .unwrap_or_else(|p| {
-                let msg = p
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_default();
-                RankVerdict::Failed(Error::Other(format!("rank {rank} panicked: {msg}")))
+        let spawned =
+            std::thread::Builder::new().name(format!("verify-rank-{rank}")).spawn(move || {
+                let boot: Arc<dyn Bootstrap> = Arc::new(b);
+                let v = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    rank_fn(&spec, &refs, rank, boot, timeout)
+                }))
+                .unwrap_or_else(|p| {
+                    let msg = p
+                        .downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                        .unwrap_or_default();
+                    RankVerdict::Failed(Error::Other(format!("rank {rank} panicked: {msg}")))
+                });
+                let _ = tx.send((rank, v));
             });
-            let _ = tx.send((rank, v));
-        });
         if let Err(e) = spawned {
             return CaseOutcome::Mismatch(format!("spawn rank {rank}: {e}"));
         }
     }
     drop(tx);
-    let deadline = Instant::now() + opts.deadline(&spec);
+    let start = Instant::now();
+    // Progress decides (stall_limit); the deadline only bounds a case that never ends.
+    let deadline = start + opts.deadline(&spec) * 4;
+    let (mut seen, mut last_change) = (refs.progress(), start);
     let mut got = Vec::with_capacity(r);
     while got.len() < r {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match rx.recv_timeout(left) {
-            Ok(v) => got.push(v),
-            Err(_) => {
-                let done: Vec<usize> = got.iter().map(|(r, _)| *r).collect();
-                let stuck: Vec<usize> = (0..r).filter(|x| !done.contains(x)).collect();
-                let mut why = format!(
-                    "ranks {stuck:?} still running at the case's deadline ({:?})",
-                    opts.deadline(&spec)
-                );
-                if let CaseOutcome::Mismatch(m) | CaseOutcome::Hang(m) = fold_verdicts(got) {
-                    why += &format!("; the others: {m}");
-                }
-                return CaseOutcome::Hang(why);
-            }
+        let now = Instant::now();
+        if refs.progress() != seen {
+            (seen, last_change) = (refs.progress(), now);
         }
+        let stalled = now.duration_since(last_change) >= opts.stall_limit();
+        if now < deadline && !stalled {
+            match rx.recv_timeout(Duration::from_millis(250)) {
+                Ok(v) => {
+                    got.push(v);
+                    last_change = Instant::now();
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+            continue;
+        }
+        let done: Vec<usize> = got.iter().map(|(r, _)| *r).collect();
+        let stuck: Vec<usize> = (0..r).filter(|x| !done.contains(x)).collect();
+        let mut why = if stalled {
+            format!(
+                "ranks {stuck:?} still running, no call finished for {:?} (after {} \
+                 calls in {:.1} s)",
+                opts.stall_limit(),
+                seen,
+                start.elapsed().as_secs_f64()
+            )
+        } else {
+            format!(
+                "ranks {stuck:?} still running at the case's deadline ({:?})",
+                opts.deadline(&spec)
+            )
+        };
+        if let CaseOutcome::Mismatch(m) | CaseOutcome::Hang(m) = fold_verdicts(got) {
+            why += &format!("; the others: {m}");
+        }
+        return CaseOutcome::Hang(why);
     }
     got.sort_by_key(|(r, _)| *r);
     fold_verdicts(got)
@@ -1857,7 +1965,10 @@ pub fn run_case_procs(opts: &VerifyOptions, spec: &CaseSpec) -> CaseOutcome {
         return CaseOutcome::Hang(why);
     }
     if !other.is_empty() {
-        return CaseOutcome::Mismatch(format!("a rank ended without a verdict: {}", other.join("\n")));
+        return CaseOutcome::Mismatch(format!(
+            "a rank ended without a verdict: {}",
+            other.join("\n")
+        ));
     }
     fold_verdicts(verdicts)
 }
@@ -1873,7 +1984,9 @@ fn rank_line(rank: usize, v: &RankVerdict) -> String {
         RankVerdict::Failed(e) if is_timeout(e) => {
             format!("{RANK_LINE} {rank} timeout {}", e.to_string().replace('\n', " "))
         }
-        RankVerdict::Failed(e) => format!("{RANK_LINE} {rank} failed {}", e.to_string().replace('\n', " ")),
+        RankVerdict::Failed(e) => {
+            format!("{RANK_LINE} {rank} failed {}", e.to_string().replace('\n', " "))
+        }
     }
 }
 
@@ -1950,11 +2063,13 @@ pub fn run_matrix(opts: &VerifyOptions, rank_fn: RankFn) -> (usize, usize, usize
                 run_case_threads(opts, &spec, rank_fn)
             };
             let dt = t.elapsed();
-            let row = table.entry((spec.mode, spec.provider, spec.split(), spec.procs)).or_default();
+            let row =
+                table.entry((spec.mode, spec.provider, spec.split(), spec.procs)).or_default();
             row.cases += 1;
             row.wall += dt;
             n += 1;
-            let pass_s = if opts.repeat > 1 { format!(" (pass {})", pass + 1) } else { String::new() };
+            let pass_s =
+                if opts.repeat > 1 { format!(" (pass {})", pass + 1) } else { String::new() };
             match &out {
                 CaseOutcome::Ok { combines: c, exact_combines: e } => {
                     combines += c;
@@ -2110,12 +2225,25 @@ mod tests {
         ));
         let m = parse_rank_line(&rank_line(0, &RankVerdict::Mismatch("recv_x row 3".into())));
         assert!(matches!(m, Some(RankVerdict::Mismatch(s)) if s == "recv_x row 3"));
-        let t = Error::Timeout { rank: 2, phase: "x", peers: vec![1], waited: Duration::ZERO, detail: String::new() };
+        let t = Error::Timeout {
+            rank: 2,
+            phase: "x",
+            peers: vec![1],
+            waited: Duration::ZERO,
+            detail: String::new(),
+        };
         let p = parse_rank_line(&rank_line(2, &RankVerdict::Failed(t))).unwrap();
         assert!(matches!(fold_verdicts(vec![(2, p)]), CaseOutcome::Hang(_)));
         // A failure beats the timeouts it causes.
-        let f = parse_rank_line(&rank_line(0, &RankVerdict::Failed(Error::Other("boom".into())))).unwrap();
-        let t = Error::Timeout { rank: 1, phase: "x", peers: vec![0], waited: Duration::ZERO, detail: String::new() };
+        let f = parse_rank_line(&rank_line(0, &RankVerdict::Failed(Error::Other("boom".into()))))
+            .unwrap();
+        let t = Error::Timeout {
+            rank: 1,
+            phase: "x",
+            peers: vec![0],
+            waited: Duration::ZERO,
+            detail: String::new(),
+        };
         assert!(matches!(
             fold_verdicts(vec![(0, f), (1, RankVerdict::Failed(t))]),
             CaseOutcome::Mismatch(s) if s.contains("boom")

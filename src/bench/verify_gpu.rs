@@ -213,10 +213,22 @@ fn gpu_normal_shape(
             if let (Some(c), Some(cr)) = (cached, &r.cached) {
                 boot.barrier()?;
                 let got = normal_step(
-                    gpu, &o, &out_c, &out_cw, &stream, c, &mut handle, t, None, r.worst, h, k,
+                    gpu,
+                    &o,
+                    &out_c,
+                    &out_cw,
+                    &stream,
+                    c,
+                    &mut handle,
+                    t,
+                    None,
+                    r.worst,
+                    h,
+                    k,
                 )?;
                 compare_normal(checks, &at("cached "), &got, cr, rank, h, k);
             }
+            refs.step_done();
         }
     }
     boot.barrier()?;
@@ -259,7 +271,10 @@ fn normal_step(
         }
         let rows = handle.num_out_rows().unwrap_or(0);
         if rows > o.rows {
-            return Err(Error::Other(format!("{rows} rows, more than all ranks' tokens ({})", o.rows)));
+            return Err(Error::Other(format!(
+                "{rows} rows, more than all ranks' tokens ({})",
+                o.rows
+            )));
         }
         let da = GpuDispatchArgs {
             x: DevSlice::of(&d.x),
@@ -345,7 +360,10 @@ fn compare_normal(
     };
     let rows_want = wd.recv_topk_idx.len() / k.max(1);
     if got.rows != rows_want {
-        checks.note(&format!("{at}dispatch"), Some(format!("{} output rows (want {rows_want})", got.rows)));
+        checks.note(
+            &format!("{at}dispatch"),
+            Some(format!("{} output rows (want {rows_want})", got.rows)),
+        );
     }
     checks.note(&format!("{at}dispatch"), normal_dispatch_diff(&g, wd, h, k));
     let wc = &want.want_c[rank];
@@ -417,94 +435,106 @@ fn gpu_ll_shape(
         let at = |w: &str| format!("rank {rank} shape {si} call {ci} {w}");
         let d = &ins[ci];
         for rep in 0..l.repeat.max(1) {
-        boot.barrier()?;
-        if l.clean_before && rep == 0 {
-            gpu.clean_low_latency_gpu()?;
             boot.barrier()?;
-        }
-        for b in [&out_a.recv_x, &out_b.recv_x, &out_c] {
-            b.memset_async(0xAB, &stream)?;
-        }
-        let dargs = |x: &DeviceBuffer, ti: &DeviceBuffer, t: usize, hook: bool| GpuLlDispatchArgs {
-            x: DevSlice::of(x),
-            topk_idx: DevSlice::of(ti),
-            num_tokens: t,
-            use_fp8: l.fp8,
-            return_recv_hook: hook,
-            stream: &stream,
-        };
-        // SAFETY: every buffer lives until sync_gpu below; all ranks make the same calls.
-        unsafe {
-            match &d.first {
-                Some((fx, fti, ft)) if l.overlap => {
-                    let ha = gpu.low_latency_dispatch_gpu(&dargs(fx, fti, *ft, true), &out_a)?;
-                    let hb = gpu.low_latency_dispatch_gpu(&dargs(&d.x, &d.ti, d.tokens, true), &out_b)?;
-                    if let Some(hk) = ha {
-                        gpu.low_latency_dispatch_recv_gpu(hk, &out_a, &stream)?;
-                    }
-                    if let Some(hk) = hb {
-                        gpu.low_latency_dispatch_recv_gpu(hk, &out_b, &stream)?;
-                    }
-                }
-                first => {
-                    if let Some((fx, fti, ft)) = first {
-                        let hk = gpu.low_latency_dispatch_gpu(&dargs(fx, fti, *ft, l.hook_dispatch), &out_a)?;
-                        if let Some(hk) = hk {
+            if l.clean_before && rep == 0 {
+                gpu.clean_low_latency_gpu()?;
+                boot.barrier()?;
+            }
+            for b in [&out_a.recv_x, &out_b.recv_x, &out_c] {
+                b.memset_async(0xAB, &stream)?;
+            }
+            let dargs =
+                |x: &DeviceBuffer, ti: &DeviceBuffer, t: usize, hook: bool| GpuLlDispatchArgs {
+                    x: DevSlice::of(x),
+                    topk_idx: DevSlice::of(ti),
+                    num_tokens: t,
+                    use_fp8: l.fp8,
+                    return_recv_hook: hook,
+                    stream: &stream,
+                };
+            // SAFETY: every buffer lives until sync_gpu below; all ranks make the same calls.
+            unsafe {
+                match &d.first {
+                    Some((fx, fti, ft)) if l.overlap => {
+                        let ha =
+                            gpu.low_latency_dispatch_gpu(&dargs(fx, fti, *ft, true), &out_a)?;
+                        let hb = gpu.low_latency_dispatch_gpu(
+                            &dargs(&d.x, &d.ti, d.tokens, true),
+                            &out_b,
+                        )?;
+                        if let Some(hk) = ha {
                             gpu.low_latency_dispatch_recv_gpu(hk, &out_a, &stream)?;
                         }
+                        if let Some(hk) = hb {
+                            gpu.low_latency_dispatch_recv_gpu(hk, &out_b, &stream)?;
+                        }
                     }
-                    let hk = gpu.low_latency_dispatch_gpu(&dargs(&d.x, &d.ti, d.tokens, l.hook_dispatch), &out_b)?;
-                    if let Some(hk) = hk {
-                        gpu.low_latency_dispatch_recv_gpu(hk, &out_b, &stream)?;
+                    first => {
+                        if let Some((fx, fti, ft)) = first {
+                            let hk = gpu.low_latency_dispatch_gpu(
+                                &dargs(fx, fti, *ft, l.hook_dispatch),
+                                &out_a,
+                            )?;
+                            if let Some(hk) = hk {
+                                gpu.low_latency_dispatch_recv_gpu(hk, &out_a, &stream)?;
+                            }
+                        }
+                        let hk = gpu.low_latency_dispatch_gpu(
+                            &dargs(&d.x, &d.ti, d.tokens, l.hook_dispatch),
+                            &out_b,
+                        )?;
+                        if let Some(hk) = hk {
+                            gpu.low_latency_dispatch_recv_gpu(hk, &out_b, &stream)?;
+                        }
                     }
                 }
-            }
-            let ca = GpuLlCombineArgs {
-                x: DevSlice::of(&d.y),
-                topk_idx: DevSlice::of(&d.cti),
-                topk_weights: DevSlice::of(&d.tw),
-                num_tokens: d.tokens,
-                handle: &out_b,
-                out: DevSlice::of(&out_c),
-                return_recv_hook: l.hook_combine,
-                stream: &stream,
-            };
-            if let Some(hk) = gpu.low_latency_combine_gpu(&ca)? {
-                gpu.low_latency_combine_recv_gpu(hk, &ca)?;
-            }
-        }
-        gpu.sync_gpu(&stream)?;
-        if let Some(f) = &r.first {
-            compare_ll(checks, &at("first dispatch"), &out_a, &f.want_d[rank], l.fp8, h)?;
-        }
-        compare_ll(checks, &at("dispatch"), &out_b, &r.last.want_d[rank], l.fp8, h)?;
-        let got: Vec<u16> = out_c.to_vec::<u16>()?.into_iter().take(d.tokens * h).collect();
-        checks.combine(&at("combine"), &got, &r.want_c[rank], None, None, h);
-        if l.combine_twice {
-            // The same handle again, the other hook mode (after a barrier: the read-back above
-            // must not overlap a peer's kernels).
-            boot.barrier()?;
-            out_c.memset_async(0xAB, &stream)?;
-            let ca = GpuLlCombineArgs {
-                x: DevSlice::of(&d.y),
-                topk_idx: DevSlice::of(&d.cti),
-                topk_weights: DevSlice::of(&d.tw),
-                num_tokens: d.tokens,
-                handle: &out_b,
-                out: DevSlice::of(&out_c),
-                return_recv_hook: !l.hook_combine,
-                stream: &stream,
-            };
-            // SAFETY: as above.
-            unsafe {
+                let ca = GpuLlCombineArgs {
+                    x: DevSlice::of(&d.y),
+                    topk_idx: DevSlice::of(&d.cti),
+                    topk_weights: DevSlice::of(&d.tw),
+                    num_tokens: d.tokens,
+                    handle: &out_b,
+                    out: DevSlice::of(&out_c),
+                    return_recv_hook: l.hook_combine,
+                    stream: &stream,
+                };
                 if let Some(hk) = gpu.low_latency_combine_gpu(&ca)? {
                     gpu.low_latency_combine_recv_gpu(hk, &ca)?;
                 }
             }
             gpu.sync_gpu(&stream)?;
+            if let Some(f) = &r.first {
+                compare_ll(checks, &at("first dispatch"), &out_a, &f.want_d[rank], l.fp8, h)?;
+            }
+            compare_ll(checks, &at("dispatch"), &out_b, &r.last.want_d[rank], l.fp8, h)?;
             let got: Vec<u16> = out_c.to_vec::<u16>()?.into_iter().take(d.tokens * h).collect();
-            checks.combine(&at("second combine"), &got, &r.want_c[rank], None, None, h);
-        }
+            checks.combine(&at("combine"), &got, &r.want_c[rank], None, None, h);
+            if l.combine_twice {
+                // The same handle again, the other hook mode (after a barrier: the read-back above
+                // must not overlap a peer's kernels).
+                boot.barrier()?;
+                out_c.memset_async(0xAB, &stream)?;
+                let ca = GpuLlCombineArgs {
+                    x: DevSlice::of(&d.y),
+                    topk_idx: DevSlice::of(&d.cti),
+                    topk_weights: DevSlice::of(&d.tw),
+                    num_tokens: d.tokens,
+                    handle: &out_b,
+                    out: DevSlice::of(&out_c),
+                    return_recv_hook: !l.hook_combine,
+                    stream: &stream,
+                };
+                // SAFETY: as above.
+                unsafe {
+                    if let Some(hk) = gpu.low_latency_combine_gpu(&ca)? {
+                        gpu.low_latency_combine_recv_gpu(hk, &ca)?;
+                    }
+                }
+                gpu.sync_gpu(&stream)?;
+                let got: Vec<u16> = out_c.to_vec::<u16>()?.into_iter().take(d.tokens * h).collect();
+                checks.combine(&at("second combine"), &got, &r.want_c[rank], None, None, h);
+            }
+            refs.step_done();
         }
     }
     boot.barrier()?;
@@ -521,8 +551,11 @@ fn compare_ll(
 ) -> Result<()> {
     let g: LlDispatchHost = out.to_host()?;
     let count: Vec<u32> = g.recv_count.iter().map(|&c| c.max(0) as u32).collect();
-    let range: Vec<(u32, u32)> =
-        g.layout_range.chunks(2).map(|p| (p[0].max(0) as u32, p.get(1).copied().unwrap_or(0).max(0) as u32)).collect();
+    let range: Vec<(u32, u32)> = g
+        .layout_range
+        .chunks(2)
+        .map(|p| (p[0].max(0) as u32, p.get(1).copied().unwrap_or(0).max(0) as u32))
+        .collect();
     let bf16: Vec<u16>;
     let recv_x = if fp8 {
         GotTokens::Fp8 { x: &g.recv_x, scales: &g.recv_scales }
