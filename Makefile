@@ -15,6 +15,7 @@ setup:
 # on machines without a GPU.
 test: setup
 	$(CARGO) test --workspace --no-fail-fast
+	$(CARGO) run --release --bin ep-bench -- verify --backend host --cases 300 --seed 1
 	$(CARGO) build --lib
 	FABRIC_EP_LIBRARY=$${CARGO_TARGET_DIR:-$(ROOT)/target}/debug/libfabric_ep.so python3 -m pytest -q tests/py ffi/python/tests
 
