@@ -17,6 +17,7 @@ setup:
 # reruns on another PATH, and a python3 launcher such as pyenv's prepends its own folders).
 test: setup
 	$(CARGO) test --workspace --no-fail-fast
+	$(CARGO) run --release --bin ep-bench -- verify --backend host --cases 300 --seed 1
 	$(CARGO) build --lib
 	FEP_TEST_CARGO_PATH="$$PATH" FABRIC_EP_LIBRARY=$${CARGO_TARGET_DIR:-$(ROOT)/target}/debug/libfabric_ep.so \
 	    python3 -m pytest -q tests/py ffi/python/tests

@@ -337,6 +337,8 @@ const NORMAL_MAX_TOKENS: usize = 4096;
 const LL_ELEMS_HOST: usize = 1 << 21;
 /// The same on the GPU backend (device memory; the host still builds the reference).
 const LL_ELEMS_GPU: usize = 1 << 24;
+/// Calls repeated back to back move at most this many elements (all ranks' tokens x hidden).
+const REPEAT_ELEMS: usize = 1 << 18;
 /// Most low-latency tokens per rank (DeepEP's 128 and beyond).
 const LL_MAX_TOKENS: usize = 256;
 /// The GPU normal kernels' top-k limit (`ep::normal_gpu`); the host backend takes up to
@@ -503,7 +505,7 @@ fn draw_shape(
                 Mode::Normal => normal_cap,
                 Mode::LowLatency => max_tokens,
             };
-            draw_call(rng, backend, mode, r, rpn, experts, fp8, cap)
+            draw_call(rng, backend, mode, r, hidden, experts, fp8, cap)
         })
         .collect();
     // The hierarchy's node stage holds the experts of one node: `experts / nodes` of them.
@@ -523,7 +525,7 @@ fn draw_call(
     backend: VerifyBackend,
     mode: Mode,
     r: usize,
-    _rpn: usize,
+    hidden: usize,
     experts: usize,
     shape_fp8: bool,
     cap: usize,
@@ -556,6 +558,8 @@ fn draw_call(
     };
     let mask = if chance(rng, 0.4) { 0.0 } else { 0.5 * rng.unit_f32() };
     let seed = rng.next_u64();
+    // Benchmark-like loops on small calls only (a case's cost stays bounded).
+    let small = tokens.iter().sum::<usize>() * hidden <= REPEAT_ELEMS;
     let kind = match mode {
         Mode::Normal => CallKind::Normal(NormalCall {
             alignment: pick(rng, &[1, 1, 4, 128]),
@@ -563,7 +567,7 @@ fn draw_call(
             weights: chance(rng, 0.7),
             pass_layout: chance(rng, 0.5),
             cached: chance(rng, 0.4).then(|| chance(rng, 0.5)),
-            repeat: if chance(rng, 0.1) { between(rng, 2, 12) } else { 1 },
+            repeat: if small && chance(rng, 0.15) { between(rng, 2, 12) } else { 1 },
         }),
         Mode::LowLatency => {
             // The GPU's low-latency buffers are sized for the config's dtype; the host's per
@@ -583,7 +587,7 @@ fn draw_call(
                 combine_mask: chance(rng, 0.2),
                 clean_before: chance(rng, 0.15),
                 combine_twice: chance(rng, 0.2),
-                repeat: if chance(rng, 0.1) { between(rng, 2, 24) } else { 1 },
+                repeat: if small && chance(rng, 0.15) { between(rng, 2, 24) } else { 1 },
             })
         }
     };
@@ -958,13 +962,25 @@ fn ll_call_ref(sh: &ShapeSpec, c: &CallSpec, l: &LlCall) -> Result<LlCallRef> {
 pub struct CaseRefs {
     spec: CaseSpec,
     calls: Vec<Vec<OnceLock<std::result::Result<CallRef, String>>>>,
+    /// Calls completed by the ranks sharing this (ranks as threads): the matrix's sign of
+    /// progress, so a slow case is not taken for a stuck one.
+    progress: std::sync::atomic::AtomicU64,
 }
 
 impl CaseRefs {
     pub fn new(spec: &CaseSpec) -> Self {
         let calls =
             spec.shapes.iter().map(|s| s.calls.iter().map(|_| OnceLock::new()).collect()).collect();
-        CaseRefs { spec: spec.clone(), calls }
+        CaseRefs { spec: spec.clone(), calls, progress: Default::default() }
+    }
+
+    /// A rank finished one call.
+    pub fn step_done(&self) {
+        self.progress.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn progress(&self) -> u64 {
+        self.progress.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The reference of call `c` of shape `s` (an error if the reference itself refused it).
@@ -1388,30 +1404,32 @@ fn host_rank_inner(
             opts.ring_capacity = c;
         }
         let mut eng = if sh.hier {
-            HostNormal::Hier(HierBuffer::new(cfg, boot.clone(), opts)?)
+            HostNormal::Hier(Box::new(HierBuffer::new(cfg, boot.clone(), opts)?))
         } else {
-            HostNormal::Direct(Buffer::new(cfg, boot.clone(), opts)?)
+            HostNormal::Direct(Box::new(Buffer::new(cfg, boot.clone(), opts)?))
         };
         for (ci, call) in sh.calls.iter().enumerate() {
             let cref = refs.get(si, ci)?;
             match (&call.kind, cref, &mut eng) {
                 (CallKind::Normal(n), CallRef::Normal(r), eng) => {
                     for _ in 0..n.repeat.max(1) {
-                        host_normal_call(eng, sh, n, r, rank, &|w| at(si, ci, w), checks)?
+                        host_normal_call(eng, sh, n, r, rank, &|w| at(si, ci, w), checks)?;
+                        refs.step_done();
                     }
                 }
                 (CallKind::Ll(l), CallRef::Ll(r), HostNormal::Direct(buf)) => {
                     for i in 0..l.repeat.max(1) {
                         let l = LlCall { clean_before: l.clean_before && i == 0, ..l.clone() };
-                        host_ll_call(buf, sh, &l, r, rank, &|w| at(si, ci, w), checks)?
+                        host_ll_call(buf, sh, &l, r, rank, &|w| at(si, ci, w), checks)?;
+                        refs.step_done();
                     }
                 }
                 _ => return Err(Error::Other("reference of the wrong mode (bug)".into())),
             }
         }
         match eng {
-            HostNormal::Direct(b) => b.destroy()?,
-            HostNormal::Hier(b) => b.destroy()?,
+            HostNormal::Direct(b) => (*b).destroy()?,
+            HostNormal::Hier(b) => (*b).destroy()?,
         }
     }
     Ok(())
@@ -1419,14 +1437,14 @@ fn host_rank_inner(
 
 /// Normal mode's two routings on the host backend.
 enum HostNormal {
-    Direct(Buffer),
-    Hier(HierBuffer),
+    Direct(Box<Buffer>),
+    Hier(Box<HierBuffer>),
 }
 
 /// A dispatch result of either routing.
 enum HostOut {
-    Direct(DispatchOutput),
-    Hier(HierDispatchOutput),
+    Direct(Box<DispatchOutput>),
+    Hier(Box<HierDispatchOutput>),
 }
 
 impl HostOut {
@@ -1467,7 +1485,7 @@ impl HostNormal {
                     Some(HostOut::Hier(_)) => return Err(Error::Other("handle kind (bug)".into())),
                     None => None,
                 };
-                Ok(HostOut::Direct(b.dispatch(&DispatchArgs {
+                Ok(HostOut::Direct(Box::new(b.dispatch(&DispatchArgs {
                     x: me.tokens(),
                     topk_idx: idx,
                     topk_weights: w,
@@ -1475,7 +1493,7 @@ impl HostNormal {
                     handle,
                     expert_alignment: n.alignment,
                     num_worst_tokens: worst,
-                })?))
+                })?)))
             }
             (HostNormal::Hier(b), c) => {
                 let handle = match c {
@@ -1485,14 +1503,14 @@ impl HostNormal {
                     }
                     None => None,
                 };
-                Ok(HostOut::Hier(b.dispatch(&HierDispatchArgs {
+                Ok(HostOut::Hier(Box::new(b.dispatch(&HierDispatchArgs {
                     x: me.tokens(),
                     topk_idx: idx,
                     topk_weights: w,
                     handle,
                     expert_alignment: n.alignment,
                     num_worst_tokens: worst,
-                })?))
+                })?)))
             }
         }
     }
@@ -1731,12 +1749,20 @@ impl VerifyOptions {
         s
     }
 
-    /// The deadline of a case: every wait's bound, three times over (a failed rank's peers
-    /// time out one after another), plus room for the data and the set-up.
+    /// How long a case with its ranks as threads may go without any rank finishing a call
+    /// before it is a hang: every wait's bound three times over (a failed rank's peers time out
+    /// one after another) plus room for a shape's set-up.
+    pub fn stall_limit(&self) -> Duration {
+        self.timeout * 3 + Duration::from_secs(20)
+    }
+
+    /// The deadline of a whole case (ranks as processes, whose progress this process does not
+    /// see; and a bound on a threads case that progresses forever): every wait's bound, three
+    /// times over, plus room for the data and the set-up.
     pub fn deadline(&self, spec: &CaseSpec) -> Duration {
         let calls: usize =
             spec.shapes.iter().map(|s| 1 + s.calls.iter().map(call_steps).sum::<usize>()).sum();
-        self.timeout * 3 + Duration::from_secs(10 + 2 * calls as u64)
+        self.timeout * 3 + Duration::from_secs(20 + 3 * calls as u64 * spec.num_ranks as u64)
     }
 }
 
@@ -1828,25 +1854,48 @@ pub fn run_case_threads(opts: &VerifyOptions, spec: &CaseSpec, rank_fn: RankFn) 
         }
     }
     drop(tx);
-    let deadline = Instant::now() + opts.deadline(&spec);
+    let start = Instant::now();
+    // Progress decides (stall_limit); the deadline only bounds a case that never ends.
+    let deadline = start + opts.deadline(&spec) * 4;
+    let (mut seen, mut last_change) = (refs.progress(), start);
     let mut got = Vec::with_capacity(r);
     while got.len() < r {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match rx.recv_timeout(left) {
-            Ok(v) => got.push(v),
-            Err(_) => {
-                let done: Vec<usize> = got.iter().map(|(r, _)| *r).collect();
-                let stuck: Vec<usize> = (0..r).filter(|x| !done.contains(x)).collect();
-                let mut why = format!(
-                    "ranks {stuck:?} still running at the case's deadline ({:?})",
-                    opts.deadline(&spec)
-                );
-                if let CaseOutcome::Mismatch(m) | CaseOutcome::Hang(m) = fold_verdicts(got) {
-                    why += &format!("; the others: {m}");
-                }
-                return CaseOutcome::Hang(why);
-            }
+        let now = Instant::now();
+        if refs.progress() != seen {
+            (seen, last_change) = (refs.progress(), now);
         }
+        let stalled = now.duration_since(last_change) >= opts.stall_limit();
+        if now < deadline && !stalled {
+            match rx.recv_timeout(Duration::from_millis(250)) {
+                Ok(v) => {
+                    got.push(v);
+                    last_change = Instant::now();
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+            continue;
+        }
+        let done: Vec<usize> = got.iter().map(|(r, _)| *r).collect();
+        let stuck: Vec<usize> = (0..r).filter(|x| !done.contains(x)).collect();
+        let mut why = if stalled {
+            format!(
+                "ranks {stuck:?} still running, no call finished for {:?} (after {} \
+                 calls in {:.1} s)",
+                opts.stall_limit(),
+                seen,
+                start.elapsed().as_secs_f64()
+            )
+        } else {
+            format!(
+                "ranks {stuck:?} still running at the case's deadline ({:?})",
+                opts.deadline(&spec)
+            )
+        };
+        if let CaseOutcome::Mismatch(m) | CaseOutcome::Hang(m) = fold_verdicts(got) {
+            why += &format!("; the others: {m}");
+        }
+        return CaseOutcome::Hang(why);
     }
     got.sort_by_key(|(r, _)| *r);
     fold_verdicts(got)

@@ -228,6 +228,7 @@ fn gpu_normal_shape(
                 )?;
                 compare_normal(checks, &at("cached "), &got, cr, rank, h, k);
             }
+            refs.step_done();
         }
     }
     boot.barrier()?;
@@ -533,6 +534,7 @@ fn gpu_ll_shape(
                 let got: Vec<u16> = out_c.to_vec::<u16>()?.into_iter().take(d.tokens * h).collect();
                 checks.combine(&at("second combine"), &got, &r.want_c[rank], None, None, h);
             }
+            refs.step_done();
         }
     }
     boot.barrier()?;
