@@ -195,6 +195,7 @@ enum Cmd {
         /// Cases to draw (case i is a function of --seed and i alone).
         #[arg(long, default_value_t = 300)]
         cases: usize,
+        /// The matrix's seed (a failure prints the command that replays its case alone)
         #[arg(long, default_value_t = 1)]
         seed: u64,
         /// Run only this case (with its description).
