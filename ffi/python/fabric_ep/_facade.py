@@ -43,7 +43,7 @@ from .buffer import (
     _TorchAllGather,
 )
 from .config import DEFAULT_NUM_SMS, Config, gpu_chunking, normal_buffer_bytes
-from .utils import NO_EVENT, EventOverlap
+from .utils import EventOverlap
 
 _DTYPES = ("bf16", "fp8")
 _BACKENDS = {True: "gpu", False: "host"}

@@ -450,7 +450,7 @@ class _Engine:
             except Exception:  # noqa: BLE001 - interpreter shutdown; nothing to report to
                 pass
 
-    def __enter__(self) -> "Buffer":
+    def __enter__(self) -> "_Engine":
         return self
 
     def __exit__(self, *exc: Any) -> None:
