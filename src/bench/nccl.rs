@@ -13,7 +13,7 @@
 //! NCCL is loaded at run time (`FEP_NCCL_LIB`, else `libnccl.so.2`, else `libnccl.so`; the
 //! PyTorch wheels ship it under `site-packages/nvidia/nccl/lib`). NCCL needs one GPU per rank:
 //! it refuses two ranks on one device ("Duplicate GPU detected", NCCL 2.28.9 on the H200
-//! machine, docs/results/), so this runs at most as many ranks as there are GPUs.
+//! machine), so this runs at most as many ranks as there are GPUs.
 //!
 //! NOTES (bounds): our waits here are bounded (the bootstrap's, and stream synchronisation
 //! within the run's timeout), but NCCL's own `ncclCommInitRank` has no deadline: a rank that
