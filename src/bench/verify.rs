@@ -498,7 +498,10 @@ fn draw_shape(
         _ => between(rng, 1, ll_cap),
     };
     let n_calls = pick(rng, &[1, 2, 2, 3]);
-    let normal_cap = (NORMAL_ELEMS / hidden).clamp(1, NORMAL_MAX_TOKENS);
+    // At most 256 chunks per peer queue and call: with 1-token chunks over udp;ofi_rxd on an
+    // oversubscribed CPU, 4096 credit round trips took 265 s (waits over 20 s each, no stall).
+    let chunk_cap = chunk_tokens.unwrap_or(crate::ep::config::DEFAULT_CHUNK_TOKENS) * 256;
+    let normal_cap = (NORMAL_ELEMS / hidden).clamp(1, NORMAL_MAX_TOKENS).min(chunk_cap);
     let calls = (0..n_calls)
         .map(|_| {
             let cap = match mode {
