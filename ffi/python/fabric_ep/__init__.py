@@ -1,5 +1,5 @@
-"""fabric_ep: DeepEP V1's Python API (``Buffer``, ``Config``, ``EventOverlap``) over fabric-ep's
-C ABI (``libfabric_ep``), so a DeepEP user changes the import::
+"""fabric_ep: DeepEP V1's Python API (``Buffer``, ``Config``, ``EventOverlap``) over fabric-ep, so a
+DeepEP user changes the import::
 
     from fabric_ep import Buffer, Config, EventOverlap
 
@@ -10,15 +10,16 @@ numpy arrays or torch CPU tensors) and GPU (CUDA kernels; torch CUDA tensors and
 CUDA stream; ranks as processes, one per GPU, or as threads of one process over a
 :class:`ThreadGroup` for tests).
 
-The GPU backend makes its torch calls through a small C++ helper built on first use
-(``FABRIC_EP_NATIVE``: auto, 1, 0; :func:`native_status` says whether it is in use), else from
-Python. The library is found through ``FABRIC_EP_LIBRARY``, next to this package,
-``$CARGO_TARGET_DIR`` or the repository's ``target/{release,debug}``, then the system library
-path.
+The library is reached through one extension module, ``fabric_ep._core`` (PyO3, built from
+``ffi/python/native`` with fabric-ep linked in): found inside this package (a wheel carries it),
+through ``FABRIC_EP_EXTENSION``, or in ``$CARGO_TARGET_DIR`` / the repository's
+``target/{release,debug}`` (see :mod:`fabric_ep._ext`). The GPU backend makes its torch calls
+(allocations, ``record_stream``, events) from Python.
 """
 
-from ._lib import FabricEPArgumentError, FabricEPError, FabricEPTimeoutError
-from ._native import status as native_status
+from ._errors import FabricEPArgumentError, FabricEPError, FabricEPTimeoutError
+from ._ext import core as _core  # noqa: F401 - loads the native module first
+from ._ext import native_status
 from ._facade import Buffer
 from .buffer import DispatchHandle, LowLatencyHandle
 from .config import Config

@@ -1,4 +1,5 @@
-"""Array handling: numpy arrays and torch CPU tensors in, ``fep_tensor`` descriptors out.
+"""Array handling: numpy arrays and torch CPU tensors in, their data addresses and fep dtype
+codes out (``fabric_ep._core`` builds the ``fep_tensor`` descriptors from them).
 
 Accepted element types (per ``fep_tensor.dtype``):
 
@@ -22,22 +23,19 @@ Every check raises with a message that starts with the argument's name.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import struct
 import sys
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ._lib import (
+from ._ext import (
     FEP_DTYPE_BF16,
     FEP_DTYPE_BOOL,
     FEP_DTYPE_F32,
     FEP_DTYPE_FP8_E4M3,
     FEP_DTYPE_I32,
     FEP_DTYPE_I64,
-    fep_tensor,
+    core,
 )
 
 DTYPE_NAMES = {
@@ -141,30 +139,27 @@ class Arr:
         return np.zeros(shape, dtype=self.obj.dtype if code is None else _NP_DEFAULT[code])
 
 
-_from_buffer = ctypes.c_char.from_buffer
-_addressof = ctypes.addressof
+_address = core.address
+_BUF_ERRORS = (TypeError, ValueError, BufferError, NotImplementedError)
 
 
 def np_ptr(a: np.ndarray) -> int:
     """Data address of a C-contiguous numpy array.
 
-    NOTES: ``a.ctypes.data`` builds a ``_ctypes`` helper object and costs microseconds per call;
-    borrowing the buffer through ``c_char.from_buffer`` costs a fraction of that. It needs a
-    writable, non-empty buffer with a plain format, so read-only, empty or exotic-dtype arrays
-    take the slow path."""
+    NOTES: ``a.ctypes.data`` and ``a.__array_interface__`` build helper objects and cost a
+    microsecond or more per call; the buffer protocol read in ``_core.address`` costs a tenth of
+    that. It refuses non-contiguous arrays and dtypes without a buffer format (ml_dtypes'),
+    which take the slow path."""
     try:
-        return _addressof(_from_buffer(a))
-    except (TypeError, ValueError, BufferError, NotImplementedError):
-        return a.ctypes.data
+        return _address(a)
+    except _BUF_ERRORS:
+        return a.__array_interface__["data"][0]
 
 
 def data_ptr(a: Any) -> int:
     """Address of a freshly allocated (contiguous, CPU) array from :meth:`Arr.empty`."""
     if type(a) is np.ndarray:
-        try:
-            return _addressof(_from_buffer(a))
-        except ValueError:  # empty: no buffer to borrow
-            return a.ctypes.data
+        return np_ptr(a)
     return a.data_ptr()
 
 
@@ -246,13 +241,13 @@ def in2(
             raise _shape_error(name, shp, (d0, d1))
         try:
             # Refuses non-contiguous arrays itself (checked below, on the slow path).
-            return _addressof(_from_buffer(a)), c, shp[0], False
-        except (TypeError, ValueError, BufferError, NotImplementedError):
+            return _address(a), c, shp[0], False
+        except _BUF_ERRORS:
             if not a.flags.c_contiguous:
                 raise ValueError(
                     f"{name}: must be C-contiguous (use numpy.ascontiguousarray)"
                 ) from None
-            return a.ctypes.data, c, shp[0], False
+            return a.__array_interface__["data"][0], c, shp[0], False
     r = arr(name, a, code, (d0, d1))
     return r.ptr, r.code, r.shape[0], r.is_torch
 
@@ -261,10 +256,7 @@ def alloc(like: Any, shape: Tuple[int, ...]) -> Tuple[Any, int]:
     """A new array of ``like``'s library and dtype, and its data address (hot path)."""
     if type(like) is np.ndarray:
         a = np.empty(shape, like.dtype)
-        try:
-            return a, _addressof(_from_buffer(a))
-        except ValueError:  # empty: no buffer to borrow
-            return a, a.ctypes.data
+        return a, np_ptr(a)
     torch = sys.modules["torch"]
     a = torch.empty(shape, dtype=like.dtype)
     return a, a.data_ptr()
@@ -276,47 +268,6 @@ def empty_like_kind(like: Any, shape: Tuple[int, ...], code: Optional[int] = Non
         return np.empty(shape, like.dtype if code is None else _NP_DEFAULT[code])
     torch = sys.modules["torch"]
     return torch.empty(shape, dtype=like.dtype if code is None else _torch_tables(torch)[1][code])
-
-
-_TENSOR = struct.Struct("<qii4q")
-assert _TENSOR.size == ctypes.sizeof(fep_tensor) == 48
-_TENSOR4 = struct.Struct("<" + "qii4q" * 4)
-
-
-class TensorSlots:
-    """A fixed block of ``fep_tensor`` descriptors reused call after call (one owner thread).
-
-    Filling one is a single ``struct.pack_into``; ``addr[i]`` is slot i's address for the C
-    call. Cheaper than building ``fep_tensor`` objects, which is most of a call's Python cost."""
-
-    __slots__ = ("_buf", "addr", "_pack", "pack4")
-
-    def __init__(self, n: int):
-        self._buf = ctypes.create_string_buffer(_TENSOR.size * n)
-        base = ctypes.addressof(self._buf)
-        self.addr = [base + _TENSOR.size * i for i in range(n)]
-        self._pack = _TENSOR.pack_into
-        # pack4(offset_bytes, 4 x (ptr, code, ndim, d0, d1, d2, d3)): four slots in one call.
-        self.pack4 = functools.partial(_TENSOR4.pack_into, self._buf)
-
-    def set1(self, i: int, ptr: int, code: int, d0: int) -> int:
-        self._pack(self._buf, 48 * i, ptr, code, 1, d0, 0, 0, 0)
-        return self.addr[i]
-
-
-def tensor(ptr: int, code: int, shape: Sequence[int]) -> fep_tensor:
-    """A ``fep_tensor`` describing ``shape`` (at most 4 dims) at ``ptr`` (for one-off calls)."""
-    t = fep_tensor()
-    t.data = ptr
-    t.dtype = code
-    t.ndim = len(shape)
-    for i, d in enumerate(shape):
-        t.shape[i] = d
-    return t
-
-
-def addr(t: Optional[fep_tensor]) -> Optional[int]:
-    return None if t is None else ctypes.addressof(t)
 
 
 def _bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:

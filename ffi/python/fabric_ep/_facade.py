@@ -25,15 +25,14 @@ host backend, whatever the group's own backend (NCCL, gloo, or none).
 
 from __future__ import annotations
 
-import ctypes
 import math
 import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
-from . import _lib
-from ._lib import FEP_MODE_LOW_LATENCY, FEP_MODE_NORMAL, lib
+from . import _ext
+from ._ext import FEP_MODE_LOW_LATENCY, FEP_MODE_NORMAL, core
 from .buffer import (
     DispatchHandle,
     LowLatencyHandle,
@@ -79,20 +78,12 @@ class _Boot:
             self.rank, self.size = int(group.rank()), int(group.size())
             self.local_size = None
         else:
-            out = ctypes.c_void_p()
-            _lib.check("fep_boot_create", lib.fep_boot_create(float(timeout_s), ctypes.byref(out)))
-            self.ptr = out.value or 0
-            r, n, lr, ln = (ctypes.c_int32() for _ in range(4))
-            _lib.check("fep_boot_rank", lib.fep_boot_rank(
-                self.ptr, ctypes.byref(r), ctypes.byref(n), ctypes.byref(lr), ctypes.byref(ln)))
-            self.rank, self.size, self.local_size = r.value, n.value, ln.value
+            self.ptr = core.boot_create(float(timeout_s))
+            self.rank, self.size, _, self.local_size = core.boot_rank(self.ptr)
 
     def barrier(self) -> None:
         if self.ptr:
-            send, recv = ctypes.c_uint8(0), (ctypes.c_uint8 * self.size)()
-            st = lib.fep_boot_allgather(ctypes.addressof(send), 1, ctypes.addressof(recv),
-                                        self.ptr)
-            _lib.check("fep_boot_allgather", st)
+            core.boot_allgather(self.ptr, b"\0")
         else:
             from ._gpu import group_barrier
 
@@ -101,7 +92,7 @@ class _Boot:
     def close(self) -> None:
         p, self.ptr = self.ptr, 0
         if p:
-            lib.fep_boot_destroy(p)
+            core.boot_destroy(p)
 
 
 def _backend_of(a: Any) -> str:
@@ -242,13 +233,6 @@ class Buffer:
         for n, v in (("num_experts", num_experts), ("hidden", hidden), ("num_topk", num_topk)):
             if v is not None:
                 _int_arg(n, v, 1)
-        if backend != "host" and _torch_cuda():
-            # The torch helper is built (first use on a machine) or loaded now, before the
-            # bootstrap's rendezvous: a rank building it inside its first call would hold up
-            # its peers' bounded waits there.
-            from . import _native
-
-            _native.get(sys.modules["torch"])
         self._boot = _Boot(group, float(timeout_s))
         try:
             self._setup(ranks_per_node, backend, num_experts, hidden, num_topk, dispatch_dtype,
@@ -363,7 +347,7 @@ class Buffer:
             cap = self.num_rdma_bytes
             if not cap:
                 return
-            need = _need_bytes(self.num_ranks, experts, hidden, topk, max_tokens, fp8).ll_bytes
+            need = _need_bytes(self.num_ranks, experts, hidden, topk, max_tokens, fp8)["ll_bytes"]
             names = "num_rdma_bytes"
         if need > cap:
             what = (f"normal mode, hidden {hidden}, top-{topk} of {experts} experts" if kind == "n"
@@ -475,7 +459,7 @@ class Buffer:
         _int_arg("num_experts", num_experts, 1)
         return max(
             _need_bytes(num_ranks, num_experts, hidden, min(num_experts, 9),
-                        num_max_dispatch_tokens_per_rank, fp8).ll_bytes for fp8 in (False, True))
+                        num_max_dispatch_tokens_per_rank, fp8)["ll_bytes"] for fp8 in (False, True))
 
     @staticmethod
     def capture() -> EventOverlap:
@@ -748,7 +732,7 @@ class Buffer:
             else:
                 from ._arrays import empty_like_kind
 
-                zc = empty_like_kind(handle.src_rank, shape, _lib.FEP_DTYPE_BF16)
+                zc = empty_like_kind(handle.src_rank, shape, _ext.FEP_DTYPE_BF16)
             handle._zero_copy = zc
         return zc
 
@@ -780,13 +764,11 @@ def _width_1d(name: str, a: Any) -> int:
 
 def _need_bytes(num_ranks: int, experts: int, hidden: int, topk: int, max_tokens: int,
                 fp8: bool) -> Any:
-    cfg = _lib.new_config()
-    cfg.rank, cfg.num_ranks, cfg.ranks_per_node, cfg.local_rank = 0, num_ranks, 1, 0
-    cfg.num_experts, cfg.hidden, cfg.num_topk = experts, hidden, topk
-    cfg.max_tokens_per_rank = max_tokens
-    cfg.dispatch_dtype = _lib.FEP_DTYPE_FP8_E4M3 if fp8 else _lib.FEP_DTYPE_BF16
-    cfg.provider = b"shm"
-    return _lib.size_hints(cfg)
+    cfg = dict(rank=0, num_ranks=num_ranks, ranks_per_node=1, local_rank=0, num_experts=experts,
+               hidden=hidden, num_topk=topk, max_tokens_per_rank=max_tokens,
+               dispatch_dtype=_ext.FEP_DTYPE_FP8_E4M3 if fp8 else _ext.FEP_DTYPE_BF16,
+               provider="shm")
+    return _ext.size_hints(cfg)
 
 
 def _torch_cuda() -> bool:

@@ -4,8 +4,9 @@ Streams follow DeepEP: the kernels run on a communication stream the Buffer owns
 (``Buffer.get_comm_stream()``), which first waits for the current (compute) stream, or for
 ``previous_event`` when one is given; afterwards the compute stream waits for it, unless
 ``async_finish=True``, which returns an :class:`EventOverlap` wrapping a ``torch.cuda.Event``
-recorded on the communication stream instead. The stream joins are made inside the C call (one
-``fep_gpu_order`` per call), not with torch calls, to keep the Python cost of a call low.
+recorded on the communication stream instead. The stream joins are made inside the native call
+(``fabric_ep._core`` builds one ``fep_gpu_order`` per call from the stream handles), not with
+torch calls, to keep the Python cost of a call low.
 
 Outputs are allocated with ``Tensor.new_empty_strided`` (of the input, or of a zero-element
 tensor of the output's dtype) on the Buffer's device: on the compute stream, or on
@@ -20,12 +21,6 @@ are recorded on the compute stream, so that when the caller drops them after usi
 the communication stream's pool does not hand their memory to the next call's outputs before
 that use is done (an event recorded before that use is not enough). A tensor is recorded on one
 stream only: on its own allocation stream ``record_stream`` is a no-op.
-
-The torch helper (``_native.py`` / ``_native.cpp``, built on first use; ``FABRIC_EP_NATIVE``)
-makes a call's allocations in one C++ call (on the communication stream's pool by passing its
-stream id, without switching the current stream) and its ``record_stream`` calls in another,
-with torch's own operators; without it each is a torch call from Python (``_nat`` is None), with
-the same streams and results. ``alloc_dispatch``/``alloc_combine``/``finish`` take both paths.
 
 NOTES (ranks as threads of one process on one GPU, the tests' mode): a device
 allocation or free while a peer's kernel spins on this rank can deadlock (it waits for the whole
@@ -50,72 +45,18 @@ run one process per GPU.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import warnings
 from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
-from . import _lib
-from ._lib import (
-    FEP_DTYPE_BF16,
-    FEP_DTYPE_F32,
-    FEP_DTYPE_FP8_E4M3,
-    FEP_DTYPE_I32,
-    FEP_DTYPE_I64,
-    lib,
-)
+from ._ext import FEP_DTYPE_BF16 as _BF16
+from ._ext import FEP_DTYPE_FP8_E4M3, core
 from .utils import NO_EVENT, EventOverlap
 
 FP8_GROUP = 128
 _CU_STREAM_LEGACY = 0x1
-_addr = ctypes.addressof
-
-# NOTES: the normal-mode and low-latency calls hand the C entry points stream orders
-# (``fep_gpu_order``, 4 words) and ``fep_tensor`` descriptors (6 words: data, dtype | ndim << 32,
-# shape[4]) from per-Buffer blocks (_Block) whose addresses are computed once. Everything in
-# them that a Buffer fixes (dtypes, ndim, hidden, K, H / 128, the low-latency shapes, the
-# communication stream) is written when the block is built; a call writes only the words that
-# change (pointers, row counts, the compute stream and event) as int64 stores through a
-# memoryview: about 20 ns each on the H200 host against ~1.5 us per ``struct.pack_into`` of a
-# whole block (its ~40 arguments parsed on every call).
-_ORDER_WORDS, _DESC_WORDS = 4, 6
-# Word index of each descriptor's data pointer (its shape[0] is 2 words further) in the
-# dispatch block (orders [0] before-and-after, [1] after only; then x, x_scales, topk_idx,
-# topk_weights, recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx) and the
-# combine block (order [0]; then x, topk_weights, combined_x, combined_topk_weights). The hot
-# paths write these indices as literals (a global lookup per store would cost as much as the
-# store); this table is what they were computed from.
-_DISPATCH_DESC = tuple(2 * _ORDER_WORDS + _DESC_WORDS * i for i in range(9))
-_COMBINE_DESC = tuple(_ORDER_WORDS + _DESC_WORDS * i for i in range(4))
-assert _DISPATCH_DESC == (8, 14, 20, 26, 32, 38, 44, 50, 56)
-assert _COMBINE_DESC == (4, 10, 16, 22)
-
-
-class _Block:
-    """A block of ``orders`` stream orders (each ``(comm, 0, 0, 0)``) then one descriptor per
-    ``(dtype, dims)`` of ``descs`` (data zero; shape[0] zero too where the calls write it):
-    ``buf`` (ctypes), ``w`` (its int64 words, for the per-call stores) and ``addr`` (each
-    order's, then each descriptor's, address)."""
-
-    def __init__(self, comm: int, orders: int, descs: Tuple[Tuple[int, Tuple[int, ...]], ...]):
-        n = orders * _ORDER_WORDS + len(descs) * _DESC_WORDS
-        self.buf = ctypes.create_string_buffer(8 * n)
-        w = memoryview(self.buf).cast("B").cast("q")
-        for i in range(orders):
-            w[i * _ORDER_WORDS] = comm
-        first = orders * _ORDER_WORDS
-        for i, (dtype, dims) in enumerate(descs):
-            d = first + i * _DESC_WORDS
-            w[d + 1] = dtype | len(dims) << 32
-            for j, v in enumerate(dims):
-                w[d + 2 + j] = v
-        self.w = w
-        base = _addr(self.buf)
-        self.addr = tuple(base + 8 * _ORDER_WORDS * i for i in range(orders)) + tuple(
-            base + 8 * (first + _DESC_WORDS * i) for i in range(len(descs)))
-
 
 def _legacy_stream_error() -> ValueError:
     return ValueError(
@@ -174,13 +115,6 @@ class GpuPath:
         else:
             self._event_new, self._event_record = base.__new__, base.record
         self._Event = torch.cuda.Event
-        # The optional torch helper (_native.py): None for the pure-Python torch calls.
-        # Its stream arguments are torch stream ids (0: the current stream); the communication
-        # stream's (an external stream's id is its handle, never 0).
-        from . import _native
-
-        self._nat = _native.get(torch)
-        self._comm_sid = self.comm.stream_id
         # The last get_dispatch_layout's outputs: passed back to dispatch unchanged (DeepEP's
         # documented call), they are known good and not checked again.
         self._layout_out: Tuple[Any, ...] = ()
@@ -190,14 +124,9 @@ class GpuPath:
         self.fp8 = (fp8, torch.uint8) if fp8 is not None else (torch.uint8,)
         self.fp8_out = fp8 if fp8 is not None else torch.uint8
         self.i64, self.f32, self.i32 = torch.int64, torch.float32, torch.int32
-        # The low-latency hooks' stream order (ll_complete): a block with one order, no
-        # descriptors.
-        self._hb = _Block(comm_ptr, 1, ())
-        # The low-latency calls' out-parameter (the op handle), read right after each call.
-        self._op_out = ctypes.c_void_p()
-        self._op_out_addr = _addr(self._op_out)
-        self._per_expert = np.zeros(buf.num_local_experts, dtype=np.int32)
-        self._per_expert_ptr = self._per_expert.ctypes.data
+        # The native calls of this buffer (fabric_ep._core.Calls: its shape constants and this
+        # communication stream; each call passes the pointers, row counts and streams).
+        self._n = buf._n
         from .buffer import DispatchHandle, LowLatencyHandle, _check_cached_handle, _GpuLowLatencyOp
 
         self._Handle = DispatchHandle
@@ -221,15 +150,6 @@ class GpuPath:
         self._like_fp8 = torch.empty(0, dtype=self.fp8_out, device=device)
         # Row strides of the [rows, H], [rows, H / 128] and [rows, K] outputs.
         self._st_h, self._st_g, self._st_k = (self.h, 1), (self.g, 1), (self.k, 1)
-        # Normal-mode blocks (see _Block): dispatch (orders [0] and [1]; x, x_scales, topk_idx,
-        # topk_weights, recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx)
-        # and combine (order [0]; x, topk_weights, combined_x, combined_topk_weights).
-        h, k, g, xc = self.h, self.k, self.g, buf._dispatch_code
-        tok, sc, idx, wt = (xc, (0, h)), (FEP_DTYPE_F32, (0, g)), (FEP_DTYPE_I64, (0, k)), \
-            (FEP_DTYPE_F32, (0, k))
-        self._nb = _Block(comm_ptr, 2, (tok, sc, idx, wt, tok, sc, idx, wt, (FEP_DTYPE_I32, (0,))))
-        bf = (FEP_DTYPE_BF16, (0, h))
-        self._cb = _Block(comm_ptr, 1, (bf, wt, bf, wt))
         # The dispatch's scratch (see _scratch): recv_src_idx always, and the recv_topk_idx /
         # recv_topk_weights of a cached dispatch (which returns only recv_x).
         self._scr: Any = None
@@ -356,28 +276,21 @@ class GpuPath:
     def finish(self, on_comm: Tuple[Any, ...], outs: Tuple[Any, ...], prev: Any) -> EventOverlap:
         """``async_finish``: ``on_comm`` (the inputs) and ``outs`` (the outputs) are recorded on
         the communication stream, or ``outs`` on the compute stream when they were allocated on
-        the communication stream (``prev``: ``to_comm``'s return, or True from the helper's
-        allocation there; None when they were not), see the module notes; then an event on the
-        communication stream."""
+        the communication stream (``prev``: ``to_comm``'s return; None when they were not), see
+        the module notes; then an event on the communication stream."""
         comm = self.comm
-        nat = self._nat
-        if nat is not None:
-            cs = self._comm_sid
-            # 0: the current stream (the compute stream: the helper never switches it).
-            nat.record(cs, on_comm, cs if prev is None else 0, outs)
-        else:
-            for t in on_comm:
-                if t is not None:
-                    t.record_stream(comm)
-            if prev is None:
-                s = comm
-            elif type(prev) is tuple:
-                s = self._Stream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
-            else:  # torch's stream context (to_comm), exited: this GPU's current stream again
-                s = self.current_stream(self.dev)
-            for t in outs:
-                if t is not None:
-                    t.record_stream(s)
+        for t in on_comm:
+            if t is not None:
+                t.record_stream(comm)
+        if prev is None:
+            s = comm
+        elif type(prev) is tuple:
+            s = self._Stream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
+        else:  # torch's stream context (to_comm), exited: this GPU's current stream again
+            s = self.current_stream(self.dev)
+        for t in outs:
+            if t is not None:
+                t.record_stream(s)
         if self._get_stream is None:
             e = self._Event()
             e.record(comm)
@@ -421,8 +334,7 @@ class GpuPath:
         with torch.cuda.stream(run):
             self._layout_out = _layout_ops(torch, topk_idx, num_experts, b.num_ranks,
                                            b.ranks_per_node, self.dev)
-        return _layout_finish(torch, self._nat, self._comm_sid, topk_idx, self._layout_out, run,
-                              compute, async_finish)
+        return _layout_finish(torch, topk_idx, self._layout_out, run, compute, async_finish)
 
     # ------------------------------------------------------------------ normal mode
 
@@ -432,47 +344,26 @@ class GpuPath:
         # NOTES (per-call cost): this is the hot path, kept flat on purpose. Per input tensor it
         # makes five accessor calls (dtype, get_device, is_contiguous, shape, data_ptr), inline
         # for the bf16 tokens and the routing (a helper call per tensor costs about as much as
-        # two accessors; _t2_slow then names what is wrong), or one call of the torch helper
-        # for all of them; then one raw stream lookup, the outputs' allocation
-        # (alloc_dispatch), one data_ptr per output, and about twenty int64 stores into the
-        # dispatch block (_Block).
+        # two accessors; _t2_slow then names what is wrong); then one raw stream lookup, the
+        # outputs' allocation (alloc_dispatch), one data_ptr per output, and two native calls
+        # (notify, dispatch) with plain ints: the descriptors and stream orders are built in
+        # fabric_ep._core from the buffer's shape constants.
         b = self.buf
         h, k, dev, tensor = self.h, self.k, self.dev, self.Tensor
-        # The helper reads a fresh dispatch's inputs in one call (None unless all are the
-        # common case: exact tensors of the expected dtype, shape and layout on this GPU);
-        # otherwise, and without it, the checks below, which also name what is wrong.
-        got = None
-        nat = self._nat
-        if nat is not None and handle is None:
-            if type(x) is tuple:
-                if len(x) == 2:
-                    got = nat.ptrs(dev, x[0], self._like_fp8, -1, h, x[1], self._like_f32, -2,
-                                   self.g, topk_idx, self._like_i64, -2, k, topk_weights,
-                                   self._like_f32, -2, k)
-                    if got is not None:
-                        xp, sp, ip, wp, t = got
-                        (xo, so), xc = x, FEP_DTYPE_FP8_E4M3
+        if type(x) is tuple:
+            if len(x) != 2:
+                raise ValueError(f"x: a tuple must be (x, x_scales), got {len(x)} elements")
+            xo, so = x
+            xp, t = self.t2("x", xo, self.fp8, None, h)
+            sp = self.t2n("x_scales", so, self.f32s, t, self.g)
+            xc = FEP_DTYPE_FP8_E4M3
+        else:
+            xo, so, sp, xc = x, None, None, _BF16
+            if type(x) is tensor and x.dtype is self._bf16 and x.get_device() == dev \
+                    and x.is_contiguous() and len(shp := x.shape) == 2 and shp[1] == h:
+                xp, t = x.data_ptr(), shp[0]
             else:
-                got = nat.ptrs(dev, x, self._like_bf16, -1, h, topk_idx, self._like_i64, -2, k,
-                               topk_weights, self._like_f32, -2, k)
-                if got is not None:
-                    xp, ip, wp, t = got
-                    xo, so, sp, xc = x, None, 0, FEP_DTYPE_BF16
-        if got is None:
-            if type(x) is tuple:
-                if len(x) != 2:
-                    raise ValueError(f"x: a tuple must be (x, x_scales), got {len(x)} elements")
-                xo, so = x
-                xp, t = self.t2("x", xo, self.fp8, None, h)
-                sp = self.t2n("x_scales", so, self.f32s, t, self.g)
-                xc = FEP_DTYPE_FP8_E4M3
-            else:
-                xo, so, sp, xc = x, None, 0, FEP_DTYPE_BF16
-                if type(x) is tensor and x.dtype is self._bf16 and x.get_device() == dev \
-                        and x.is_contiguous() and len(shp := x.shape) == 2 and shp[1] == h:
-                    xp, t = x.data_ptr(), shp[0]
-                else:
-                    xp, t = self._t2_slow("x", x, self.bf16, None, h)
+                xp, t = self._t2_slow("x", x, self.bf16, None, h)
         fp8 = so is not None
         if xc != b._dispatch_code:
             raise TypeError(
@@ -500,65 +391,41 @@ class GpuPath:
                 raise ValueError("topk_idx: required unless a cached handle is given")
             if topk_weights is None:
                 raise ValueError("topk_weights: required when topk_idx is given")
-            if got is None:
-                tk = (t, k)
-                if type(topk_idx) is tensor and topk_idx.dtype is self.i64 \
-                        and topk_idx.shape == tk and topk_idx.get_device() == dev \
-                        and topk_idx.is_contiguous():
-                    ip = topk_idx.data_ptr()
-                else:
-                    ip = self._t2_slow("topk_idx", topk_idx, self.i64s, t, k)[0]
-                if type(topk_weights) is tensor and topk_weights.dtype is self.f32 \
-                        and topk_weights.shape == tk and topk_weights.get_device() == dev \
-                        and topk_weights.is_contiguous():
-                    wp = topk_weights.data_ptr()
-                else:
-                    wp = self._t2_slow("topk_weights", topk_weights, self.f32s, t, k)[0]
+            tk = (t, k)
+            if type(topk_idx) is tensor and topk_idx.dtype is self.i64 \
+                    and topk_idx.shape == tk and topk_idx.get_device() == dev \
+                    and topk_idx.is_contiguous():
+                ip = topk_idx.data_ptr()
+            else:
+                ip = self._t2_slow("topk_idx", topk_idx, self.i64s, t, k)[0]
+            if type(topk_weights) is tensor and topk_weights.dtype is self.f32 \
+                    and topk_weights.shape == tk and topk_weights.get_device() == dev \
+                    and topk_weights.is_contiguous():
+                wp = topk_weights.data_ptr()
+            else:
+                wp = self._t2_slow("topk_weights", topk_weights, self.f32s, t, k)[0]
             if type(expert_alignment) is not int or not 1 <= expert_alignment < 2**31:
                 raise ValueError(f"expert_alignment: {expert_alignment!r} must be an int in [1, 2**31)")
             if type(num_worst_tokens) is not int or not 0 <= num_worst_tokens < 2**31:
                 raise ValueError(f"num_worst_tokens: {num_worst_tokens!r} must be an int in [0, 2**31)")
-        nb = self._nb
-        a_o0, a_o1, a_x, a_xs, a_i, a_w, a_rx, a_rxs, a_ri, a_rw, a_src = nb.addr
-        # The dispatch block's words (_DISPATCH_DESC): orders [0] at 0 (waits for the compute
-        # stream or the event) and [1] at 4 (the dispatch after a notify: no wait); both make
-        # the compute stream wait afterwards unless async_finish. x at 8, x_scales 14,
-        # topk_idx 20, topk_weights 26 (data; shape[0] two words on).
-        w = nb.w
-        w[1] = 0 if ev else compute
-        w[2] = ev
-        w[3] = w[7] = 0 if async_finish else compute
-        w[8] = xp
-        w[10] = w[22] = w[28] = t
-        w[20] = ip
-        w[26] = wp
-        if fp8:
-            w[14] = sp
-            w[16] = t
         p = b._ptr
+        n = self._n
         if handle is not None:
-            hp, rows, order = handle._ptr, handle.num_recv_tokens, a_o0
+            hp, rows = handle._ptr, handle.num_recv_tokens
             new_handle = None
         else:
+            # Waits for the compute stream (or the event) on the comm stream; the compute stream
+            # waits afterwards unless async_finish. The hierarchy moves the tokens in this step
+            # (both stages), the dispatch below only places them.
             if self.hier:
-                # The hierarchy moves the tokens in this step (both stages), the dispatch below
-                # only places them.
-                st = lib.fep_gpu_notify_inputs(p, a_x, a_xs if fp8 else None, a_i, a_w,
-                                               expert_alignment, num_worst_tokens, a_o0,
-                                               b._out_handle_addr, b._out_rows_addr,
-                                               self._per_expert_ptr)
+                hp, rows, counts = n.gpu_notify(p, ip, t, expert_alignment, num_worst_tokens,
+                                                compute, ev, async_finish, xp, sp, wp)
             else:
-                st = lib.fep_gpu_notify(p, a_i, expert_alignment, num_worst_tokens, a_o0,
-                                        b._out_handle_addr, b._out_rows_addr,
-                                        self._per_expert_ptr)
-            if st:
-                raise _lib.error("fep_gpu_notify_inputs" if self.hier else "fep_gpu_notify", st)
-            hp = b._out_handle.value
-            rows = b._out_rows.value
+                hp, rows, counts = n.gpu_notify(p, ip, t, expert_alignment, num_worst_tokens,
+                                                compute, ev, async_finish)
             new_handle = self._Handle(hp, self._buf_id, t, rows)  # owns hp from here on
-            order = a_o1
         cached = new_handle is None
-        if allocate_on_comm_stream and self._nat is None:
+        if allocate_on_comm_stream:
             prev = self.to_comm()
             try:
                 recv_x, recv_s, recv_idx, recv_w = self.alloc_dispatch(rows, xo, fp8, cached,
@@ -566,37 +433,25 @@ class GpuPath:
             finally:
                 self.back(prev)
         else:
-            # (The helper allocates on the communication stream itself: prev True.)
-            prev = True if allocate_on_comm_stream else None
-            recv_x, recv_s, recv_idx, recv_w = self.alloc_dispatch(rows, xo, fp8, cached,
-                                                                   allocate_on_comm_stream)
+            prev = None
+            recv_x, recv_s, recv_idx, recv_w = self.alloc_dispatch(rows, xo, fp8, cached, False)
         if rows > self._scr_cap:
             self._scratch(rows)
-        # recv_x at 32, recv_x_scales 38, recv_topk_idx 44, recv_topk_weights 50,
-        # recv_src_idx 56.
-        w[32] = recv_x.data_ptr()
-        w[34] = w[46] = w[52] = w[58] = rows
-        if fp8:
-            w[38] = recv_s.data_ptr()
-            w[40] = rows
-        if cached:
-            w[44] = self._sidx_ptr
-            w[50] = self._sw_ptr
-        else:
-            w[44] = recv_idx.data_ptr()
-            w[50] = recv_w.data_ptr()
-        w[56] = self._src_ptr
-        st = lib.fep_gpu_dispatch(p, hp, a_x, a_xs if fp8 else None, a_i, a_w, a_rx,
-                                  a_rxs if fp8 else None, a_ri, a_rw, a_src, order)
-        if st:
-            raise _lib.error("fep_gpu_dispatch", st)
+        # A dispatch after its notify adds no wait; a cached one waits as the notify would.
+        # recv_topk_idx / recv_topk_weights None: the scratch (a cached dispatch).
+        n.gpu_dispatch(p, hp, xp, sp, t, ip, wp, recv_x.data_ptr(),
+                       recv_s.data_ptr() if fp8 else None, rows,
+                       None if cached else recv_idx.data_ptr(),
+                       None if cached else recv_w.data_ptr(), not cached, compute, ev,
+                       async_finish)
         out_x = (recv_x, recv_s) if fp8 else recv_x
         if cached:
             event = self.finish((xo, so, idx_t, w_t), (recv_x, recv_s), prev) if async_finish \
                 else NO_EVENT
             return out_x, None, None, None, None, event
         new_handle._keep = (topk_idx, topk_weights)
-        counts = [] if num_worst_tokens > 0 else self._per_expert.tolist()
+        if num_worst_tokens > 0:
+            counts = []
         if async_finish:
             event = self.finish((xo, so, topk_idx, topk_weights),
                                 (recv_x, recv_s, recv_idx, recv_w), prev)
@@ -610,9 +465,9 @@ class GpuPath:
         else None), recv_topk_idx, recv_topk_weights (None for a cached dispatch, which returns
         only recv_x: the kernel writes those into the Buffer's scratch); each its own
         allocation, so the caller may keep any of them alone (bench_overhead_gpu.py replaces
-        this method to time the rest). On the current stream; on the communication stream
-        with ``on_comm`` when the helper is loaded (without it the caller makes that stream
-        current around this call).
+        this method to time the rest). On the current stream (the caller makes the
+        communication stream current around this call for ``allocate_on_comm_stream``;
+        ``on_comm`` says so).
 
         NOTES: one allocation carved into typed views was considered and not taken: from Python
         every view (a slice, ``.view(dtype)``, ``.view(shape)``) is a dispatcher call about as
@@ -627,22 +482,6 @@ class GpuPath:
         dtype=, device=)`` (the earlier spelling, itself 2.1 against ``new_empty``'s 2.5 us per
         output). The bench keeps both as alternatives."""
         h, k, g = self.h, self.k, self.g
-        nat = self._nat
-        if nat is not None:
-            s = self._comm_sid if on_comm else 0
-            if cached:
-                if fp8:
-                    return nat.empty(s, like, (rows, h), self._st_h, self._like_f32, (rows, g),
-                                     self._st_g) + (None, None)
-                return nat.empty(s, like, (rows, h), self._st_h) + (None, None, None)
-            rk = (rows, k)
-            if fp8:
-                return nat.empty(s, like, (rows, h), self._st_h, self._like_f32, (rows, g),
-                                 self._st_g, self._like_i64, rk, self._st_k, self._like_f32, rk,
-                                 self._st_k)
-            recv_x, recv_idx, recv_w = nat.empty(s, like, (rows, h), self._st_h, self._like_i64,
-                                                 rk, self._st_k, self._like_f32, rk, self._st_k)
-            return recv_x, None, recv_idx, recv_w
         recv_x = like.new_empty_strided((rows, h), self._st_h)
         recv_s = self._like_f32.new_empty_strided((rows, g), self._st_g) if fp8 else None
         if cached:
@@ -676,6 +515,7 @@ class GpuPath:
         base = scr.data_ptr()
         self._scr, self._scr_cap = scr, cap
         self._src_ptr, self._sidx_ptr, self._sw_ptr = base, base + src_b, base + src_b + idx_b
+        self._n.set_scratch(self._src_ptr, self._sidx_ptr, self._sw_ptr)
 
     def combine(self, x: Any, handle: Any, topk_weights: Any, previous_event: Any,
                 async_finish: bool, allocate_on_comm_stream: bool) -> Tuple[Any, ...]:
@@ -683,25 +523,12 @@ class GpuPath:
         h, k, dev, tensor = self.h, self.k, self.dev, self.Tensor
         rows, t = handle.num_recv_tokens, handle.num_tokens
         with_w = topk_weights is not None
-        nat = self._nat
-        got = None  # as dispatch: the helper's one call for the common case
-        if nat is not None:
-            if with_w:
-                got = nat.ptrs(dev, x, self._like_bf16, rows, h, topk_weights, self._like_f32,
-                               rows, k)
-                if got is not None:
-                    xp, wp, _ = got
-            else:
-                got = nat.ptrs(dev, x, self._like_bf16, rows, h)
-                if got is not None:
-                    xp, wp = got[0], 0
-        if got is None:
-            if type(x) is tensor and x.dtype is self._bf16 and x.shape == (rows, h) \
-                    and x.get_device() == dev and x.is_contiguous():
-                xp = x.data_ptr()
-            else:
-                xp = self._t2_slow("x", x, self.bf16, rows, h)[0]
-            wp = self.t2n("topk_weights", topk_weights, self.f32s, rows, k) if with_w else 0
+        if type(x) is tensor and x.dtype is self._bf16 and x.shape == (rows, h) \
+                and x.get_device() == dev and x.is_contiguous():
+            xp = x.data_ptr()
+        else:
+            xp = self._t2_slow("x", x, self.bf16, rows, h)[0]
+        wp = self.t2n("topk_weights", topk_weights, self.f32s, rows, k) if with_w else None
         ev = 0
         if previous_event is not None or allocate_on_comm_stream:
             self.check_async(previous_event, async_finish, allocate_on_comm_stream)
@@ -711,36 +538,17 @@ class GpuPath:
             if self.threads:
                 raise _legacy_stream_error()
             compute = _CU_STREAM_LEGACY  # see dispatch
-        if allocate_on_comm_stream and self._nat is None:
+        if allocate_on_comm_stream:
             prev = self.to_comm()
             try:
                 out, cw = self.alloc_combine(t, x, with_w, True)
             finally:
                 self.back(prev)
         else:
-            prev = True if allocate_on_comm_stream else None  # as dispatch
-            out, cw = self.alloc_combine(t, x, with_w, allocate_on_comm_stream)
-        cb = self._cb
-        a_o, a_x, a_w, a_out, a_cw = cb.addr
-        # The combine block's words (_COMBINE_DESC): order [0] at 0; x at 4, topk_weights 10,
-        # combined_x 16, combined_topk_weights 22 (data; shape[0] two words on).
-        w = cb.w
-        w[1] = 0 if ev else compute
-        w[2] = ev
-        w[3] = 0 if async_finish else compute
-        w[4] = xp
-        w[6] = rows
-        w[16] = out.data_ptr()
-        w[18] = t
-        if with_w:
-            w[10] = wp
-            w[12] = rows
-            w[22] = cw.data_ptr()
-            w[24] = t
-        st = lib.fep_gpu_combine(b._ptr, handle._ptr, a_x, a_w if with_w else None, a_out,
-                                 a_cw if with_w else None, a_o)
-        if st:
-            raise _lib.error("fep_gpu_combine", st)
+            prev = None
+            out, cw = self.alloc_combine(t, x, with_w, False)
+        self._n.gpu_combine(b._ptr, handle._ptr, xp, rows, wp, out.data_ptr(), t,
+                            cw.data_ptr() if with_w else None, compute, ev, async_finish)
         event = self.finish((x, topk_weights), (out, cw), prev) if async_finish else NO_EVENT
         return out, cw, event
 
@@ -748,13 +556,6 @@ class GpuPath:
         """The tensors a combine returns: combined_x (``like``'s dtype) and, with weights,
         combined_topk_weights (else None); see alloc_dispatch (the spelling and ``on_comm``
         too)."""
-        nat = self._nat
-        if nat is not None:
-            s = self._comm_sid if on_comm else 0
-            if with_w:
-                return nat.empty(s, like, (t, self.h), self._st_h, self._like_f32, (t, self.k),
-                                 self._st_k)
-            return nat.empty(s, like, (t, self.h), self._st_h)[0], None
         return (like.new_empty_strided((t, self.h), self._st_h),
                 self._like_f32.new_empty_strided((t, self.k), self._st_k) if with_w else None)
 
@@ -766,32 +567,19 @@ class GpuPath:
         bp = self.buf._ptr
         if not bp:
             raise RuntimeError(f"{what} hook: the Buffer was destroyed")
-        # Order [0]: wait for the current stream, run on comm, then the current stream waits.
-        w = self._hb.w
-        w[1] = w[3] = self.compute()
-        st = lib.fep_gpu_ll_complete(bp, op, self._hb.addr[0])
-        if st:
-            raise _lib.error("fep_gpu_ll_complete", st)
+        # Waits for the current stream, runs on comm, then the current stream waits.
+        self._n.gpu_ll_complete(bp, op, self.compute())
 
     def _make_ll_layout(self) -> Tuple[Any, ...]:
         """The low-latency dispatch's outputs: (shape, strides) of recv_x, of recv_x_scales and
         of the routing block (one int32 allocation holding count, src_rank, src_idx, the
         combine's (rank, slot) pairs and the token positions), the parts' byte offsets in it,
         and the handle's lazy views ((element offset, shape) of src_rank, src_idx, pairs).
-        Builds the two low-latency blocks (_Block) too, at the first low-latency call: dispatch
-        (order [0]; x, topk_idx, then the 7 outputs in ``fep_gpu_ll_buffers`` order) and
-        combine (order [0]; x, topk_idx, topk_weights, combined_x)."""
+        Hands the parts' offsets to the native calls (``fep_gpu_ll_buffers`` is built there)."""
         b = self.buf
         h, k, m = b.hidden, b.num_topk, b.num_max_dispatch_tokens_per_rank
         l, r = b.num_local_experts, b.num_ranks
         s, g = r * m, h // FP8_GROUP
-        xc = FEP_DTYPE_FP8_E4M3 if b.dispatch_dtype == "fp8" else FEP_DTYPE_BF16
-        i32, ik, wk = FEP_DTYPE_I32, (FEP_DTYPE_I64, (0, k)), (FEP_DTYPE_F32, (0, k))
-        self._llb = _Block(self.comm_ptr, 1, (
-            (FEP_DTYPE_BF16, (0, h)), ik, (xc, (l, s, h)), (FEP_DTYPE_F32, (l, s, g)),
-            (i32, (l,)), (i32, (l, s)), (i32, (l, s)), (i32, (l, r, 2)), (i32, (m, k))))
-        self._lcb = _Block(self.comm_ptr, 1, (
-            (FEP_DTYPE_BF16, (l, s, h)), ik, wk, (FEP_DTYPE_BF16, (0, h))))
         # The routing outputs share one int32 allocation (count, src_rank, src_idx, pairs,
         # positions; each part 256-byte aligned): from Python a tensor costs about as much to
         # allocate as to view, so the handle makes its views only when they are read.
@@ -805,11 +593,7 @@ class GpuPath:
         self._ll_layout = (((l, s, h), (s * h, h, 1)), ((l, s, g), (s * g, g, 1)),
                            ((end,), (1,)), tuple(4 * o for o in offs),
                            ((offs[1], (l, s)), (offs[2], (l, s)), (offs[3], (l, r, 2))))
-        lx, ls, lr = self._ll_layout[:3]
-        # The helper's arguments for the outputs (ll_dispatch): bf16 (recv_x, routing), fp8
-        # (recv_x, recv_x_scales, routing), on the current stream.
-        self._ll_empty = ((0, self._like_bf16, *lx, self._like_i32, *lr),
-                          (0, self._like_fp8, *lx, self._like_f32, *ls, self._like_i32, *lr))
+        self._n.set_ll_layout(*self._ll_layout[3][1:])
         return self._ll_layout
 
     def _ll_refused(self, use_fp8: bool, round_scale: bool, async_finish: bool,
@@ -840,70 +624,35 @@ class GpuPath:
         if (round_scale and not use_fp8) or bool(use_fp8) is not self._ll_fp8 \
                 or (async_finish and return_recv_hook):
             raise self._ll_refused(use_fp8, round_scale, async_finish, return_recv_hook)
-        nat = self._nat
-        got = nat.ptrs(dev, x, self._like_bf16, -1, h, topk_idx, self._like_i64, -2, k) \
-            if nat is not None else None  # as dispatch
-        if got is not None:
-            xp, ip, t = got
+        if type(x) is tensor and x.dtype is self._bf16 and x.get_device() == dev \
+                and x.is_contiguous() and len(shp := x.shape) == 2 and shp[1] == h:
+            xp, t = x.data_ptr(), shp[0]
         else:
-            if type(x) is tensor and x.dtype is self._bf16 and x.get_device() == dev \
-                    and x.is_contiguous() and len(shp := x.shape) == 2 and shp[1] == h:
-                xp, t = x.data_ptr(), shp[0]
-            else:
-                xp, t = self._t2_slow("x", x, self.bf16, None, h)
+            xp, t = self._t2_slow("x", x, self.bf16, None, h)
         if t > m:
             raise ValueError(f"x: {t} tokens, more than num_max_dispatch_tokens_per_rank {m}")
-        if got is None:
-            if type(topk_idx) is tensor and topk_idx.dtype is self.i64 \
-                    and topk_idx.shape == (t, k) and topk_idx.get_device() == dev \
-                    and topk_idx.is_contiguous():
-                ip = topk_idx.data_ptr()
-            else:
-                ip = self._t2_slow("topk_idx", topk_idx, self.i64s, t, k)[0]
+        if type(topk_idx) is tensor and topk_idx.dtype is self.i64 \
+                and topk_idx.shape == (t, k) and topk_idx.get_device() == dev \
+                and topk_idx.is_contiguous():
+            ip = topk_idx.data_ptr()
+        else:
+            ip = self._t2_slow("topk_idx", topk_idx, self.i64s, t, k)[0]
         if stats is not None:
             self.tn("cumulative_local_expert_recv_stats", stats, (self.i32,), (l,))
         compute = self._raw_stream(dev) or self.compute()  # 0: the legacy stream (compute())
         # The outputs' shapes and strides are the Buffer's (built once, _ll_layout), allocated
         # as the normal mode's (alloc_dispatch).
-        lx, ls, lr, (_, o_sr, o_si, o_pairs, o_pos), views = \
-            self._ll_layout or self._make_ll_layout()
-        if nat is None:
-            recv_x = (self._like_fp8 if use_fp8 else self._like_bf16).new_empty_strided(*lx)
-            recv_s = self._like_f32.new_empty_strided(*ls) if use_fp8 else None
-            routing = self._like_i32.new_empty_strided(*lr)
-        elif use_fp8:
-            recv_x, recv_s, routing = nat.empty(*self._ll_empty[1])
-        else:
-            recv_x, routing = nat.empty(*self._ll_empty[0])
-            recv_s = None
+        lx, ls, lr, _, views = self._ll_layout or self._make_ll_layout()
+        recv_x = (self._like_fp8 if use_fp8 else self._like_bf16).new_empty_strided(*lx)
+        recv_s = self._like_f32.new_empty_strided(*ls) if use_fp8 else None
+        routing = self._like_i32.new_empty_strided(*lr)
         count = routing[:l]
-        rp = routing.data_ptr()
-        blk = self._llb
-        a = blk.addr
-        # The block's words: order [0] at 0 (waits for the compute stream); x at 4, topk_idx
-        # 10 (data; shape[0] two words on); recv_x 16, recv_x_scales 22, count 28, src_rank
-        # 34, src_idx 40, pairs 46, positions 52 (data; their shapes are the Buffer's).
-        w = blk.w
-        w[1] = compute
-        w[3] = 0 if async_finish else compute
-        w[4] = xp
-        w[6] = w[12] = t
-        w[10] = ip
-        w[16] = recv_x.data_ptr()
-        w[22] = recv_s.data_ptr() if use_fp8 else 0
-        w[28] = rp
-        w[34] = rp + o_sr
-        w[40] = rp + o_si
-        w[46] = rp + o_pairs
-        w[52] = rp + o_pos
-        op = self._op_out
-        op.value = None  # the C call writes it (NULL first); never a previous call's
-        st = lib.fep_gpu_ll_dispatch(p, a[1], a[2], bool(use_fp8), bool(round_scale),
-                                     bool(return_recv_hook),
-                                     a[3], a[0], self._op_out_addr)
-        if st:
-            raise _lib.error("fep_gpu_ll_dispatch", st)
-        handle = self._LLHandle(op.value or 0, self._buf_id, t, m, h, b.num_experts, True)
+        # Waits for the compute stream; the compute stream waits afterwards unless async.
+        op = self._n.gpu_ll_dispatch(p, xp, t, ip, recv_x.data_ptr(),
+                                     recv_s.data_ptr() if use_fp8 else 0, routing.data_ptr(),
+                                     bool(use_fp8), bool(round_scale), bool(return_recv_hook),
+                                     compute, async_finish)
+        handle = self._LLHandle(op, self._buf_id, t, m, h, b.num_experts, True)
         handle._routing = (routing, views)  # src_rank, src_idx, pairs: views made when read
         handle._keep = (recv_x, recv_s, x, topk_idx)
         out_x = (recv_x, recv_s) if use_fp8 else recv_x
@@ -947,30 +696,13 @@ class GpuPath:
             op_ = self.t2("out", out, self.bf16, t, h)[0]
             combined = out
         else:
-            combined = self._like_bf16.new_empty_strided((t, h), self._st_h) if self._nat is None \
-                else self._nat.empty(0, self._like_bf16, (t, h), self._st_h)[0]
+            combined = self._like_bf16.new_empty_strided((t, h), self._st_h)
             op_ = combined.data_ptr()
         if self._ll_layout is None:
             self._make_ll_layout()
-        blk = self._lcb
-        a = blk.addr
-        # The block's words: order [0] at 0; x at 4 (its shape is the Buffer's), topk_idx 10,
-        # topk_weights 16, combined_x 22 (data; shape[0] two words on).
-        w = blk.w
-        w[1] = compute
-        w[3] = 0 if async_finish else compute
-        w[4] = xp
-        w[10] = ip
-        w[12] = w[18] = w[24] = t
-        w[16] = wp
-        w[22] = op_
-        op = self._op_out
-        op.value = None  # the C call writes it (NULL first); never a previous call's
-        st = lib.fep_gpu_ll_combine(p, handle._ptr, a[1], a[2], a[3], a[4], bool(return_recv_hook),
-                                    a[0], self._op_out_addr)
-        if st:
-            raise _lib.error("fep_gpu_ll_combine", st)
-        cop = self._LLOp(op.value or 0, (x, topk_idx, topk_weights, combined, handle))
+        op = self._n.gpu_ll_combine(p, handle._ptr, xp, ip, wp, t, op_, bool(return_recv_hook),
+                                    compute, async_finish)
+        cop = self._LLOp(op, (x, topk_idx, topk_weights, combined, handle))
         if return_recv_hook:
             me = self
 
@@ -989,9 +721,7 @@ class GpuPath:
     # ------------------------------------------------------------------ lifetime
 
     def sync(self) -> None:
-        st = lib.fep_gpu_sync(self.buf._ptr, self.comm_ptr)
-        if st:
-            raise _lib.error("fep_gpu_sync", st)
+        core.gpu_sync(self.buf._ptr, self.comm_ptr)
 
     def quiesce(self) -> None:
         """Waits (on the host) for this rank's compute and communication streams; drops the
@@ -1019,21 +749,18 @@ def _layout_ops(torch: Any, topk_idx: Any, num_experts: int, r: int, rpn: int,
     return per_rank, per_node, per_expert, in_rank
 
 
-def _layout_finish(torch: Any, nat: Any, comm_sid: int, topk_idx: Any, outs: Tuple[Any, ...],
-                   run: Any, compute: Any, async_finish: bool) -> Tuple[Any, ...]:
+def _layout_finish(torch: Any, topk_idx: Any, outs: Tuple[Any, ...], run: Any, compute: Any,
+                   async_finish: bool) -> Tuple[Any, ...]:
     per_rank, per_node, per_expert, in_rank = outs
     if not async_finish:
         return per_rank, per_node, per_expert, in_rank, NO_EVENT
     if run is not compute:
         # As the calls' finish: the input read on the communication stream, the outputs
         # allocated there used on the compute stream.
-        if nat is not None:
-            nat.record(comm_sid, (topk_idx,), 0, outs)
-        else:
-            topk_idx.record_stream(run)
-            for o in outs:
-                if o is not None:
-                    o.record_stream(compute)
+        topk_idx.record_stream(run)
+        for o in outs:
+            if o is not None:
+                o.record_stream(compute)
     e = torch.cuda.Event()
     e.record(run)
     return per_rank, per_node, per_expert, in_rank, EventOverlap(e)
@@ -1064,34 +791,28 @@ def layout_gpu(fac: Any, topk_idx: Any, num_experts: int, previous_event: Any,
     with torch.cuda.stream(run):
         outs = _layout_ops(torch, topk_idx, num_experts, fac.num_ranks, fac.ranks_per_node,
                            topk_idx.device.index)
-    return _layout_finish(torch, None, 0, topk_idx, outs, run, compute, async_finish)
+    return _layout_finish(torch, topk_idx, outs, run, compute, async_finish)
 
 
 class CallbackAllGather:
-    """The ``fep_allgather_fn`` over any group with ``all_gather_bytes(bytes) -> list[bytes]``
-    (e.g. :class:`fabric_ep.utils.ThreadGroup`). Exceptions are kept for the caller."""
+    """The all-gather ``fep_buffer_create`` runs over any group with ``all_gather_bytes(bytes)
+    -> list[bytes]`` (e.g. :class:`fabric_ep.utils.ThreadGroup`): a callable taking this rank's
+    bytes and returning every rank's, concatenated in rank order. What it raises is chained to
+    the create call's error."""
 
     def __init__(self, group: Any):
         self.group = group
         self.size = group.size()
-        self.error: Optional[BaseException] = None
-        self.fn = _lib.ALLGATHER_FN(self._call)
 
-    def _call(self, send: int, length: int, recv: int, user: int) -> int:
-        try:
-            data = ctypes.string_at(send, length) if length else b""
-            parts: List[bytes] = self.group.all_gather_bytes(data)
-            if len(parts) != self.size or any(len(x) != length for x in parts):
-                raise ValueError(
-                    f"group.all_gather_bytes returned {len(parts)} parts of lengths "
-                    f"{[len(x) for x in parts]}, expected {self.size} of {length}"
-                )
-            for i, part in enumerate(parts):
-                ctypes.memmove(recv + i * length, part, length)
-            return 0
-        except BaseException as e:  # noqa: BLE001 - reported after the C call returns
-            self.error = e
-            return 1
+    def __call__(self, data: bytes) -> bytes:
+        parts: List[bytes] = self.group.all_gather_bytes(data)
+        length = len(data)
+        if len(parts) != self.size or any(len(x) != length for x in parts):
+            raise ValueError(
+                f"group.all_gather_bytes returned {len(parts)} parts of lengths "
+                f"{[len(x) for x in parts]}, expected {self.size} of {length}"
+            )
+        return b"".join(bytes(x) for x in parts)
 
 
 def group_barrier(group: Any) -> None:

@@ -10,15 +10,14 @@ arguments (``num_nvl_bytes``/``num_rdma_bytes`` are accepted and kept, but size 
 
 from __future__ import annotations
 
-import ctypes
 import os
 from typing import Any, Callable, List, Optional, Tuple, Union
 
 import numpy as np
 
-from . import _lib
-from ._arrays import TensorSlots, alloc, arr, data_ptr, empty_like_kind, in2, tensor
-from ._lib import (
+from . import _ext
+from ._arrays import alloc, arr, data_ptr, empty_like_kind, in2
+from ._ext import (
     FEP_BACKEND_GPU,
     FEP_BACKEND_HOST,
     FEP_DTYPE_BF16,
@@ -27,15 +26,12 @@ from ._lib import (
     FEP_DTYPE_FP8_E4M3,
     FEP_DTYPE_I32,
     FEP_DTYPE_I64,
-    lib,
+    core,
 )
 from .config import DEFAULT_NUM_SMS, Config
 from .utils import NO_EVENT, EventOverlap
 
 FP8_GROUP = 128  # channels per fp8 scale
-
-# Whether this libfabric_ep exports the low-latency calls (they arrive after the normal mode).
-HAVE_LOW_LATENCY = _lib._has("fep_low_latency_dispatch")
 
 _DISPATCH_DTYPES = {"bf16": FEP_DTYPE_BF16, "fp8": FEP_DTYPE_FP8_E4M3}
 
@@ -83,7 +79,7 @@ def _host_only(async_finish: bool, allocate_on_comm_stream: bool) -> None:
         )
 
 
-def _destroy_handle(ptr: int, _destroy=lib.fep_handle_destroy) -> None:
+def _destroy_handle(ptr: int, _destroy=core.handle_destroy) -> None:
     _destroy(ptr)
 
 
@@ -112,9 +108,10 @@ class DispatchHandle:
 
 
 class _TorchAllGather:
-    """The ``fep_allgather_fn`` over a ``torch.distributed`` group: equal-length all-gather of the
-    connection info (``torch.distributed.all_gather`` of uint8 tensors; on the current CUDA
-    device for NCCL groups). Exceptions are kept and re-raised by the caller."""
+    """The all-gather ``fep_buffer_create`` runs over a ``torch.distributed`` group: a callable
+    taking this rank's bytes and returning every rank's, concatenated in rank order
+    (``torch.distributed.all_gather`` of uint8 tensors; on the current CUDA device for NCCL
+    groups). What it raises is chained to the create call's error."""
 
     def __init__(self, group: Any):
         import torch
@@ -126,26 +123,18 @@ class _TorchAllGather:
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
         )
-        self.error: Optional[BaseException] = None
-        self.fn = _lib.ALLGATHER_FN(self._call)
 
-    def _call(self, send: int, length: int, recv: int, user: int) -> int:
-        try:
-            import torch
-            import torch.distributed as dist
+    def __call__(self, data: bytes) -> bytes:
+        import torch
+        import torch.distributed as dist
 
-            if length == 0:
-                return 0
-            src = bytes((ctypes.c_uint8 * length).from_address(send))
-            t = torch.frombuffer(bytearray(src), dtype=torch.uint8).to(self.device)
-            parts = [torch.empty(length, dtype=torch.uint8, device=self.device) for _ in range(self.size)]
-            dist.all_gather(parts, t, group=self.group)
-            out = torch.cat(parts).cpu().contiguous()
-            ctypes.memmove(recv, out.data_ptr(), length * self.size)
-            return 0
-        except BaseException as e:  # noqa: BLE001 - reported to the caller after the C call
-            self.error = e
-            return 1
+        length = len(data)
+        if length == 0:
+            return b""
+        t = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        parts = [torch.empty(length, dtype=torch.uint8, device=self.device) for _ in range(self.size)]
+        dist.all_gather(parts, t, group=self.group)
+        return torch.cat(parts).cpu().contiguous().numpy().tobytes()
 
 
 class _Engine:
@@ -257,10 +246,6 @@ class _Engine:
             raise ValueError(f"backend: {backend!r}, expected 'auto', 'host' or 'gpu'")
         if backend == "auto":
             backend = _auto_backend(group)
-        if backend == "gpu" and not _lib._has("fep_gpu_notify"):
-            raise NotImplementedError(
-                "backend: 'gpu': this libfabric_ep has no fep_gpu_* calls; rebuild the library"
-            )
         if isinstance(gpu_reserve_tokens, bool) or not isinstance(gpu_reserve_tokens, int) \
                 or not 0 <= gpu_reserve_tokens < 2**31:
             raise ValueError(f"gpu_reserve_tokens: {gpu_reserve_tokens!r} must be an int in [0, 2**31)")
@@ -294,12 +279,12 @@ class _Engine:
         self._dispatch_code = _DISPATCH_DTYPES[dispatch_dtype]
 
         explicit_config = config is not None
-        cfg = _lib.new_config()
+        cfg = _ext.new_config()
         self._gather: Optional[Any] = None
         if _boot is not None:
             self._gather = _boot.gather
-            cfg.rank = _boot.rank
-            cfg.num_ranks = _boot.size
+            cfg["rank"] = _boot.rank
+            cfg["num_ranks"] = _boot.size
             world = _boot.size
             if ranks_per_node is None:
                 ranks_per_node = _boot.local_size
@@ -307,14 +292,14 @@ class _Engine:
             from ._gpu import CallbackAllGather
 
             self._gather = CallbackAllGather(group)
-            cfg.rank = group.rank()
-            cfg.num_ranks = group.size()
-            world = cfg.num_ranks
+            cfg["rank"] = group.rank()
+            cfg["num_ranks"] = group.size()
+            world = cfg["num_ranks"]
         elif group is not None:
             self._gather = _TorchAllGather(group)
-            cfg.rank = group.rank()
-            cfg.num_ranks = group.size()
-            world = cfg.num_ranks
+            cfg["rank"] = group.rank()
+            cfg["num_ranks"] = group.size()
+            world = cfg["num_ranks"]
         else:
             world = _env_int("WORLD_SIZE")  # None: the library reports the missing variable
         if ranks_per_node is None:
@@ -324,27 +309,27 @@ class _Engine:
         if ranks_per_node is not None:
             if ranks_per_node <= 0:
                 raise ValueError(f"ranks_per_node: {ranks_per_node} must be positive")
-            cfg.ranks_per_node = ranks_per_node
+            cfg["ranks_per_node"] = ranks_per_node
         if internode_hierarchy:
             if ranks_per_node is None or world is None or ranks_per_node >= world:
                 raise ValueError(
                     f"internode_hierarchy: needs ranks on 2 or more nodes (ranks_per_node "
                     f"{ranks_per_node} of {world} ranks)"
                 )
-            cfg.internode_hierarchy = 1
+            cfg["internode_hierarchy"] = 1
         if config is None:
             config = _public_buffer().get_dispatch_config(world if world else 1)
         sms, chunk, slots = config.fabric_chunking()
         self.config = config
-        cfg.num_experts = num_experts
-        cfg.hidden = hidden
-        cfg.num_topk = num_topk
-        cfg.max_tokens_per_rank = num_max_dispatch_tokens_per_rank
-        cfg.dispatch_dtype = self._dispatch_code
-        cfg.num_sms = sms
-        cfg.chunk_tokens = chunk
-        cfg.slots_per_peer = slots
-        cfg.backend = FEP_BACKEND_HOST
+        cfg["num_experts"] = num_experts
+        cfg["hidden"] = hidden
+        cfg["num_topk"] = num_topk
+        cfg["max_tokens_per_rank"] = num_max_dispatch_tokens_per_rank
+        cfg["dispatch_dtype"] = self._dispatch_code
+        cfg["num_sms"] = sms
+        cfg["chunk_tokens"] = chunk
+        cfg["slots_per_peer"] = slots
+        cfg["backend"] = FEP_BACKEND_HOST
         torch_mod: Any = None
         if backend == "gpu":
             try:
@@ -353,74 +338,51 @@ class _Engine:
                 raise ValueError(f"backend: 'gpu' needs torch with CUDA ({e})") from None
             if not torch_mod.cuda.is_available():
                 raise ValueError("backend: 'gpu' needs a CUDA device (torch.cuda.is_available() is False)")
-            cfg.backend = FEP_BACKEND_GPU
-            cfg.device = torch_mod.cuda.current_device()
-            # The torch helper is built (first use on this machine, ~13 s on the H200 host) or
-            # loaded here, before fep_buffer_create's rendezvous: a rank still building it
-            # after its peers connected would hold up their first call, whose waits are bounded.
-            from . import _native
-
-            _native.get(torch_mod)
+            cfg["backend"] = FEP_BACKEND_GPU
+            cfg["device"] = torch_mod.cuda.current_device()
             # Reserved inside fep_buffer_create, before its closing barrier (no allocation may
             # happen while a peer's kernel spins).
-            cfg.gpu_reserve_tokens = gpu_reserve_tokens if gpu_reserve_tokens else -1
+            cfg["gpu_reserve_tokens"] = gpu_reserve_tokens if gpu_reserve_tokens else -1
             # The GPU defaults (SMs / ranks, 16-token chunks, 32 slots up to 8 ranks, else 16)
             # unless the caller chose.
             if not explicit_config:
-                cfg.chunk_tokens = cfg.slots_per_peer = 0
+                cfg["chunk_tokens"] = cfg["slots_per_peer"] = 0
                 if _public_buffer().num_sms == DEFAULT_NUM_SMS:
-                    cfg.num_sms = 0
-        cfg.modes = _modes if backend == "gpu" else 0
-        cfg.timeout_s = float(timeout_s)
-        self._provider = provider.encode() if provider is not None else None
-        cfg.provider = self._provider
+                    cfg["num_sms"] = 0
+        cfg["modes"] = _modes if backend == "gpu" else 0
+        cfg["timeout_s"] = float(timeout_s)
+        cfg["provider"] = provider
         self._cfg = cfg
 
-        out = ctypes.c_void_p()
+        # (The gather's exception, if any, is chained to the create call's error.)
         if _boot is not None and _boot.ptr:
-            call = "fep_buffer_create_boot"
-            st = lib.fep_buffer_create_boot(ctypes.byref(cfg), _boot.ptr, ctypes.byref(out))
+            self._ptr = core.buffer_create_boot(cfg, _boot.ptr)
         else:
-            call = "fep_buffer_create"
-            fn = self._gather.fn if self._gather is not None else _lib.ALLGATHER_FN()
-            st = lib.fep_buffer_create(ctypes.byref(cfg), fn, None, ctypes.byref(out))
-        if st != _lib.FEP_OK:
-            err = _lib.error(call, st)
-            if self._gather is not None and self._gather.error is not None:
-                raise err from self._gather.error
-            raise err
-        self._ptr = out.value or 0
-        r, n = ctypes.c_int32(), ctypes.c_int32()
-        _lib.check("fep_buffer_rank", lib.fep_buffer_rank(self._ptr, ctypes.byref(r), ctypes.byref(n)))
-        self.rank = r.value
-        self.group_size = n.value
-        self.num_ranks = n.value
-        self.ranks_per_node = ranks_per_node if ranks_per_node else _default_ranks_per_node(n.value)
-        self.num_local_experts = num_experts // n.value
+            self._ptr = core.buffer_create(cfg, self._gather)
+        r, n = core.buffer_rank(self._ptr)
+        self.rank = r
+        self.group_size = n
+        self.num_ranks = n
+        self.ranks_per_node = ranks_per_node if ranks_per_node else _default_ranks_per_node(n)
+        self.num_local_experts = num_experts // n
         # NOTES: 0 asks the library for its default capacity, DEFAULT_MAX_TOKENS_PER_RANK = 128
         # (src/ep/config.rs); the LL calls check callers' values against this.
         self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank or 128
-        self._num_nodes = n.value // self.ranks_per_node
-
-        # Scratch out-parameters reused by every call (a Buffer is used by one thread at a time,
-        # as in DeepEP); their addresses are computed once.
-        self._out_handle = ctypes.c_void_p()
-        self._out_rows = ctypes.c_int64()
-        self._out_handle_addr = ctypes.addressof(self._out_handle)
-        self._out_rows_addr = ctypes.addressof(self._out_rows)
-        self._slots = TensorSlots(9)
-        self._per_expert = np.zeros(self.num_local_experts, dtype=np.int32)
-        self._slots.set1(8, self._per_expert.ctypes.data, FEP_DTYPE_I32, self.num_local_experts)
+        self._num_nodes = n // self.ranks_per_node
+        comm = 0
+        if backend == "gpu":
+            _, sms, comm = core.gpu_info(self._ptr)
+            self.num_sms = sms
+            comm = _comm_ptr or comm
+        # The native calls with this buffer's shape constants (fabric_ep._core.Calls): each
+        # call passes only what changes.
+        self._n = core.Calls(hidden, num_topk, self._dispatch_code, self.num_local_experts, n,
+                             self.num_max_dispatch_tokens_per_rank, comm)
         if backend == "gpu":
             from ._gpu import GpuPath
 
             threads = hasattr(group, "all_gather_bytes") and self.num_ranks > 1
-            d, sms, comm = ctypes.c_int32(), ctypes.c_int32(), ctypes.c_void_p()
-            _lib.check("fep_gpu_info", lib.fep_gpu_info(self._ptr, ctypes.byref(d), ctypes.byref(sms),
-                                                        ctypes.byref(comm)))
-            self.num_sms = sms.value
-            self._g = GpuPath(self, torch_mod, int(cfg.device), threads,
-                              _comm_ptr or comm.value or 0,
+            self._g = GpuPath(self, torch_mod, int(cfg["device"]), threads, comm,
                               reserve_tokens=gpu_reserve_tokens)
 
     # ---------------------------------------------------------------- lifetime
@@ -438,15 +400,13 @@ class _Engine:
         if self._g is not None:
             self._g.quiesce()  # no kernel of this rank may run into the teardown
         p, self._ptr = self._ptr, 0
-        st = lib.fep_buffer_destroy(p)
-        if st != _lib.FEP_OK:
-            raise _lib.error("fep_buffer_destroy", st)
+        core.buffer_destroy(p)
 
     def __del__(self) -> None:
         if getattr(self, "_ptr", 0) and not getattr(self, "explicitly_destroy", True):
             p, self._ptr = self._ptr, 0
             try:
-                lib.fep_buffer_destroy(p)
+                core.buffer_destroy(p)
             except Exception:  # noqa: BLE001 - interpreter shutdown; nothing to report to
                 pass
 
@@ -462,8 +422,7 @@ class _Engine:
     def size_hints(self) -> "dict[str, int]":
         """What this buffer's configuration needs per rank: ``normal_bytes``, ``ll_bytes``,
         ``normal_regions``, ``ll_regions`` (memory regions at ``FEP_MR_MAX_BYTES`` each)."""
-        h = _lib.size_hints(self._cfg)
-        return {n: int(getattr(h, n)) for n, _ in _lib.fep_size_hints._fields_}
+        return _ext.size_hints(self._cfg)
 
     def get_comm_stream(self) -> Any:
         """The communication stream (a ``torch.cuda.Stream``) on the GPU backend; None on the host
@@ -648,48 +607,29 @@ class _Engine:
         if type(num_worst_tokens) is not int or not 0 <= num_worst_tokens < 2**31:
             raise ValueError(f"num_worst_tokens: {num_worst_tokens!r} must be an int in [0, 2**31)")
 
-        # ---- step 1: communicate; learn the row count. Slots 0..3: x, x_scales, idx, weights.
-        ts = self._slots
-        a = ts.addr
-        g = h // FP8_GROUP
-        ts.pack4(0, xp, xc, 2, t, h, 0, 0, sp, FEP_DTYPE_F32, 2, t, g, 0, 0,
-                 ip, FEP_DTYPE_I64, 2, t, k, 0, 0, wp, FEP_DTYPE_F32, 2, t, k, 0, 0)
-        st = lib.fep_dispatch(
-            p, a[0], a[1] if so is not None else None, None if cached else a[2],
-            None if cached else a[3], cached,
-            expert_alignment, num_worst_tokens, None, self._out_handle_addr, self._out_rows_addr,
-        )
-        if st:
-            raise _lib.error("fep_dispatch", st)
-        hp = self._out_handle.value
-        rows = self._out_rows.value
+        # ---- step 1: communicate; learn the row count.
+        hp, rows = self._n.dispatch(p, xp, t, sp if so is not None else None,
+                                    None if cached else ip, None if cached else wp, cached,
+                                    expert_alignment, num_worst_tokens)
         new_handle = DispatchHandle(hp, id(self), t, rows)  # owns hp from here on
 
-        # ---- step 2: outputs into arrays of the caller's library. Slots 4..7.
+        # ---- step 2: outputs into arrays of the caller's library.
         recv_x, rxp = alloc(xo, (rows, h))
         if so is not None:
-            recv_s, rsp = alloc(so, (rows, g))
+            recv_s, rsp = alloc(so, (rows, h // FP8_GROUP))
         else:
-            recv_s = None
-            rsp = 0
+            recv_s = rsp = None
         if handle is None:
             recv_idx, rip = alloc(topk_idx, (rows, k))
             recv_w, rwp = alloc(topk_weights, (rows, k))
         else:
-            recv_idx = recv_w = None
-            rip = rwp = 0
-        ts.pack4(192, rxp, xc, 2, rows, h, 0, 0, rsp, FEP_DTYPE_F32, 2, rows, g, 0, 0,
-                 rip, FEP_DTYPE_I64, 2, rows, k, 0, 0, rwp, FEP_DTYPE_F32, 2, rows, k, 0, 0)
-        st = lib.fep_handle_copy_out(
-            hp, a[4], a[5] if so is not None else None, None if cached else a[6],
-            None if cached else a[7], None if cached else a[8],
-        )
-        if st:
-            raise _lib.error("fep_handle_copy_out", st)
+            recv_idx = recv_w = rip = rwp = None
+        counts = self._n.copy_out(hp, rows, rxp, rsp, rip, rwp)
         out_x = recv_x if so is None else (recv_x, recv_s)
         if handle is not None:
             return out_x, None, None, None, None, NO_EVENT
-        counts = [] if num_worst_tokens > 0 else self._per_expert.tolist()
+        if num_worst_tokens > 0:
+            counts = []
         return out_x, recv_idx, recv_w, counts, new_handle, NO_EVENT
 
     def _layout_args(self, t: Optional[int], per_rank: Any, per_rdma: Any, in_rank: Any,
@@ -774,16 +714,8 @@ class _Engine:
             wp = in2("topk_weights", topk_weights, FEP_DTYPE_F32, rows, k)[0]
             cw, cwp = alloc(topk_weights, (t, k))
         else:
-            wp = cwp = 0
-            cw = None
-        ts = self._slots
-        a = ts.addr
-        ts.pack4(0, xp, FEP_DTYPE_BF16, 2, rows, h, 0, 0, wp, FEP_DTYPE_F32, 2, rows, k, 0, 0,
-                 outp, FEP_DTYPE_BF16, 2, t, h, 0, 0, cwp, FEP_DTYPE_F32, 2, t, k, 0, 0)
-        st = lib.fep_combine(p, handle._ptr, a[0], None if cw is None else a[1], a[2],
-                             None if cw is None else a[3], None)
-        if st:
-            raise _lib.error("fep_combine", st)
+            wp = cwp = cw = None
+        self._n.combine(p, handle._ptr, xp, rows, wp, outp, t, cwp)
         return out, cw, NO_EVENT
 
     # ---------------------------------------------------------------- low-latency mode
@@ -792,12 +724,6 @@ class _Engine:
         p = self._ptr
         if not p:
             raise RuntimeError("Buffer: already destroyed")
-        if not HAVE_LOW_LATENCY:
-            raise NotImplementedError(
-                f"{call}: the C ABI of this libfabric_ep has no low-latency calls "
-                "(fep_low_latency_dispatch / fep_low_latency_combine / fep_ll_op_complete / "
-                "fep_clean_low_latency_buffer); rebuild the library from a commit that has them"
-            )
         if not self.low_latency_mode:
             raise ValueError(
                 f"{call}: this Buffer was built with low_latency_mode=False (as DeepEP, the "
@@ -864,7 +790,7 @@ class _Engine:
         """
         p = self._ptr
         # NOTES: one conjunction in the common case; the helpers name what is wrong.
-        if not (p and HAVE_LOW_LATENCY and self.low_latency_mode and num_experts == self.num_experts
+        if not (p and self.low_latency_mode and num_experts == self.num_experts
                 and num_max_dispatch_tokens_per_rank == self.num_max_dispatch_tokens_per_rank):
             p = self._ll_check("low_latency_dispatch")
             self._ll_shape_args(num_max_dispatch_tokens_per_rank, None, num_experts)
@@ -893,15 +819,9 @@ class _Engine:
             stats = arr("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
                         FEP_DTYPE_I32, (self.num_local_experts,)).obj
         l, sz = self.num_local_experts, self.num_ranks * self.num_max_dispatch_tokens_per_rank
-        t_in = tensor(xp, FEP_DTYPE_BF16, (t, h))
-        t_idx = tensor(ip, FEP_DTYPE_I64, (t, k))
-        op = ctypes.c_void_p()
-        st = lib.fep_low_latency_dispatch(p, _addr(t_in), _addr(t_idx), bool(use_fp8),
-                                          bool(round_scale), bool(return_recv_hook), None,
-                                          ctypes.byref(op))
-        if st:
-            raise _lib.error("fep_low_latency_dispatch", st)
-        handle = LowLatencyHandle(op.value or 0, id(self), t, self.num_max_dispatch_tokens_per_rank,
+        n = self._n
+        op = n.ll_dispatch(p, xp, t, ip, bool(use_fp8), bool(round_scale), bool(return_recv_hook))
+        handle = LowLatencyHandle(op, id(self), t, self.num_max_dispatch_tokens_per_rank,
                                   h, self.num_experts)
         like = x
         if use_fp8:
@@ -914,12 +834,9 @@ class _Engine:
         handle.src_rank = empty_like_kind(like, (l, sz), FEP_DTYPE_I32)
         handle.src_idx = empty_like_kind(like, (l, sz), FEP_DTYPE_I32)
         handle.layout_range = empty_like_kind(like, (l, self.num_ranks), FEP_DTYPE_I64)
-        t_x = _ll_tensor(recv_x, FEP_DTYPE_FP8_E4M3 if use_fp8 else FEP_DTYPE_BF16)
-        t_s = _ll_tensor(recv_s, FEP_DTYPE_F32) if recv_s is not None else None
-        t_c = _ll_tensor(recv_count, FEP_DTYPE_I32)
-        t_r = _ll_tensor(handle.src_rank, FEP_DTYPE_I32)
-        t_i = _ll_tensor(handle.src_idx, FEP_DTYPE_I32)
-        t_l = _ll_tensor(handle.layout_range, FEP_DTYPE_I64)
+        outs = (bool(use_fp8), data_ptr(recv_x),
+                data_ptr(recv_s) if recv_s is not None else None, data_ptr(recv_count),
+                data_ptr(handle.src_rank), data_ptr(handle.src_idx), data_ptr(handle.layout_range))
         buf_ref = self
 
         def receive() -> None:
@@ -928,15 +845,8 @@ class _Engine:
                 raise RuntimeError("low_latency_dispatch hook: the Buffer was destroyed")
             if handle._received:
                 raise RuntimeError("low_latency_dispatch hook: already called")
-            s2 = lib.fep_ll_op_complete(bp, handle._ptr)
-            if s2:
-                raise _lib.error("fep_ll_op_complete", s2)
-            s2 = lib.fep_ll_dispatch_copy_out(
-                handle._ptr, _addr(t_x), _addr(t_s) if t_s is not None else None, _addr(t_c),
-                _addr(t_r), _addr(t_i), _addr(t_l),
-            )
-            if s2:
-                raise _lib.error("fep_ll_dispatch_copy_out", s2)
+            n.ll_complete(bp, handle._ptr)
+            n.ll_dispatch_copy_out(handle._ptr, *outs)
             handle._received = True
             if stats is not None:
                 _accumulate(stats, recv_count)
@@ -1014,16 +924,9 @@ class _Engine:
             combined = arr("out", out, FEP_DTYPE_BF16, (t, h)).obj
         else:
             combined = empty_like_kind(x, (t, h))
-        t_x = tensor(xa.ptr, FEP_DTYPE_BF16, (l, sz, h))
-        t_i = tensor(ip, FEP_DTYPE_I64, (t, k))
-        t_w = tensor(wp, FEP_DTYPE_F32, (t, k))
-        op = ctypes.c_void_p()
-        st = lib.fep_low_latency_combine(p, handle._ptr, _addr(t_x), _addr(t_i), _addr(t_w),
-                                         bool(return_recv_hook), None, ctypes.byref(op))
-        if st:
-            raise _lib.error("fep_low_latency_combine", st)
-        cop = _LowLatencyOp(op.value or 0)
-        t_out = _ll_tensor(combined, FEP_DTYPE_BF16)
+        n = self._n
+        cop = _LowLatencyOp(n.ll_combine(p, handle._ptr, xa.ptr, ip, wp, t, bool(return_recv_hook)))
+        outp = data_ptr(combined)
         buf_ref = self
 
         def receive() -> None:
@@ -1032,12 +935,8 @@ class _Engine:
                 raise RuntimeError("low_latency_combine hook: the Buffer was destroyed")
             if cop.done:
                 raise RuntimeError("low_latency_combine hook: already called")
-            s2 = lib.fep_ll_op_complete(bp, cop.ptr)
-            if s2:
-                raise _lib.error("fep_ll_op_complete", s2)
-            s2 = lib.fep_ll_combine_copy_out(cop.ptr, _addr(t_out))
-            if s2:
-                raise _lib.error("fep_ll_combine_copy_out", s2)
+            n.ll_complete(bp, cop.ptr)
+            n.ll_combine_copy_out(cop.ptr, outp, t)
             cop.done = True
 
         if return_recv_hook:
@@ -1063,9 +962,7 @@ class _Engine:
             # GPU: no kernel of the group may run while any rank resets (collective fence).
             self._g.quiesce()
             self._barrier()
-        st = lib.fep_clean_low_latency_buffer(p)
-        if st:
-            raise _lib.error("fep_clean_low_latency_buffer", st)
+        core.clean_low_latency_buffer(p)
         if self._g is not None:
             self._barrier()
 
@@ -1076,9 +973,6 @@ class _Engine:
             from ._gpu import group_barrier
 
             group_barrier(self.group)
-
-
-_addr = ctypes.addressof
 
 
 def layout_host(r: int, rpn: int, topk_idx: Any, num_experts: int, previous_event: Any,
@@ -1093,12 +987,8 @@ def layout_host(r: int, rpn: int, topk_idx: Any, num_experts: int, previous_even
     per_node = idx.empty((nodes,), FEP_DTYPE_I32)
     per_expert = idx.empty((num_experts,), FEP_DTYPE_I32)
     in_rank = idx.empty((t, r), FEP_DTYPE_BOOL)
-    st = lib.fep_get_dispatch_layout_host(
-        idx.ptr, t, k, num_experts, r, rpn,
-        data_ptr(per_rank), data_ptr(per_node), data_ptr(per_expert), data_ptr(in_rank),
-    )
-    if st:
-        raise _lib.error("fep_get_dispatch_layout_host", st)
+    core.layout_host(idx.ptr, t, k, num_experts, r, rpn, data_ptr(per_rank), data_ptr(per_node),
+                     data_ptr(per_expert), data_ptr(in_rank))
     return per_rank, per_node if nodes > 1 else None, per_expert, in_rank, NO_EVENT
 
 
@@ -1156,11 +1046,6 @@ def _accumulate(stats: Any, counts: Any) -> None:
         stats.add_(counts)
 
 
-def _ll_tensor(a: Any, code: int) -> _lib.fep_tensor:
-    """A ``fep_tensor`` for a freshly allocated output (up to 3-D), kept alive by the hook."""
-    return tensor(data_ptr(a), code, tuple(a.shape))
-
-
 def fp8_empty(like: Any, shape: Tuple[int, ...]) -> Any:
     """fp8 e4m3 output in ``like``'s library: torch.float8_e4m3fn; numpy
     ml_dtypes.float8_e4m3fn when ``like`` is ml_dtypes.bfloat16, else uint8 bytes."""
@@ -1175,8 +1060,8 @@ def fp8_empty(like: Any, shape: Tuple[int, ...]) -> Any:
     return torch.empty(shape, dtype=getattr(torch, "float8_e4m3fn", torch.uint8))
 
 
-def _destroy_ll_op(ptr: int, _lib_ref=lib) -> None:
-    _lib_ref.fep_ll_op_destroy(ptr)
+def _destroy_ll_op(ptr: int, _destroy=core.ll_op_destroy) -> None:
+    _destroy(ptr)
 
 
 class _LowLatencyOp:
@@ -1194,8 +1079,8 @@ class _LowLatencyOp:
             _destroy(p)
 
 
-def _destroy_gpu_ll_op(ptr: int, _lib_ref=lib) -> None:
-    _lib_ref.fep_gpu_ll_op_destroy(ptr)
+def _destroy_gpu_ll_op(ptr: int, _destroy=core.gpu_ll_op_destroy) -> None:
+    _destroy(ptr)
 
 
 class _GpuLowLatencyOp:

@@ -16,7 +16,7 @@ built (``Buffer(..., config=)``, used by every normal-mode native buffer it crea
 
 from __future__ import annotations
 
-from . import _lib
+from . import _ext
 
 DEFAULT_NUM_SMS = 20
 DEFAULT_CHUNK_TOKENS = 64
@@ -45,13 +45,12 @@ def normal_buffer_bytes(num_ranks: int, hidden: int, num_experts: int, num_topk:
                         chunking: "tuple[int, int]") -> int:
     """Per-rank bytes of a normal-mode native buffer of this shape and ``(chunk_tokens,
     slots_per_peer)`` (the library's size hints)."""
-    cfg = _lib.new_config()
-    cfg.rank, cfg.num_ranks, cfg.ranks_per_node, cfg.local_rank = 0, num_ranks, 1, 0
-    cfg.hidden, cfg.num_topk, cfg.num_experts = hidden, num_topk, num_experts
-    cfg.dispatch_dtype = _lib.FEP_DTYPE_FP8_E4M3 if fp8 else _lib.FEP_DTYPE_BF16
-    cfg.chunk_tokens, cfg.slots_per_peer = chunking
-    cfg.provider = b"shm"
-    return int(_lib.size_hints(cfg).normal_bytes)
+    chunk, slots = chunking
+    cfg = dict(rank=0, num_ranks=num_ranks, ranks_per_node=1, local_rank=0, hidden=hidden,
+               num_topk=num_topk, num_experts=num_experts,
+               dispatch_dtype=_ext.FEP_DTYPE_FP8_E4M3 if fp8 else _ext.FEP_DTYPE_BF16,
+               chunk_tokens=chunk, slots_per_peer=slots, provider="shm")
+    return int(_ext.size_hints(cfg)["normal_bytes"])
 
 
 class Config:

@@ -373,11 +373,10 @@ def main():
     # A second Buffer in the same processes: its own store port.
     os.environ["FEP_MASTER_PORT"] = os.environ["FEP_TEST_PORT2"]
     run_fp8(r, n)
-    if fabric_ep.buffer.HAVE_LOW_LATENCY:
-        os.environ["FEP_MASTER_PORT"] = os.environ["FEP_TEST_PORT3"]
-        run_ll(r, n)
-        os.environ["FEP_MASTER_PORT"] = os.environ["FEP_TEST_PORT4"]
-        run_deepep(r, n, rpn)
+    os.environ["FEP_MASTER_PORT"] = os.environ["FEP_TEST_PORT3"]
+    run_ll(r, n)
+    os.environ["FEP_MASTER_PORT"] = os.environ["FEP_TEST_PORT4"]
+    run_deepep(r, n, rpn)
     print(f"rank {r}/{n}: ok ({fabric_ep.__name__})")
 
 

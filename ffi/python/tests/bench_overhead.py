@@ -1,16 +1,18 @@
-"""Python call overhead of fabric_ep's dispatch/combine over the C ABI (1 rank, host backend,
-a tiny call: T=4 tokens, H=128, K=1, 2 experts).
+"""Python call overhead of fabric_ep's dispatch/combine over its native module (1 rank, host
+backend, a tiny call: T=4 tokens, H=128, K=1, 2 experts).
 
 Two figures per call, each the best of several loops of N calls, timed with
 ``time.thread_time`` (CPU time of the calling thread, so a loaded machine's scheduling delays
 do not count; the library's own proxy threads are not this thread):
 
-* ``python_side_us``: ``Buffer.dispatch``/``Buffer.combine`` with the C entry points replaced by
-  no-op Python stubs: all the Python work of a call (argument checks, descriptor packing, output
-  allocation, handle/event objects), plus the stubs' own call cost (a slight over-estimate).
-* ``end_to_end_us`` vs ``raw_ctypes_us``: the real calls through ``Buffer`` and the same C calls
-  (fep_dispatch + fep_handle_copy_out + fep_handle_destroy; fep_combine) made through ctypes
-  with descriptors and outputs prepared once; ``difference_us`` is their difference, and
+* ``python_side_us``: ``Buffer.dispatch``/``Buffer.combine`` with the native calls (the
+  engine's ``fabric_ep._core.Calls``) replaced by no-op Python stubs: all the Python work of a
+  call (argument checks, pointer reads, output allocation, handle/event objects), plus the
+  stubs' own call cost (a slight over-estimate).
+* ``end_to_end_us`` vs ``raw_native_us``: the real calls through ``Buffer`` and the same native
+  calls (``Calls.dispatch`` + ``copy_out`` + ``handle_destroy``; ``Calls.combine``: fep_dispatch,
+  fep_handle_copy_out, fep_handle_destroy; fep_combine) made directly with their arguments and
+  outputs prepared once; ``difference_us`` is their difference, and
   ``paired_median_difference_us`` the median of (real - raw) over back-to-back pairs (wall
   clock), which a busy machine disturbs far less.
 
@@ -18,7 +20,6 @@ Run: ``python3 ffi/python/tests/bench_overhead.py`` (prints JSON). Sets the torc
 for one rank itself.
 """
 
-import ctypes
 import json
 import os
 import socket
@@ -71,15 +72,13 @@ def measure(n=5000, reps=7):
         os.environ.update(saved)
 
 
-def _measure(n, reps):
+def _measure(n_calls, reps):
     port = str(_free_port())
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port, FEP_MASTER_PORT=port,
                       FEP_JOB_ID=f"overhead-{os.getpid()}")
     import fabric_ep
-    from fabric_ep import _lib
-    from fabric_ep import buffer as B
-    from fabric_ep._arrays import tensor
+    from fabric_ep._ext import core
 
     buf = fabric_ep.Buffer(None, num_experts=E, hidden=H, num_topk=K, explicitly_destroy=True)
     x = np.ones((T, H), np.uint16)
@@ -93,65 +92,53 @@ def _measure(n, reps):
     def py_combine():
         buf.combine(rx, handle)
 
-    # Raw ctypes: the same C calls, descriptors and outputs prepared once.
-    lib = _lib.lib
-    A = ctypes.addressof
-    keep = []
-
-    def t(a, code):
-        d = tensor(a.ctypes.data, code, a.shape)
-        keep.append((a, d))
-        return A(d)
-
-    xt, it, wt = t(x, 0), t(idx, 3), t(w, 2)
-    oxt = t(np.empty((T, H), np.uint16), 0)
-    oit = t(np.empty((T, K), np.int64), 3)
-    owt = t(np.empty((T, K), np.float32), 2)
-    pet = t(np.empty(E, np.int32), 4)
-    rxt = t(rx, 0)
-    cxt = t(np.empty((T, H), np.uint16), 0)
-    hp, rows = ctypes.c_void_p(), ctypes.c_int64()
-    dargs = (buf._ptr, xt, None, it, wt, None, 1, 0, None, A(hp), A(rows))
+    # Raw: the same native calls, their arguments and outputs prepared once.
+    eng = buf._order[0]
+    n, p = eng._n, eng._ptr
+    keep = [np.empty((T, H), np.uint16), np.empty((T, K), np.int64), np.empty((T, K), np.float32),
+            np.empty((T, H), np.uint16)]
+    ox, oi, ow, cx = (a.ctypes.data for a in keep)
+    xp, ip, wp, rxp = x.ctypes.data, idx.ctypes.data, w.ctypes.data, rx.ctypes.data
+    rows = handle.num_recv_tokens
 
     def raw_dispatch():
-        assert lib.fep_dispatch(*dargs) == 0
-        assert lib.fep_handle_copy_out(hp.value, oxt, None, oit, owt, pet) == 0
-        lib.fep_handle_destroy(hp.value)
+        hp, r = n.dispatch(p, xp, T, None, ip, wp, None, 1, 0)
+        n.copy_out(hp, r, ox, None, oi, ow)
+        core.handle_destroy(hp)
 
     def raw_combine():
-        assert lib.fep_combine(buf._ptr, handle._ptr, rxt, None, cxt, None, None) == 0
+        n.combine(p, handle._ptr, rxp, rows, None, cx, T, None)
 
-    out = {"setting": dict(ranks=1, tokens=T, hidden=H, topk=K, experts=E, calls=n, reps=reps,
+    out = {"setting": dict(ranks=1, tokens=T, hidden=H, topk=K, experts=E, calls=n_calls, reps=reps,
                            clock="thread_time")}
-    out["end_to_end_us"] = {"dispatch": best_us(py_dispatch, n, reps),
-                            "combine": best_us(py_combine, n, reps)}
-    out["raw_ctypes_us"] = {"dispatch": best_us(raw_dispatch, n, reps),
-                            "combine": best_us(raw_combine, n, reps)}
-    out["difference_us"] = {k: out["end_to_end_us"][k] - out["raw_ctypes_us"][k]
+    out["end_to_end_us"] = {"dispatch": best_us(py_dispatch, n_calls, reps),
+                            "combine": best_us(py_combine, n_calls, reps)}
+    out["raw_native_us"] = {"dispatch": best_us(raw_dispatch, n_calls, reps),
+                            "combine": best_us(raw_combine, n_calls, reps)}
+    out["difference_us"] = {k: out["end_to_end_us"][k] - out["raw_native_us"][k]
                             for k in ("dispatch", "combine")}
     out["paired_median_difference_us"] = {
-        "dispatch": paired_median_us(py_dispatch, raw_dispatch, n),
-        "combine": paired_median_us(py_combine, raw_combine, n)}
+        "dispatch": paired_median_us(py_dispatch, raw_dispatch, n_calls),
+        "combine": paired_median_us(py_combine, raw_combine, n_calls)}
 
-    class Stub:  # no-op C entry points: what remains is the Python work
-        def fep_dispatch(self, *a):
-            return 0
+    class Stub:  # no-op native calls: what remains is the Python work
+        counts = [0] * E  # one rank: every expert is local
 
-        def fep_handle_copy_out(self, *a):
-            return 0
+        def dispatch(self, *a):
+            return 0, T  # a NULL handle (freed as a no-op) and T rows
 
-        def fep_combine(self, *a):
-            return 0
+        def copy_out(self, *a):
+            return self.counts
 
-    real = B.lib
-    buf._out_rows.value = T
-    buf._out_handle.value = 0  # the stubbed dispatch "returns" a NULL handle (freed as a no-op)
-    B.lib = Stub()
+        def combine(self, *a):
+            return None
+
+    eng._n = Stub()
     try:
-        out["python_side_us"] = {"dispatch": best_us(py_dispatch, n, reps),
-                                 "combine": best_us(py_combine, n, reps)}
+        out["python_side_us"] = {"dispatch": best_us(py_dispatch, n_calls, reps),
+                                 "combine": best_us(py_combine, n_calls, reps)}
     finally:
-        B.lib = real
+        eng._n = n
     handle = None  # the native handle freed before the Buffer (the closures are done)
     buf.destroy()
     return out

@@ -83,3 +83,13 @@ def run_ranks(script: pathlib.Path, world: int, local_world: int = 0, timeout: f
 @pytest.fixture
 def ranks():
     return run_ranks
+
+
+def pytest_report_header(config):
+    """Which native module the run uses (FABRIC_EP_EXTENSION, the package's, or a checkout
+    build): a stale build is the usual cause of a surprising failure."""
+    try:
+        import fabric_ep
+    except ImportError as e:
+        return f"fabric_ep: does not import: {e}"
+    return f"fabric_ep: {fabric_ep.native_status()}"

@@ -1,6 +1,6 @@
-"""Python call overhead over the C ABI. Measured by bench_overhead.py: the Python-side work of a
-call with the C entry points stubbed out, timed as this thread's CPU time (best of several
-loops).
+"""Python call overhead over the native module. Measured by bench_overhead.py: the Python-side
+work of a call with the native calls stubbed out, timed as this thread's CPU time (best of
+several loops).
 
 Issue 6's target is at most 10 us per dispatch/combine call above the C call; on an idle
 machine (the H200 host, Python 3.12) bench_overhead.py measures about 8 us (dispatch) and 4-5 us
@@ -18,6 +18,6 @@ LIMIT_US = float(os.environ.get("FABRIC_EP_OVERHEAD_LIMIT_US", "20"))
 def test_python_overhead_per_call():
     m = measure(n=3000, reps=5)
     print("overhead:", m["python_side_us"], "end-to-end:", m["end_to_end_us"], "raw:",
-          m["raw_ctypes_us"])
+          m["raw_native_us"])
     for call in ("dispatch", "combine"):
         assert m["python_side_us"][call] <= LIMIT_US, (call, m)
