@@ -62,6 +62,7 @@ build() {
     *) echo "gpu-check: FEP_GPU_BUILD=${FEP_GPU_BUILD} (expected all, tests or python)" >&2; exit 2 ;;
   esac
   cargo build --release --lib
+  cargo build --release -p fabric-ep-python --features extension-module
   rm -rf "$bundle"
   mkdir -p "$bundle/tests" "$bundle/examples" "$bundle/benches" "$bundle/lib" "$bundle/bin"
   python3 - "$json" "$bundle" <<'EOF'
@@ -96,13 +97,13 @@ EOF
   rm -f "$json"
   strip "$bundle"/tests/* "$bundle"/examples/* "$bundle"/benches/* "$bundle"/bin/ep-bench 2>/dev/null || true
   cp scripts/gpu-check.sh scripts/bench_layout_torch.py scripts/bench_ll_torch.py scripts/bench_torch_alloc.py "$bundle/"
-  # The Python package with the release library beside it (the package finds it there), and
+  # The Python package with its release native module inside (fabric_ep/_core.abi3.so), and
   # its tests. The GPU machine has python3 + torch but no Rust.
   mkdir -p "$bundle/python/tests"
   cp -r ffi/python/fabric_ep "$bundle/python/"
   rm -rf "$bundle/python/fabric_ep/__pycache__"
-  cp "${CARGO_TARGET_DIR:-target}/release/libfabric_ep.so" "$bundle/python/fabric_ep/"
-  strip "$bundle/python/fabric_ep/libfabric_ep.so" 2>/dev/null || true
+  cp "${CARGO_TARGET_DIR:-target}/release/libfabric_ep_python.so" "$bundle/python/fabric_ep/_core.abi3.so"
+  strip "$bundle/python/fabric_ep/_core.abi3.so" 2>/dev/null || true
   cp ffi/python/tests/*.py "$bundle/python/tests/"
   # libfabric and everything it loads (not libc/ld.so), and the fabtests we compare against.
   local fab dep
@@ -128,7 +129,7 @@ EOF
     strip "$bundle/traced/gpu_normal_proxy_bench"
   fi
   for f in "$bundle"/tests/* "$bundle"/examples/* "$bundle"/benches/* "$bundle"/bin/* "$bundle"/traced/* \
-      "$bundle/python/fabric_ep/libfabric_ep.so"; do
+      "$bundle/python/fabric_ep/_core.abi3.so"; do
     [ -f "$f" ] || continue
     # libcuda is loaded at run time (cudarc), never linked; libfabric comes from the bundle.
     if LD_LIBRARY_PATH="$bundle/lib" ldd "$f" | grep -q "not found\|libcuda"; then
@@ -280,7 +281,7 @@ run_python_section() {
   local b=$1 out=$2 log=$2/python.log rc fail=0 t=$1/python/tests
   : >"$log"
   export PYTHONPATH="$b/python:$t${PYTHONPATH:+:$PYTHONPATH}"
-  export FABRIC_EP_LIBRARY="$b/python/fabric_ep/libfabric_ep.so"
+  unset FABRIC_EP_EXTENSION  # the bundled package's own module
   # Ranks are threads of one process: no lazy kernel loading (it may synchronise the context
   # while a peer's kernel spins).
   export CUDA_MODULE_LOADING=EAGER

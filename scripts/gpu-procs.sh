@@ -74,7 +74,7 @@ run() {
   fi
   if has overhead; then
     set +e
-    (cd /tmp && PYTHONPATH=$site FABRIC_EP_NATIVE=1 timeout 140 python3 \
+    (cd /tmp && PYTHONPATH=$site timeout 140 python3 \
       "$OLDPWD/ffi/python/tests/bench_overhead_gpu.py") 2>&1 | tee "$out/overhead.log"
     rc=${PIPESTATUS[0]}
     set -e

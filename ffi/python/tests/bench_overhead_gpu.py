@@ -1,37 +1,31 @@
-"""Python call overhead of fabric_ep's GPU backend over the C ABI (1 rank on the current GPU, a
-tiny call: T=4 tokens, H=256, K=1, 2 experts; torch CUDA tensors, the Buffer's comm stream).
+"""Python call overhead of fabric_ep's GPU backend over its native module (1 rank on the
+current GPU, a tiny call: T=4 tokens, H=256, K=1, 2 experts; torch CUDA tensors, the Buffer's comm stream).
 
 Per call: the best of 25 loops of 400 calls; the variants compared (the real call and the raw
 one; the stubbed spellings) take turns loop by loop, so a load change on the host reaches them
 alike:
 
-* ``python_side_us``: ``Buffer.dispatch``/``combine`` with the C entry points replaced by no-op
-  Python stubs: all the Python work of a call (argument checks, stream lookup, descriptor
-  stores, allocating the outputs, the handle, and freeing the previous call's outputs),
-  timed as CPU time of this thread.
+* ``python_side_us``: ``Buffer.dispatch``/``combine`` with the native calls (the buffer's
+  ``fabric_ep._core.Calls``) replaced by no-op Python stubs: all the Python work of a call
+  (argument checks, stream lookup, allocating the outputs, the handle, and freeing the previous
+  call's outputs), timed as CPU time of this thread.
 * ``python_side_prealloc_us``: the same stubbed calls with the output allocation
   (``GpuPath.alloc_dispatch``/``alloc_combine``) replaced by a function returning tensors
   allocated once: the Python work of a call apart from allocating (and freeing) its outputs.
   ``python_side_alloc_us`` = ``python_side_us`` - ``python_side_prealloc_us``: the part spent
   allocating and freeing the ``tensors_allocated_per_call`` outputs (each returned tensor is
   its own allocation, so the caller may keep any of them alone).
-* ``python_side_pure_us`` / ``python_side_pure_kept_us``: ``python_side_us`` /
-  ``python_side_kept_us`` with the torch helper (``fabric_ep/_native.cpp``) off: every torch call
-  (allocations, ``record_stream``) made from Python, in turns with the helper's. Present when
-  the helper is loaded (``setting.native`` says whether it is; FABRIC_EP_NATIVE=0 runs the
-  whole bench on the pure-Python calls, and the plain figures are then theirs).
-* ``torch_floor_us`` and ``own_us``: the torch work a call's DeepEP semantics need, made through
-  the helper alone (allocating the outputs, freed by the next call; with ``async_finish`` also
-  the ``record_stream`` of its inputs and outputs and the event made and recorded: what
-  DeepEP's C++ does with torch too), timed in the same turns; ``own_us`` =
-  ``python_side_us`` - ``torch_floor_us``: fabric_ep's own Python work per call (checks,
-  stream lookup, descriptors, handle, results). Present when the helper is loaded.
-* ``alloc_separate_us`` vs ``alloc_one_block_us`` (and ``alloc_native_us``): a bf16 dispatch's
-  three returned tensors as three allocations from Python vs one uint8 ``new_empty`` carved
-  into the same three typed tensors (``view(dtype)`` + ``as_strided`` each, 256-byte aligned)
-  (vs the three allocations in one call of the helper).
-* ``end_to_end_us`` vs ``raw_ctypes_us``: the real calls through ``Buffer`` and the same C calls
-  through ctypes with descriptors and outputs prepared once (wall clock, ``perf_counter``;
+* ``torch_floor_us`` and ``own_us``: the torch work a call's DeepEP semantics need, made alone
+  (allocating the outputs, freed by the next call; with ``async_finish`` also the
+  ``record_stream`` of its inputs and outputs and the event made and recorded: what DeepEP's
+  C++ does with torch too), timed in the same turns; ``own_us`` = ``python_side_us`` -
+  ``torch_floor_us``: fabric_ep's own Python work per call (checks, stream lookup, handle,
+  results).
+* ``alloc_separate_us`` vs ``alloc_one_block_us``: a bf16 dispatch's three returned tensors as
+  three allocations from Python vs one uint8 ``new_empty`` carved into the same three typed
+  tensors (``view(dtype)`` + ``as_strided`` each, 256-byte aligned).
+* ``end_to_end_us`` vs ``raw_native_us``: the real calls through ``Buffer`` and the same native
+  calls made directly with their arguments and outputs prepared once (wall clock, ``perf_counter``;
   the two-step dispatch includes its host synchronisation on the GPU, so the GPU's time is in
   both); ``difference_us`` is their difference, ``paired_median_difference_us`` the median of
   (real - raw) over 2000 back-to-back pairs.
@@ -55,7 +49,6 @@ Run: ``python3 ffi/python/tests/bench_overhead_gpu.py`` on a machine with torch 
 (prints JSON).
 """
 
-import ctypes
 import json
 import os
 import sys
@@ -109,8 +102,7 @@ def measure_buffer(torch, dtype, n, reps, out):
     """Fills ``out``'s per-call dicts for one Buffer of ``dispatch_dtype=dtype`` (the fp8 calls
     are named with an ``_fp8`` suffix; the combine, bf16 in both, is measured on the bf16 one)."""
     import fabric_ep
-    from fabric_ep import _gpu, _lib
-    from fabric_ep._arrays import tensor
+    from fabric_ep._ext import core
 
     dev = 0
     fp8 = dtype == "fp8"
@@ -162,54 +154,43 @@ def measure_buffer(torch, dtype, n, reps, out):
         return buf.combine(rx, handle, previous_event=prev, async_finish=True,
                            allocate_on_comm_stream=True)
 
-    lib = _lib.lib
-    A = ctypes.addressof
-    keep = []
-
-    def t(a, code):
-        d = tensor(a.data_ptr(), code, tuple(a.shape))
-        keep.append((a, d))
-        return A(d)
-
-    xc = 1 if fp8 else 0  # FEP_DTYPE_FP8_E4M3 / FEP_DTYPE_BF16
-    xt, it, wt = t(xq, xc), t(idx, 3), t(w, 2)
-    xst = t(xs, 2) if fp8 else None
-    oxt = t(torch.empty((rows, H), dtype=xq.dtype, device=dev), xc)
-    oxst = t(torch.empty((rows, H // 128), dtype=torch.float32, device=dev), 2) if fp8 else None
-    oit = t(torch.empty((rows, K), dtype=torch.int64, device=dev), 3)
-    owt = t(torch.empty((rows, K), dtype=torch.float32, device=dev), 2)
-    ost = t(torch.empty((rows,), dtype=torch.int32, device=dev), 4)
-    comm = buf.get_comm_stream().cuda_stream
+    # The same native calls made directly, their arguments and outputs prepared once.
+    g = buf._g
+    n_, p = g._n, buf._ptr
+    xp, ip, wp = xq.data_ptr(), idx.data_ptr(), w.data_ptr()
+    sp = xs.data_ptr() if fp8 else None
+    keep = [torch.empty((rows, H), dtype=xq.dtype, device=dev),
+            torch.empty((rows, H // 128), dtype=torch.float32, device=dev),
+            torch.empty((rows, K), dtype=torch.int64, device=dev),
+            torch.empty((rows, K), dtype=torch.float32, device=dev)]
+    oxp, oxsp, oip, owp = (a.data_ptr() for a in keep)
+    oxsp = oxsp if fp8 else None
     compute = torch.cuda.current_stream().cuda_stream or 1  # 1: CU_STREAM_LEGACY
-    order = _lib.fep_gpu_order(comm, compute, None, compute)
-    order_after = _lib.fep_gpu_order(comm, None, None, compute)
-    counts_out = (ctypes.c_int32 * 1)()
-    hp, nrows = ctypes.c_void_p(), ctypes.c_int64()
-    p = buf._ptr
 
     def raw(worst):
         def call():
-            assert lib.fep_gpu_notify(p, it, 1, rows if worst else 0, A(order), A(hp), A(nrows),
-                                      A(counts_out)) == 0
-            assert lib.fep_gpu_dispatch(p, hp.value, xt, xst, it, wt, oxt, oxst, oit, owt, ost,
-                                        A(order_after)) == 0
-            lib.fep_handle_destroy(hp.value)
+            hp, r, _ = n_.gpu_notify(p, ip, T, 1, rows if worst else 0, compute, 0, False)
+            n_.gpu_dispatch(p, hp, xp, sp, T, ip, wp, oxp, oxsp, r, oip, owp, True, compute, 0,
+                            False)
+            core.handle_destroy(hp)
         return call
 
     def raw_cached():
-        assert lib.fep_gpu_dispatch(p, handle._ptr, xt, xst, it, wt, oxt, oxst, oit, owt, ost,
-                                    A(order)) == 0
+        n_.gpu_dispatch(p, handle._ptr, xp, sp, T, ip, wp, oxp, oxsp, rows, None, None, False,
+                        compute, 0, False)
 
     calls = {"dispatch": (py_dispatch, raw(False)), "dispatch_worst": (py_dispatch_worst, raw(True)),
              "dispatch_cached": (py_dispatch_cached, raw_cached),
              "dispatch_layout": (py_dispatch_layout, raw(False)),
              "dispatch_async": (py_dispatch_async, raw(False))}
     if not fp8:
-        rxt = t(rx, 0)
-        cxt = t(torch.empty((T, H), dtype=torch.bfloat16, device=dev), 0)
+        rxp = rx.data_ptr()
+        cx = torch.empty((T, H), dtype=torch.bfloat16, device=dev)
+        keep.append(cx)
 
         def raw_combine():
-            assert lib.fep_gpu_combine(p, handle._ptr, rxt, None, cxt, None, A(order)) == 0
+            n_.gpu_combine(p, handle._ptr, rxp, rows, None, cx.data_ptr(), T, None, compute, 0,
+                           False)
 
         calls["combine"] = (py_combine, raw_combine)
         calls["combine_async"] = (py_combine_async, raw_combine)
@@ -220,68 +201,68 @@ def measure_buffer(torch, dtype, n, reps, out):
             torch.cuda.synchronize()
             raw_ = min(raw_, best_us(rw_, n, 1, time.perf_counter))
             torch.cuda.synchronize()
-        out["end_to_end_us"][c + sfx], out["raw_ctypes_us"][c + sfx] = e2e, raw_
+        out["end_to_end_us"][c + sfx], out["raw_native_us"][c + sfx] = e2e, raw_
         out["difference_us"][c + sfx] = e2e - raw_
     for c, (py, rw_) in calls.items():
         out["paired_median_difference_us"][c + sfx] = paired_median_us(py, rw_, 5 * n)
     torch.cuda.synchronize()
 
-    class Stub:  # no-op C entry points: what remains is the Python work
-        def fep_gpu_notify(self, *a):
-            return 0
+    class Stub:  # no-op native calls: what remains is the Python work
+        def gpu_notify(self, *a):
+            return 0, rows, [0] * E  # a NULL handle (freed as a no-op), rows, the counts
 
-        def fep_gpu_dispatch(self, *a):
-            return 0
+        def gpu_dispatch(self, *a):
+            return None
 
-        def fep_gpu_combine(self, *a):
-            return 0
+        def gpu_combine(self, *a):
+            return None
 
-    real = _gpu.lib
-    g = buf._g
-    buf._out_rows.value = rows
-    buf._out_handle.value = 0  # the stubbed notify "returns" a NULL handle (freed as a no-op)
+        def set_scratch(self, *a):
+            return None
+
     pre_d = g.alloc_dispatch(rows, xq, fp8, False, False)
     pre_cached = g.alloc_dispatch(rows, xq, fp8, True, False)
     pre_c = g.alloc_combine(T, rx, False, False) if not fp8 else None
-    nat = g._nat
 
-    # Variant -> (alloc_dispatch, alloc_combine replacing the methods (None: the package's),
-    # the torch helper on or off). Instance attributes shadow the methods: the call sites are
-    # unchanged. The "pure" variants are the same calls with the helper off (g._nat None): the
-    # pure-Python torch calls, in turns with the helper's (when it is loaded).
+    # Variant -> (alloc_dispatch, alloc_combine replacing the methods (None: the package's)).
+    # Instance attributes shadow the methods: the call sites are unchanged.
     variants = {
-        "python_side_us": (None, None, True),
+        "python_side_us": (None, None),
         "python_side_prealloc_us": (
             lambda rows_, like, fp8_, cached, on_comm: pre_cached if cached else pre_d,
-            lambda t_, like, with_w, on_comm: pre_c, True),
-        "python_side_kept_us": (None, None, True),
+            lambda t_, like, with_w, on_comm: pre_c),
+        "python_side_kept_us": (None, None),
     }
-    floors = {}
-    if nat is not None:
-        variants["python_side_pure_us"] = (None, None, False)
-        variants["python_side_pure_kept_us"] = (None, None, False)
-        # The torch work each call needs, made through the helper and nothing else: allocating
-        # the outputs (freed by the next call, as in python_side_us) and, async, recording them
-        # and the inputs and making and recording the event (GpuPath.finish).
-        ins = (xq, xs if fp8 else None, idx, w)
+    # The torch work each call needs and nothing else: allocating the outputs (freed by the next
+    # call, as in python_side_us) and, async, allocating them on the comm stream, recording
+    # them and the inputs and making and recording the event (GpuPath.finish).
+    ins = (xq, xs if fp8 else None, idx, w)
 
-        def floor_dispatch():
-            return g.alloc_dispatch(rows, xq, fp8, False, False)
+    def on_comm(alloc):
+        prev = g.to_comm()
+        try:
+            o = alloc()
+        finally:
+            g.back(prev)
+        return o, prev
 
-        def floor_async():
-            o = g.alloc_dispatch(rows, xq, fp8, False, True)
-            return o, g.finish(ins, o, True)
+    def floor_dispatch():
+        return g.alloc_dispatch(rows, xq, fp8, False, False)
 
-        def floor_combine_async():
-            o = g.alloc_combine(T, rx, False, True)
-            return o, g.finish((rx, None), o, True)
+    def floor_async():
+        o, prev = on_comm(lambda: g.alloc_dispatch(rows, xq, fp8, False, True))
+        return o, g.finish(ins, o, prev)
 
-        floors = {"dispatch": floor_dispatch, "dispatch_worst": floor_dispatch,
-                  "dispatch_layout": floor_dispatch, "dispatch_async": floor_async,
-                  "dispatch_cached": lambda: g.alloc_dispatch(rows, xq, fp8, True, False),
-                  "combine": lambda: g.alloc_combine(T, rx, False, False),
-                  "combine_async": floor_combine_async}
-    _gpu.lib = Stub()
+    def floor_combine_async():
+        o, prev = on_comm(lambda: g.alloc_combine(T, rx, False, True))
+        return o, g.finish((rx, None), o, prev)
+
+    floors = {"dispatch": floor_dispatch, "dispatch_worst": floor_dispatch,
+              "dispatch_layout": floor_dispatch, "dispatch_async": floor_async,
+              "dispatch_cached": lambda: g.alloc_dispatch(rows, xq, fp8, True, False),
+              "combine": lambda: g.alloc_combine(T, rx, False, False),
+              "combine_async": floor_combine_async}
+    g._n = Stub()
     try:
         # Interleaved: each rep times every variant once, so a load change on the host lands on
         # all of them alike; each figure is the best rep (short loops: a quiet stretch is more
@@ -289,8 +270,7 @@ def measure_buffer(torch, dtype, n, reps, out):
         for c, (py, _) in calls.items():
             best = {}
             for _ in range(reps):
-                for key, (ad, ac, native) in variants.items():
-                    g._nat = nat if native else None
+                for key, (ad, ac) in variants.items():
                     if ad is not None:
                         g.alloc_dispatch = ad
                     if ac is not None:
@@ -301,7 +281,6 @@ def measure_buffer(torch, dtype, n, reps, out):
                     finally:
                         g.__dict__.pop("alloc_dispatch", None)
                         g.__dict__.pop("alloc_combine", None)
-                        g._nat = nat
                     best[key] = min(best.get(key, float("inf")), us)
                 if c in floors:
                     us = best_us(floors[c], n, 1, time.thread_time)
@@ -311,7 +290,7 @@ def measure_buffer(torch, dtype, n, reps, out):
             if c in floors:
                 out["own_us"][c + sfx] = best["python_side_us"] - best["torch_floor_us"]
     finally:
-        _gpu.lib = real
+        g._n = n_
     for c in calls:
         out["python_side_alloc_us"][c + sfx] = (out["python_side_us"][c + sfx]
                                                - out["python_side_prealloc_us"][c + sfx])
@@ -349,18 +328,10 @@ def extras(torch, g, x, rows, n, reps, out):
         return tuple(blk.view(dt).as_strided(shape, (shape[1], 1), off // size)
                      for (shape, dt, size), off in zip(parts, offs))
 
-    nat = g._nat
-
     def separate():
         return g.alloc_dispatch(rows, x, False, False, False)
 
-    g._nat = None
-    try:
-        out["alloc_separate_us"] = best_us(separate, n, reps, time.thread_time)
-    finally:
-        g._nat = nat
-    if nat is not None:  # the same three allocations in one call of the torch helper
-        out["alloc_native_us"] = best_us(separate, n, reps, time.thread_time)
+    out["alloc_separate_us"] = best_us(separate, n, reps, time.thread_time)
     out["alloc_one_block_us"] = best_us(carved, n, reps, time.thread_time)
     # For scale: one torch.empty on the GPU and one torch.cuda.current_stream() (both per call).
     out["torch_empty_us"] = best_us(lambda: torch.empty((rows, H), dtype=torch.bfloat16,
@@ -375,10 +346,9 @@ def extras(torch, g, x, rows, n, reps, out):
 
 def measure_ll(torch, n, reps, out):
     """Low-latency calls (bf16, ``num_max_dispatch_tokens_per_rank`` 8): ``end_to_end_us`` and
-    ``python_side_us`` (the C entry points stubbed) of ``low_latency_dispatch`` (its outputs:
+    ``python_side_us`` (the native calls stubbed) of ``low_latency_dispatch`` (its outputs:
     recv_x, recv_count and the handle's four routing tensors) and ``low_latency_combine``."""
     import fabric_ep
-    from fabric_ep import _gpu
 
     dev, m = 0, 8
     group = fabric_ep.ThreadGroup.create(1)[0]
@@ -415,42 +385,41 @@ def measure_ll(torch, n, reps, out):
         out["end_to_end_us"][c] = best_us(py, n, reps, time.perf_counter)
         torch.cuda.synchronize()
 
-    class Stub:
-        def fep_gpu_ll_dispatch(self, *a):
+    class Stub:  # no-op native calls (a NULL op: freed as a no-op)
+        def gpu_ll_dispatch(self, *a):
             return 0
 
-        def fep_gpu_ll_combine(self, *a):
+        def gpu_ll_combine(self, *a):
             return 0
 
-        def fep_gpu_ll_complete(self, *a):
-            return 0
+        def gpu_ll_complete(self, *a):
+            return None
+
+        def set_ll_layout(self, *a):
+            return None
 
     # Stubbed only (no native op is left pending): the hooked calls without their hook.
     calls["ll_dispatch_hook"] = lambda: buf.low_latency_dispatch(x, idx, m, E, use_fp8=False,
                                                                  return_recv_hook=True)
     calls["ll_combine_hook"] = lambda: buf.low_latency_combine(rx, idx, w, handle,
                                                                return_recv_hook=True)
-    real = _gpu.lib
-    _gpu.lib = Stub()
     g = buf._order[-1]._g  # the low-latency native buffer's GPU path (made last)
-    nat = g._nat
-    # Variant -> (kept, the torch helper on); in turns, best rep of each (as measure_buffer).
-    variants = {"python_side_us": (False, True), "python_side_kept_us": (True, True)}
-    floors = {}
-    if nat is not None:
-        variants.update(python_side_pure_us=(False, False), python_side_pure_kept_us=(True, False))
-        # The torch work (as measure_buffer's floors): the outputs' allocations.
-        ll_out = g._ll_empty[0]
-        floors = {"ll_dispatch": lambda: nat.empty(*ll_out),
-                  "ll_combine": lambda: nat.empty(0, g._like_bf16, (T, H), (H, 1))}
-        floors["ll_dispatch_hook"] = floors["ll_dispatch_hook_pair"] = floors["ll_dispatch"]
-        floors["ll_combine_hook"] = floors["ll_combine_hook_pair"] = floors["ll_combine"]
+    real = g._n
+    g._n = Stub()
+    # Variant -> kept; in turns, best rep of each (as measure_buffer).
+    variants = {"python_side_us": False, "python_side_kept_us": True}
+    # The torch work (as measure_buffer's floors): the outputs' allocations.
+    lx, _, lr = g._ll_layout[:3]
+    floors = {"ll_dispatch": lambda: (g._like_bf16.new_empty_strided(*lx),
+                                      g._like_i32.new_empty_strided(*lr)),
+              "ll_combine": lambda: g._like_bf16.new_empty_strided((T, H), (H, 1))}
+    floors["ll_dispatch_hook"] = floors["ll_dispatch_hook_pair"] = floors["ll_dispatch"]
+    floors["ll_combine_hook"] = floors["ll_combine_hook_pair"] = floors["ll_combine"]
     try:
         for c, py in calls.items():
             best = {}
             for _ in range(reps):
-                for key, (kept, native) in variants.items():
-                    g._nat = nat if native else None
+                for key, kept in variants.items():
                     us = (best_us_kept if kept else best_us)(py, n, 1, time.thread_time)
                     best[key] = min(best.get(key, float("inf")), us)
                 if c in floors:
@@ -461,8 +430,7 @@ def measure_ll(torch, n, reps, out):
             if c in floors:
                 out["own_us"][c] = best["python_side_us"] - best["torch_floor_us"]
     finally:
-        _gpu.lib = real
-        g._nat = nat
+        g._n = real
     out["tensors_allocated_per_call"].update({"ll_dispatch": 2, "ll_combine": 1})
     torch.cuda.synchronize()
     buf.destroy()
@@ -473,18 +441,15 @@ def measure(n=400, reps=25):
     import torch
 
     torch.cuda.set_device(0)
-    from fabric_ep import _native
+    import fabric_ep
 
     out = {"setting": dict(ranks=1, tokens=T, hidden=H, topk=K, experts=E, calls=n, reps=reps,
                            gpu=torch.cuda.get_device_name(0), torch=torch.__version__)}
-    t0 = time.perf_counter()
-    _native.get(torch)  # built (or loaded from the cache) here, not inside a timed loop
-    out["setting"]["native"] = _native.status()
-    out["setting"]["package"] = os.path.dirname(_native.__file__)
-    out["setting"]["native_load_s"] = round(time.perf_counter() - t0, 2)
-    for key in ("end_to_end_us", "raw_ctypes_us", "difference_us", "paired_median_difference_us",
-                "python_side_us", "python_side_prealloc_us", "python_side_pure_us",
-                "python_side_pure_kept_us", "python_side_kept_us", "python_side_alloc_us",
+    out["setting"]["native"] = fabric_ep.native_status()
+    out["setting"]["package"] = os.path.dirname(fabric_ep.__file__)
+    for key in ("end_to_end_us", "raw_native_us", "difference_us", "paired_median_difference_us",
+                "python_side_us", "python_side_prealloc_us", "python_side_kept_us",
+                "python_side_alloc_us",
                 "torch_floor_us", "own_us",
                 "tensors_allocated_per_call"):
         out[key] = {}

@@ -1,4 +1,4 @@
-"""Where the Python side of a GPU ``Buffer.dispatch`` call goes (the C entry points stubbed, as
+"""Where the Python side of a GPU ``Buffer.dispatch`` call goes (the native calls stubbed, as
 ``bench_overhead_gpu.py``'s ``python_side_us``): a cProfile of stubbed dispatches (tottime per
 function, builtins included; the profiler's own cost inflates the many small calls) and the
 best-of loop time of each piece the call makes, alone.
@@ -32,7 +32,6 @@ def main():
     import torch
 
     import fabric_ep
-    from fabric_ep import _gpu
     from fabric_ep.buffer import DispatchHandle
     from fabric_ep.utils import EventOverlap
 
@@ -48,21 +47,19 @@ def main():
     torch.cuda.synchronize()
     g = buf._g
 
-    class Stub:
-        def fep_gpu_notify(self, *a):
-            return 0
+    class Stub:  # no-op native calls: the notify "returns" a NULL handle and `rows` rows
+        def gpu_notify(self, *a):
+            return 0, rows, [0] * E
 
-        def fep_gpu_dispatch(self, *a):
-            return 0
+        def gpu_dispatch(self, *a):
+            return None
 
-        def fep_gpu_combine(self, *a):
-            return 0
+        def gpu_combine(self, *a):
+            return None
 
-    real = _gpu.lib
-    buf._out_rows.value = rows
-    buf._out_handle.value = 0
+    real = g._n
     out = {}
-    _gpu.lib = Stub()
+    g._n = Stub()
     try:
         def call():
             buf.dispatch(x, topk_idx=idx, topk_weights=w)
@@ -77,34 +74,23 @@ def main():
         pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
         print(s.getvalue())
     finally:
-        _gpu.lib = real
+        g._n = real
     d = torch.device("cuda", 0)
-    w_ = g._nb.w
+    p = buf._ptr
+    xp, ip, wp = x.data_ptr(), idx.data_ptr(), w.data_ptr()
+    rxp = rx.data_ptr()
 
-    def stores_in():  # what a dispatch writes into its block before the notify (bf16)
-        w_[1] = 2
-        w_[2] = 0
-        w_[3] = w_[7] = 2
-        w_[8] = 5
-        w_[10] = w_[22] = w_[28] = T
-        w_[20] = 6
-        w_[26] = 7
-
-    def stores_out():  # and after allocating its outputs
-        w_[32] = 1
-        w_[34] = w_[46] = w_[52] = w_[58] = rows
-        w_[44] = 3
-        w_[50] = 4
-        w_[56] = 5
+    def native_stub_args():  # a dispatch's two native calls' argument passing, stubbed
+        stub = Stub()
+        stub.gpu_notify(p, ip, T, 1, 0, 2, 0, False)
+        stub.gpu_dispatch(p, 0, xp, None, T, ip, wp, rxp, None, rows, 3, 4, True, 2, 0, False)
 
     parts = {
         "t2_x": lambda: g.t2("x", x, g.bf16, None, H),
         "t2n_idx": lambda: g.t2n("topk_idx", idx, g.i64s, T, K),
         "raw_stream": lambda: g._raw_stream(0),
-        "stores_in_11": stores_in,
-        "stores_out_9": stores_out,
+        "native_calls_2_stubbed": native_stub_args,
         "handle_new_and_free": lambda: DispatchHandle(0, 1, T, rows),
-        "per_expert_tolist": lambda: g._per_expert.tolist(),
         "event_overlap_none": lambda: EventOverlap(None),  # what a call returned before the
         #                                                   shared read-only NO_EVENT
         "alloc_dispatch_3": lambda: g.alloc_dispatch(rows, x, False, False, False),

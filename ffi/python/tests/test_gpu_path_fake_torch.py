@@ -1,39 +1,26 @@
 """The GPU backend's Python hot path (fabric_ep._gpu.GpuPath.dispatch/combine) without torch or a
 GPU (runs in CI): a minimal stand-in for the few torch calls it makes and a recording stand-in
-for the fep_gpu_* entry points. Checks the bytes the C calls would read (every fep_tensor
-descriptor and fep_gpu_order packed by one struct call), the returned shapes/dtypes, the
-recv_src_idx scratch, and that bad arguments are refused naming the argument. Every test runs
-twice: with the pure-Python torch calls and with a stand-in for the torch helper
-(``_native.cpp``'s ``empty``/``record``), which must allocate and record as they do. The real
-kernels, torch and the helper are covered by test_gpu.py and test_native.py on the GPU
-machine."""
+for the buffer's native calls (fabric_ep._core.Calls). Checks what each native call is given
+(every pointer, row count, stream, event and flag), the returned shapes/dtypes, the
+recv_src_idx scratch, and that bad arguments are refused naming the argument. The descriptors
+and stream orders the native calls build from those arguments are the crate's unit tests
+(ffi/python/native/src/desc.rs); the real kernels and torch are covered by test_gpu.py on the
+GPU machine."""
 
 import contextlib
-import ctypes
 import itertools
-import struct
 import types
 
 import pytest
 
-from fabric_ep import EventOverlap, _gpu, _lib
+from fabric_ep import EventOverlap, FabricEPTimeoutError, _gpu
 from fabric_ep.buffer import DispatchHandle
 
 H, K, L, R, T = 256, 2, 3, 2, 5
 COMM, COMPUTE = 0x9000, 0x5000
-_DESC = struct.Struct("<qii4q")
-_ORDER = struct.Struct("<4Q")
-BF16, FP8, F32, I64, I32 = 0, 1, 2, 3, 4
+BF16, FP8 = 0, 1
 _SIZES = {"bfloat16": 2, "float32": 4, "int64": 8, "int32": 4, "uint8": 1, "float8_e4m3fn": 1,
           "bool": 1}
-
-
-def desc(addr):
-    return _DESC.unpack(ctypes.string_at(addr, _DESC.size))
-
-
-def order(addr):
-    return _ORDER.unpack(ctypes.string_at(addr, _ORDER.size))
 
 
 class _Dtype:
@@ -62,8 +49,6 @@ class FakeTorch(types.ModuleType):
             assert tuple(stride) == want, f"strides {stride} of {shape} are not contiguous"
         self.stream = COMPUTE
         self.records = []
-        self.native = False  # the path fixture: give the GpuPath a FakeNative
-        self.ptr_calls = 0  # FakeNative.ptrs calls that read every tensor (the fast path)
         fake = self
 
         class Tensor:
@@ -163,97 +148,67 @@ class FakeTorch(types.ModuleType):
             _CudaEventBase=EventBase)
 
 
-class FakeNative:
-    """_native.cpp's two calls over FakeTorch: ``empty(stream, like, shape, strides, ...)``
-    allocates on ``stream`` (0: the current one) and ``record(stream, tensors, ...)`` appends to
-    ``torch.records`` (None entries skipped), as the real module does with torch's own
-    operators."""
-
-    def __init__(self, torch):
-        self.torch = torch
-
-    def empty(self, stream, *triples):
-        assert len(triples) % 3 == 0 and triples, triples
-        torch, prev = self.torch, self.torch.stream
-        torch.stream = stream or prev
-        try:
-            return tuple(like.new_empty_strided(shape, strides) for like, shape, strides in
-                         zip(triples[0::3], triples[1::3], triples[2::3]))
-        finally:
-            torch.stream = prev
-
-    def ptrs(self, dev, *quads):
-        assert len(quads) % 4 == 0 and quads, quads
-        specs = list(zip(quads[0::4], quads[1::4], quads[2::4], quads[3::4]))
-        for i, (_, like, rows, cols) in enumerate(specs):  # the spec is checked first
-            assert isinstance(like, self.torch.Tensor), like
-            assert rows >= -2 and (rows != -2 if i == 0 else rows != -1), (i, rows)
-        got, first = [], None
-        for t, like, rows, cols in specs:
-            if type(t) is not self.torch.Tensor or t.get_device() != dev or len(t.shape) != 2 \
-                    or t.dtype is not like.dtype or t.shape[1] != cols or not t.is_contiguous():
-                return None
-            first = t.shape[0] if first is None else first
-            want = first if rows == -2 else rows
-            if want >= 0 and t.shape[0] != want:
-                return None
-            got.append(t.data_ptr())
-        self.torch.ptr_calls += 1
-        return (*got, first)
-
-    def record(self, *pairs):
-        assert len(pairs) % 2 == 0 and pairs, pairs
-        for stream, ts in zip(pairs[0::2], pairs[1::2]):
-            assert type(ts) is tuple, ts
-            self.torch.records.extend((t, stream or self.torch.stream) for t in ts
-                                      if t is not None)
+# Each native call's argument names (fabric_ep._core.Calls), for the recorded calls.
+_ARGS = {
+    "gpu_notify": ("p", "idx", "t", "align", "worst", "compute", "event", "async_", "x", "xs",
+                   "w"),
+    "gpu_dispatch": ("p", "hp", "x", "xs", "t", "idx", "w", "rx", "rxs", "rows", "ri", "rw",
+                     "after_notify", "compute", "event", "async_"),
+    "gpu_combine": ("p", "hp", "x", "rows", "w", "out", "t", "cw", "compute", "event", "async_"),
+    "gpu_ll_dispatch": ("p", "x", "t", "idx", "rx", "rxs", "routing", "fp8", "round_scale",
+                        "hook", "compute", "async_"),
+    "gpu_ll_complete": ("p", "op", "compute"),
+    "gpu_ll_combine": ("p", "hp", "x", "idx", "w", "t", "out", "hook", "compute", "async_"),
+}
 
 
-class RecordingLib:
-    """fep_gpu_notify/dispatch/combine: record the arguments; the notify reports ``rows``."""
+class RecordingCalls:
+    """The buffer's native calls: each records its arguments by name (``calls``: (name, dict));
+    the notify reports ``rows`` rows, a NULL handle and per-expert counts ``counts``; the
+    low-latency calls a NULL op. ``results[name]`` replaces a call's result (an exception
+    instance is raised)."""
 
     def __init__(self, rows):
-        self.rows, self.calls = rows, []
+        self.rows, self.calls, self.counts, self.results = rows, [], [1, 2, 3], {}
+        self.scratch = self.ll_layout = None
 
-    def fep_gpu_notify(self, p, idx, align, worst, order_, out_h, out_rows, per_expert):
-        self.calls.append(("notify", p, idx, align, worst, order_))
-        ctypes.c_void_p.from_address(out_h).value = 0  # a NULL handle: nothing to free
-        ctypes.c_int64.from_address(out_rows).value = self.rows
-        return 0
+    def set_scratch(self, *a):
+        self.scratch = a
 
-    def fep_gpu_dispatch(self, *a):
-        names = ("p", "hp", "x", "xs", "idx", "w", "rx", "rxs", "ri", "rw", "src", "order")
-        self.calls.append(("dispatch", dict(zip(names, a))))
-        return 0
+    def set_ll_layout(self, *a):
+        self.ll_layout = a
 
-    def fep_gpu_combine(self, *a):
-        names = ("p", "hp", "x", "w", "out", "cw", "order")
-        self.calls.append(("combine", dict(zip(names, a))))
-        return 0
+    def __getattr__(self, name):
+        names = _ARGS[name]
+
+        def call(*a):
+            assert len(a) <= len(names), (name, a)
+            self.calls.append((name, dict(zip(names, a))))
+            r = self.results.get(name)
+            if isinstance(r, BaseException):
+                raise r
+            if r is not None:
+                return r
+            if name == "gpu_notify":
+                return 0, self.rows, list(self.counts)  # a NULL handle: nothing to free
+            return 0 if name in ("gpu_ll_dispatch", "gpu_ll_combine") else None
+        return call
 
 
-def make_path(torch, dispatch_dtype="bf16"):
-    oh, orows = ctypes.c_void_p(), ctypes.c_int64()
+def make_path(torch, rec, dispatch_dtype="bf16"):
     buf = types.SimpleNamespace(
         hidden=H, num_topk=K, num_local_experts=L, num_ranks=R,
         _dispatch_code=FP8 if dispatch_dtype == "fp8" else BF16, dispatch_dtype=dispatch_dtype,
-        _ptr=0xABC, _out_handle=oh, _out_rows=orows,
-        _out_handle_addr=ctypes.addressof(oh), _out_rows_addr=ctypes.addressof(orows))
+        _ptr=0xABC, _n=rec)
     g = _gpu.GpuPath(buf, torch, 0, True, COMM, reserve_tokens=1000)
-    assert g._nat is None  # FABRIC_EP_NATIVE=0 (the fixture)
-    if torch.native:
-        g._nat = FakeNative(torch)
     return g, buf
 
 
-@pytest.fixture(params=["pure", "native"])
-def path(monkeypatch, request):
-    monkeypatch.setenv("FABRIC_EP_NATIVE", "0")
+@pytest.fixture
+def path():
     torch = FakeTorch()
-    torch.native = request.param == "native"
-    rec = RecordingLib(rows=7)
-    monkeypatch.setattr(_gpu, "lib", rec)
-    g, buf = make_path(torch)
+    rec = RecordingCalls(rows=7)
+    g, buf = make_path(torch, rec)
     return g, torch, rec, buf
 
 
@@ -262,11 +217,11 @@ def inputs(torch):
             torch.Tensor((T, K), torch.float32))
 
 
-def test_dispatch_fills_every_descriptor_and_order(path):
+def test_dispatch_passes_every_pointer_and_stream(path):
     g, torch, rec, _ = path
     assert g._scr_cap == 1000 * R  # the scratch is reserved at construction
+    assert rec.scratch == (g._src_ptr, g._sidx_ptr, g._sw_ptr)  # handed to the native side
     x, idx, w = inputs(torch)
-    g._per_expert[:] = [1, 2, 3]
     rx, ri, rw, counts, handle, ev = g.dispatch(x, None, idx, w, 1, 0, None, False, False)
     assert (rx.shape, rx.dtype) == ((7, H), torch.bfloat16)
     assert (ri.shape, ri.dtype, rw.shape, rw.dtype) == ((7, K), torch.int64, (7, K), torch.float32)
@@ -275,19 +230,14 @@ def test_dispatch_fills_every_descriptor_and_order(path):
     with pytest.raises(AttributeError, match="^event: .* shared and read-only"):
         ev.event = object()  # the shared EventOverlap(None) cannot be changed
     assert handle._keep == (idx, w) and (handle.num_tokens, handle.num_recv_tokens) == (T, 7)
-    (_, p, a_idx, align, worst, a_order), (_, d) = rec.calls
-    assert (p, align, worst) == (0xABC, 1, 0) and desc(a_idx) == (idx.data_ptr(), I64, 2, T, K, 0, 0)
-    assert order(a_order) == (COMM, COMPUTE, 0, COMPUTE)  # waits for compute, compute waits
-    assert order(d["order"]) == (COMM, 0, 0, COMPUTE)  # after the notify: no second wait
-    assert d["p"] == 0xABC and d["xs"] is None and d["rxs"] is None
-    assert desc(d["x"]) == (x.data_ptr(), BF16, 2, T, H, 0, 0)
-    assert desc(d["idx"]) == (idx.data_ptr(), I64, 2, T, K, 0, 0)
-    assert desc(d["w"]) == (w.data_ptr(), F32, 2, T, K, 0, 0)
-    assert desc(d["rx"]) == (rx.data_ptr(), BF16, 2, 7, H, 0, 0)
-    assert desc(d["ri"]) == (ri.data_ptr(), I64, 2, 7, K, 0, 0)
-    assert desc(d["rw"]) == (rw.data_ptr(), F32, 2, 7, K, 0, 0)
-    assert desc(d["src"]) == (g._src_ptr, I32, 1, 7, 0, 0, 0)
-    assert torch.ptr_calls == torch.native  # the helper read the inputs in one call
+    (_, nt), (_, d) = rec.calls
+    # The notify waits for the compute stream, which waits for it (not async).
+    assert nt == dict(p=0xABC, idx=idx.data_ptr(), t=T, align=1, worst=0, compute=COMPUTE,
+                      event=0, async_=False)
+    # The dispatch right after it: no second wait; the compute stream waits afterwards.
+    assert d == dict(p=0xABC, hp=0, x=x.data_ptr(), xs=None, t=T, idx=idx.data_ptr(),
+                     w=w.data_ptr(), rx=rx.data_ptr(), rxs=None, rows=7, ri=ri.data_ptr(),
+                     rw=rw.data_ptr(), after_notify=True, compute=COMPUTE, event=0, async_=False)
 
 
 def test_cached_worst_async_and_fp8_dispatch(path):
@@ -306,11 +256,11 @@ def test_cached_worst_async_and_fp8_dispatch(path):
         torch.Tensor.new_empty_strided = real_new
     assert out[1:5] == (None, None, None, None) and out[0].shape == (7, H)
     assert allocated == [(7, H)]  # only recv_x: the routing outputs go to the scratch
-    d = rec.calls[0][1]
-    assert d["hp"] == 0x1234 and order(d["order"]) == (COMM, COMPUTE, 0, COMPUTE)
-    assert desc(d["idx"]) == (idx.data_ptr(), I64, 2, T, K, 0, 0)
-    assert desc(d["ri"]) == (g._sidx_ptr, I64, 2, 7, K, 0, 0)
-    assert desc(d["rw"]) == (g._sw_ptr, F32, 2, 7, K, 0, 0)
+    (name, d), = rec.calls  # no notify: the handle's routing
+    assert name == "gpu_dispatch" and d["hp"] == 0x1234 and d["after_notify"] is False
+    assert (d["compute"], d["event"], d["async_"]) == (COMPUTE, 0, False)  # waits itself
+    assert (d["idx"], d["w"], d["rows"]) == (idx.data_ptr(), w.data_ptr(), 7)
+    assert d["ri"] is None and d["rw"] is None  # the scratch (the native side has it)
     scr = g._scr.data_ptr()
     assert scr == g._src_ptr < g._sidx_ptr < g._sw_ptr  # one allocation, 256-byte aligned parts
     assert g._sidx_ptr - scr >= 4 * g._scr_cap and g._sw_ptr - g._sidx_ptr >= 8 * K * g._scr_cap
@@ -320,25 +270,22 @@ def test_cached_worst_async_and_fp8_dispatch(path):
     prev = EventOverlap(types.SimpleNamespace(cuda_event=0x66))
     out = g.dispatch(x, None, idx, w, 1, 9, prev, True, True)
     assert out[3] == [] and out[5].event is not None  # num_worst_tokens: no counts
-    assert order(rec.calls[0][5]) == (COMM, 0, 0x66, 0)  # waits for the event; async
+    nt = rec.calls[0][1]
+    assert (nt["worst"], nt["compute"], nt["event"], nt["async_"]) == (9, COMPUTE, 0x66, True)
 
     rec.rows = 5000  # more rows than the scratch holds: it grows
-    g, buf = make_path(torch, "fp8")  # the block's dtypes are the Buffer's
+    g, buf = make_path(torch, rec, "fp8")
     rec.calls.clear()
     xq, xs = torch.Tensor((T, H), torch.float8_e4m3fn), torch.Tensor((T, H // 128), torch.float32)
     (q, s), *_ = g.dispatch((xq, xs), None, idx, w, 1, 0, None, False, False)
     assert q.dtype is torch.float8_e4m3fn and (s.shape, s.dtype) == ((5000, 2), torch.float32)
     d = rec.calls[1][1]
-    assert desc(d["x"]) == (xq.data_ptr(), FP8, 2, T, H, 0, 0)
-    assert desc(d["xs"]) == (xs.data_ptr(), F32, 2, T, 2, 0, 0)
-    assert desc(d["rxs"]) == (s.data_ptr(), F32, 2, 5000, 2, 0, 0)
-    assert desc(d["rx"]) == (q.data_ptr(), FP8, 2, 5000, H, 0, 0)
-    assert g._scr_cap >= 5000 and desc(d["src"]) == (g._src_ptr, I32, 1, 5000, 0, 0, 0)
-    # The helper's one call read the fresh dispatches' inputs (not the cached one's).
-    assert torch.ptr_calls == 3 * torch.native
+    assert (d["x"], d["xs"], d["rx"], d["rxs"], d["rows"]) == \
+        (xq.data_ptr(), xs.data_ptr(), q.data_ptr(), s.data_ptr(), 5000)
+    assert g._scr_cap >= 5000 and rec.scratch == (g._src_ptr, g._sidx_ptr, g._sw_ptr)
 
 
-def test_combine_fills_every_descriptor_and_order(path):
+def test_combine_passes_every_pointer_and_stream(path):
     g, torch, rec, buf = path
     handle = DispatchHandle(0x4444, id(buf), T, 7)
     try:
@@ -346,19 +293,15 @@ def test_combine_fills_every_descriptor_and_order(path):
         cx, cw, ev = g.combine(rx, handle, rw, None, False, False)
         assert (cx.shape, cx.dtype, cw.shape, cw.dtype) == ((T, H), torch.bfloat16, (T, K),
                                                             torch.float32)
-        d = rec.calls[0][1]
-        assert (d["p"], d["hp"]) == (0xABC, 0x4444)
-        assert desc(d["x"]) == (rx.data_ptr(), BF16, 2, 7, H, 0, 0)
-        assert desc(d["w"]) == (rw.data_ptr(), F32, 2, 7, K, 0, 0)
-        assert torch.ptr_calls == torch.native
-        assert desc(d["out"]) == (cx.data_ptr(), BF16, 2, T, H, 0, 0)
-        assert desc(d["cw"]) == (cw.data_ptr(), F32, 2, T, K, 0, 0)
-        assert order(d["order"]) == (COMM, COMPUTE, 0, COMPUTE)
+        name, d = rec.calls[0]
+        assert name == "gpu_combine" and d == dict(
+            p=0xABC, hp=0x4444, x=rx.data_ptr(), rows=7, w=rw.data_ptr(), out=cx.data_ptr(),
+            t=T, cw=cw.data_ptr(), compute=COMPUTE, event=0, async_=False)
         rec.calls.clear()
         cx, cw, ev = g.combine(rx, handle, None, None, True, False)
         d = rec.calls[0][1]
         assert cw is None and d["w"] is None and d["cw"] is None and ev.event is not None
-        assert order(d["order"]) == (COMM, COMPUTE, 0, 0)
+        assert (d["compute"], d["event"], d["async_"]) == (COMPUTE, 0, True)
         with pytest.raises(ValueError, match=r"^x: shape \[6, 256\], expected \[7, 256\]$"):
             g.combine(torch.Tensor((6, H), torch.bfloat16), handle, None, None, False, False)
         with pytest.raises(TypeError, match="^topk_weights: dtype torch.int64"):
@@ -401,7 +344,7 @@ def test_bad_dispatch_arguments_are_named(path):
     assert rec.calls == []  # nothing reached the library
     g.threads = False  # one rank per process: the legacy stream is CU_STREAM_LEGACY (1)
     g.dispatch(x, None, idx, w, 1, 0, None, False, False)
-    assert order(rec.calls[0][5]) == (COMM, 1, 0, 1)
+    assert rec.calls[0][1]["compute"] == 1 and rec.calls[1][1]["compute"] == 1
 
 
 def test_ll_hook_completion_orders_streams_and_refuses_a_destroyed_buffer(path):
@@ -409,72 +352,57 @@ def test_ll_hook_completion_orders_streams_and_refuses_a_destroyed_buffer(path):
     the comm stream after the current stream, the current stream waiting for it afterwards; a
     destroyed Buffer is refused, naming the hook, before any C call."""
     g, torch, rec, buf = path
-    calls = []
-    rec.fep_gpu_ll_complete = lambda p, op, o: calls.append((p, op, order(o))) or 0
     g.ll_complete(0x55, "low_latency_dispatch")
-    assert calls == [(0xABC, 0x55, (COMM, COMPUTE, 0, COMPUTE))]
-    rec.fep_gpu_ll_complete = lambda p, op, o: _lib.FEP_ERR_TIMEOUT
-    with pytest.raises(_lib.FabricEPTimeoutError, match="^fep_gpu_ll_complete"):
+    assert rec.calls == [("gpu_ll_complete", dict(p=0xABC, op=0x55, compute=COMPUTE))]
+    rec.results["gpu_ll_complete"] = FabricEPTimeoutError("fep_gpu_ll_complete", 7002, "t", "m")
+    with pytest.raises(FabricEPTimeoutError, match="^fep_gpu_ll_complete"):
         g.ll_complete(0x55, "low_latency_combine")
+    rec.calls.clear()
     buf._ptr = 0
     with pytest.raises(RuntimeError, match="^low_latency_combine hook: the Buffer was destroyed"):
         g.ll_complete(0x55, "low_latency_combine")
 
 
-def test_ll_dispatch_and_combine_fill_every_descriptor_and_order(path):
-    """The low-latency calls' blocks: the inputs' pointers and T, the seven outputs (shapes the
-    Buffer's, in fep_gpu_ll_buffers order, 48 bytes apart) and the stream order."""
+def test_ll_dispatch_and_combine_pass_every_pointer_and_stream(path):
+    """The low-latency calls: the inputs' pointers and T, the outputs (recv_x and one int32
+    routing allocation whose parts' offsets the native side gets once, 256-byte aligned) and
+    the streams."""
     g, torch, rec, buf = path
     M = 6
     buf.num_max_dispatch_tokens_per_rank, buf.num_experts = M, L * R
     S = R * M
-    seen = {}
-
-    def ll_dispatch(p, x, idx, fp8, round_scale, hook, bufs, order_, out_op):
-        seen["d"] = (p, desc(x), desc(idx), fp8, round_scale, hook,
-                     [desc(bufs + 48 * i) for i in range(7)], order(order_))
-        return 0  # the op stays NULL: nothing to free
-
-    def ll_combine(p, hp, x, idx, w, out, hook, order_, out_op):
-        seen["c"] = (p, hp, desc(x), desc(idx), desc(w), desc(out), hook, order(order_))
-        return 0
-
-    rec.fep_gpu_ll_dispatch, rec.fep_gpu_ll_combine = ll_dispatch, ll_combine
     x = torch.Tensor((T, H), torch.bfloat16)
     idx = torch.Tensor((T, K), torch.int64)
     rx, count, handle, ev, hook = g.ll_dispatch(x, idx, None, False, False, False, False)
     assert (rx.shape, rx.dtype, count.shape) == ((L, S, H), torch.bfloat16, (L,))
-    p, dx, di, fp8, rs, hk, outs, o = seen["d"]
-    assert (p, fp8, rs, hk, hook) == (0xABC, False, False, False, None)
-    assert dx == (x.data_ptr(), BF16, 2, T, H, 0, 0) and di == (idx.data_ptr(), I64, 2, T, K, 0, 0)
-    assert torch.ptr_calls == torch.native
+    name, d = rec.calls[0]
+    base = count.data_ptr()
+    assert name == "gpu_ll_dispatch" and d == dict(
+        p=0xABC, x=x.data_ptr(), t=T, idx=idx.data_ptr(), rx=rx.data_ptr(), rxs=0,
+        routing=base, fp8=False, round_scale=False, hook=False, compute=COMPUTE, async_=False)
+    assert hook is None
     # count, src_rank, src_idx, pairs and positions: parts of one int32 allocation, 256-byte
-    # aligned, the handle's views made when read
-    base, pos_off = count.data_ptr(), g._ll_layout[3][4]
-    assert outs == [(rx.data_ptr(), BF16, 3, L, S, H, 0), (0, F32, 3, L, S, H // 128, 0),
-                    (base, I32, 1, L, 0, 0, 0),
-                    (handle.src_rank.data_ptr(), I32, 2, L, S, 0, 0),
-                    (handle.src_idx.data_ptr(), I32, 2, L, S, 0, 0),
-                    (handle._pairs.data_ptr(), I32, 3, L, R, 2, 0),
-                    (base + pos_off, I32, 2, M, K, 0, 0)]
-    assert handle.src_rank.shape == (L, S) and handle._pairs.shape == (L, R, 2)
-    ends = [base, handle.src_rank.data_ptr(), handle.src_idx.data_ptr(),
-            handle._pairs.data_ptr(), base + pos_off]
+    # aligned, the handle's views made when read; their offsets as the native side has them
+    o_sr, o_si, o_pairs, o_pos = rec.ll_layout
+    assert g._ll_layout[3] == (0, o_sr, o_si, o_pairs, o_pos)
+    assert handle.src_rank.data_ptr() == base + o_sr and handle.src_rank.shape == (L, S)
+    assert handle.src_idx.data_ptr() == base + o_si
+    assert handle._pairs.data_ptr() == base + o_pairs and handle._pairs.shape == (L, R, 2)
+    ends = [base, base + o_sr, base + o_si, base + o_pairs, base + o_pos]
     sizes = [4 * L, 4 * L * S, 4 * L * S, 4 * L * R * 2, 4 * M * K]
     assert all((e - base) % 256 == 0 for e in ends)
     assert all(ends[i] + sizes[i] <= ends[i + 1] for i in range(4))  # no overlap
     assert ends[4] + sizes[4] <= base + 4 * handle._routing[0].shape[0]
-    assert o == (COMM, COMPUTE, 0, COMPUTE)
     handle._ptr = 0x4321  # as if the dispatch had returned an op (reset before it is freed)
     try:
         w = torch.Tensor((T, K), torch.float32)
         cx, ev, hook = g.ll_combine(rx, idx, w, handle, None, True, False)
-        p, hp, dx, di, dw, dout, hk, o = seen["c"]
-        assert (p, hp, hk, cx.shape, cx.dtype) == (0xABC, 0x4321, False, (T, H), torch.bfloat16)
-        assert dx == (rx.data_ptr(), BF16, 3, L, S, H, 0)
-        assert di == (idx.data_ptr(), I64, 2, T, K, 0, 0) and dw == (w.data_ptr(), F32, 2, T, K, 0, 0)
-        assert dout == (cx.data_ptr(), BF16, 2, T, H, 0, 0)
-        assert o == (COMM, COMPUTE, 0, 0) and ev.event is not None  # async_finish
+        name, d = rec.calls[1]
+        assert (cx.shape, cx.dtype) == ((T, H), torch.bfloat16)
+        assert name == "gpu_ll_combine" and d == dict(
+            p=0xABC, hp=0x4321, x=rx.data_ptr(), idx=idx.data_ptr(), w=w.data_ptr(), t=T,
+            out=cx.data_ptr(), hook=False, compute=COMPUTE, async_=True)
+        assert ev.event is not None  # async_finish
     finally:
         handle._ptr = 0
 
@@ -539,7 +467,7 @@ def test_async_calls_record_each_tensor_on_the_stream_that_shares_it(path):
     # the device switched), with the same result (the helper switches no stream).
     torch.cur_device, torch.records, torch.contexts = 1, [], 0
     rx, ri, rw, _, handle, ev = g.dispatch(x, None, idx, w, 1, 0, prev, True, True)
-    assert torch.contexts == (0 if torch.native else 1)
+    assert torch.contexts == 1
     assert torch.stream == COMPUTE and rx._alloc == COMM
     assert torch.records[-3:] == [(t, COMPUTE) for t in (rx, ri, rw)]
     torch.cur_device = 0
@@ -593,7 +521,6 @@ def test_ll_async_dispatch_records_its_tensors_and_the_stats_on_comm(path):
     read there: all recorded on the comm stream."""
     g, torch, rec, buf = path
     buf.num_max_dispatch_tokens_per_rank, buf.num_experts = 6, L * R
-    rec.fep_gpu_ll_dispatch = lambda *a: 0  # the op stays NULL: nothing to free
     x, idx = torch.Tensor((T, H), torch.bfloat16), torch.Tensor((T, K), torch.int64)
     stats = torch.Tensor((L,), torch.int32)
     torch.records.clear()

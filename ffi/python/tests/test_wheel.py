@@ -1,9 +1,10 @@
-"""The installable package (ffi/python/setup.py): `pip wheel ffi/python` makes a platform wheel
-that carries libfabric_ep.so and the libfabric it links (fabric_ep/.libs/); installed into a
-fresh venv it imports from outside the repository with no FABRIC_EP_LIBRARY, loads the packaged
-library and its bundled libfabric, and runs a one-rank host Buffer.
+"""The installable package (ffi/python/setup.py): `pip wheel ffi/python` makes a cp38-abi3
+platform wheel that carries the native module fabric_ep/_core.abi3.so and the libfabric it links
+(fabric_ep/.libs/); installed into a fresh venv it imports from outside the repository with no
+FABRIC_EP_EXTENSION, loads the packaged module and its bundled libfabric, and runs a one-rank
+host Buffer.
 
-The wheels are built from make test's debug library (FABRIC_EP_LIBRARY, or cargo's no-op debug
+The wheels are built from make test's debug module (FABRIC_EP_EXTENSION, or cargo's no-op debug
 build: no second compile). pip builds in an isolated environment, as a user's plain `pip wheel`
 does, so it fetches setuptools from the package index; the tests skip, saying so, when it is
 unreachable, and when this Python cannot make a venv."""
@@ -26,7 +27,7 @@ from conftest import PKG_ROOT, free_port
 
 REPO = PKG_ROOT.parent.parent
 # Variables that would point the build or the import at the checkout instead of the wheel.
-OURS = ("FABRIC_EP_LIBRARY", "FABRIC_EP_ROOT", "FABRIC_EP_CARGO_PROFILE", "PYTHONPATH",
+OURS = ("FABRIC_EP_EXTENSION", "FABRIC_EP_ROOT", "FABRIC_EP_CARGO_PROFILE", "PYTHONPATH",
         "LD_LIBRARY_PATH", "LD_PRELOAD", "CARGO_TARGET_DIR")
 
 
@@ -35,12 +36,15 @@ C_RUNTIME = re.compile(
     r"(libc|libm|libdl|libpthread|librt|libgcc_s|libstdc\+\+|ld-linux[^.]*)[.]so")
 
 
-def debug_library() -> pathlib.Path:
-    p = os.environ.get("FABRIC_EP_LIBRARY")
+MODULE = "fabric_ep/_core.abi3.so"
+
+
+def debug_module() -> pathlib.Path:
+    p = os.environ.get("FABRIC_EP_EXTENSION")
     if p:
         return pathlib.Path(p)
     target = pathlib.Path(os.environ.get("CARGO_TARGET_DIR") or REPO / "target")
-    return target / "debug" / "libfabric_ep.so"
+    return target / "debug" / "libfabric_ep_python.so"
 
 
 def clean_env(**extra) -> dict:
@@ -74,28 +78,30 @@ def expected_platform() -> str:
 
 
 def check_wheel(whl: pathlib.Path, tmp: pathlib.Path):
-    """Tag and contents: py3-none-<platform>, the library stripped with RUNPATH $ORIGIN/.libs,
-    libfabric bundled with RUNPATH $ORIGIN."""
+    """Tag and contents: cp38-abi3-<platform>, the module stripped with RUNPATH $ORIGIN/.libs,
+    libfabric bundled with RUNPATH $ORIGIN, no ctypes layer or torch helper left."""
     tag = whl.name[:-len(".whl")].split("-")[-3:]
-    assert tag == ["py3", "none", expected_platform()], whl.name
+    assert tag == ["cp38", "abi3", expected_platform()], whl.name
     with zipfile.ZipFile(whl) as z:
         names = set(z.namelist())
         wheel_meta = z.read("fabric_ep-0.1.0.dist-info/WHEEL").decode()
         assert "Root-Is-Purelib: false" in wheel_meta, wheel_meta
-        assert "fabric_ep/libfabric_ep.so" in names, sorted(names)
+        assert MODULE in names, sorted(names)
         assert "fabric_ep/.libs/libfabric.so.1" in names, sorted(names)
-        assert "fabric_ep/_lib.py" in names and "fabric_ep/_native.cpp" in names
+        assert "fabric_ep/_ext.py" in names and "fabric_ep/_errors.py" in names
+        assert not {"fabric_ep/_lib.py", "fabric_ep/_native.cpp", "fabric_ep/_native.py",
+                    "fabric_ep/libfabric_ep.so"} & names, sorted(names)
         bundled = sorted(n.rsplit("/", 1)[1] for n in names if n.startswith("fabric_ep/.libs/"))
         # The C runtime stays the system's (a second glibc in one process breaks it).
         assert not [n for n in bundled if C_RUNTIME.match(n)], bundled
-        z.extract("fabric_ep/libfabric_ep.so", tmp)
+        z.extract(MODULE, tmp)
         z.extract("fabric_ep/.libs/libfabric.so.1", tmp)
-    lib = tmp / "fabric_ep" / "libfabric_ep.so"
+    lib = tmp / MODULE
     dyn = subprocess.run(["readelf", "-d", str(lib)], capture_output=True, text=True).stdout
     assert re.search(r"\(RUNPATH\)\s+Library runpath: \[\$ORIGIN/\.libs\]", dyn), dyn
     sections = subprocess.run(["readelf", "-S", "-W", str(lib)], capture_output=True,
                               text=True).stdout
-    assert ".symtab" not in sections and ".debug_info" not in sections, "library not stripped"
+    assert ".symtab" not in sections and ".debug_info" not in sections, "module not stripped"
     dyn = subprocess.run(["readelf", "-d", str(tmp / "fabric_ep/.libs/libfabric.so.1")],
                          capture_output=True, text=True).stdout
     assert re.search(r"\(RUNPATH\)\s+Library runpath: \[\$ORIGIN\]", dyn), dyn
@@ -104,13 +110,14 @@ def check_wheel(whl: pathlib.Path, tmp: pathlib.Path):
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
-    """`FABRIC_EP_LIBRARY=<debug lib> pip wheel ffi/python`: the prebuilt path, in place."""
-    lib = debug_library()
+    """`FABRIC_EP_EXTENSION=<debug module> pip wheel ffi/python`: the prebuilt path, in place."""
+    lib = debug_module()
     if not lib.is_file():
-        pytest.skip(f"no built library at {lib} (make test builds it: cargo build --lib)")
+        pytest.skip(f"no built module at {lib} (make test builds it: cargo build -p "
+                    "fabric-ep-python --features extension-module)")
     out = tmp_path_factory.mktemp("wheel")
-    whl, log = pip_wheel(PKG_ROOT, out, clean_env(FABRIC_EP_LIBRARY=str(lib)))
-    assert f"packaging FABRIC_EP_LIBRARY={lib.resolve()}" in log, log
+    whl, log = pip_wheel(PKG_ROOT, out, clean_env(FABRIC_EP_EXTENSION=str(lib)))
+    assert f"packaging FABRIC_EP_EXTENSION={lib.resolve()}" in log, log
     return whl
 
 
@@ -138,7 +145,7 @@ def venv(wheel, tmp_path_factory):
 PROBE = textwrap.dedent("""
     import json, re, numpy as np
     import fabric_ep
-    from fabric_ep import Buffer, _lib
+    from fabric_ep import Buffer, _core
     maps = open("/proc/self/maps").read().split()
     fabric = sorted({w for w in maps if re.search(r"/libfabric[.]so[.]1([.][0-9.]+)?$", w)})
     buf = Buffer(None, num_experts=8, hidden=128, num_topk=2)
@@ -151,7 +158,7 @@ PROBE = textwrap.dedent("""
     ok = bool(np.array_equal(rx, x[[0, 1, 3]]))
     ranks = buf.num_ranks
     buf.destroy()
-    print(json.dumps({"package": fabric_ep.__file__, "lib": _lib.lib._name, "fabric": fabric,
+    print(json.dumps({"package": fabric_ep.__file__, "lib": _core.__file__, "fabric": fabric,
                       "ranks": ranks, "per_rank": n_rank.tolist(),
                       "per_expert": n_exp.tolist(), "dispatch_ok": ok}))
 """)
@@ -171,7 +178,7 @@ def probe(argv, cwd: pathlib.Path, **extra) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def test_wheel_is_a_platform_wheel_with_the_library_and_libfabric(wheel, tmp_path):
+def test_wheel_is_an_abi3_platform_wheel_with_the_module_and_libfabric(wheel, tmp_path):
     bundled = check_wheel(wheel, tmp_path)
     assert "libfabric.so.1" in bundled
     # The device tool carries 64 MiB: the wheel must stay well below it.
@@ -183,7 +190,7 @@ def test_installed_wheel_imports_outside_the_repo_with_its_own_libraries(venv, t
     got = probe([py, "-c", PROBE], tmp_path)
     pkg = (site / "fabric_ep").resolve()
     assert pathlib.Path(got["package"]).resolve().parent == pkg, got
-    assert pathlib.Path(got["lib"]).resolve() == pkg / "libfabric_ep.so", got
+    assert pathlib.Path(got["lib"]).resolve() == pkg / "_core.abi3.so", got
     assert [str(pathlib.Path(f).resolve()) for f in got["fabric"]] == \
         [str(pkg / ".libs" / "libfabric.so.1")], got
     assert got["ranks"] == 1 and got["per_rank"] == [3], got
@@ -210,15 +217,15 @@ def test_ld_library_path_picks_another_libfabric(venv, tmp_path):
 
 def test_wheel_works_where_the_system_has_no_libfabric(wheel, venv, tmp_path):
     """The target may have no libfabric: in a private mount namespace, the system's copy of
-    every library libfabric_ep.so loads but the C runtime is hidden (/dev/null bound over it);
+    every library the module loads but the C runtime is hidden (/dev/null bound over it);
     the import and the Buffer must still work, from the bundle alone."""
     if shutil.which("unshare") is None or subprocess.run(
             ["unshare", "-m", "true"], capture_output=True).returncode != 0:
         pytest.skip("no mount namespace here (unshare -m needs root)")
     # Everything the library loads here but the C runtime, found independently of the build.
-    lib = debug_library()
+    lib = debug_module()
     if not lib.is_file():
-        pytest.skip(f"no built library at {lib}")
+        pytest.skip(f"no built module at {lib}")
     out = subprocess.run(["ldd", str(lib)], capture_output=True, text=True, env=clean_env()).stdout
     hide = {os.path.realpath(m.group(2)) for m in re.finditer(r"^\s*(\S+) => (/\S+)", out, re.M)
             if not C_RUNTIME.match(m.group(1))}
@@ -247,7 +254,7 @@ def copy_package(dst: pathlib.Path) -> pathlib.Path:
 def test_copy_without_the_repository_says_how_to_build(tmp_path):
     src = copy_package(tmp_path / "pkg")
     _, log = pip_wheel(src, tmp_path / "out", clean_env(), expect_ok=False)
-    assert "FABRIC_EP_ROOT" in log and "FABRIC_EP_LIBRARY" in log, log
+    assert "FABRIC_EP_ROOT" in log and "FABRIC_EP_EXTENSION" in log, log
 
 
 def test_copy_builds_with_cargo_in_fabric_ep_root(tmp_path):
@@ -255,7 +262,7 @@ def test_copy_builds_with_cargo_in_fabric_ep_root(tmp_path):
     compile); cargo's own report names the library that is packaged."""
     if shutil.which("cargo") is None:
         pytest.skip("no cargo on PATH")
-    lib = debug_library()
+    lib = debug_module()
     src = copy_package(tmp_path / "pkg")
     # CARGO_TARGET_DIR stays, and PATH is the one make test's cargo had (when it says so):
     # cargo must find its build where it put it, and build.rs reruns on another PATH.
@@ -265,13 +272,17 @@ def test_copy_builds_with_cargo_in_fabric_ep_root(tmp_path):
     if os.environ.get("FEP_TEST_CARGO_PATH"):
         env["PATH"] = os.environ["FEP_TEST_CARGO_PATH"]
     whl, log = pip_wheel(src, tmp_path / "out", env)
-    assert "build --lib --message-format=json-render-diagnostics in " + str(REPO) in log, log
+    assert ("build -p fabric-ep-python --features extension-module --lib "
+            "--message-format=json-render-diagnostics in " + str(REPO)) in log, log
     assert "bundled libraries" in log, log
     check_wheel(whl, tmp_path / "x")
-    # The packaged file is the stripped debug build: same exported symbols.
+    # The packaged file is the stripped debug build: same exported symbols (the C ABI linked
+    # in, and the module's init function).
     def exports(p):
         out = subprocess.run(["nm", "-D", "--defined-only", str(p)], capture_output=True,
                              text=True, check=True).stdout
-        return sorted(line.split()[-1] for line in out.splitlines() if " fep_" in line)
+        return sorted(line.split()[-1] for line in out.splitlines()
+                      if " fep_" in line or "PyInit__core" in line)
     if lib.is_file():
-        assert exports(tmp_path / "x/fabric_ep/libfabric_ep.so") == exports(lib)
+        got = exports(tmp_path / "x" / MODULE)
+        assert "PyInit__core" in got and got == exports(lib)
