@@ -59,7 +59,12 @@ pub(crate) struct Order {
 impl Order {
     /// DeepEP's pattern: on `comm` after the compute stream (or after `event` instead, when
     /// one is given); the compute stream waits afterwards unless `async_finish`.
-    pub(crate) fn before_after(comm: usize, compute: usize, event: usize, async_finish: bool) -> Self {
+    pub(crate) fn before_after(
+        comm: usize,
+        compute: usize,
+        event: usize,
+        async_finish: bool,
+    ) -> Self {
         Order {
             stream: comm,
             wait_stream: if event != 0 { 0 } else { compute },
@@ -70,7 +75,12 @@ impl Order {
 
     /// A call right after one on the same stream that waited already: no wait before.
     pub(crate) fn after_only(comm: usize, compute: usize, async_finish: bool) -> Self {
-        Order { stream: comm, wait_stream: 0, wait_event: 0, then_stream: if async_finish { 0 } else { compute } }
+        Order {
+            stream: comm,
+            wait_stream: 0,
+            wait_event: 0,
+            then_stream: if async_finish { 0 } else { compute },
+        }
     }
 
     pub(crate) fn raw(self) -> fep_gpu_order {
@@ -148,34 +158,50 @@ mod tests {
     #[test]
     fn orders_follow_deepep_stream_pattern() {
         let (comm, compute, ev) = (0x9000, 0x5000, 0x66);
-        assert_eq!(Order::before_after(comm, compute, 0, false), Order {
-            stream: comm, wait_stream: compute, wait_event: 0, then_stream: compute });
+        assert_eq!(
+            Order::before_after(comm, compute, 0, false),
+            Order { stream: comm, wait_stream: compute, wait_event: 0, then_stream: compute }
+        );
         // An event replaces the wait for the compute stream; async: nobody waits afterwards.
-        assert_eq!(Order::before_after(comm, compute, ev, true), Order {
-            stream: comm, wait_stream: 0, wait_event: ev, then_stream: 0 });
-        assert_eq!(Order::after_only(comm, compute, false), Order {
-            stream: comm, wait_stream: 0, wait_event: 0, then_stream: compute });
+        assert_eq!(
+            Order::before_after(comm, compute, ev, true),
+            Order { stream: comm, wait_stream: 0, wait_event: ev, then_stream: 0 }
+        );
+        assert_eq!(
+            Order::after_only(comm, compute, false),
+            Order { stream: comm, wait_stream: 0, wait_event: 0, then_stream: compute }
+        );
         // The legacy default stream: the driver's CU_STREAM_LEGACY handle, 0x1.
         let raw = Order::before_after(comm, 0x1, 0, false).raw();
-        assert_eq!((raw.stream as usize, raw.wait_stream as usize, raw.wait_event as usize,
-                    raw.then_stream as usize), (comm, 1, 0, 1));
+        assert_eq!(
+            (
+                raw.stream as usize,
+                raw.wait_stream as usize,
+                raw.wait_event as usize,
+                raw.then_stream as usize
+            ),
+            (comm, 1, 0, 1)
+        );
     }
 
     #[test]
     fn dispatch_descriptors_carry_each_shape() {
         let d = gpu_dispatch(FP8, 256, 2, [10, 20, 30, 40], 5, [50, 60, 70, 80, 90], 7);
         let got: Vec<_> = d.iter().map(parts).collect();
-        assert_eq!(got, vec![
-            (10, FP8, 2, [5, 256, 0, 0]),
-            (20, F32, 2, [5, 2, 0, 0]),
-            (30, I64, 2, [5, 2, 0, 0]),
-            (40, F32, 2, [5, 2, 0, 0]),
-            (50, FP8, 2, [7, 256, 0, 0]),
-            (60, F32, 2, [7, 2, 0, 0]),
-            (70, I64, 2, [7, 2, 0, 0]),
-            (80, F32, 2, [7, 2, 0, 0]),
-            (90, I32, 1, [7, 0, 0, 0]),
-        ]);
+        assert_eq!(
+            got,
+            vec![
+                (10, FP8, 2, [5, 256, 0, 0]),
+                (20, F32, 2, [5, 2, 0, 0]),
+                (30, I64, 2, [5, 2, 0, 0]),
+                (40, F32, 2, [5, 2, 0, 0]),
+                (50, FP8, 2, [7, 256, 0, 0]),
+                (60, F32, 2, [7, 2, 0, 0]),
+                (70, I64, 2, [7, 2, 0, 0]),
+                (80, F32, 2, [7, 2, 0, 0]),
+                (90, I32, 1, [7, 0, 0, 0]),
+            ]
+        );
     }
 
     #[test]

@@ -31,9 +31,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyDict, PyList, PyType};
 
-use desc::{
-    dtype_name, t1, t2, t3, Order, BF16, F32, FP8, I32, I64, NULL_TENSOR_PTR as NT,
-};
+use desc::{dtype_name, t1, t2, t3, Order, BF16, F32, FP8, I32, I64, NULL_TENSOR_PTR as NT};
 
 // ---------------------------------------------------------------- errors
 
@@ -44,9 +42,8 @@ static ERRORS: PyOnceLock<[Py<PyType>; 3]> = PyOnceLock::new();
 fn error_classes(py: Python<'_>) -> PyResult<&[Py<PyType>; 3]> {
     ERRORS.get_or_try_init(py, || {
         let m = py.import("fabric_ep._errors")?;
-        let get = |n: &str| -> PyResult<Py<PyType>> {
-            Ok(m.getattr(n)?.cast_into::<PyType>()?.unbind())
-        };
+        let get =
+            |n: &str| -> PyResult<Py<PyType>> { Ok(m.getattr(n)?.cast_into::<PyType>()?.unbind()) };
         Ok([get("FabricEPError")?, get("FabricEPArgumentError")?, get("FabricEPTimeoutError")?])
     })
 }
@@ -191,7 +188,10 @@ fn default_config(py: Python<'_>) -> PyResult<fep_config> {
 
 /// A `fep_config` from `fep_config_init`'s defaults and the dict's fields; the provider string
 /// is returned beside it (the config points into it).
-fn config_from(py: Python<'_>, fields: &Bound<'_, PyDict>) -> PyResult<(fep_config, Option<CString>)> {
+fn config_from(
+    py: Python<'_>,
+    fields: &Bound<'_, PyDict>,
+) -> PyResult<(fep_config, Option<CString>)> {
     let mut cfg = default_config(py)?;
     let mut provider = None;
     for (k, v) in fields.iter() {
@@ -216,9 +216,10 @@ fn config_from(py: Python<'_>, fields: &Bound<'_, PyDict>) -> PyResult<(fep_conf
                     let s: String = v.extract().map_err(|_| {
                         PyValueError::new_err(format!("provider: {v} must be a str or None"))
                     })?;
-                    provider = Some(CString::new(s).map_err(|_| {
-                        PyValueError::new_err("provider: must not contain NUL")
-                    })?);
+                    provider =
+                        Some(CString::new(s).map_err(|_| {
+                            PyValueError::new_err("provider: must not contain NUL")
+                        })?);
                 }
             }
             name => {
@@ -230,9 +231,7 @@ fn config_from(py: Python<'_>, fields: &Bound<'_, PyDict>) -> PyResult<(fep_conf
                     continue;
                 }
                 let n: i64 = v.extract().map_err(|_| {
-                    PyValueError::new_err(format!(
-                        "{name}: {v} must be an int in [-2**31, 2**31)"
-                    ))
+                    PyValueError::new_err(format!("{name}: {v} must be an int in [-2**31, 2**31)"))
                 })?;
                 *slot = i32_arg(name, n)?;
             }
@@ -348,7 +347,11 @@ unsafe extern "C" fn gather_trampoline(
 /// torchrun variables (the library's own store). Returns the buffer's address.
 #[pyfunction]
 #[pyo3(signature = (cfg, gather=None))]
-fn buffer_create(py: Python<'_>, cfg: &Bound<'_, PyDict>, gather: Option<Py<PyAny>>) -> PyResult<usize> {
+fn buffer_create(
+    py: Python<'_>,
+    cfg: &Bound<'_, PyDict>,
+    gather: Option<Py<PyAny>>,
+) -> PyResult<usize> {
     let (cfg, _provider) = config_from(py, cfg)?;
     let mut out: *mut c::fep_buffer = std::ptr::null_mut();
     let out_p = &mut out as *mut *mut c::fep_buffer as usize;
@@ -492,8 +495,12 @@ fn layout_host(
     per_expert: usize,
     in_rank: usize,
 ) -> PyResult<()> {
-    let (k, e, r, rpn) =
-        (i32_arg("num_topk", k)?, i32_arg("num_experts", e)?, i32_arg("num_ranks", r)?, i32_arg("ranks_per_node", rpn)?);
+    let (k, e, r, rpn) = (
+        i32_arg("num_topk", k)?,
+        i32_arg("num_experts", e)?,
+        i32_arg("num_ranks", r)?,
+        i32_arg("ranks_per_node", rpn)?,
+    );
     // SAFETY: the caller's arrays hold the sizes above; the library checks NULL/alignment.
     let st = nogil(py, || unsafe {
         c::fep_get_dispatch_layout_host(
@@ -570,7 +577,11 @@ struct PyBufferView {
 }
 
 extern "C" {
-    fn PyObject_GetBuffer(obj: *mut pyo3::ffi::PyObject, view: *mut PyBufferView, flags: c_int) -> c_int;
+    fn PyObject_GetBuffer(
+        obj: *mut pyo3::ffi::PyObject,
+        view: *mut PyBufferView,
+        flags: c_int,
+    ) -> c_int;
     fn PyBuffer_Release(view: *mut PyBufferView);
 }
 
@@ -848,7 +859,15 @@ impl Calls {
         let tl = t2(layout_range, I64, self.l, self.r);
         // SAFETY: as dispatch.
         let st = nogil(py, || unsafe {
-            c::fep_ll_dispatch_copy_out(vp(op), at(&tx), opt(&ts), at(&tc), at(&tr), at(&ti), at(&tl))
+            c::fep_ll_dispatch_copy_out(
+                vp(op),
+                at(&tx),
+                opt(&ts),
+                at(&tc),
+                at(&tr),
+                at(&ti),
+                at(&tl),
+            )
         });
         check(py, "fep_ll_dispatch_copy_out", st)
     }
@@ -1119,7 +1138,16 @@ impl Calls {
         let ti = t2(topk_idx, I64, t, self.k);
         let o = self.ll_offsets.each_ref().map(|a| a.load(Ordering::Relaxed));
         let outs = desc::gpu_ll_buffers(
-            self.xc, self.h, self.k, self.l, self.r, self.m, recv_x, recv_x_scales, routing, o,
+            self.xc,
+            self.h,
+            self.k,
+            self.l,
+            self.r,
+            self.m,
+            recv_x,
+            recv_x_scales,
+            routing,
+            o,
         );
         let order = self.order(compute, 0, async_finish).raw();
         let mut op: *mut c::fep_gpu_ll_op = std::ptr::null_mut();
@@ -1144,7 +1172,13 @@ impl Calls {
 
     /// `fep_gpu_ll_complete`: a hook's receive, on the comm stream after `compute`, which
     /// waits for it afterwards.
-    fn gpu_ll_complete(&self, py: Python<'_>, buf: usize, op: usize, compute: usize) -> PyResult<()> {
+    fn gpu_ll_complete(
+        &self,
+        py: Python<'_>,
+        buf: usize,
+        op: usize,
+        compute: usize,
+    ) -> PyResult<()> {
         let order = self.order(compute, 0, false).raw();
         // SAFETY: the order on this frame; the library checks both pointers.
         let st = nogil(py, || unsafe { c::fep_gpu_ll_complete(vp(buf), vp(op), &order) });
