@@ -49,8 +49,6 @@ import os
 import warnings
 from typing import Any, Callable, List, Optional, Tuple
 
-import numpy as np
-
 from ._ext import FEP_DTYPE_BF16 as _BF16
 from ._ext import FEP_DTYPE_FP8_E4M3, core
 from .utils import NO_EVENT, EventOverlap
