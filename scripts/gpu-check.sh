@@ -313,7 +313,7 @@ run_python_section() {
   python3 - "$out/overhead_gpu.json" >>"$out/summary.txt" 2>/dev/null <<'PYEOF' || true
 import json, sys
 m = json.load(open(sys.argv[1]))
-for k in ("python_side_us", "end_to_end_us", "raw_ctypes_us", "difference_us"):
+for k in ("python_side_us", "end_to_end_us", "raw_native_us", "difference_us"):
     print("OVERHEAD_GPU", k, " ".join(f"{c}={v:.2f}" for c, v in m[k].items()))
 print("OVERHEAD_GPU", " ".join(f"{k}={m[k]:.2f}" for k in ("torch_empty_us", "new_empty_us", "current_stream_us", "raw_current_stream_us") if k in m))
 print("OVERHEAD_GPU paired_median_difference_us", " ".join(f"{c}={v:.2f}" for c, v in m["paired_median_difference_us"].items()))
