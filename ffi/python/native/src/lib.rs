@@ -19,10 +19,12 @@
 
 mod desc;
 
+use std::collections::HashMap;
 use std::ffi::{CStr, CString};
 use std::os::raw::{c_int, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, PoisonError};
 
 use fabric_ep::ffi as c;
 use fabric_ep::ffi::{fep_config, fep_status, fep_tensor};
@@ -281,11 +283,22 @@ fn abi_version() -> u32 {
 
 /// The all-gather callback's state: the Python callable (`gather(bytes) -> bytes`, the ranks'
 /// equal-length contributions concatenated in rank order), the group size, and the first
-/// exception it raised (chained to the create call's error).
+/// exception it raised (chained to the failed call's error).
 struct Gather {
     f: Py<PyAny>,
     size: usize,
     err: Option<PyErr>,
+}
+
+/// The callback state of each live buffer created over one, by the buffer's address. NOTES: the
+/// library calls the callback again after `fep_buffer_create` (the barrier of
+/// `fep_buffer_destroy`), so its state lives until that call returns (the buffer is gone then,
+/// whatever the status).
+static GATHERS: Mutex<Option<HashMap<usize, Box<Gather>>>> = Mutex::new(None);
+
+fn gathers<R>(f: impl FnOnce(&mut HashMap<usize, Box<Gather>>) -> R) -> R {
+    let mut g = GATHERS.lock().unwrap_or_else(PoisonError::into_inner);
+    f(g.get_or_insert_with(HashMap::new))
 }
 
 unsafe extern "C" fn gather_trampoline(
@@ -359,9 +372,11 @@ fn buffer_create(
     let st = match gather {
         Some(f) => {
             let size = usize::try_from(cfg.num_ranks).unwrap_or(0).max(1);
-            let mut g = Gather { f, size, err: None };
-            let gp = &mut g as *mut Gather as usize;
-            // SAFETY: cfg, the callback state and the out-parameter live on this frame.
+            // Boxed: its address is the callback's `user` pointer for the buffer's lifetime.
+            let mut g = Box::new(Gather { f, size, err: None });
+            let gp = &mut *g as *mut Gather as usize;
+            // SAFETY: cfg and the out-parameter live on this frame, the callback state on the
+            // heap (kept with the buffer below).
             let st = nogil(py, || unsafe {
                 c::fep_buffer_create(
                     cfg_p as *const fep_config,
@@ -377,6 +392,7 @@ fn buffer_create(
                 }
                 return Err(e);
             }
+            gathers(|m| m.insert(out as usize, g));
             st
         }
         None => nogil(py, || unsafe {
@@ -416,7 +432,16 @@ fn buffer_create_boot(py: Python<'_>, cfg: &Bound<'_, PyDict>, boot: usize) -> P
 fn buffer_destroy(py: Python<'_>, buf: usize) -> PyResult<()> {
     // SAFETY: the library's registry refuses a stale or foreign pointer.
     let st = nogil(py, || unsafe { c::fep_buffer_destroy(vp(buf)) });
-    check(py, "fep_buffer_destroy", st)
+    // The buffer is gone whatever the status (a stale pointer has no state here).
+    let gather = if st == c::FEP_ERR_INVALID_ARGUMENT { None } else { gathers(|m| m.remove(&buf)) };
+    if st != c::FEP_OK {
+        let e = fep_error(py, "fep_buffer_destroy", st as i32);
+        if let Some(cause) = gather.and_then(|mut g| g.err.take()) {
+            e.set_cause(py, Some(cause));
+        }
+        return Err(e);
+    }
+    Ok(())
 }
 
 /// `(rank, num_ranks)` of a buffer.
