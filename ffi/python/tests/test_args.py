@@ -330,3 +330,15 @@ def test_torch_cpu_and_cuda(buf, data):
         pytest.skip("no CUDA device: the CUDA refusal is not exercised")
     with pytest.raises(ValueError, match="^x: tensor is on cuda"):
         buf.dispatch(xt.cuda(), topk_idx=torch.from_numpy(idx), topk_weights=torch.from_numpy(w))
+
+
+def test_out_of_range_ints_are_refused_naming_the_argument(env1, buf, data):
+    # Never wrapped into the native call's 32- or 64-bit fields: refused before it, by name.
+    x, idx, w = data
+    raises(ValueError, "^hidden: ", Buffer, None, num_experts=E, hidden=2**32 + H, num_topk=K)
+    raises(ValueError, "^num_max_dispatch_tokens_per_rank: ", Buffer, None, num_experts=E,
+           hidden=H, num_topk=K, num_max_dispatch_tokens_per_rank=2**31)
+    for name, v in (("num_worst_tokens", 2**63), ("num_worst_tokens", 2**31),
+                    ("expert_alignment", 2**32 + 1)):
+        raises(ValueError, f"^{name}: ", buf.dispatch, x, topk_idx=idx, topk_weights=w,
+               **{name: v})
