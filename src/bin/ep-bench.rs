@@ -96,6 +96,11 @@ struct Common {
     /// GPU backend, normal mode: skip the NCCL all-to-all (+ permute) comparison.
     #[arg(long)]
     no_nccl: bool,
+    /// GPU backend: the SM budget per rank (blocks per kernel launch; even), both modes,
+    /// instead of the defaults (normal: the GPU's SMs shared by the ranks, at most 32; low
+    /// latency: the whole share). The normal mode's equal-SM copy rows use the same budget.
+    #[arg(long, global = true)]
+    sms: Option<usize>,
     /// GPU backend, normal mode: records per chunk of the per-peer queues (default: the
     /// Buffer's, `GpuOptions::chunk_tokens`, 16).
     #[arg(long, global = true)]
@@ -609,8 +614,8 @@ fn gpu_settings(
     let sms = dev.sm_count() as usize;
     RunSettings {
         gpu: Some(dev.name().to_string()),
-        sms_normal: Some(sm_budget(sms, on_gpu)),
-        sms_low_latency: Some((sms / on_gpu.max(1)) & !1),
+        sms_normal: Some(c.sms.unwrap_or_else(|| sm_budget(sms, on_gpu))),
+        sms_low_latency: Some(c.sms.unwrap_or((sms / on_gpu.max(1)) & !1)),
         ..run_settings(c, ranks_per_node, !c.bf16)
     }
 }
@@ -1018,6 +1023,7 @@ fn gpu_params(c: &Common, ranks: usize, tokens: usize) -> fabric_ep::bench::ep_g
         fp8: !c.bf16,
         iters: c.iters.max(1),
         timeout: Duration::from_secs(c.timeout_s()),
+        num_sms: c.sms,
         ..fabric_ep::bench::ep_gpu::GpuBenchParams::normal_standard(ranks)
     }
 }
@@ -1121,6 +1127,50 @@ fn labelled_rows(
         .collect()
 }
 
+/// The equal-SM copy ceiling beside rank 0's normal-mode rows: a plain row copy of the
+/// dispatch's and the combine's bytes on `budget` blocks (`ep_gpu::copy_ceiling`), as rows of
+/// backend "copy", and how much of it each kernel reaches (the cached dispatch is the kernel
+/// alone; a fresh dispatch also holds the layout, the notify and the host count sync).
+fn copy_rows(
+    dev: &fabric_ep::cuda::Device,
+    p: &fabric_ep::bench::ep_gpu::GpuBenchParams,
+    r0: &fabric_ep::bench::ep::NormalBenchReport,
+    budget: usize,
+    c: &Common,
+) -> AnyResult<Vec<EpRow>> {
+    let mut out = Vec::new();
+    let row_bytes = (p.hidden * 2).next_multiple_of(16);
+    let ours = [
+        ("dispatch", r0.dispatch_figures().1, r0.dispatch_bytes),
+        ("combine", r0.combine_figures().1, r0.combine_bytes),
+    ];
+    for (op, ours_us, bytes) in ours {
+        let (us, gbps) =
+            fabric_ep::bench::ep_gpu::copy_ceiling(dev, bytes, row_bytes, budget, c.iters.max(1))?;
+        let which = if op == "dispatch" && c.cached { "dispatch (cached)" } else { op };
+        println!(
+            "equal-SM copy ({budget} SMs) of the {op}'s {:.1} MB: {us:.1} us ({gbps:.0} GB/s); \
+             the {which} reaches {:.0}% of it",
+            bytes as f64 / 1e6,
+            100.0 * us / ours_us.max(1e-9)
+        );
+        out.push(EpRow {
+            mode: "normal".into(),
+            op: format!("{op} bytes"),
+            backend: format!("copy ({budget} SMs)"),
+            ranks: p.num_ranks,
+            tokens: p.num_tokens,
+            hidden: p.hidden,
+            gbps,
+            median_us: us,
+            p99_us: us,
+            bytes,
+            ..EpRow::default()
+        });
+    }
+    Ok(out)
+}
+
 /// The default SM budget of a rank when `on_gpu` ranks share a GPU of `sms` SMs.
 fn sm_budget(sms: usize, on_gpu: usize) -> usize {
     (sms / on_gpu.max(1)).min(fabric_ep::ep::gpu::DEFAULT_MAX_SMS) & !1
@@ -1211,6 +1261,10 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
         let p = base(4096);
         let r = run_normal_gpu_split(&dev, &p, &normal_split(c, p.num_ranks))?;
         rows.extend(r.first().map(|r0| normal_rows(c.cached, &p, r0)).unwrap_or_default());
+        if let Some(r0) = r.first() {
+            let budget = c.sms.unwrap_or_else(|| sm_budget(sms, c.ranks));
+            rows.extend(copy_rows(&dev, &p, r0, budget, c)?);
+        }
         if !c.no_nccl {
             let gpus = fabric_ep::cuda::device_count()?;
             let world = p.num_ranks.min(gpus);
