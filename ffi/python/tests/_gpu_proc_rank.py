@@ -95,6 +95,7 @@ def eq(a, b, what):
 
 
 def normal_case(buf, case, h, k, lx):
+    lx = max(lx, -(-k // WORLD))  # at least top-k experts in all (one rank: all local)
     experts = lx * WORLD
     t = tokens_of(RANK, case)
     all_in = [inputs(s, tokens_of(s, case), h, k, experts, case, hot=case % 2 == 1)
