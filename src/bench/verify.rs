@@ -374,6 +374,20 @@ pub fn draw_case(seed: u64, index: usize, backend: VerifyBackend, launch: Launch
     } else {
         num_ranks
     };
+    // Low latency across nodes as processes, with a provider that cannot register GPU memory
+    // (every provider of this test machine: no FI_HMEM), keeps its buffer in host memory, which
+    // CUDA IPC cannot share with another process of the node: the Buffer refuses that at
+    // connect with an error saying so (on EFA, with FI_HMEM, the buffer is device memory and
+    // the split runs). Such cases are drawn with one process per node instead.
+    let ranks_per_node = if backend == VerifyBackend::Gpu
+        && procs
+        && mode == Mode::LowLatency
+        && ranks_per_node < num_ranks
+    {
+        1
+    } else {
+        ranks_per_node
+    };
     let intranode = (backend == VerifyBackend::Host
         && mode == Mode::Normal
         && ranks_per_node < num_ranks
