@@ -101,6 +101,11 @@ typedef struct fep_boot fep_boot;
 typedef struct fep_buffer fep_buffer;
 
 /**
+ * An opaque GPU layout object (see the module docs).
+ */
+typedef struct fep_gpu_layout fep_gpu_layout;
+
+/**
  * A GPU low-latency dispatch or combine (opaque): its receive pending (hook) or launched.
  */
 typedef struct fep_gpu_ll_op fep_gpu_ll_op;
@@ -719,6 +724,48 @@ enum fep_status fep_gpu_info(struct fep_buffer *buf,
                              int32_t *device,
                              int32_t *num_sms,
                              void **comm_stream);
+
+/**
+ * Creates a layout object on CUDA device `device` (an ordinal; the primary context, as torch
+ * uses) for `num_experts` experts over `num_ranks` ranks of `ranks_per_node` per node.
+ *
+ * # Safety
+ * `out` must be valid for a write.
+ */
+enum fep_status fep_gpu_layout_create(int32_t device,
+                                      int32_t num_experts,
+                                      int32_t num_ranks,
+                                      int32_t ranks_per_node,
+                                      struct fep_gpu_layout **out);
+
+/**
+ * DeepEP's `get_dispatch_layout` of `topk_idx` (`[T, K]` i64, device; -1 = no expert) into
+ * `num_tokens_per_rank` (`[R]` i32), `num_tokens_per_rdma_rank` (`[R / ranks_per_node]` i32;
+ * NULL allowed, and ignored, on one node), `num_tokens_per_expert` (`[E]` i32) and
+ * `is_token_in_rank` (`[T, R]` bool), on `order->stream` (after `order`'s waits; its
+ * `then_stream` waits for the launch). Asynchronous: no host synchronisation.
+ *
+ * # Safety
+ * `layout` must come from [`fep_gpu_layout_create`]; every tensor must be device memory of the
+ * layout's GPU, alive until the stream has run the launch; `order` must be valid.
+ */
+enum fep_status fep_gpu_layout_run(struct fep_gpu_layout *layout,
+                                   const struct fep_tensor *topk_idx,
+                                   const struct fep_tensor *num_tokens_per_rank,
+                                   const struct fep_tensor *num_tokens_per_rdma_rank,
+                                   const struct fep_tensor *num_tokens_per_expert,
+                                   const struct fep_tensor *is_token_in_rank,
+                                   const struct fep_gpu_order *order);
+
+/**
+ * Frees a layout object after its last launch has finished (a bounded wait); reports an
+ * out-of-range expert id its launches recorded and not yet reported. A second destroy, or a
+ * pointer not from [`fep_gpu_layout_create`], is `FEP_ERR_INVALID_ARGUMENT`.
+ *
+ * # Safety
+ * `layout` must come from [`fep_gpu_layout_create`]; no call may use it afterwards.
+ */
+enum fep_status fep_gpu_layout_destroy(struct fep_gpu_layout *layout);
 
 /**
  * Low-latency dispatch (DeepEP V1 semantics): `x` `[T <= max_tokens_per_rank, H]` bf16,

@@ -11,6 +11,7 @@
 mod boot;
 mod buffer;
 mod gpu;
+mod layout;
 mod live;
 mod ll;
 mod status;
@@ -18,6 +19,7 @@ mod status;
 pub use boot::*;
 pub use buffer::*;
 pub use gpu::*;
+pub use layout::*;
 pub use ll::*;
 
 pub use status::*;
