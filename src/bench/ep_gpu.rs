@@ -1293,45 +1293,27 @@ pub fn run_ll_gpu_rank(
     Ok(rep)
 }
 
-/// The equal-SM copy ceiling beside a kernel's figure: a plain 16-byte-vector row copy
-/// (`fep_gather_rows` with the identity index: one read and one write per byte, no routing)
-/// of `bytes` (rounded down to whole rows of `row_bytes`) on a grid of `sms` blocks, timed as a
-/// median over `iters` launches (after two untimed ones). Returns (median us, GB/s of `bytes`
-/// copied, counted once as the dispatch/combine rows count theirs).
-pub fn copy_ceiling(
-    dev: &Device,
-    bytes: u64,
-    row_bytes: usize,
-    sms: usize,
-    iters: usize,
-) -> Result<(f64, f64)> {
-    if row_bytes == 0 || row_bytes % 16 != 0 {
-        return Err(Error::arg("row_bytes", format!("{row_bytes}: a positive multiple of 16")));
-    }
-    let rows = (bytes as usize / row_bytes).max(1);
-    let src = DeviceBuffer::new(dev, rows * row_bytes)?;
-    let dst = DeviceBuffer::new(dev, rows * row_bytes)?;
+/// The equal-SM copy ceiling beside a kernel's figure: a plain copy of `bytes` (rounded down
+/// to 16-byte vectors; `fep_copy_bytes`: grid-stride, four 16-byte loads in flight per thread,
+/// no routing) on a grid of `sms` blocks of 1024 threads, timed as a median over `iters`
+/// launches (after two untimed ones). Returns (median us, GB/s of `bytes` copied, counted once
+/// as the dispatch/combine rows count theirs; the memory traffic is twice that).
+pub fn copy_ceiling(dev: &Device, bytes: u64, sms: usize, iters: usize) -> Result<(f64, f64)> {
+    let vecs = (bytes / 16).max(1);
+    let src = DeviceBuffer::new(dev, vecs as usize * 16)?;
+    let dst = DeviceBuffer::new(dev, vecs as usize * 16)?;
     src.memset(0x3c)?;
-    let ids: Vec<i32> = (0..rows as i32).collect();
-    let index = upload(dev, &ids)?;
     let stream = Stream::new(dev)?;
     let (a, b) = (Event::new(dev)?, Event::new(dev)?);
     let mut times = Vec::with_capacity(iters.max(1));
     for it in 0..iters.max(1) + 2 {
         a.record(&stream)?;
-        // SAFETY: src, dst hold `rows * row_bytes` bytes and index `rows` identity entries; all
-        // live until the synchronisation below.
+        // SAFETY: src and dst hold `vecs * 16` bytes each, live until the synchronisation below.
         unsafe {
-            crate::cuda::launch::gather_rows(
+            crate::cuda::launch::copy_bytes(
                 &stream,
                 sms.max(1) as u32,
-                crate::abi::fep_gather_rows_params {
-                    src: src.device_ptr(),
-                    index: index.device_ptr(),
-                    dst: dst.device_ptr(),
-                    row_bytes: row_bytes as u32,
-                    num_rows: rows as i32,
-                },
+                crate::abi::fep_copy_params { src: src.device_ptr(), dst: dst.device_ptr(), vecs },
             )?;
         }
         b.record(&stream)?;
@@ -1342,5 +1324,5 @@ pub fn copy_ceiling(
     }
     times.sort_by(f64::total_cmp);
     let med = times[times.len() / 2];
-    Ok((med, (rows * row_bytes) as f64 / (med * 1e-6) / 1e9))
+    Ok((med, (vecs * 16) as f64 / (med * 1e-6) / 1e9))
 }

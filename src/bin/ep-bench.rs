@@ -1139,14 +1139,13 @@ fn copy_rows(
     c: &Common,
 ) -> AnyResult<Vec<EpRow>> {
     let mut out = Vec::new();
-    let row_bytes = (p.hidden * 2).next_multiple_of(16);
     let ours = [
         ("dispatch", r0.dispatch_figures().1, r0.dispatch_bytes),
         ("combine", r0.combine_figures().1, r0.combine_bytes),
     ];
     for (op, ours_us, bytes) in ours {
         let (us, gbps) =
-            fabric_ep::bench::ep_gpu::copy_ceiling(dev, bytes, row_bytes, budget, c.iters.max(1))?;
+            fabric_ep::bench::ep_gpu::copy_ceiling(dev, bytes, budget, c.iters.max(1))?;
         let which = if op == "dispatch" && c.cached { "dispatch (cached)" } else { op };
         println!(
             "equal-SM copy ({budget} SMs) of the {op}'s {:.1} MB: {us:.1} us ({gbps:.0} GB/s); \
