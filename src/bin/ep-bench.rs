@@ -503,6 +503,10 @@ fn run_job(c: &Common, args: &[String], ranks: usize, what: &str) -> AnyResult<S
     if !failed.is_empty() {
         return Err(format!("ranks {failed:?} failed").into());
     }
+    // The ranks' diagnostics (FEP_LOG lines carry their rank), in rank order.
+    for o in &outcomes {
+        eprint!("{}", o.stderr);
+    }
     Ok(outcomes.into_iter().next().map(|o| o.stdout).unwrap_or_default())
 }
 

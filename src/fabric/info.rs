@@ -235,7 +235,7 @@ fn log_choice(info: &Info, p: &Placement, choice: Option<&NicChoice>) {
         if p.lane == 0 {
             crate::fep_info!(
                 target: "fabric_ep::fabric",
-                "{who}: provider {} fabric {} domain {} (the only one) mr_mode {:#x} hmem {}",
+                "{who}: provider {} fabric {} domain {} (the only one in its fabric) mr_mode {:#x} hmem {}",
                 info.provider(),
                 info.fabric_name(),
                 info.domain_name(),
