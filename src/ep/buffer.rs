@@ -41,7 +41,7 @@ use super::plan::{
 };
 use super::quant::{bf16_to_f32, f32_to_bf16, quantize_row_bf16};
 use crate::bootstrap::Bootstrap;
-use crate::fabric::{InfoQuery, MemKind, MemoryRegion, Stack};
+use crate::fabric::{InfoQuery, MemKind, MemoryRegion, Placement, Stack};
 use crate::proxy::{
     CounterLayout, CounterMemory, FabricPeer, FabricTransport, LoopbackGroup, LoopbackOptions,
     Proxy, ProxyConfig, RingLayout, RingMemory, SharedRegion, SplitTransport, Throttled,
@@ -312,6 +312,7 @@ impl Buffer {
     /// starts the proxy. Collective: every rank calls it.
     pub fn new(cfg: EpConfig, boot: Arc<dyn Bootstrap>, opts: BufferOptions) -> Result<Self> {
         check_boot(&cfg, &*boot)?;
+        crate::log::set_rank(cfg.rank);
         let fabric_host =
             opts.backend == Backend::Host && matches!(opts.transport, TransportKind::Fabric);
         if !fabric_host && opts.intranode_provider.is_some() {
@@ -358,6 +359,12 @@ impl Buffer {
         let r = cfg.num_ranks;
         let timeout = opts.timeout.unwrap_or(cfg.timeout);
         let layout = cfg.normal_layout();
+        // The host backend has no GPU: the node's ranks spread over equally near NICs.
+        let place = Placement {
+            rank: Some(rank),
+            local_rank: rank % cfg.ranks_per_node.max(1),
+            ..Placement::default()
+        };
         let rings = RingMemory::new_host(RingLayout::new(1, opts.ring_capacity)?)?;
         let counters = CounterMemory::new_host(CounterLayout {
             num_slots: layout.imm.num_ids() as u32,
@@ -403,9 +410,9 @@ impl Buffer {
                 (geo, send, recv, proxy, None)
             }
             TransportKind::Fabric => {
-                let stack = Stack::open(&InfoQuery::provider(&opts.provider), r)?;
+                let stack = Stack::open_placed(&InfoQuery::provider(&opts.provider), r, &place)?;
                 let near_stack = match &opts.intranode_provider {
-                    Some(p) => Some(Stack::open(&InfoQuery::provider(p), r)?),
+                    Some(p) => Some(Stack::open_placed(&InfoQuery::provider(p), r, &place)?),
                     None => None,
                 };
                 // NOTES: with two providers the slots must sit inside both one's and the other's
@@ -416,6 +423,16 @@ impl Buffer {
                     .min()
                     .unwrap_or(4096);
                 let geo = geometry(&cfg, stride)?;
+                crate::fep_info!(
+                    "host buffer: rank {rank} of {r} ({} per node), send and receive regions of \
+                     {} bytes each in host memory, timeout {timeout:?}{}",
+                    cfg.ranks_per_node,
+                    geo.bytes,
+                    opts.intranode_provider
+                        .as_deref()
+                        .map(|p| format!(", same-node peers over {p}"))
+                        .unwrap_or_default()
+                );
                 let send = Arc::new(SharedRegion::alloc_host(geo.bytes as usize)?);
                 let recv = Arc::new(SharedRegion::alloc_host(geo.bytes as usize)?);
                 // The header: the config hash, tagged when an intranode provider is used (so
@@ -1262,7 +1279,13 @@ impl Buffer {
                 (geo, send, recv, proxy, None)
             }
             TransportKind::Fabric => {
-                let stack = Stack::open(&InfoQuery::provider(&self.opts.provider), r)?;
+                let place = Placement {
+                    rank: Some(rank),
+                    local_rank: rank % cfg.ranks_per_node.max(1),
+                    ..Placement::default()
+                };
+                let stack =
+                    Stack::open_placed(&InfoQuery::provider(&self.opts.provider), r, &place)?;
                 let stride = stack.info.max_region_bytes().max(4096) as u64;
                 let geo = LlGeometry::new(layout, stride)?;
                 // One region holds send and receive areas; the NIC reads and writes disjoint

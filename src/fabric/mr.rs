@@ -114,6 +114,16 @@ impl MemoryRegion {
             mr.chunks.push(register_chunk(domain, ep.filter(|_| bind_ep), base.add(off), n, kind)?);
             off += n;
         }
+        // Registration happens at set-up only (buffers are registered once and reused).
+        crate::fep_info!(
+            target: "fabric_ep::fabric",
+            "registered {len} bytes of {kind:?} memory on {}: {} region(s) of at most {chunk} \
+             bytes, mr_mode {:#x}{}",
+            info.domain_name(),
+            mr.chunks.len(),
+            info.mr_mode(),
+            if bind_ep { ", bound to the endpoint" } else { "" }
+        );
         Ok(mr)
     }
 

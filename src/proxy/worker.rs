@@ -186,6 +186,15 @@ impl Proxy {
             });
         }
         let num_workers = transports.len();
+        crate::fep_info!(
+            "proxy: rank {} starts {num_workers} worker(s) over {num_rings} ring(s){}, batch {}, \
+             start timeout {:?}, drain timeout {:?}",
+            config.rank,
+            if config.stripe_rings { " (striped)" } else { "" },
+            config.batch,
+            config.start_timeout,
+            config.drain_timeout
+        );
         let mut proxy = Proxy {
             rank: config.rank,
             codec,

@@ -510,6 +510,7 @@ impl GpuBuffer {
         // them) can wait for those kernels: the first step could stall until the timeout.
         dev.load_module()?;
         let (rank, r) = (cfg.rank, cfg.num_ranks);
+        crate::log::set_rank(rank);
         let slots_per_peer = opts.slots_per_peer.unwrap_or_else(|| default_slots_per_peer(r));
         // How each peer is reached (pointers, peer access, CUDA IPC): see ipc.rs.
         let remote = |peer: usize| cfg.node_of(peer) != cfg.node_of(rank);
@@ -526,7 +527,16 @@ impl GpuBuffer {
         if let Some(peer) =
             peers.paths().iter().position(|p| *p == ipc::PeerPath::Ipc { same_gpu: true })
         {
-            check_mps(rank, peer, under_mps, std::env::var_os("FEP_ALLOW_NO_MPS").is_some())?;
+            let allow = std::env::var_os("FEP_ALLOW_NO_MPS").is_some();
+            check_mps(rank, peer, under_mps, allow)?;
+            if under_mps {
+                crate::fep_info!("MPS: rank {rank} shares its GPU with rank {peer}; MPS found");
+            } else {
+                crate::fep_warn!(
+                    "MPS: rank {rank} shares its GPU with rank {peer}, another process, and no \
+                     MPS server was found; going on because FEP_ALLOW_NO_MPS is set"
+                );
+            }
         }
         let sms = dev.sm_count() as usize;
         // The cap is normal mode's (its kernels were tuned at 32 blocks); low latency alone
@@ -547,6 +557,16 @@ impl GpuBuffer {
             ));
         }
         let timeout = cfg.timeout;
+        crate::fep_info!(
+            "GPU buffer: rank {rank} of {r} ({} per node), GPU {} ({}), {num_sms} SMs, {on_gpu} \
+             rank(s) on it, normal {} low latency {}, {slots_per_peer} slots per peer, timeout \
+             {timeout:?}",
+            cfg.ranks_per_node,
+            dev.name(),
+            dev.pci_bus_id().unwrap_or_else(|_| "?".into()),
+            opts.normal,
+            opts.low_latency
+        );
         let normal = if opts.normal {
             let settings = NormalGpuSettings {
                 chunk_tokens: opts.chunk_tokens,
@@ -582,7 +602,8 @@ impl GpuBuffer {
             // Peers on other nodes: the proxy lane decides where the LL buffer lives.
             let prep = if cfg.num_nodes() > 1 {
                 let p = opts.ll_provider.as_deref();
-                Some(ll_proxy::LlProxyPrep::open(&dev, p, r, lcfg.layout()?)?)
+                let who = (rank, rank % cfg.ranks_per_node);
+                Some(ll_proxy::LlProxyPrep::open(&dev, p, who, r, lcfg.layout()?)?)
             } else {
                 None
             };
