@@ -518,11 +518,12 @@ fn run_job_streaming(
 }
 
 /// The table's columns for the rows a run of `c` can produce (wide ops with --cached or
-/// --cuda-graph, NCCL's backend name on the GPU), fixed before the first row is printed.
+/// --cuda-graph, NCCL's and the equal-SM copy's backend names on the GPU), fixed before the
+/// first row is printed.
 fn stream_table(c: &Common) -> report::TableStream {
     let op = if c.cached || c.cuda_graph { "dispatch+hook (graph)".len() } else { 0 };
     let gpu = c.procs || c.backend == Some(Backend::Gpu);
-    report::TableStream::new(op, if gpu { "nccl+permute".len() } else { 0 })
+    report::TableStream::new(op, if gpu { "copy (132 SMs)".len() } else { 0 })
 }
 
 /// [`run_job`], handing each complete line of rank 0's standard output to `on_line` while the
