@@ -273,7 +273,9 @@ impl RemoteRegion {
                 .ok_or_else(|| FabricError::arg("remote", format!("truncated ({} bytes)", b.len())))
         };
         let (base, len, chunk, flags, n) = (word(0)?, word(1)?, word(2)?, word(3)?, word(4)?);
-        if chunk == 0 || n != len.div_ceil(chunk) || b.len() as u64 != 40 + 8 * n {
+        // Checked: `n` comes from a peer, and 8 * n may not fit.
+        let want = n.checked_mul(8).and_then(|k| k.checked_add(40));
+        if chunk == 0 || n != len.div_ceil(chunk) || Some(b.len() as u64) != want {
             return Err(FabricError::arg("remote", "inconsistent region descriptor"));
         }
         let keys = (0..n as usize).map(|i| word(5 + i)).collect::<Result<Vec<_>>>()?;
