@@ -625,8 +625,27 @@ fn proxy_world_err(p: ProxyError, stage: &str, to_world: &impl Fn(usize) -> usiz
                 .map(|l| Lagging { peer: if l.peer == u32::MAX { l.peer } else { w(l.peer) }, ..l })
                 .collect(),
         },
-        ProxyError::SendTimeout { rank, ring, expected, observed, waited } => {
-            ProxyError::SendTimeout { rank: w(rank), ring, expected, observed, waited }
+        ProxyError::SendTimeout { rank, ring, expected, observed, waited, owed, queued } => {
+            let m = |v: Vec<(u32, u64)>| v.into_iter().map(|(p, n)| (w(p), n)).collect();
+            ProxyError::SendTimeout {
+                rank: w(rank),
+                ring,
+                expected,
+                observed,
+                waited,
+                owed: m(owed),
+                queued: m(queued),
+            }
+        }
+        ProxyError::RingFull { ring, capacity, head, tail, waited, queued } => {
+            ProxyError::RingFull {
+                ring,
+                capacity,
+                head,
+                tail,
+                waited,
+                queued: queued.into_iter().map(|(p, n)| (w(p), n)).collect(),
+            }
         }
         ProxyError::WorkerStopped { rank } => ProxyError::WorkerStopped { rank: w(rank) },
         // The failed worker's error is shared (an Arc, not rebuilt here): its ranks stay the
