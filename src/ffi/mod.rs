@@ -185,11 +185,12 @@ pub(crate) fn check_extent<T>(name: &'static str, n: usize) -> Result<(), Error>
 }
 
 /// Turns an argument error about `from` (a name the layer below uses) into one about `to` (the
-/// C argument that carried it), so the message names what the caller passed.
+/// C argument that carried it), keeping `from` in the message: "invalid argument `cached`:
+/// handle: made by another Buffer" names both the C argument and what the Python layer calls it.
 pub(crate) fn rename_arg(e: Error, from: &str, to: &'static str) -> Error {
     match e {
         Error::InvalidArgument { arg, msg } if arg == from => {
-            Error::InvalidArgument { arg: to, msg }
+            Error::InvalidArgument { arg: to, msg: format!("{from}: {msg}") }
         }
         e => e,
     }
