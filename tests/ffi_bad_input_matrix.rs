@@ -1241,8 +1241,8 @@ fn dispatch_cases(c: &mut Vec<Case>) {
         move || {
             let b = if which == 4 { fp8_buffer() } else { buffer() };
             let (h, rows) = dispatched(b, if which == 3 { 0 } else { 4 }, which == 4);
-            let dt = if which == 4 { FEP_DTYPE_BF16 } else { FEP_DTYPE_BF16 };
-            let mut x = ten(if which == 4 { FEP_DTYPE_FP8_E4M3 } else { dt }, &[rows, H]);
+            let mut x =
+                ten(if which == 4 { FEP_DTYPE_FP8_E4M3 } else { FEP_DTYPE_BF16 }, &[rows, H]);
             match which {
                 0 => got(unsafe {
                     fep_handle_copy_out(h, &mut x.t, null_mut(), null_mut(), null_mut(), null_mut())
@@ -1415,6 +1415,7 @@ fn combine_cases(c: &mut Vec<Case>) {
     );
 }
 
+#[allow(clippy::type_complexity)]
 fn ll_cases(c: &mut Vec<Case>) {
     const D: &[(&str, i32, bool)] =
         &[("x", FEP_DTYPE_BF16, false), ("topk_idx", FEP_DTYPE_I64, false)];
