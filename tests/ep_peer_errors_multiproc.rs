@@ -141,14 +141,26 @@ fn run(test: &str, stop_instead_of_kill: bool) {
     let sig = if stop_instead_of_kill { libc::SIGSTOP } else { libc::SIGKILL };
     // SAFETY: a plain signal to a child this test spawned and has not reaped.
     assert_eq!(unsafe { libc::kill(victim, sig) }, 0);
+    let faulted = Instant::now();
     let mut errors: Vec<Option<String>> = vec![None; WORLD];
+    let mut last_error_after = Duration::ZERO;
     let deadline = Instant::now() + Duration::from_secs(60);
     while (0..WORLD).any(|r| r != VICTIM && errors[r].is_none()) && Instant::now() < deadline {
         if let Ok((r, line)) = rx.recv_timeout(Duration::from_millis(200)) {
             if let Some(m) = line.strip_prefix("ERROR ") {
                 errors[r] = Some(m.to_string());
+                last_error_after = faulted.elapsed();
             }
         }
+    }
+    eprintln!("every survivor failed within {last_error_after:?} of the fault");
+    if !stop_instead_of_kill {
+        // A killed rank's store connection closes at once and the store tells every rank: no
+        // survivor waits out its 4 s timeout.
+        assert!(
+            last_error_after < Duration::from_secs(2),
+            "the death was reported after {last_error_after:?}"
+        );
     }
     let took = start.elapsed();
     for k in &mut kids {

@@ -319,6 +319,13 @@ fn read_u64(b: &[u8], at: usize) -> Option<u64> {
     Some(u64::from_le_bytes(b.get(at..at + 8)?.try_into().ok()?))
 }
 
+/// The proxy's view of dead ranks: the bootstrap's (the TCP store pushes a rank's death to
+/// every rank at once), so a step waiting on a dead peer ends within milliseconds, naming it.
+fn peer_watch(boot: &Arc<dyn Bootstrap>) -> crate::proxy::PeerWatch {
+    let b = boot.clone();
+    Arc::new(move || b.dead_ranks())
+}
+
 /// The bootstrap's rank and size must be the config's (an argument error naming `boot`).
 pub(crate) fn check_boot(cfg: &EpConfig, boot: &dyn Bootstrap) -> Result<()> {
     if boot.rank() != cfg.rank || boot.world_size() != cfg.num_ranks {
@@ -554,6 +561,7 @@ impl Buffer {
         // Every rank's proxy runs and every region is registered before anyone writes.
         boot.barrier()?;
         let producer = rings.producer(0)?;
+        proxy.watch_peers(peer_watch(&boot));
         let comm = HostComm::new(rank, geo, timeout, producer, proxy, send.clone(), recv.clone());
         Ok(Buffer {
             cfg,
@@ -1370,6 +1378,7 @@ impl Buffer {
         // Every rank's LL proxy runs and every LL region is registered before anyone writes.
         self.boot.barrier()?;
         let producer = rings.producer(0)?;
+        proxy.watch_peers(peer_watch(&self.boot));
         let comm = LlComm::new(rank, geo, timeout, producer, proxy, send.clone(), recv.clone());
         Ok(LlLane { comm, _fabric: fabric, _mem: (send, recv) })
     }

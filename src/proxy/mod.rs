@@ -33,7 +33,7 @@ pub use transport::{SplitTransport, Throttled, Transport, TransportEvent, WriteO
 #[cfg(test)]
 pub(crate) use worker::worker_name;
 pub(crate) use worker::worker_rank;
-pub use worker::{ArrivalWait, Lagging, Proxy, ProxyConfig};
+pub use worker::{ArrivalWait, Lagging, PeerWatch, Proxy, ProxyConfig};
 
 /// "waiting for 3 sends to rank 2, 1 to rank 5 (what)", or "" when nothing is owed.
 fn owed_list(owed: &[(u32, u64)], what: &str) -> String {
@@ -128,6 +128,10 @@ pub enum ProxyError {
     /// The transport reported completions for a ring this proxy does not have.
     #[error("rank {rank}: completion for ring {ring}, but there are {num_rings} rings")]
     BadCompletion { rank: u32, ring: u32, num_rings: u32 },
+    /// The bootstrap saw a rank leave (its connection closed: killed, crashed, or it closed its
+    /// bootstrap): every wait of the job ends at once naming it.
+    #[error("rank {rank}: rank {peer} has left the job (the bootstrap saw its connection close)")]
+    PeerDead { rank: u32, peer: u32 },
     /// The transport cannot reach a peer (it left, or its endpoint failed).
     #[error("rank {rank}: peer {peer} is unreachable: {msg}")]
     PeerUnreachable { rank: u32, peer: u32, msg: String },

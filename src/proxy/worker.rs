@@ -159,7 +159,14 @@ pub struct Proxy {
     counters: CounterMemory,
     shared: Arc<Shared>,
     workers: Vec<WorkerHandle>,
+    /// Ranks known dead (the bootstrap's news: [`Proxy::watch_peers`]), asked by every wait.
+    peer_watch: std::sync::OnceLock<PeerWatch>,
 }
+
+/// Tells which ranks are known dead (ascending; empty: none). Asked on every pass of a wait, so
+/// it must be cheap when nobody died (the TCP store's and in-process groups' answer is one
+/// atomic load then).
+pub type PeerWatch = Arc<dyn Fn() -> Vec<usize> + Send + Sync>;
 
 impl std::fmt::Debug for Proxy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -220,6 +227,7 @@ impl Proxy {
                 owed: Mutex::new(OwedReport::default()),
             }),
             workers: Vec::with_capacity(num_workers),
+            peer_watch: std::sync::OnceLock::new(),
         };
         // Claims happen here, on the caller's thread, so a claim error is a start error.
         let mut consumers: Vec<Vec<_>> = (0..num_workers).map(|_| Vec::new()).collect();
@@ -319,8 +327,28 @@ impl Proxy {
         }
     }
 
-    fn check_running(&self) -> Result<(), ProxyError> {
+    /// The waited slots' arrival counters summed (wrapping): any change is progress.
+    fn arrivals_seen(&self, waits: &[ArrivalWait]) -> u64 {
+        waits.iter().fold(0u64, |acc, w| {
+            acc.wrapping_add(self.counters.arrivals_atomic(w.slot).load(Ordering::Acquire))
+        })
+    }
+
+    /// Lets every wait of this proxy end at once, naming the rank, when `watch` reports a dead
+    /// rank (the bootstrap store sees a rank's connection close within milliseconds; without
+    /// this a wait on it would last its whole timeout). Set once; later calls are ignored.
+    pub fn watch_peers(&self, watch: PeerWatch) {
+        let _ = self.peer_watch.set(watch);
+    }
+
+    /// A worker's error, a stop, or a rank the bootstrap saw die (see [`Self::watch_peers`]).
+    pub fn check_running(&self) -> Result<(), ProxyError> {
         self.check()?;
+        if let Some(w) = self.peer_watch.get() {
+            if let Some(&peer) = w().first() {
+                return Err(ProxyError::PeerDead { rank: self.rank, peer: peer as u32 });
+            }
+        }
         if self.shared.stop.load(Ordering::Acquire) {
             // NOTES: a failing worker records its error, then sets `failed`, then `stop`
             // (release stores); a waiter that read `failed` unset before the failure and `stop`
@@ -349,9 +377,12 @@ impl Proxy {
         for w in waits {
             self.counters.arrivals(w.slot)?;
         }
-        let start = Instant::now();
+        // NOTES (deadline): `timeout` bounds the time without progress (an arrival), not the
+        // whole wait: slow but live peers on a busy machine never time out, a silent one does.
+        let mut idle_since = Instant::now();
         let mut backoff = Backoff::new(128, 4096);
         let mut first_pending = 0;
+        let mut seen = self.arrivals_seen(waits);
         loop {
             while first_pending < waits.len() {
                 let w = &waits[first_pending];
@@ -364,7 +395,13 @@ impl Proxy {
                 return Ok(());
             }
             self.check_running()?;
-            if start.elapsed() >= timeout {
+            if idle_since.elapsed() >= timeout {
+                let now = self.arrivals_seen(waits);
+                if now != seen {
+                    (seen, idle_since) = (now, Instant::now());
+                    backoff.reset();
+                    continue;
+                }
                 let lagging = waits
                     .iter()
                     .filter_map(|w| {
@@ -380,7 +417,7 @@ impl Proxy {
                     .collect();
                 return Err(ProxyError::ArrivalTimeout {
                     rank: self.rank,
-                    waited: start.elapsed(),
+                    waited: idle_since.elapsed(),
                     lagging,
                 });
             }
@@ -396,16 +433,21 @@ impl Proxy {
         timeout: Duration,
     ) -> Result<(), ProxyError> {
         self.counters.sends_completed(ring)?;
-        let start = Instant::now();
+        // As in `wait_all`: `timeout` bounds the time without a send completing.
+        let mut idle_since = Instant::now();
         let mut backoff = Backoff::new(128, 4096);
+        let mut last = self.counters.sends_atomic(ring).load(Ordering::Acquire);
         loop {
             let observed = self.counters.sends_atomic(ring).load(Ordering::Acquire);
             if observed >= expected {
                 return Ok(());
             }
             self.check_running()?;
-            if start.elapsed() >= timeout {
-                let waited = start.elapsed();
+            if observed != last {
+                (last, idle_since) = (observed, Instant::now());
+            }
+            if idle_since.elapsed() >= timeout {
+                let waited = idle_since.elapsed();
                 return Err(ProxyError::SendTimeout {
                     rank: self.rank,
                     ring,
