@@ -281,6 +281,8 @@ pub struct NormalGpuRank {
     /// Page-locked landing area of the receive counts [`Self::recv_info`] reads back
     /// (`rank_prefix [R + 1]`, then `recv_expert_counts [L]`, i32).
     readback: HostMapped,
+    /// Ranks known dead (the bootstrap's), asked while [`Self::recv_info`] waits.
+    peer_watch: Option<crate::proxy::PeerWatch>,
 }
 
 /// Assumed SM clock for turning the timeout into a cycle budget (an H200 boosts to 1.98 GHz;
@@ -324,6 +326,7 @@ impl NormalGpuRank {
                 epoch: 0,
                 proxy: None,
                 readback: Self::new_readback(dev, settings, &map)?,
+                peer_watch: None,
             });
         }
         Ok(out)
@@ -383,6 +386,7 @@ impl NormalGpuRank {
             epoch: 0,
             proxy: None,
             readback: Self::new_readback(dev, settings, &map)?,
+            peer_watch: None,
         })
     }
 
@@ -397,6 +401,10 @@ impl NormalGpuRank {
 
     pub fn rank(&self) -> usize {
         self.rank
+    }
+    /// Lets [`Self::recv_info`] end at once, naming the rank, when `watch` reports one dead.
+    pub fn watch_peers(&mut self, watch: crate::proxy::PeerWatch) {
+        self.peer_watch = Some(watch);
     }
     pub fn settings(&self) -> &NormalGpuSettings {
         &self.settings
@@ -582,14 +590,24 @@ impl NormalGpuRank {
         let limit = self.settings.timeout * 2 + Duration::from_secs(5);
         let arrived =
             || -> crate::cuda::CudaResult<bool> { Ok(self.readback.read::<u64>(0)? == epoch) };
-        let mut ended = false;
+        let (mut ended, mut dead) = (false, None);
         crate::cuda::poll_within(limit, "the notify's totals", || {
             if arrived()? {
+                return Ok(true);
+            }
+            dead = self.peer_watch.as_ref().and_then(|w| w().first().copied());
+            if dead.is_some() {
                 return Ok(true);
             }
             ended = stream.query()?;
             Ok(ended)
         })?;
+        if let Some(peer) = dead {
+            return Err(Error::Proxy(crate::proxy::ProxyError::PeerDead {
+                rank: self.rank as u32,
+                peer: peer as u32,
+            }));
+        }
         if ended && !arrived()? {
             self.check()?;
             return Err(Error::Protocol {

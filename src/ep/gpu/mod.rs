@@ -370,6 +370,8 @@ pub struct GpuBuffer {
     /// Some rank pair of the job is in different processes (the same on every rank).
     ipc_world: bool,
     paths: Vec<PeerPath>,
+    /// Ranks known dead (the bootstrap's), asked while [`Self::sync_gpu`] waits.
+    peer_watch: crate::proxy::PeerWatch,
 }
 
 impl std::fmt::Debug for GpuBuffer {
@@ -740,7 +742,25 @@ impl GpuBuffer {
         };
         let ipc_world = peers.world_uses_ipc();
         let paths = peers.paths().to_vec();
-        Ok(GpuBuffer { cfg, id, dev, num_sms, normal, ll, poisoned: None, maps, ipc_world, paths })
+        let b = boot.clone();
+        let peer_watch: crate::proxy::PeerWatch = Arc::new(move || b.dead_ranks());
+        let mut normal = normal;
+        if let Some(n) = normal.as_mut() {
+            n.rank.watch_peers(peer_watch.clone());
+        }
+        Ok(GpuBuffer {
+            cfg,
+            id,
+            dev,
+            num_sms,
+            normal,
+            ll,
+            poisoned: None,
+            maps,
+            ipc_world,
+            paths,
+            peer_watch,
+        })
     }
 
     /// Teardown step of [`Buffer::destroy`](super::buffer::Buffer::destroy), after its barrier
@@ -855,7 +875,20 @@ impl GpuBuffer {
     /// this rank's kernels recorded, as a typed error.
     pub fn sync_gpu(&mut self, stream: &Stream) -> Result<()> {
         let limit = self.cfg.timeout * 2 + Duration::from_secs(5);
-        let mut res = stream.synchronize_within(limit).map_err(Error::from);
+        // The stream's end, or a rank the bootstrap saw die (its kernels' waits on that rank
+        // would otherwise last their whole budget before this wait could tell).
+        let mut dead = None;
+        let mut res = crate::cuda::poll_within(limit, "cuStreamQuery", || {
+            dead = (self.peer_watch)().first().copied();
+            Ok(dead.is_some() || stream.query()?)
+        })
+        .map_err(Error::from);
+        if let Some(peer) = dead {
+            res = Err(Error::Proxy(crate::proxy::ProxyError::PeerDead {
+                rank: self.cfg.rank as u32,
+                peer: peer as u32,
+            }));
+        }
         if res.is_ok() {
             if let Some(n) = &self.normal {
                 res = n.rank.check();
