@@ -46,3 +46,23 @@ fep_segment_sum(const fep_segment_sum_params p) {
         }
     }
 }
+
+extern "C" __global__ void __launch_bounds__(FEP_COPY_THREADS) fep_copy_bytes(const fep_copy_params p) {
+    const int4* __restrict__ src = reinterpret_cast<const int4*>(p.src);
+    int4* __restrict__ dst = reinterpret_cast<int4*>(p.dst);
+    const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+    uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    // Four independent 16-byte loads per thread before the stores: enough bytes in flight for
+    // a small grid to reach its share of the memory bandwidth.
+    for (; i + 3 * stride < p.vecs; i += 4 * stride) {
+        const int4 a = __ldg(src + i);
+        const int4 b = __ldg(src + i + stride);
+        const int4 c = __ldg(src + i + 2 * stride);
+        const int4 d = __ldg(src + i + 3 * stride);
+        dst[i] = a;
+        dst[i + stride] = b;
+        dst[i + 2 * stride] = c;
+        dst[i + 3 * stride] = d;
+    }
+    for (; i < p.vecs; i += stride) dst[i] = __ldg(src + i);
+}

@@ -174,7 +174,11 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_NOTIFY_THREADS)
 
     // 4. Totals, in the last block.
     if (!fep::normal::last_block(comm.ticket(0))) return;
-    if (fep::error_raised(p.comm.dev_error)) return;
+    // One read of the error word for the whole block (the barriers below need every thread).
+    __shared__ int s_failed;
+    if (threadIdx.x == 0) s_failed = fep::error_raised(p.comm.dev_error) ? 1 : 0;
+    __syncthreads();
+    if (s_failed) return;
     int32_t* prefix = reinterpret_cast<int32_t*>(p.handle.rank_prefix);
     if (threadIdx.x == 0) {
         uint64_t total = 0;
@@ -196,5 +200,22 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_NOTIFY_THREADS)
         for (int s = 0; s < num_ranks; ++s) c += comm.notify_experts(s)[e];
         c = (c + align - 1) / align * align;
         per_expert[e] = static_cast<int32_t>(c > 0x7fffffff ? 0x7fffffff : c);
+        if (p.host_counts != 0) {
+            reinterpret_cast<int32_t*>(p.host_counts + 8)[num_ranks + 1 + e] = per_expert[e];
+        }
+    }
+    // The host's copy: the same totals in mapped memory, then the epoch after a system fence,
+    // so a host that reads the epoch reads the totals of this notify (fep_abi.h host_counts).
+    if (p.host_counts != 0) {
+        if (threadIdx.x == 0) {
+            int32_t* hp = reinterpret_cast<int32_t*>(p.host_counts + 8);
+            for (int s = 0; s <= num_ranks; ++s) hp[s] = prefix[s];
+        }
+        __threadfence_system();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence_system();
+            fep::st_release_sys(reinterpret_cast<uint64_t*>(p.host_counts), p.epoch);
+        }
     }
 }

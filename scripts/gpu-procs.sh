@@ -13,6 +13,8 @@
 #                                 call-overhead bench; logs and a summary under $OUT.
 #                                 call-overhead bench; "epbench" (not default): ep-bench's GPU
 #                                 figures at DeepEP's setting.
+#                                 "nomps": two processes without MPS must be refused; "step":
+#                                 the MoE-layer step bench (benches/moe_step.py).
 #                                 FEP_PROCS_SECTIONS (default "procs,verify,overhead") picks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,6 +47,17 @@ run() {
   : >"$out/summary.txt"
   rm -rf "$site"
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$bundle"/fabric_ep-*.whl
+  if has nomps; then
+    # Before the MPS daemon starts: two processes on the one GPU must be refused, saying why.
+    set +e
+    echo quit | nvidia-cuda-mps-control >/dev/null 2>&1
+    (cd /tmp && PYTHONPATH=$site timeout 150 python3 "$OLDPWD/ffi/python/tests/test_gpu_procs.py" \
+      --no-mps) 2>&1 | tee "$out/nomps.log"
+    rc=${PIPESTATUS[0]}
+    set -e
+    [ "$rc" -eq 0 ] || fail=1
+    echo "nomps rc=$rc $(tail -n 1 "$out/nomps.log")" >>"$out/summary.txt"
+  fi
   nvidia-cuda-mps-control -d || true
   sleep 1
   export PYTHONUNBUFFERED=1
@@ -85,6 +98,7 @@ run() {
     # cached dispatch), then 2 and 4 processes sharing the GPU; low latency at 1 and 4.
     set +e
     for args in "--ranks 1 --mode normal --fp8" "--ranks 1 --mode normal --fp8 --cached" \
+        "--ranks 1 --mode normal --fp8 --cached --sms 24" \
         "--ranks 2 --procs --mode normal --fp8" "--ranks 4 --procs --mode normal --fp8" \
         "--ranks 1 --mode low-latency --fp8" "--ranks 4 --procs --mode low-latency --fp8"; do
       echo "===== ep-bench --backend gpu $args" | tee -a "$out/epbench.log"
@@ -92,6 +106,16 @@ run() {
         | tee -a "$out/epbench.log"
       echo "epbench rc=${PIPESTATUS[0]} $args" >>"$out/summary.txt"
     done
+    set -e
+  fi
+  if has step; then
+    # The MoE-layer step (dispatch + grouped GEMM + combine, forward and backward) on both
+    # stacks, one rank; projections to 64 ranks over one P5 GPU's EFA share and over 25 GB/s.
+    set +e
+    (cd /tmp && PYTHONPATH=$site timeout 300 python3 "$OLDPWD/benches/moe_step.py" \
+      --model-ep 16 --model-ep 64 --link-gbps "${FEP_STEP_LINK_GBPS:-50}" \
+      --json "$out/step.json") 2>&1 | tee "$out/step.log"
+    echo "step rc=${PIPESTATUS[0]}" >>"$out/summary.txt"
     set -e
   fi
   echo quit | nvidia-cuda-mps-control || true

@@ -436,3 +436,101 @@ fn c_abi_gpu_normal_without_step_barriers() {
         }
     }
 }
+
+/// `fep_gpu_layout_*`: DeepEP's layout into caller tensors on caller streams, against the host
+/// layout, for several shapes on one object alternating two streams (the shared workspace is
+/// ordered between them), then an out-of-range expert id reported by the next call.
+#[test]
+#[ignore = "needs a GPU: scripts/gpu-check.sh runs it"]
+fn c_abi_gpu_layout_matches_the_host_layout() {
+    use fabric_ep::ep::layout::{dispatch_layout, random_topk_idx, LayoutShape};
+    use fabric_ep::util::SplitMix64;
+    let Some(dev) = gpu() else { return };
+    let (e, r, rpn) = (64usize, 8usize, 4usize);
+    let mut l: *mut fep_gpu_layout = std::ptr::null_mut();
+    // SAFETY: out-pointer valid.
+    ok("create", 0, unsafe { fep_gpu_layout_create(0, e as i32, r as i32, rpn as i32, &mut l) });
+    let streams = [Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap()];
+    let mut rng = SplitMix64(5);
+    for (i, (t, k)) in
+        [(0usize, 8usize), (1, 1), (517, 8), (4096, 8), (33, 6)].into_iter().enumerate()
+    {
+        let shape = LayoutShape::new(t, k, e, r, rpn).unwrap();
+        let idx = random_topk_idx(&mut rng, shape, 20, false);
+        let want = dispatch_layout(&idx, t, k, e, r, rpn).unwrap();
+        let mut d_idx = DeviceBuffer::new(&dev, (t * k * 8).max(8)).unwrap();
+        if t > 0 {
+            d_idx.copy_from_host(&idx).unwrap();
+        }
+        let (pr, pn, pe) = (
+            DeviceBuffer::new(&dev, 4 * r).unwrap(),
+            DeviceBuffer::new(&dev, 4 * (r / rpn)).unwrap(),
+            DeviceBuffer::new(&dev, 4 * e).unwrap(),
+        );
+        let inr = DeviceBuffer::new(&dev, (t * r).max(1)).unwrap();
+        for b in [&pr, &pn, &pe, &inr] {
+            b.memset(0x7f).unwrap();
+        }
+        let s = &streams[i % 2];
+        let order = fep_gpu_order {
+            stream: s.as_raw() as *mut c_void,
+            wait_stream: std::ptr::null_mut(),
+            wait_event: std::ptr::null_mut(),
+            then_stream: std::ptr::null_mut(),
+        };
+        // SAFETY: every tensor is live device memory of its stated shape until the sync below.
+        ok("run", 0, unsafe {
+            fep_gpu_layout_run(
+                l,
+                &tensor(&d_idx, FEP_DTYPE_I64, &[t, k]),
+                &tensor(&pr, FEP_DTYPE_I32, &[r]),
+                &tensor(&pn, FEP_DTYPE_I32, &[r / rpn]),
+                &tensor(&pe, FEP_DTYPE_I32, &[e]),
+                &tensor(&inr, FEP_DTYPE_BOOL, &[t, r]),
+                &order,
+            )
+        });
+        s.synchronize().unwrap();
+        assert_eq!(pr.to_vec::<i32>().unwrap(), want.num_tokens_per_rank, "per rank, {t}x{k}");
+        assert_eq!(pn.to_vec::<i32>().unwrap(), want.num_tokens_per_node, "per node, {t}x{k}");
+        assert_eq!(pe.to_vec::<i32>().unwrap(), want.num_tokens_per_expert, "per expert, {t}x{k}");
+        let got: Vec<bool> =
+            inr.to_vec::<u8>().unwrap().into_iter().take(t * r).map(|b| b != 0).collect();
+        assert_eq!(got, want.is_token_in_rank, "is_token_in_rank, {t}x{k}");
+    }
+    // An expert id past the experts: skipped by the kernel, reported by the next call.
+    let mut bad = DeviceBuffer::new(&dev, 8).unwrap();
+    bad.copy_from_host(&[e as i64 + 3]).unwrap();
+    let (pr, pn, pe, inr) = (
+        DeviceBuffer::new(&dev, 4 * r).unwrap(),
+        DeviceBuffer::new(&dev, 4 * (r / rpn)).unwrap(),
+        DeviceBuffer::new(&dev, 4 * e).unwrap(),
+        DeviceBuffer::new(&dev, r).unwrap(),
+    );
+    let order = fep_gpu_order {
+        stream: streams[0].as_raw() as *mut c_void,
+        wait_stream: std::ptr::null_mut(),
+        wait_event: std::ptr::null_mut(),
+        then_stream: std::ptr::null_mut(),
+    };
+    let run = |idx: &DeviceBuffer| unsafe {
+        fep_gpu_layout_run(
+            l,
+            &tensor(idx, FEP_DTYPE_I64, &[1, 1]),
+            &tensor(&pr, FEP_DTYPE_I32, &[r]),
+            &tensor(&pn, FEP_DTYPE_I32, &[r / rpn]),
+            &tensor(&pe, FEP_DTYPE_I32, &[e]),
+            &tensor(&inr, FEP_DTYPE_BOOL, &[1, r]),
+            &order,
+        )
+    };
+    ok("run (bad id)", 0, run(&bad));
+    streams[0].synchronize().unwrap();
+    assert_eq!(run(&bad), fep_status::FEP_ERR_INVALID_ARGUMENT, "the bad id is reported next");
+    streams[0].synchronize().unwrap();
+    // SAFETY: created above; destroyed once (the second is refused).
+    unsafe {
+        let _ = fep_gpu_layout_destroy(l);
+        assert_eq!(fep_gpu_layout_destroy(l), fep_status::FEP_ERR_INVALID_ARGUMENT);
+    }
+}

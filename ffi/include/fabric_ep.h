@@ -101,6 +101,11 @@ typedef struct fep_boot fep_boot;
 typedef struct fep_buffer fep_buffer;
 
 /**
+ * An opaque GPU layout object (see the module docs).
+ */
+typedef struct fep_gpu_layout fep_gpu_layout;
+
+/**
  * A GPU low-latency dispatch or combine (opaque): its receive pending (hook) or launched.
  */
 typedef struct fep_gpu_ll_op fep_gpu_ll_op;
@@ -181,7 +186,8 @@ typedef struct fep_config {
   double timeout_s;
   /**
    * libfabric provider ("shm", "tcp;ofi_rxm", "efa", ...); NULL: `FI_PROVIDER`, else "shm".
-   * On the GPU backend, the provider of both modes' proxy lanes to other nodes.
+   * On the GPU backend, the provider of both modes' proxy lanes to other nodes. UTF-8, at
+   * most 256 bytes, no control characters, not blank.
    */
   const char *provider;
   /**
@@ -235,7 +241,10 @@ typedef struct fep_size_hints {
 typedef int (*fep_allgather_fn)(const void *send, size_t len, void *recv, void *user);
 
 /**
- * A dense, row-major tensor: data pointer, dtype (`FEP_DTYPE_*`) and shape.
+ * A dense, row-major tensor: data pointer, dtype (`FEP_DTYPE_*`) and shape (`ndim` of 0..=4
+ * extents, none negative). A tensor is refused, naming its argument, for a wrong dtype, ndim
+ * or extent, a NULL or misaligned `data` with elements, or a shape whose bytes would exceed
+ * `PTRDIFF_MAX` (no slice that large can exist, whatever the pointer).
  */
 typedef struct fep_tensor {
   void *data;
@@ -322,7 +331,7 @@ uint32_t fep_abi_version(void);
  * `topk_idx`: int64 `[num_tokens, num_topk]`, -1 = no expert. Outputs (caller-allocated):
  * `num_tokens_per_rank` int32 `[num_ranks]`, `num_tokens_per_node` int32
  * `[num_ranks / ranks_per_node]` (may be NULL), `num_tokens_per_expert` int32 `[num_experts]`,
- * `is_token_in_rank` bool `[num_tokens, num_ranks]`.
+ * `is_token_in_rank` bool `[num_tokens, num_ranks]`. `num_tokens` is at most 2^31 - 1.
  *
  * # Safety
  * Every non-NULL pointer must point at the number of elements given above.
@@ -340,7 +349,9 @@ enum fep_status fep_get_dispatch_layout_host(const int64_t *topk_idx,
 
 /**
  * Writes `ep-bench plan`'s table for one setting into `buf` (NUL-terminated, truncated to
- * `len`); `*needed` (if not NULL) receives the full length + 1.
+ * `len`); `*needed` (if not NULL) receives the full length + 1. The setting is validated as a
+ * buffer's would be (`num_ranks` in 1..=2^20, `num_experts` a multiple of it, `hidden` and
+ * `num_topk` in range, `num_tokens` at most 2^31 - 1).
  *
  * # Safety
  * `buf` must have `len` writable bytes (or be NULL with `len == 0`).
@@ -379,8 +390,8 @@ enum fep_status fep_boot_rank(const struct fep_boot *boot,
 
 /**
  * Equal-length all-gather over the bootstrap (the `fep_allgather_fn` signature, `user` = the
- * `fep_boot`): `send` has `len` bytes, `recv` `len * num_ranks`. Returns 0 on success, else a
- * `fep_status` (the message through `fep_last_error`). Collective.
+ * `fep_boot`): `send` has `len` bytes (at most 256 MiB), `recv` `len * num_ranks`. Returns 0 on
+ * success, else a `fep_status` (the message through `fep_last_error`). Collective.
  *
  * # Safety
  * `send`/`recv` must hold the bytes above; `user` must be a live `fep_boot`.
@@ -405,7 +416,8 @@ enum fep_status fep_boot_destroy(struct fep_boot *boot);
 enum fep_status fep_config_init(struct fep_config *cfg);
 
 /**
- * Bytes and memory regions a configuration needs per rank (no communication).
+ * Bytes and memory regions a configuration needs per rank (no communication). `cfg` is
+ * validated as by [`fep_buffer_create`].
  *
  * # Safety
  * `cfg` and `out` must be valid pointers.
@@ -413,7 +425,9 @@ enum fep_status fep_config_init(struct fep_config *cfg);
 enum fep_status fep_get_size_hints(const struct fep_config *cfg, struct fep_size_hints *out);
 
 /**
- * Creates a buffer: validates `cfg`, bootstraps (through `allgather` when given, else the
+ * Creates a buffer: validates `cfg` (every field's range, `rank < num_ranks`, `local_rank <
+ * ranks_per_node`, `ranks_per_node` dividing `num_ranks`, before any communication; the
+ * message names the field), bootstraps (through `allgather` when given, else the
  * torchrun/PyTorchJob environment variables), exchanges a config hash (a mismatch is
  * `FEP_ERR_CONFIG_MISMATCH` naming the rank), allocates, registers and connects.
  *
@@ -463,6 +477,13 @@ void fep_handle_destroy(struct fep_handle *handle);
  * `cached` (a previous dispatch's handle) is given; `num_worst_tokens` 0 = as many rows as
  * arrive. `stream`: a `CUstream` on the GPU backend, NULL on the host backend.
  *
+ * Refused (`FEP_ERR_INVALID_ARGUMENT`, the message naming the argument): `T` above 2^31 - 1;
+ * `x_scales` given with bf16 `x`; a NaN or infinite `topk_weights` or `x_scales` value; a
+ * `topk_idx` value outside -1..num_experts (an expert named twice in one token is valid, as in
+ * DeepEP: the token goes to its rank once); `expert_alignment` < 1; `num_worst_tokens` outside
+ * 0..=2^31 - 1, below the rows received, or more rows than the host can allocate; a
+ * `cached` handle together with `topk_idx`/`topk_weights`, of another buffer, or destroyed.
+ *
  * # Safety
  * Every non-NULL pointer must be valid for the call.
  */
@@ -507,7 +528,8 @@ int64_t fep_handle_num_recv_tokens(const struct fep_handle *handle);
  * Normal combine with a dispatch handle: `x` `[rows, H]` bf16 (rows as the dispatch's outputs),
  * optional `topk_weights` `[rows, K]` f32; writes `combined_x` `[T, H]` bf16 (per original
  * token, the fp32 sum over the ranks it went to) and, when given, `combined_topk_weights`
- * `[T, K]` f32.
+ * `[T, K]` f32. `combined_topk_weights` without `topk_weights` is refused (nothing would be
+ * written to it), as is a NaN or infinite weight.
  *
  * # Safety
  * Every non-NULL pointer must be valid for the call.
@@ -721,10 +743,55 @@ enum fep_status fep_gpu_info(struct fep_buffer *buf,
                              void **comm_stream);
 
 /**
+ * Creates a layout object on CUDA device `device` (an ordinal; the primary context, as torch
+ * uses) for `num_experts` experts over `num_ranks` ranks of `ranks_per_node` per node.
+ *
+ * # Safety
+ * `out` must be valid for a write.
+ */
+enum fep_status fep_gpu_layout_create(int32_t device,
+                                      int32_t num_experts,
+                                      int32_t num_ranks,
+                                      int32_t ranks_per_node,
+                                      struct fep_gpu_layout **out);
+
+/**
+ * DeepEP's `get_dispatch_layout` of `topk_idx` (`[T, K]` i64, device; -1 = no expert) into
+ * `num_tokens_per_rank` (`[R]` i32), `num_tokens_per_rdma_rank` (`[R / ranks_per_node]` i32;
+ * NULL allowed, and ignored, on one node), `num_tokens_per_expert` (`[E]` i32) and
+ * `is_token_in_rank` (`[T, R]` bool), on `order->stream` (after `order`'s waits; its
+ * `then_stream` waits for the launch). Asynchronous: no host synchronisation.
+ *
+ * # Safety
+ * `layout` must come from [`fep_gpu_layout_create`]; every tensor must be device memory of the
+ * layout's GPU, alive until the stream has run the launch; `order` must be valid.
+ */
+enum fep_status fep_gpu_layout_run(struct fep_gpu_layout *layout,
+                                   const struct fep_tensor *topk_idx,
+                                   const struct fep_tensor *num_tokens_per_rank,
+                                   const struct fep_tensor *num_tokens_per_rdma_rank,
+                                   const struct fep_tensor *num_tokens_per_expert,
+                                   const struct fep_tensor *is_token_in_rank,
+                                   const struct fep_gpu_order *order);
+
+/**
+ * Frees a layout object after its last launch has finished (a bounded wait); reports an
+ * out-of-range expert id its launches recorded and not yet reported. A second destroy, or a
+ * pointer not from [`fep_gpu_layout_create`], is `FEP_ERR_INVALID_ARGUMENT`.
+ *
+ * # Safety
+ * `layout` must come from [`fep_gpu_layout_create`]; no call may use it afterwards.
+ */
+enum fep_status fep_gpu_layout_destroy(struct fep_gpu_layout *layout);
+
+/**
  * Low-latency dispatch (DeepEP V1 semantics): `x` `[T <= max_tokens_per_rank, H]` bf16,
  * `topk_idx` `[T, K]` i64 (-1 = none). One write per (destination rank, local expert) carrying
  * all its rows, the count in the immediate data. With `return_recv_hook` the call returns after
  * the sends and `fep_ll_op_complete` does the receive. `stream`: NULL on the host backend.
+ * Refused: `T > max_tokens_per_rank`, a `topk_idx` value outside -1..num_experts or an expert
+ * named twice in one token (each row of an expert is one token), `round_scale` without
+ * `use_fp8`, `use_fp8` with a hidden size that is not a multiple of 128.
  *
  * # Safety
  * Every non-NULL pointer must be valid for the call.
@@ -768,7 +835,10 @@ enum fep_status fep_ll_dispatch_copy_out(struct fep_ll_op *op,
  * Low-latency combine: `x` `[L, S, H]` bf16 expert outputs in the dispatch's row order, the
  * dispatch's `topk_idx` `[T, K]` i64 and `topk_weights` `[T, K]` f32, `dispatch_op` the completed
  * dispatch. The weighted sum (fp32) is computed on arrival; copy it out with
- * `fep_ll_combine_copy_out`. With `return_recv_hook`, complete the op first.
+ * `fep_ll_combine_copy_out`. With `return_recv_hook`, complete the op first. Refused: a
+ * `dispatch_op` that is not a completed dispatch of this buffer, or from before
+ * `fep_clean_low_latency_buffer`; a `topk_idx` value other than the dispatch's (or -1, which
+ * leaves that expert out); a NaN or infinite weight.
  *
  * # Safety
  * Every non-NULL pointer must be valid for the call.
@@ -783,7 +853,8 @@ enum fep_status fep_low_latency_combine(struct fep_buffer *buf,
                                         struct fep_ll_op **out_op);
 
 /**
- * Copies a completed combine's output `combined_x` `[T, H]` bf16. Once per op.
+ * Copies a completed combine's output `combined_x` `[T, H]` bf16, `T` the combine's tokens
+ * (another row count is refused). Once per op.
  *
  * # Safety
  * `op` and `combined_x` must be valid.
@@ -809,17 +880,6 @@ void fep_ll_op_destroy(struct fep_ll_op *op);
  * `buf` must be valid.
  */
 enum fep_status fep_clean_low_latency_buffer(struct fep_buffer *buf);
-
-/**
- * A static, human-readable name for a status (any integer is accepted).
- */
-const char *fep_status_string(int32_t status);
-
-/**
- * The message of the last failed call on this thread ("" after a success). The pointer stays
- * valid until the next `fep_*` call on this thread.
- */
-const char *fep_last_error(void);
 
 /**
  * A static, human-readable name for a status (any integer is accepted).

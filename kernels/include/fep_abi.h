@@ -450,7 +450,11 @@ typedef struct fep_normal_notify_params {
     uint64_t epoch;                 /* 1, 2, ... per fresh dispatch (same on every rank) */
     int32_t expert_alignment;       /* >= 1 */
     int32_t out_capacity;           /* rows the receive outputs hold: more is an error */
-} fep_normal_notify_params; /* 336 bytes */
+    /* Mapped host memory (0: none) the last block also writes the totals into, for the host to
+     * read without a stream synchronisation: int32 rank_prefix[R + 1] at byte 8, then int32
+     * per-local-expert counts[L]; then the u64 at byte 0 is release-stored to `epoch`. */
+    uint64_t host_counts;
+} fep_normal_notify_params; /* 344 bytes */
 
 typedef struct fep_normal_dispatch_params {
     fep_normal_comm comm;
@@ -518,7 +522,7 @@ static_assert(FEP_COUNTER_PACKED_OFFSET % 8 == 0 &&
               "the packed counter word sits inside its slot's line");
 static_assert(sizeof(fep_normal_comm) == 256, "fep_normal_comm layout");
 static_assert(sizeof(fep_normal_handle) == 48, "fep_normal_handle layout");
-static_assert(sizeof(fep_normal_notify_params) == 336, "fep_normal_notify_params layout");
+static_assert(sizeof(fep_normal_notify_params) == 344, "fep_normal_notify_params layout");
 static_assert(sizeof(fep_normal_dispatch_params) == 416, "fep_normal_dispatch_params layout");
 static_assert(sizeof(fep_normal_combine_params) == 352, "fep_normal_combine_params layout");
 static_assert(offsetof(fep_normal_comm, dev_error) == 128, "fep_normal_comm fields");

@@ -29,7 +29,18 @@ typedef struct fep_segment_sum_params {
     int32_t num_tokens;
 } fep_segment_sum_params; /* 40 bytes */
 
+/* The equal-SM copy ceiling (ep-bench's "copy" rows): dst = src over `vecs` 16-byte vectors,
+ * grid-stride with four loads in flight per thread before their stores. Any grid: the SM budget
+ * the figure is for. */
+#define FEP_COPY_THREADS 1024
+typedef struct fep_copy_params {
+    uint64_t src;  /* const, 16-byte aligned */
+    uint64_t dst;  /* 16-byte aligned, not overlapping src */
+    uint64_t vecs; /* 16-byte vectors to copy */
+} fep_copy_params; /* 24 bytes */
+
 #ifdef __cplusplus
+static_assert(sizeof(fep_copy_params) == 24, "fep_copy_params layout");
 static_assert(sizeof(fep_gather_rows_params) == 32, "fep_gather_rows_params layout");
 static_assert(sizeof(fep_segment_sum_params) == 40, "fep_segment_sum_params layout");
 #endif

@@ -1292,3 +1292,37 @@ pub fn run_ll_gpu_rank(
     buf.destroy()?;
     Ok(rep)
 }
+
+/// The equal-SM copy ceiling beside a kernel's figure: a plain copy of `bytes` (rounded down
+/// to 16-byte vectors; `fep_copy_bytes`: grid-stride, four 16-byte loads in flight per thread,
+/// no routing) on a grid of `sms` blocks of 1024 threads, timed as a median over `iters`
+/// launches (after two untimed ones). Returns (median us, GB/s of `bytes` copied, counted once
+/// as the dispatch/combine rows count theirs; the memory traffic is twice that).
+pub fn copy_ceiling(dev: &Device, bytes: u64, sms: usize, iters: usize) -> Result<(f64, f64)> {
+    let vecs = (bytes / 16).max(1);
+    let src = DeviceBuffer::new(dev, vecs as usize * 16)?;
+    let dst = DeviceBuffer::new(dev, vecs as usize * 16)?;
+    src.memset(0x3c)?;
+    let stream = Stream::new(dev)?;
+    let (a, b) = (Event::new(dev)?, Event::new(dev)?);
+    let mut times = Vec::with_capacity(iters.max(1));
+    for it in 0..iters.max(1) + 2 {
+        a.record(&stream)?;
+        // SAFETY: src and dst hold `vecs * 16` bytes each, live until the synchronisation below.
+        unsafe {
+            crate::cuda::launch::copy_bytes(
+                &stream,
+                sms.max(1) as u32,
+                crate::abi::fep_copy_params { src: src.device_ptr(), dst: dst.device_ptr(), vecs },
+            )?;
+        }
+        b.record(&stream)?;
+        stream.synchronize()?;
+        if it >= 2 {
+            times.push(elapsed_s(&a, &b)? * 1e6);
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    let med = times[times.len() / 2];
+    Ok((med, (vecs * 16) as f64 / (med * 1e-6) / 1e9))
+}

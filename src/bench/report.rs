@@ -141,22 +141,53 @@ impl EpRow {
 /// The human table.
 pub fn table(rows: &[EpRow]) -> String {
     // Column widths follow the longest entry ("dispatch (graph)", "nccl+permute").
-    let op = rows.iter().map(|r| r.op.len()).max().unwrap_or(0).max(14);
-    let back = rows.iter().map(|r| r.backend.len()).max().unwrap_or(0).max(5);
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        "{:<12} {:<op$} {:<back$} {:>5} {:>6} {:>6} | {:>9} {:>12} {:>12}",
-        "mode", "op", "back", "ranks", "tokens", "hidden", "GB/s", "median us", "p99 us"
-    );
+    let op = rows.iter().map(|r| r.op.len()).max().unwrap_or(0);
+    let back = rows.iter().map(|r| r.backend.len()).max().unwrap_or(0);
+    let mut t = TableStream::new(op, back);
+    let mut s = t.header();
     for r in rows {
+        s.push_str(&t.line(r));
+    }
+    s
+}
+
+/// The table a row at a time, for rows printed as they finish: the header before the first
+/// row, then one line per row, in columns fixed up front (at least those [`table`] uses for
+/// the same rows, when `op` / `back` are their longest op and backend).
+#[derive(Clone, Debug)]
+pub struct TableStream {
+    op: usize,
+    back: usize,
+    started: bool,
+}
+
+impl TableStream {
+    /// Columns for ops of up to `op` characters and backends of up to `back`.
+    pub fn new(op: usize, back: usize) -> Self {
+        TableStream { op: op.max(14), back: back.max(5), started: false }
+    }
+
+    /// The header line (also printed by the first [`line`](Self::line) when not yet).
+    pub fn header(&mut self) -> String {
+        self.started = true;
+        let (op, back) = (self.op, self.back);
+        format!(
+            "{:<12} {:<op$} {:<back$} {:>5} {:>6} {:>6} | {:>9} {:>12} {:>12}\n",
+            "mode", "op", "back", "ranks", "tokens", "hidden", "GB/s", "median us", "p99 us"
+        )
+    }
+
+    /// `r`'s line, after the header when it is the first.
+    pub fn line(&mut self, r: &EpRow) -> String {
+        let mut s = if self.started { String::new() } else { self.header() };
+        let (op, back) = (self.op, self.back);
         let _ = writeln!(
             s,
             "{:<12} {:<op$} {:<back$} {:>5} {:>6} {:>6} | {:>9.3} {:>12.1} {:>12.1}",
             r.mode, r.op, r.backend, r.ranks, r.tokens, r.hidden, r.gbps, r.median_us, r.p99_us
         );
+        s
     }
-    s
 }
 
 /// CSV with a header row (the field names of [`EpRow`]); a missing value is an empty field.
@@ -363,6 +394,18 @@ mod tests {
         assert_eq!(nccl.sms, None);
 
         assert!(table(&rows).contains("dispatch"));
+        // Streamed a row at a time in the same columns: the same text.
+        let mut t = TableStream::new(0, 0);
+        let streamed: String = rows.iter().map(|r| t.line(r)).collect();
+        assert_eq!(streamed, table(&rows));
+        assert_eq!(streamed.lines().count(), rows.len() + 1);
+        let wide = EpRow { op: "dispatch (cached)".into(), ..row("dispatch", 1, 1.0) };
+        let mut t = TableStream::new(17, 12);
+        assert_eq!(
+            t.line(&wide),
+            table(&[EpRow { backend: "nccl+permute".into(), ..wide.clone() }])
+                .replace("nccl+permute", "host        ")
+        );
         let svg = svg_plot(&rows, "tokens");
         assert!(svg.starts_with("<svg") && svg.matches("<polyline").count() == 2, "{svg}");
     }

@@ -374,6 +374,20 @@ pub fn draw_case(seed: u64, index: usize, backend: VerifyBackend, launch: Launch
     } else {
         num_ranks
     };
+    // Low latency across nodes as processes, with a provider that cannot register GPU memory
+    // (every provider of this test machine: no FI_HMEM), keeps its buffer in host memory, which
+    // CUDA IPC cannot share with another process of the node: the Buffer refuses that at
+    // connect with an error saying so (on EFA, with FI_HMEM, the buffer is device memory and
+    // the split runs). Such cases are drawn with one process per node instead.
+    let ranks_per_node = if backend == VerifyBackend::Gpu
+        && procs
+        && mode == Mode::LowLatency
+        && ranks_per_node < num_ranks
+    {
+        1
+    } else {
+        ranks_per_node
+    };
     let intranode = (backend == VerifyBackend::Host
         && mode == Mode::Normal
         && ranks_per_node < num_ranks
@@ -1255,8 +1269,9 @@ pub(crate) fn ll_dispatch_diff(
 /// What one rank found.
 #[derive(Debug)]
 pub enum RankVerdict {
-    /// Every output matched; `exact_combines` of `combines` were bit-equal.
-    Ok { combines: usize, exact_combines: usize },
+    /// Every output matched; `exact_combines` of `combines` were bit-equal; `digest`: the
+    /// [`Checks::digest`] of the rank's combine outputs.
+    Ok { combines: usize, exact_combines: usize, digest: u64 },
     /// An output differed (the first one), the rank went on to keep its peers in step.
     Mismatch(String),
     /// A call failed.
@@ -1269,6 +1284,22 @@ pub(crate) struct Checks {
     pub first: Option<String>,
     pub combines: usize,
     pub exact: usize,
+    /// Wrapping sum of an FNV-1a hash per combine output (its label, which names the rank and
+    /// the call, and its bits): dispatch outputs are compared bit-exact, combines only within
+    /// tolerance, so two runs of one seed are bit-identical exactly when their digests agree.
+    /// A sum, so the order in which ranks and cases report does not matter.
+    pub digest: u64,
+}
+
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for p in parts {
+        for &b in *p {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
 }
 
 impl Checks {
@@ -1309,12 +1340,22 @@ impl Checks {
         }
         self.combines += 1;
         self.exact += usize::from(exact);
+        let gw: &[f32] = got_w.unwrap_or(&[]);
+        self.digest = self.digest.wrapping_add(fnv1a(&[
+            at.as_bytes(),
+            bytemuck::cast_slice(got),
+            bytemuck::cast_slice(gw),
+        ]));
     }
 
     pub fn verdict(self) -> RankVerdict {
         match self.first {
             Some(m) => RankVerdict::Mismatch(m),
-            None => RankVerdict::Ok { combines: self.combines, exact_combines: self.exact },
+            None => RankVerdict::Ok {
+                combines: self.combines,
+                exact_combines: self.exact,
+                digest: self.digest,
+            },
         }
     }
 }
@@ -1668,7 +1709,7 @@ fn host_ll_call(
 /// How a case ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CaseOutcome {
-    Ok { combines: usize, exact_combines: usize },
+    Ok { combines: usize, exact_combines: usize, digest: u64 },
     Mismatch(String),
     Hang(String),
 }
@@ -1782,14 +1823,16 @@ fn is_timeout(e: &Error) -> bool {
 pub fn fold_verdicts(v: Vec<(usize, RankVerdict)>) -> CaseOutcome {
     let mut combines = 0;
     let mut exact = 0;
+    let mut digest = 0u64;
     let mut mismatch = None;
     let mut failed = None;
     let mut timeouts = Vec::new();
     for (r, x) in v {
         match x {
-            RankVerdict::Ok { combines: c, exact_combines: e } => {
+            RankVerdict::Ok { combines: c, exact_combines: e, digest: d } => {
                 combines += c;
                 exact += e;
+                digest = digest.wrapping_add(d);
             }
             RankVerdict::Mismatch(m) => {
                 mismatch.get_or_insert(m);
@@ -1809,7 +1852,7 @@ pub fn fold_verdicts(v: Vec<(usize, RankVerdict)>) -> CaseOutcome {
     if let Some(m) = mismatch {
         return CaseOutcome::Mismatch(m);
     }
-    CaseOutcome::Ok { combines, exact_combines: exact }
+    CaseOutcome::Ok { combines, exact_combines: exact, digest }
 }
 
 /// Sets (or removes) `FEP_MR_MAX_BYTES` for `spec`: read when each rank opens its provider. No
@@ -1980,8 +2023,8 @@ pub fn run_case_procs(opts: &VerifyOptions, spec: &CaseSpec) -> CaseOutcome {
 /// `verify-rank R failed MSG`.
 fn rank_line(rank: usize, v: &RankVerdict) -> String {
     match v {
-        RankVerdict::Ok { combines, exact_combines } => {
-            format!("{RANK_LINE} {rank} ok {combines} {exact_combines}")
+        RankVerdict::Ok { combines, exact_combines, digest } => {
+            format!("{RANK_LINE} {rank} ok {combines} {exact_combines} {digest:#x}")
         }
         RankVerdict::Mismatch(m) => format!("{RANK_LINE} {rank} mismatch {}", m.replace('\n', " ")),
         RankVerdict::Failed(e) if is_timeout(e) => {
@@ -1998,8 +2041,12 @@ fn parse_rank_line(l: &str) -> Option<RankVerdict> {
     let (_, _, kind, rest) = (it.next()?, it.next()?, it.next()?, it.next().unwrap_or(""));
     Some(match kind {
         "ok" => {
-            let mut n = rest.split_whitespace().map(|v| v.parse::<usize>().ok());
-            RankVerdict::Ok { combines: n.next()??, exact_combines: n.next()?? }
+            let mut n = rest.split_whitespace();
+            let mut num = || n.next().and_then(|v| v.parse::<usize>().ok());
+            let (combines, exact_combines) = (num()?, num()?);
+            let digest =
+                n.next().and_then(|v| u64::from_str_radix(v.trim_start_matches("0x"), 16).ok())?;
+            RankVerdict::Ok { combines, exact_combines, digest }
         }
         "mismatch" => RankVerdict::Mismatch(rest.to_string()),
         "timeout" => RankVerdict::Failed(Error::Timeout {
@@ -2053,7 +2100,10 @@ pub fn run_matrix(opts: &VerifyOptions, rank_fn: RankFn) -> (usize, usize, usize
     let mut table: BTreeMap<(Mode, &'static str, bool, bool), Tally> = BTreeMap::new();
     let (mut n, mut m, mut h) = (0, 0, 0);
     let (mut combines, mut exact) = (0, 0);
+    // Per pass: the digest of every case's combine outputs (see `Checks::digest`).
+    let mut pass_digests: Vec<u64> = Vec::new();
     for pass in 0..opts.repeat.max(1) {
+        pass_digests.push(0);
         for &i in &indices {
             let spec = draw_case(opts.seed, i, opts.backend, opts.launch);
             if opts.case.is_some() || opts.verbose {
@@ -2074,9 +2124,14 @@ pub fn run_matrix(opts: &VerifyOptions, rank_fn: RankFn) -> (usize, usize, usize
             let pass_s =
                 if opts.repeat > 1 { format!(" (pass {})", pass + 1) } else { String::new() };
             match &out {
-                CaseOutcome::Ok { combines: c, exact_combines: e } => {
+                CaseOutcome::Ok { combines: c, exact_combines: e, digest: d } => {
                     combines += c;
                     exact += e;
+                    if let Some(pd) = pass_digests.last_mut() {
+                        // Keyed by the case so two cases' digests cannot cancel.
+                        *pd =
+                            pd.wrapping_add(fnv1a(&[&(i as u64).to_le_bytes(), &d.to_le_bytes()]));
+                    }
                     if opts.verbose || opts.case.is_some() {
                         println!("case {i}{pass_s}: ok in {:.2} s", dt.as_secs_f64());
                     }
@@ -2128,6 +2183,22 @@ pub fn run_matrix(opts: &VerifyOptions, rank_fn: RankFn) -> (usize, usize, usize
         opts.repeat.max(1),
         t0.elapsed().as_secs_f64()
     );
+    if m == 0 && h == 0 {
+        // Every pass ran the same cases: equal digests mean bit-identical outputs.
+        let same = pass_digests.windows(2).all(|w| w[0] == w[1]);
+        println!(
+            "output digest {:#018x}{}",
+            pass_digests.first().copied().unwrap_or(0),
+            match (pass_digests.len(), same) {
+                (1, _) => String::new(),
+                (p, true) => format!(" (all {p} passes bit-identical)"),
+                (p, false) => format!(
+                    " (passes differ: {}; {p} passes)",
+                    pass_digests.iter().map(|d| format!("{d:#x}")).collect::<Vec<_>>().join(", ")
+                ),
+            }
+        );
+    }
     println!("verify: {n} cases, {m} mismatches, {h} hangs");
     (n, m, h)
 }
@@ -2220,11 +2291,27 @@ mod tests {
     }
 
     #[test]
+    fn digest_tells_bits_apart() {
+        let run = |v: u16| {
+            let mut c = Checks::default();
+            c.combine("rank 0 call 0", &[v, 2], &[v, 2], None, None, 2);
+            c.digest
+        };
+        assert_eq!(run(1), run(1));
+        assert_ne!(run(1), run(3));
+        let mut a = Checks::default();
+        a.combine("rank 0", &[1], &[1], None, None, 1);
+        let mut b = Checks::default();
+        b.combine("rank 1", &[1], &[1], None, None, 1);
+        assert_ne!(a.digest, b.digest, "the label (rank, call) is part of the hash");
+    }
+
+    #[test]
     fn verdict_lines_round_trip() {
-        let v = RankVerdict::Ok { combines: 3, exact_combines: 2 };
+        let v = RankVerdict::Ok { combines: 3, exact_combines: 2, digest: 0xfeed_0000_beef };
         assert!(matches!(
             parse_rank_line(&rank_line(1, &v)),
-            Some(RankVerdict::Ok { combines: 3, exact_combines: 2 })
+            Some(RankVerdict::Ok { combines: 3, exact_combines: 2, digest: 0xfeed_0000_beef })
         ));
         let m = parse_rank_line(&rank_line(0, &RankVerdict::Mismatch("recv_x row 3".into())));
         assert!(matches!(m, Some(RankVerdict::Mismatch(s)) if s == "recv_x row 3"));

@@ -468,6 +468,13 @@ fn gpu_ll_shape(
                         if let Some(hk) = hb {
                             gpu.low_latency_dispatch_recv_gpu(hk, &out_b, &stream)?;
                         }
+                        // The combine below is call n + 2 of the first dispatch and reuses its
+                        // buffer set. The low-latency contract (DeepEP's): every rank has
+                        // finished call n's receive before any rank starts call n + 2. With no
+                        // expert work between, a peer's combine could otherwise write into this
+                        // rank's set while the first dispatch's receive still reads it.
+                        gpu.sync_gpu(&stream)?;
+                        boot.barrier()?;
                     }
                     first => {
                         if let Some((fx, fti, ft)) = first {

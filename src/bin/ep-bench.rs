@@ -96,6 +96,11 @@ struct Common {
     /// GPU backend, normal mode: skip the NCCL all-to-all (+ permute) comparison.
     #[arg(long)]
     no_nccl: bool,
+    /// GPU backend: the SM budget per rank (blocks per kernel launch; even), both modes,
+    /// instead of the defaults (normal: the GPU's SMs shared by the ranks, at most 32; low
+    /// latency: the whole share). The normal mode's equal-SM copy rows use the same budget.
+    #[arg(long, global = true)]
+    sms: Option<usize>,
     /// GPU backend, normal mode: records per chunk of the per-peer queues (default: the
     /// Buffer's, `GpuOptions::chunk_tokens`, 16).
     #[arg(long, global = true)]
@@ -456,6 +461,10 @@ fn launch(cli: &Cli) -> AnyResult<()> {
         _ => c.ranks,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if cli.cmd.is_none() {
+        let rows = run_job_streaming(c, &args, ranks, "running")?;
+        return print_files(c, &rows);
+    }
     let out = run_job(c, &args, ranks, "running")?;
     match &cli.cmd {
         Some(Cmd::Fabric { sizes, lat_bytes, window, no_pingpong, span }) => {
@@ -468,10 +477,6 @@ fn launch(cli: &Cli) -> AnyResult<()> {
                 );
             }
         }
-        None => {
-            let rows = print_ep_output(&out);
-            print_rows(c, &rows)?;
-        }
         _ => print!("{out}"),
     }
     Ok(())
@@ -480,6 +485,56 @@ fn launch(cli: &Cli) -> AnyResult<()> {
 /// Starts `ranks` local processes of this binary with `args`, waits (with a spinner on a
 /// terminal), and returns rank 0's standard output; any failed rank is an error naming it.
 fn run_job(c: &Common, args: &[String], ranks: usize, what: &str) -> AnyResult<String> {
+    run_job_with(c, args, ranks, what, &mut |_, _| {})
+}
+
+/// [`run_job`] for an EP run: rank 0's lines are printed as they come, its result rows as the
+/// table's lines (above the spinner on a terminal, plain lines otherwise), so a long run shows
+/// each row when it finishes; returns the rows.
+fn run_job_streaming(
+    c: &Common,
+    args: &[String],
+    ranks: usize,
+    what: &str,
+) -> AnyResult<Vec<EpRow>> {
+    let mut table = stream_table(c);
+    let mut rows = Vec::new();
+    run_job_with(c, args, ranks, what, &mut |bar, line| {
+        let text = match EpRow::parse(line) {
+            Some(r) => {
+                let t = table.line(&r);
+                rows.push(r);
+                t
+            }
+            None => format!("{line}\n"),
+        };
+        bar.suspend(|| {
+            use std::io::Write;
+            let mut out = std::io::stdout().lock();
+            let _ = out.write_all(text.as_bytes()).and_then(|_| out.flush());
+        });
+    })?;
+    Ok(rows)
+}
+
+/// The table's columns for the rows a run of `c` can produce (wide ops with --cached or
+/// --cuda-graph, NCCL's and the equal-SM copy's backend names on the GPU), fixed before the
+/// first row is printed.
+fn stream_table(c: &Common) -> report::TableStream {
+    let op = if c.cached || c.cuda_graph { "dispatch+hook (graph)".len() } else { 0 };
+    let gpu = c.procs || c.backend == Some(Backend::Gpu);
+    report::TableStream::new(op, if gpu { "copy (132 SMs)".len() } else { 0 })
+}
+
+/// [`run_job`], handing each complete line of rank 0's standard output to `on_line` while the
+/// ranks run.
+fn run_job_with(
+    c: &Common,
+    args: &[String],
+    ranks: usize,
+    what: &str,
+    on_line: &mut dyn FnMut(&indicatif::ProgressBar, &str),
+) -> AnyResult<String> {
     if ranks == 0 {
         return Err("--ranks must be at least 1".into());
     }
@@ -490,7 +545,19 @@ fn run_job(c: &Common, args: &[String], ranks: usize, what: &str) -> AnyResult<S
     bar.enable_steady_tick(Duration::from_millis(120));
     let marker = [(LAUNCHED_VAR.to_string(), "1".to_string())];
     let mut job = LocalJob::spawn(&exe, args, ranks, local, &marker)?;
-    let outcomes = job.wait(Duration::from_secs(c.timeout_s() + 120));
+    let out0 = job.stdout_path(0);
+    let limit = Duration::from_secs(c.timeout_s() + 120);
+    let outcomes = std::thread::scope(|s| {
+        let waiter = s.spawn(|| job.wait(limit));
+        let mut tail = StdoutTail::default();
+        while !waiter.is_finished() {
+            tail.poll(&out0, &mut |l| on_line(&bar, l));
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        tail.poll(&out0, &mut |l| on_line(&bar, l));
+        tail.finish(&mut |l| on_line(&bar, l));
+        waiter.join().unwrap_or_else(|_| Err(std::io::Error::other("the job's waiter panicked")))
+    });
     bar.finish_and_clear();
     let outcomes = outcomes?;
     let mut failed = Vec::new();
@@ -503,19 +570,45 @@ fn run_job(c: &Common, args: &[String], ranks: usize, what: &str) -> AnyResult<S
     if !failed.is_empty() {
         return Err(format!("ranks {failed:?} failed").into());
     }
+    // The ranks' diagnostics (FEP_LOG lines carry their rank), in rank order.
+    for o in &outcomes {
+        eprint!("{}", o.stderr);
+    }
     Ok(outcomes.into_iter().next().map(|o| o.stdout).unwrap_or_default())
 }
 
-/// Prints rank 0's description lines and returns its result rows.
-fn print_ep_output(out: &str) -> Vec<EpRow> {
-    let mut rows = Vec::new();
-    for line in out.lines() {
-        match EpRow::parse(line) {
-            Some(r) => rows.push(r),
-            None => println!("{line}"),
+/// What was read so far of a growing file: complete lines are handed on, a partial one waits.
+#[derive(Default)]
+struct StdoutTail {
+    read: u64,
+    partial: Vec<u8>,
+}
+
+impl StdoutTail {
+    /// Hands on the complete lines added to `path` since the last call.
+    fn poll(&mut self, path: &std::path::Path, on_line: &mut dyn FnMut(&str)) {
+        use std::io::{Read, Seek, SeekFrom};
+        let Ok(mut f) = std::fs::File::open(path) else { return };
+        if f.seek(SeekFrom::Start(self.read)).is_err() {
+            return;
+        }
+        let mut buf = Vec::new();
+        if let Ok(n) = f.read_to_end(&mut buf) {
+            self.read += n as u64;
+            self.partial.extend_from_slice(&buf);
+        }
+        while let Some(i) = self.partial.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = self.partial.drain(..=i).collect();
+            on_line(String::from_utf8_lossy(&line[..i]).trim_end_matches('\r'));
         }
     }
-    rows
+
+    /// A last line without its newline.
+    fn finish(&mut self, on_line: &mut dyn FnMut(&str)) {
+        if !self.partial.is_empty() {
+            on_line(&String::from_utf8_lossy(&std::mem::take(&mut self.partial)));
+        }
+    }
 }
 
 /// For every normal-mode row of ours with an NCCL + permute row of the same op and rank count,
@@ -543,6 +636,11 @@ fn print_nccl_ratios(rows: &[EpRow]) {
 /// The one table, then JSON/CSV when asked: printed for "-", else written to the file.
 fn print_rows(c: &Common, rows: &[EpRow]) -> AnyResult<()> {
     print!("{}", report::table(rows));
+    print_files(c, rows)
+}
+
+/// JSON/CSV of `rows` when asked: printed for "-", else written to the file.
+fn print_files(c: &Common, rows: &[EpRow]) -> AnyResult<()> {
     let outputs = [(&c.json, "JSON", "--json"), (&c.csv, "CSV", "--csv")];
     for (path, what, flag) in outputs {
         let Some(path) = path else { continue };
@@ -561,18 +659,31 @@ fn print_rows(c: &Common, rows: &[EpRow]) -> AnyResult<()> {
 /// Set by [`run_job`] on the ranks it starts: their launcher prints and writes the results.
 const LAUNCHED_VAR: &str = "FEP_BENCH_LAUNCHED";
 
-/// The rows this process handed to its launcher ([`emit`]).
+/// The rows this process emitted ([`emit`]).
 static EMITTED: std::sync::Mutex<Vec<EpRow>> = std::sync::Mutex::new(Vec::new());
 
-/// Rank 0 prints a result row as a tagged line for the launcher, and keeps it: a rank of a job
-/// that no ep-bench launched (torchrun, mpirun, a PyTorchJob) prints the table and writes
-/// --json/--csv itself ([`finish_external`]).
+/// The table rank 0 of a job that no ep-bench launched prints a row at a time (its columns
+/// set by [`run_rank`]; `None`: rows go to a launcher of ours).
+static EXTERNAL_TABLE: std::sync::Mutex<Option<report::TableStream>> = std::sync::Mutex::new(None);
+
+/// Rank 0 hands a result row on as it finishes, and keeps it: under ep-bench's launcher as a
+/// tagged line (the launcher prints the table), in a job no ep-bench launched (torchrun,
+/// mpirun, a PyTorchJob) as the table's line itself, so both print the same lines; that rank
+/// writes --json/--csv at the end ([`finish_external`]).
 fn emit(row: EpRow) {
-    println!("{}", row.to_line());
+    match EXTERNAL_TABLE.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+        Some(t) => {
+            use std::io::Write;
+            let mut out = std::io::stdout().lock();
+            let _ = out.write_all(t.line(&row).as_bytes()).and_then(|_| out.flush());
+        }
+        None => println!("{}", row.to_line()),
+    }
     EMITTED.lock().unwrap_or_else(|e| e.into_inner()).push(row);
 }
 
-/// End of a rank's run: rank 0 of a job with no ep-bench launcher outputs what it emitted.
+/// End of a rank's run: rank 0 of a job with no ep-bench launcher writes what it emitted as
+/// --json/--csv (its table is printed already).
 fn finish_external(c: &Common, rank: usize) -> AnyResult<()> {
     if rank != 0 || std::env::var_os(LAUNCHED_VAR).is_some() {
         return Ok(());
@@ -581,7 +692,7 @@ fn finish_external(c: &Common, rank: usize) -> AnyResult<()> {
     if rows.is_empty() {
         return Ok(());
     }
-    print_rows(c, &rows)
+    print_files(c, &rows)
 }
 
 /// The settings a run's rows carry (`fp8`: the dispatch payload; the GPU backend adds its device
@@ -609,8 +720,8 @@ fn gpu_settings(
     let sms = dev.sm_count() as usize;
     RunSettings {
         gpu: Some(dev.name().to_string()),
-        sms_normal: Some(sm_budget(sms, on_gpu)),
-        sms_low_latency: Some((sms / on_gpu.max(1)) & !1),
+        sms_normal: Some(c.sms.unwrap_or_else(|| sm_budget(sms, on_gpu))),
+        sms_low_latency: Some(c.sms.unwrap_or((sms / on_gpu.max(1)) & !1)),
         ..run_settings(c, ranks_per_node, !c.bf16)
     }
 }
@@ -668,6 +779,9 @@ fn run_rank(cli: &Cli) -> AnyResult<()> {
     let c = &cli.common;
     let boot = TcpStore::from_env(Duration::from_secs(c.timeout_s()))?;
     let rank = boot.rank();
+    if rank == 0 && std::env::var_os(LAUNCHED_VAR).is_none() {
+        *EXTERNAL_TABLE.lock().unwrap_or_else(|e| e.into_inner()) = Some(stream_table(c));
+    }
     match &cli.cmd {
         Some(Cmd::Fabric { sizes, lat_bytes, window, span, .. }) => {
             let mut all = vec![*lat_bytes];
@@ -1018,6 +1132,7 @@ fn gpu_params(c: &Common, ranks: usize, tokens: usize) -> fabric_ep::bench::ep_g
         fp8: !c.bf16,
         iters: c.iters.max(1),
         timeout: Duration::from_secs(c.timeout_s()),
+        num_sms: c.sms,
         ..fabric_ep::bench::ep_gpu::GpuBenchParams::normal_standard(ranks)
     }
 }
@@ -1121,6 +1236,49 @@ fn labelled_rows(
         .collect()
 }
 
+/// The equal-SM copy ceiling beside rank 0's normal-mode rows: a plain row copy of the
+/// dispatch's and the combine's bytes on `budget` blocks (`ep_gpu::copy_ceiling`), as rows of
+/// backend "copy", and how much of it each kernel reaches (the cached dispatch is the kernel
+/// alone; a fresh dispatch also holds the layout, the notify and the host count sync).
+fn copy_rows(
+    dev: &fabric_ep::cuda::Device,
+    p: &fabric_ep::bench::ep_gpu::GpuBenchParams,
+    r0: &fabric_ep::bench::ep::NormalBenchReport,
+    budget: usize,
+    c: &Common,
+) -> AnyResult<Vec<EpRow>> {
+    let mut out = Vec::new();
+    let ours = [
+        ("dispatch", r0.dispatch_figures().1, r0.dispatch_bytes),
+        ("combine", r0.combine_figures().1, r0.combine_bytes),
+    ];
+    for (op, ours_us, bytes) in ours {
+        let (us, gbps) =
+            fabric_ep::bench::ep_gpu::copy_ceiling(dev, bytes, budget, c.iters.max(1))?;
+        let which = if op == "dispatch" && c.cached { "dispatch (cached)" } else { op };
+        println!(
+            "equal-SM copy ({budget} SMs) of the {op}'s {:.1} MB: {us:.1} us ({gbps:.0} GB/s); \
+             the {which} reaches {:.0}% of it",
+            bytes as f64 / 1e6,
+            100.0 * us / ours_us.max(1e-9)
+        );
+        out.push(EpRow {
+            mode: "normal".into(),
+            op: format!("{op} bytes"),
+            backend: format!("copy ({budget} SMs)"),
+            ranks: p.num_ranks,
+            tokens: p.num_tokens,
+            hidden: p.hidden,
+            gbps,
+            median_us: us,
+            p99_us: us,
+            bytes,
+            ..EpRow::default()
+        });
+    }
+    Ok(out)
+}
+
 /// The default SM budget of a rank when `on_gpu` ranks share a GPU of `sms` SMs.
 fn sm_budget(sms: usize, on_gpu: usize) -> usize {
     (sms / on_gpu.max(1)).min(fabric_ep::ep::gpu::DEFAULT_MAX_SMS) & !1
@@ -1152,10 +1310,9 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
         // Fail here, not in every rank, when there is no GPU (no context is made here).
         fabric_ep::cuda::device_count()?;
         let args: Vec<String> = std::env::args().skip(1).collect();
-        let out = run_job(c, &args, c.ranks, "GPU ranks as processes")
+        let rows = run_job_streaming(c, &args, c.ranks, "GPU ranks as processes")
             .map_err(|e| format!("{e} (if a rank timed out: {MPS_HINT})"))?;
-        let rows = print_ep_output(&out);
-        print_rows(c, &rows)?;
+        print_files(c, &rows)?;
         print_nccl_ratios(&rows);
         println!("{GPU_LEGEND}");
         return Ok(());
@@ -1211,6 +1368,10 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
         let p = base(4096);
         let r = run_normal_gpu_split(&dev, &p, &normal_split(c, p.num_ranks))?;
         rows.extend(r.first().map(|r0| normal_rows(c.cached, &p, r0)).unwrap_or_default());
+        if let Some(r0) = r.first() {
+            let budget = c.sms.unwrap_or_else(|| sm_budget(sms, c.ranks));
+            rows.extend(copy_rows(&dev, &p, r0, budget, c)?);
+        }
         if !c.no_nccl {
             let gpus = fabric_ep::cuda::device_count()?;
             let world = p.num_ranks.min(gpus);
@@ -1391,6 +1552,31 @@ mod tests {
         walk(&Cli::command(), &mut missing);
         assert!(missing.is_empty(), "flags without help text: {missing:?}");
         Cli::command().debug_assert();
+    }
+
+    /// A rank's stdout is handed on a complete line at a time while it grows (rows stream to
+    /// the table as they finish); a last line without its newline comes at the end.
+    #[test]
+    fn stdout_tail_hands_on_complete_lines_as_they_come() {
+        use std::io::Write;
+        let path = std::env::temp_dir().join(format!("ep-bench-tail-{}", std::process::id()));
+        let mut f = std::fs::File::create(&path).unwrap();
+        let mut tail = StdoutTail::default();
+        let mut got = Vec::new();
+        tail.poll(&path, &mut |l| got.push(l.to_string()));
+        assert!(got.is_empty());
+        f.write_all(b"first\nsec").unwrap();
+        tail.poll(&path, &mut |l| got.push(l.to_string()));
+        assert_eq!(got, ["first"]);
+        f.write_all(b"ond\r\nthird").unwrap();
+        tail.poll(&path, &mut |l| got.push(l.to_string()));
+        assert_eq!(got, ["first", "second"]);
+        tail.finish(&mut |l| got.push(l.to_string()));
+        assert_eq!(got, ["first", "second", "third"]);
+        let _ = std::fs::remove_file(&path);
+        // A file that is not there yet: nothing, no error.
+        tail.poll(&path, &mut |l| got.push(l.to_string()));
+        assert_eq!(got.len(), 3);
     }
 
     /// --json/--csv take an optional FILE ("-" and no value: standard output); --provider and

@@ -228,6 +228,58 @@ pub(crate) fn check_ranks(
     Ok(())
 }
 
+/// The store protocol's decoders as the decoder fuzz harness (`tests/fuzz_decoders.rs`) calls
+/// them: bytes as a rank or the store would receive them. Not an API.
+#[doc(hidden)]
+pub mod fuzz {
+    use super::wire::{self, Fields};
+
+    /// Splits `bytes` into frames of at most `max_body` bytes; the number of whole frames.
+    pub fn frames(bytes: &[u8], max_body: usize) -> Result<usize, String> {
+        let mut buf = bytes.to_vec();
+        wire::split_frames(&mut buf, max_body).map(|f| f.len())
+    }
+
+    /// What the store does with a rank's payload of `kind`: hello, proof or contribute.
+    pub fn to_store(kind: u8, payload: &[u8]) -> Result<(), String> {
+        match kind {
+            wire::K_HELLO => wire::parse_hello(payload).map(drop).map_err(|e| format!("{e:?}")),
+            wire::K_PROOF => wire::parse_proof(payload).map(drop),
+            wire::K_CONTRIBUTE => wire::parse_contribute(payload).map(drop),
+            k => Err(format!("kind {k} is not sent to the store")),
+        }
+    }
+
+    /// What a rank of a `world`-rank job does with the store's FAILED, GATHERED or PEER_GONE
+    /// payload (the header fields; blobs follow as frames of their own).
+    pub fn to_rank(kind: u8, payload: &[u8], world: usize) -> Result<(), String> {
+        let mut f = Fields::new(payload, "fuzz");
+        match kind {
+            wire::K_FAILED => {
+                let e =
+                    super::tcp::failure("all_gather", std::time::Duration::ZERO, world, &mut f)?;
+                // Whatever it names must be a rank of the job.
+                match e {
+                    super::BootstrapError::Timeout { missing, .. } if missing.len() > world => {
+                        Err("more missing ranks than the world".into())
+                    }
+                    _ => Ok(()),
+                }
+            }
+            wire::K_GATHERED => {
+                let (_round, w) = (f.u64()?, f.usize()?);
+                if w == world {
+                    Ok(())
+                } else {
+                    Err(format!("{w} ranks"))
+                }
+            }
+            wire::K_PEER_GONE => f.usize().map(drop),
+            k => Err(format!("kind {k} is not sent to a rank")),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

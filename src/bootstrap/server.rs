@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::auth::{random_bytes, JobSecret, Role, Transcript, MAC_LEN, NONCE_LEN};
+use super::auth::{random_bytes, JobSecret, Role, Transcript, NONCE_LEN};
 use super::wire::*;
 use super::{later, BootstrapError};
 
@@ -691,35 +691,18 @@ impl Store {
     }
 
     fn on_hello(&mut self, id: usize, payload: &[u8]) {
-        let mut f = Fields::new(payload, "hello");
-        let head = (|| -> Result<_, String> {
-            if f.take(4)? != MAGIC {
-                return Err("bad magic".into());
+        let (rank, world, ns, client_nonce) = match parse_hello(payload) {
+            Ok(h) => (h.rank, h.world, h.instance, h.client_nonce),
+            Err(HelloError::Version(_)) => {
+                let answer = frame(K_REFUSE, &[&[REFUSE_VERSION], &PROTOCOL_VERSION.to_le_bytes()]);
+                self.finish(id, answer);
+                return;
             }
-            f.u32()
-        })();
-        let Ok(version) = head else {
-            // Not our protocol: close without answering in a framing the peer does not speak.
-            self.kill(id);
-            return;
-        };
-        if version != PROTOCOL_VERSION {
-            let answer = frame(K_REFUSE, &[&[REFUSE_VERSION], &PROTOCOL_VERSION.to_le_bytes()]);
-            self.finish(id, answer);
-            return;
-        }
-        let rest = (|| -> Result<_, String> {
-            let (rank, world) = (f.u64()?, f.u64()?);
-            let _v1_job_id = f.string()?;
-            Ok((rank, world, f.u64()?, f.array::<NONCE_LEN>()?))
-        })();
-        let Ok((rank, world, ns, client_nonce)) = rest else {
-            self.kill(id);
-            return;
-        };
-        let (Ok(rank), Ok(world)) = (usize::try_from(rank), usize::try_from(world)) else {
-            self.kill(id);
-            return;
+            Err(HelloError::NotOurs) => {
+                // Not our protocol: close without answering in a framing the peer does not speak.
+                self.kill(id);
+                return;
+            }
         };
         let Ok(server_nonce) = random_bytes::<NONCE_LEN>() else {
             // Without fresh randomness the challenge would be replayable: refuse to run it.
@@ -743,9 +726,7 @@ impl Store {
     fn on_proof(&mut self, id: usize, payload: &[u8]) {
         let Some(Some(c)) = self.conns.get_mut(id) else { return };
         let Phase::Proof(mut claim) = std::mem::replace(&mut c.phase, Phase::Done) else { return };
-        let mut f = Fields::new(payload, "proof");
-        let parsed = (|| -> Result<_, String> { Ok((f.array::<MAC_LEN>()?, f.string()?)) })();
-        let Ok((tag, job_id)) = parsed else {
+        let Ok((tag, job_id)) = parse_proof(payload) else {
             self.kill(id);
             return;
         };
@@ -935,10 +916,9 @@ impl Space {
 
     /// Takes `rank`'s contribution; false if the connection must be dropped.
     fn contribute(&mut self, conns: &mut Conns, id: usize, rank: usize, payload: &[u8]) -> bool {
-        let mut f = Fields::new(payload, "contribute");
-        let (round, timeout_ms) = match (f.u64(), f.u64()) {
-            (Ok(r), Ok(t)) => (r, t),
-            _ => {
+        let (round, timeout_ms, data) = match parse_contribute(payload) {
+            Ok(v) => v,
+            Err(_) => {
                 self.fail(
                     conns,
                     Failure::Protocol(format!("rank {rank} sent a truncated contribution")),
@@ -946,7 +926,6 @@ impl Space {
                 return false;
             }
         };
-        let data = f.rest();
         if let Some(answer) = &self.failed {
             send(conns, id, Arc::clone(answer));
             return true;

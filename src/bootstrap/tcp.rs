@@ -877,7 +877,7 @@ fn refusal(
 }
 
 /// Turns a `FAILED` payload into this rank's error.
-fn failure(
+pub(super) fn failure(
     op: &'static str,
     waited: Duration,
     world: usize,

@@ -129,6 +129,59 @@ impl<'a> Fields<'a> {
     }
 }
 
+/// A rank's HELLO, parsed.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct Hello {
+    pub rank: usize,
+    pub world: usize,
+    pub instance: u64,
+    pub client_nonce: [u8; super::auth::NONCE_LEN],
+}
+
+/// Why a HELLO was not taken.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum HelloError {
+    /// Not this protocol (magic, truncation, a number past usize): closed without an answer.
+    NotOurs,
+    /// Our magic with another protocol version: answered with a version refusal.
+    Version(u32),
+}
+
+/// Parses a HELLO payload (every field bounds-checked; nothing allocated from its numbers).
+pub(super) fn parse_hello(payload: &[u8]) -> Result<Hello, HelloError> {
+    let mut f = Fields::new(payload, "hello");
+    let head = (|| -> Result<_, String> {
+        if f.take(4)? != MAGIC {
+            return Err("bad magic".into());
+        }
+        f.u32()
+    })();
+    let version = head.map_err(|_| HelloError::NotOurs)?;
+    if version != PROTOCOL_VERSION {
+        return Err(HelloError::Version(version));
+    }
+    let rest = (|| -> Result<_, String> {
+        let (rank, world) = (f.usize()?, f.usize()?);
+        let _v1_job_id = f.string()?;
+        Ok((rank, world, f.u64()?, f.array::<{ super::auth::NONCE_LEN }>()?))
+    })();
+    let (rank, world, instance, client_nonce) = rest.map_err(|_| HelloError::NotOurs)?;
+    Ok(Hello { rank, world, instance, client_nonce })
+}
+
+/// Parses a PROOF payload: the rank's tag and its job id.
+pub(super) fn parse_proof(payload: &[u8]) -> Result<([u8; super::auth::MAC_LEN], String), String> {
+    let mut f = Fields::new(payload, "proof");
+    Ok((f.array::<{ super::auth::MAC_LEN }>()?, f.string()?))
+}
+
+/// Parses a CONTRIBUTE payload: round, timeout in ms, the data.
+pub(super) fn parse_contribute(payload: &[u8]) -> Result<(u64, u64, &[u8]), String> {
+    let mut f = Fields::new(payload, "contribute");
+    let (round, timeout_ms) = (f.u64()?, f.u64()?);
+    Ok((round, timeout_ms, f.rest()))
+}
+
 /// Splits complete frames off the front of `buf`; leaves a partial one in place.
 pub(super) fn split_frames(
     buf: &mut Vec<u8>,

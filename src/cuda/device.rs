@@ -223,6 +223,17 @@ impl Device {
         uuid_of(self.inner.dev)
     }
 
+    /// The GPU's PCI address as the driver writes it (`0000:53:00.0`), for choosing the NICs
+    /// nearest to it.
+    pub fn pci_bus_id(&self) -> CudaResult<String> {
+        let mut buf = [0 as std::ffi::c_char; 32];
+        // SAFETY: the handle is valid; the driver writes a NUL-terminated string into `buf`.
+        unsafe {
+            call!(cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as i32, self.inner.dev))?;
+            Ok(std::ffi::CStr::from_ptr(buf.as_ptr()).to_string_lossy().into_owned())
+        }
+    }
+
     /// The ordinal, in this process, of the GPU with `uuid` (`None`: not visible here).
     pub fn ordinal_of_uuid(uuid: &[u8; 16]) -> CudaResult<Option<usize>> {
         let count = ensure()?;

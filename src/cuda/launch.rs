@@ -369,6 +369,19 @@ fn check_normal_grid(grid: u32, num_ranks: u32) -> CudaResult<()> {
     Ok(())
 }
 
+/// `fep_copy_bytes` (kernels/baseline.cu): `grid` blocks of `FEP_COPY_THREADS`.
+///
+/// # Safety
+/// `p.src` and `p.dst` must address `p.vecs * 16` bytes of device memory each, 16-byte aligned,
+/// not overlapping, alive until the launch completes.
+pub unsafe fn copy_bytes(stream: &Stream, grid: u32, p: abi::fep_copy_params) -> CudaResult<()> {
+    if grid == 0 {
+        return Err(CudaError::InvalidArgument { arg: "grid", msg: "must be at least 1".into() });
+    }
+    let cfg = LaunchConfig { grid, block: abi::FEP_COPY_THREADS, shared_bytes: 0 };
+    launch(stream, Kernel::CopyBytes, cfg, &p)
+}
+
 /// `fep_gather_rows` (kernels/baseline.cu): `grid` blocks of `FEP_BASELINE_THREADS`.
 ///
 /// # Safety

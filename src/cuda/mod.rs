@@ -29,6 +29,7 @@ pub use memory::{
     IpcHandle, IpcMapping, PeerMemory,
 };
 pub use module::{Kernel, FATBIN};
+pub(crate) use stream::poll_within;
 pub use stream::{Event, Stream};
 pub use trace::{DeviceTrace, NORMAL_TRACE_POINTS};
 

@@ -35,10 +35,11 @@ pub enum Kernel {
     GatherRows,
     SegmentSum,
     TraceClock,
+    CopyBytes,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 17] = [
+    pub const ALL: [Kernel; 18] = [
         Kernel::DispatchLayout,
         Kernel::DispatchLayoutCluster,
         Kernel::WaitTest,
@@ -56,6 +57,7 @@ impl Kernel {
         Kernel::GatherRows,
         Kernel::SegmentSum,
         Kernel::TraceClock,
+        Kernel::CopyBytes,
     ];
 
     /// The `extern "C"` symbol in kernels/*.cu.
@@ -78,6 +80,7 @@ impl Kernel {
             Kernel::GatherRows => "fep_gather_rows",
             Kernel::SegmentSum => "fep_segment_sum",
             Kernel::TraceClock => "fep_trace_clock",
+            Kernel::CopyBytes => "fep_copy_bytes",
         }
     }
 }

@@ -234,27 +234,43 @@ impl Drop for Event {
     }
 }
 
+/// How long [`poll_within`] polls back to back, then with a yield between polls, before it
+/// sleeps between them.
+const POLL_SPIN: Duration = Duration::from_micros(300);
+const POLL_YIELD: Duration = Duration::from_millis(5);
+/// The sleep between polls after [`POLL_YIELD`].
+const POLL_SLEEP: Duration = Duration::from_micros(50);
+
 /// Calls `done` until it says true or `limit` passes (then `CudaError::Timeout` naming `call`):
-/// spins briefly, then sleeps 50 us between polls.
-pub(super) fn poll_within(
+/// polls back to back for [`POLL_SPIN`], then yields the core between polls until
+/// [`POLL_YIELD`], then sleeps [`POLL_SLEEP`] between polls.
+///
+/// NOTES (why spin first): a fresh normal dispatch waits here once for the counts its notify
+/// kernel produces, typically 10-100 us after the launch. A sleep overshoots by its own length
+/// plus the timer's slack (one 50 us sleep was most of a 1-rank step's overhead), so the
+/// first stretch is spent polling; a wait that lasts milliseconds is a slow peer, and there a
+/// core is worth more to the peer (ranks may share few cores) than a few microseconds of
+/// latency.
+pub(crate) fn poll_within(
     limit: Duration,
     call: &'static str,
     mut done: impl FnMut() -> CudaResult<bool>,
 ) -> CudaResult<()> {
     let start = Instant::now();
-    let mut spins = 0u32;
     loop {
         if done()? {
             return Ok(());
         }
-        if start.elapsed() >= limit {
-            return Err(CudaError::Timeout { call, waited: start.elapsed() });
+        let waited = start.elapsed();
+        if waited >= limit {
+            return Err(CudaError::Timeout { call, waited });
         }
-        spins += 1;
-        if spins > 64 {
-            std::thread::sleep(Duration::from_micros(50));
-        } else {
+        if waited < POLL_SPIN {
             std::hint::spin_loop();
+        } else if waited < POLL_YIELD {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(POLL_SLEEP);
         }
     }
 }
@@ -266,13 +282,14 @@ mod tests {
 
     #[test]
     fn poll_within_returns_once_done_and_times_out_naming_the_call() {
-        let n = Cell::new(0u32);
+        // Done only after 8 ms: through the spinning and yielding phases into the sleeping one.
+        let (n, t0) = (Cell::new(0u32), Instant::now());
         poll_within(Duration::from_secs(5), "probe", || {
             n.set(n.get() + 1);
-            Ok(n.get() >= 100) // past the spin phase into the sleeping one
+            Ok(t0.elapsed() >= Duration::from_millis(8))
         })
         .unwrap();
-        assert_eq!(n.get(), 100);
+        assert!(n.get() > 1);
         let t = Instant::now();
         match poll_within(Duration::from_millis(20), "probe", || Ok(false)) {
             Err(CudaError::Timeout { call, waited }) => {

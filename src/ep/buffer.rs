@@ -41,7 +41,7 @@ use super::plan::{
 };
 use super::quant::{bf16_to_f32, f32_to_bf16, quantize_row_bf16};
 use crate::bootstrap::Bootstrap;
-use crate::fabric::{InfoQuery, MemKind, MemoryRegion, Stack};
+use crate::fabric::{InfoQuery, MemKind, MemoryRegion, Placement, Stack};
 use crate::proxy::{
     CounterLayout, CounterMemory, FabricPeer, FabricTransport, LoopbackGroup, LoopbackOptions,
     Proxy, ProxyConfig, RingLayout, RingMemory, SharedRegion, SplitTransport, Throttled,
@@ -277,8 +277,53 @@ fn blob_err(rank: usize, peer: usize, len: usize) -> Error {
     }
 }
 
+/// `rows * per_row` copies of `v` for an output whose row count peers announced (`prefix`: the
+/// per-source row prefix): a size that overflows or cannot be allocated is [`Error::Protocol`]
+/// naming the source that announced the most rows, never an allocation abort.
+pub(crate) fn announced_vec<T: Clone>(
+    rank: usize,
+    prefix: &[u64],
+    rows: u64,
+    per_row: usize,
+    v: T,
+) -> Result<Vec<T>> {
+    let n = usize::try_from(rows).ok().and_then(|r| r.checked_mul(per_row));
+    let mut out = Vec::new();
+    match n {
+        Some(n) if out.try_reserve_exact(n).is_ok() => {
+            out.resize(n, v);
+            Ok(out)
+        }
+        _ => {
+            let (peer, most) = prefix
+                .windows(2)
+                .map(|w| w[1] - w[0])
+                .enumerate()
+                .max_by_key(|&(_, c)| c)
+                .unwrap_or((0, 0));
+            Err(Error::Protocol {
+                rank,
+                peer,
+                phase: "notify",
+                msg: format!(
+                    "announced {most} tokens ({rows} rows from every peer): {rows} x {per_row} \
+                     output elements of {} bytes cannot be allocated",
+                    std::mem::size_of::<T>()
+                ),
+            })
+        }
+    }
+}
+
 fn read_u64(b: &[u8], at: usize) -> Option<u64> {
     Some(u64::from_le_bytes(b.get(at..at + 8)?.try_into().ok()?))
+}
+
+/// The proxy's view of dead ranks: the bootstrap's (the TCP store pushes a rank's death to
+/// every rank at once), so a step waiting on a dead peer ends within milliseconds, naming it.
+fn peer_watch(boot: &Arc<dyn Bootstrap>) -> crate::proxy::PeerWatch {
+    let b = boot.clone();
+    Arc::new(move || b.dead_ranks())
 }
 
 /// The bootstrap's rank and size must be the config's (an argument error naming `boot`).
@@ -312,6 +357,7 @@ impl Buffer {
     /// starts the proxy. Collective: every rank calls it.
     pub fn new(cfg: EpConfig, boot: Arc<dyn Bootstrap>, opts: BufferOptions) -> Result<Self> {
         check_boot(&cfg, &*boot)?;
+        crate::log::set_rank(cfg.rank);
         let fabric_host =
             opts.backend == Backend::Host && matches!(opts.transport, TransportKind::Fabric);
         if !fabric_host && opts.intranode_provider.is_some() {
@@ -358,6 +404,12 @@ impl Buffer {
         let r = cfg.num_ranks;
         let timeout = opts.timeout.unwrap_or(cfg.timeout);
         let layout = cfg.normal_layout();
+        // The host backend has no GPU: the node's ranks spread over equally near NICs.
+        let place = Placement {
+            rank: Some(rank),
+            local_rank: rank % cfg.ranks_per_node.max(1),
+            ..Placement::default()
+        };
         let rings = RingMemory::new_host(RingLayout::new(1, opts.ring_capacity)?)?;
         let counters = CounterMemory::new_host(CounterLayout {
             num_slots: layout.imm.num_ids() as u32,
@@ -403,9 +455,9 @@ impl Buffer {
                 (geo, send, recv, proxy, None)
             }
             TransportKind::Fabric => {
-                let stack = Stack::open(&InfoQuery::provider(&opts.provider), r)?;
+                let stack = Stack::open_placed(&InfoQuery::provider(&opts.provider), r, &place)?;
                 let near_stack = match &opts.intranode_provider {
-                    Some(p) => Some(Stack::open(&InfoQuery::provider(p), r)?),
+                    Some(p) => Some(Stack::open_placed(&InfoQuery::provider(p), r, &place)?),
                     None => None,
                 };
                 // NOTES: with two providers the slots must sit inside both one's and the other's
@@ -416,6 +468,16 @@ impl Buffer {
                     .min()
                     .unwrap_or(4096);
                 let geo = geometry(&cfg, stride)?;
+                crate::fep_info!(
+                    "host buffer: rank {rank} of {r} ({} per node), send and receive regions of \
+                     {} bytes each in host memory, timeout {timeout:?}{}",
+                    cfg.ranks_per_node,
+                    geo.bytes,
+                    opts.intranode_provider
+                        .as_deref()
+                        .map(|p| format!(", same-node peers over {p}"))
+                        .unwrap_or_default()
+                );
                 let send = Arc::new(SharedRegion::alloc_host(geo.bytes as usize)?);
                 let recv = Arc::new(SharedRegion::alloc_host(geo.bytes as usize)?);
                 // The header: the config hash, tagged when an intranode provider is used (so
@@ -499,6 +561,7 @@ impl Buffer {
         // Every rank's proxy runs and every region is registered before anyone writes.
         boot.barrier()?;
         let producer = rings.producer(0)?;
+        proxy.watch_peers(peer_watch(&boot));
         let comm = HostComm::new(rank, geo, timeout, producer, proxy, send.clone(), recv.clone());
         Ok(Buffer {
             cfg,
@@ -771,6 +834,7 @@ impl Buffer {
             (None, None) => return Err(Error::Other("dispatch: no plan (bug)".into())),
         };
         // ---- Data.
+        let me_rank = cfg.rank;
         let rows = recv_plan.num_out_rows as usize;
         let send_counts: Vec<u64> =
             (0..r).map(|d| send_plan.tokens_for(d as u64).len() as u64).collect();
@@ -778,19 +842,38 @@ impl Buffer {
             (0..r).map(|s| recv_plan.rank_prefix[s + 1] - recv_plan.rank_prefix[s]).collect();
         let fp8 = cfg.dispatch_dtype == DispatchDtype::Fp8E4m3;
         let groups = h / FP8_GROUP as usize;
-        let (mut out_bf16, mut out_fp8, mut out_scales) = if fp8 {
-            (Vec::new(), vec![0u8; rows * h], vec![0f32; rows * groups])
-        } else {
-            (vec![0u16; rows * h], Vec::new(), Vec::new())
-        };
+        // The row counts came from the peers' notify records: every output is allocated
+        // fallibly, so a peer announcing 2^31 - 1 tokens is an error naming it, not an abort.
+        let pre = &recv_plan.rank_prefix;
+        let n_rows = recv_plan.num_out_rows;
+        let alloc = (|| -> Result<_> {
+            let (b, q, s) = if fp8 {
+                (
+                    Vec::new(),
+                    announced_vec(me_rank, pre, n_rows, h, 0u8)?,
+                    announced_vec(me_rank, pre, n_rows, groups, 0f32)?,
+                )
+            } else {
+                (announced_vec(me_rank, pre, n_rows, h, 0u16)?, Vec::new(), Vec::new())
+            };
+            let (i, w) = if args.topk_idx.is_some() {
+                (
+                    announced_vec(me_rank, pre, n_rows, k, -1i64)?,
+                    announced_vec(me_rank, pre, n_rows, k, 0f32)?,
+                )
+            } else {
+                (Vec::new(), Vec::new())
+            };
+            let src = announced_vec(me_rank, pre, recv_plan.num_recv_tokens, 1, 0i32)?;
+            Ok((b, q, s, i, w, src))
+        })();
+        let (mut out_bf16, mut out_fp8, mut out_scales, mut out_idx, mut out_w, mut src_idx) =
+            match alloc {
+                Ok(v) => v,
+                Err(e) => return Err(self.poison(e)),
+            };
         let with_topk = args.topk_idx.is_some();
-        let (mut out_idx, mut out_w) = if with_topk {
-            (vec![-1i64; rows * k], vec![0f32; rows * k])
-        } else {
-            (Vec::new(), Vec::new())
-        };
         let n_recv = recv_plan.num_recv_tokens as usize;
-        let mut src_idx = vec![0i32; n_recv];
         let rec = cfg.normal_layout().dispatch_record;
         let mut li = vec![-1i32; k];
         let mut lw = vec![0f32; k];
@@ -1262,7 +1345,13 @@ impl Buffer {
                 (geo, send, recv, proxy, None)
             }
             TransportKind::Fabric => {
-                let stack = Stack::open(&InfoQuery::provider(&self.opts.provider), r)?;
+                let place = Placement {
+                    rank: Some(rank),
+                    local_rank: rank % cfg.ranks_per_node.max(1),
+                    ..Placement::default()
+                };
+                let stack =
+                    Stack::open_placed(&InfoQuery::provider(&self.opts.provider), r, &place)?;
                 let stride = stack.info.max_region_bytes().max(4096) as u64;
                 let geo = LlGeometry::new(layout, stride)?;
                 // One region holds send and receive areas; the NIC reads and writes disjoint
@@ -1289,6 +1378,7 @@ impl Buffer {
         // Every rank's LL proxy runs and every LL region is registered before anyone writes.
         self.boot.barrier()?;
         let producer = rings.producer(0)?;
+        proxy.watch_peers(peer_watch(&self.boot));
         let comm = LlComm::new(rank, geo, timeout, producer, proxy, send.clone(), recv.clone());
         Ok(LlLane { comm, _fabric: fabric, _mem: (send, recv) })
     }
@@ -1792,5 +1882,26 @@ fn dtype_of(use_fp8: bool) -> DispatchDtype {
         DispatchDtype::Fp8E4m3
     } else {
         DispatchDtype::Bf16
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_output_sized_past_memory_names_the_peer_that_announced_it() {
+        // Rank 0 hears 5 tokens from rank 0, 2^31 - 1 from rank 1 and 3 from rank 2.
+        let big = i32::MAX as u64;
+        let prefix = [0, 5, 5 + big, 8 + big];
+        for (rows, per_row) in [(8 + big, usize::MAX / 2), (u64::MAX, 1)] {
+            match announced_vec(0, &prefix, rows, per_row, 0u16) {
+                Err(Error::Protocol { rank: 0, peer: 1, phase: "notify", msg }) => {
+                    assert!(msg.contains(&format!("announced {big} tokens")), "{msg}");
+                }
+                other => panic!("expected a protocol error naming rank 1, got {other:?}"),
+            }
+        }
+        assert_eq!(announced_vec(0, &prefix, 3, 2, 7u8).unwrap(), vec![7; 6]);
     }
 }

@@ -58,25 +58,48 @@ pub fn exchange_fabric(
     let (mut headers, mut names, mut regions) =
         (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
     for (peer, b) in all.iter().enumerate() {
-        let bad = |what: &str| malformed(rank, peer, b.len(), what);
-        let field = |at: usize| -> Result<(&[u8], usize)> {
-            let len = b.get(at..at + 4).and_then(|s| s.try_into().ok()).map(u32::from_le_bytes);
-            let len = len.ok_or_else(|| bad("truncated length"))? as usize;
-            let body = b.get(at + 4..at + 4 + len).ok_or_else(|| bad("truncated field"))?;
-            Ok((body, at + 4 + len))
-        };
-        let (h, at) = field(0)?;
-        let (nm, at) = field(at)?;
-        let region = RemoteRegion::from_bytes(&b[at..]).map_err(|e| bad(&e.to_string()))?;
-        if region.len < min_region {
-            return Err(bad(&format!(
-                "receive region of {} bytes, expected at least {min_region}",
-                region.len
-            )));
-        }
-        headers.push(h.to_vec());
-        names.push(nm.to_vec());
-        regions.push(region);
+        let p = parse_blob(rank, peer, b, min_region)?;
+        headers.push(p.header.to_vec());
+        names.push(p.name.to_vec());
+        regions.push(p.region);
     }
     Ok(FabricPeers { headers, addrs: stack.connect(&names)?, regions })
+}
+
+/// One peer's connection blob, parsed (borrowing from the blob).
+#[derive(Debug)]
+pub struct ConnectBlob<'a> {
+    pub header: &'a [u8],
+    pub name: &'a [u8],
+    pub region: RemoteRegion,
+}
+
+/// Longest endpoint name accepted from a peer (libfabric's are tens of bytes; EFA's 32).
+pub const MAX_EP_NAME: usize = 4096;
+
+/// Parses what `peer` published (`u32 len, header, u32 len, endpoint name, region`): every
+/// length is checked against the blob before use, and the region must hold `min_region`
+/// bytes. Any violation is [`Error::Protocol`] naming `peer`. Pure: the fuzz harness calls it.
+pub fn parse_blob(rank: usize, peer: usize, b: &[u8], min_region: u64) -> Result<ConnectBlob<'_>> {
+    let bad = |what: &str| malformed(rank, peer, b.len(), what);
+    let field = |at: usize| -> Result<(&[u8], usize)> {
+        let len = b.get(at..at + 4).and_then(|s| s.try_into().ok()).map(u32::from_le_bytes);
+        let len = len.ok_or_else(|| bad("truncated length"))? as usize;
+        let end = at.checked_add(4 + len).ok_or_else(|| bad("field length overflows"))?;
+        let body = b.get(at + 4..end).ok_or_else(|| bad("truncated field"))?;
+        Ok((body, end))
+    };
+    let (header, at) = field(0)?;
+    let (name, at) = field(at)?;
+    if name.is_empty() || name.len() > MAX_EP_NAME {
+        return Err(bad(&format!("endpoint name of {} bytes (1..={MAX_EP_NAME})", name.len())));
+    }
+    let region = RemoteRegion::from_bytes(&b[at..]).map_err(|e| bad(&e.to_string()))?;
+    if region.len < min_region {
+        return Err(bad(&format!(
+            "receive region of {} bytes, expected at least {min_region}",
+            region.len
+        )));
+    }
+    Ok(ConnectBlob { header, name, region })
 }

@@ -507,7 +507,8 @@ pub(crate) fn stage_boots(cfg: &EpConfig, boot: Arc<dyn Bootstrap>) -> (SubGroup
 /// index): a stable counting sort by source rank = node * rpn + gateway. Returns (`perm`:
 /// output row -> node-stage row, `rank_prefix [R + 1]`, `recv_src_idx` in output order). A
 /// source node out of range is a protocol error naming the gateway's job rank.
-pub(crate) fn final_order(
+#[doc(hidden)]
+pub fn final_order(
     cfg: &EpConfig,
     meta: &[(u32, u32)],
     gateway: &[usize],
@@ -516,15 +517,25 @@ pub(crate) fn final_order(
     let n2 = meta.len();
     let mut count = vec![0u64; r + 1];
     let mut keys = Vec::with_capacity(n2);
-    for (i, &(m, _)) in meta.iter().enumerate() {
+    if gateway.len() != n2 {
+        return Err(Error::arg("gateway", format!("{} rows, expected {n2}", gateway.len())));
+    }
+    for (i, &(m, t)) in meta.iter().enumerate() {
+        let bad = |msg: String| Error::Protocol {
+            rank: cfg.rank,
+            peer: cfg.rank / rpn * rpn + gateway[i],
+            phase: "hierarchical dispatch",
+            msg,
+        };
+        if gateway[i] >= rpn {
+            return Err(Error::arg("gateway", format!("row {i}: {} of {rpn}", gateway[i])));
+        }
         let key = m as usize * rpn + gateway[i];
         if key >= r {
-            return Err(Error::Protocol {
-                rank: cfg.rank,
-                peer: cfg.rank / rpn * rpn + gateway[i],
-                phase: "hierarchical dispatch",
-                msg: format!("row {i} names source node {m} of {}", r / rpn),
-            });
+            return Err(bad(format!("row {i} names source node {m} of {}", r / rpn)));
+        }
+        if t > i32::MAX as u32 {
+            return Err(bad(format!("row {i} names source token {t}, past 2^31 - 1")));
         }
         count[key + 1] += 1;
         keys.push(key);
@@ -614,8 +625,27 @@ fn proxy_world_err(p: ProxyError, stage: &str, to_world: &impl Fn(usize) -> usiz
                 .map(|l| Lagging { peer: if l.peer == u32::MAX { l.peer } else { w(l.peer) }, ..l })
                 .collect(),
         },
-        ProxyError::SendTimeout { rank, ring, expected, observed, waited } => {
-            ProxyError::SendTimeout { rank: w(rank), ring, expected, observed, waited }
+        ProxyError::SendTimeout { rank, ring, expected, observed, waited, owed, queued } => {
+            let m = |v: Vec<(u32, u64)>| v.into_iter().map(|(p, n)| (w(p), n)).collect();
+            ProxyError::SendTimeout {
+                rank: w(rank),
+                ring,
+                expected,
+                observed,
+                waited,
+                owed: m(owed),
+                queued: m(queued),
+            }
+        }
+        ProxyError::RingFull { ring, capacity, head, tail, waited, queued } => {
+            ProxyError::RingFull {
+                ring,
+                capacity,
+                head,
+                tail,
+                waited,
+                queued: queued.into_iter().map(|(p, n)| (w(p), n)).collect(),
+            }
         }
         ProxyError::WorkerStopped { rank } => ProxyError::WorkerStopped { rank: w(rank) },
         // The failed worker's error is shared (an Arc, not rebuilt here): its ranks stay the

@@ -317,6 +317,15 @@ impl DispatchLayoutGpu {
         })
     }
 
+    pub fn num_experts(&self) -> usize {
+        self.num_experts
+    }
+    pub fn num_ranks(&self) -> usize {
+        self.num_ranks
+    }
+    pub fn ranks_per_node(&self) -> usize {
+        self.ranks_per_node
+    }
     pub fn device(&self) -> &Device {
         &self.dev
     }

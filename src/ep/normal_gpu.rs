@@ -281,11 +281,15 @@ pub struct NormalGpuRank {
     /// Page-locked landing area of the receive counts [`Self::recv_info`] reads back
     /// (`rank_prefix [R + 1]`, then `recv_expert_counts [L]`, i32).
     readback: HostMapped,
+    /// Ranks known dead (the bootstrap's), asked while [`Self::recv_info`] waits.
+    peer_watch: Option<crate::proxy::PeerWatch>,
 }
 
 /// Assumed SM clock for turning the timeout into a cycle budget (an H200 boosts to 1.98 GHz;
 /// a slower clock only lengthens the wait).
 const CYCLES_PER_SEC: f64 = 2.0e9;
+/// Bytes before the totals in the mapped readback (the u64 epoch).
+const READBACK_HEAD: usize = 8;
 
 impl NormalGpuRank {
     /// Every rank of a group living in this process on `dev` (threads as ranks): comm buffers
@@ -322,6 +326,7 @@ impl NormalGpuRank {
                 epoch: 0,
                 proxy: None,
                 readback: Self::new_readback(dev, settings, &map)?,
+                peer_watch: None,
             });
         }
         Ok(out)
@@ -381,16 +386,25 @@ impl NormalGpuRank {
             epoch: 0,
             proxy: None,
             readback: Self::new_readback(dev, settings, &map)?,
+            peer_watch: None,
         })
     }
 
+    /// The notify's totals for the host (fep_abi.h `host_counts`): the u64 epoch of the last
+    /// notify that wrote them, then rank_prefix `[R + 1]` and the per-local-expert counts `[L]`.
     fn new_readback(dev: &Device, s: &NormalGpuSettings, map: &CommMap) -> Result<HostMapped> {
         let l = map.layout.num_local_experts as usize;
-        Ok(HostMapped::new(dev, 4 * (s.num_ranks + 1 + l))?)
+        let m = HostMapped::new(dev, READBACK_HEAD + 4 * (s.num_ranks + 1 + l))?;
+        m.write::<u64>(0, 0)?;
+        Ok(m)
     }
 
     pub fn rank(&self) -> usize {
         self.rank
+    }
+    /// Lets [`Self::recv_info`] end at once, naming the rank, when `watch` reports one dead.
+    pub fn watch_peers(&mut self, watch: crate::proxy::PeerWatch) {
+        self.peer_watch = Some(watch);
     }
     pub fn settings(&self) -> &NormalGpuSettings {
         &self.settings
@@ -554,24 +568,61 @@ impl NormalGpuRank {
             epoch: self.epoch,
             expert_alignment: expert_alignment as i32,
             out_capacity: out_capacity.min(i32::MAX as usize) as i32,
+            host_counts: self.readback.device_ptr(),
         };
         launch::normal_notify(stream, p).map_err(Error::from)
     }
 
-    /// After [`Self::notify`]: synchronises `stream` (bounded) and reads the receive counts.
+    /// After [`Self::notify`]: waits (bounded) until the notify kernel has written its totals
+    /// into mapped host memory and reads the receive counts, without synchronising `stream`.
     ///
-    /// NOTES: the counts come back through page-locked memory, copied on `stream`
-    /// ([`DeviceBuffer::copy_to_pinned_async`] says why not a pageable copy).
+    /// NOTES: the notify's last block writes the totals there itself and then release-stores
+    /// this notify's epoch (fep_abi.h `host_counts`), so the host sees them the moment they
+    /// exist, not after the kernel's end, a copy and a stream synchronisation. A notify that
+    /// fails returns without the epoch: the stream then ends without it, and the device error
+    /// (or, if none was recorded, a protocol error) is returned instead.
     pub fn recv_info(&self, stream: &Stream, handle: &NormalHandle) -> Result<RecvInfo> {
-        let pre = handle.rank_prefix.len();
-        handle.rank_prefix.copy_to_pinned_async(&self.readback, 0, stream)?;
-        handle.recv_expert_counts.copy_to_pinned_async(&self.readback, pre, stream)?;
-        self.finish(stream)?;
+        let (pre, per) = (handle.rank_prefix.len() / 4, handle.recv_expert_counts.len() / 4);
+        if READBACK_HEAD + 4 * (pre + per) > self.readback.len() {
+            return Err(Error::arg("handle", "made for another group"));
+        }
+        let epoch = self.epoch;
+        let limit = self.settings.timeout * 2 + Duration::from_secs(5);
+        let arrived =
+            || -> crate::cuda::CudaResult<bool> { Ok(self.readback.read::<u64>(0)? == epoch) };
+        let (mut ended, mut dead) = (false, None);
+        crate::cuda::poll_within(limit, "the notify's totals", || {
+            if arrived()? {
+                return Ok(true);
+            }
+            dead = self.peer_watch.as_ref().and_then(|w| w().first().copied());
+            if dead.is_some() {
+                return Ok(true);
+            }
+            ended = stream.query()?;
+            Ok(ended)
+        })?;
+        if let Some(peer) = dead {
+            return Err(Error::Proxy(crate::proxy::ProxyError::PeerDead {
+                rank: self.rank as u32,
+                peer: peer as u32,
+            }));
+        }
+        if ended && !arrived()? {
+            self.check()?;
+            return Err(Error::Protocol {
+                rank: self.rank,
+                peer: self.rank,
+                phase: "notify",
+                msg: "the notify kernel ended without its totals".into(),
+            });
+        }
+        self.check()?;
         let read = |off: usize, n: usize| -> Result<Vec<i32>> {
             (0..n).map(|i| Ok(self.readback.read::<i32>(off + 4 * i)?)).collect()
         };
-        let rank_prefix = read(0, pre / 4)?;
-        let per_expert = read(pre, handle.recv_expert_counts.len() / 4)?;
+        let rank_prefix = read(READBACK_HEAD, pre)?;
+        let per_expert = read(READBACK_HEAD + 4 * pre, per)?;
         let n = *rank_prefix.last().unwrap_or(&0);
         Ok(RecvInfo {
             num_recv_tokens: n.max(0) as usize,

@@ -6,6 +6,7 @@ use std::ptr;
 use libfabric_sys as sys;
 
 use super::error::{FabricError, Result};
+use super::topo::{NicCandidate, NicChoice, NicsOverride, Placement, Sysfs};
 
 /// The capabilities every EP endpoint asks for.
 pub(crate) const EP_CAPS: u64 = (sys::FI_MSG as u64)
@@ -176,6 +177,108 @@ pub fn find(query: &InfoQuery) -> Result<Vec<Info>> {
     Ok(out)
 }
 
+/// The entry for one endpoint placed by `placement`: among the domains (NICs) of the fabric
+/// libfabric lists first (tcp lists loopback as a fabric of its own: never mixed in), the
+/// nearest to the rank's GPU, or those `FEP_NICS` names, round-robin over the rank's
+/// endpoints ([`super::topo`]). With one domain this is [`find_first`]'s entry. Logs the
+/// choice at info (debug for the second and later endpoints), and a warning when the NIC is
+/// not behind the GPU's PCIe switch.
+pub fn select(query: &InfoQuery, placement: &Placement) -> Result<Info> {
+    let nics = NicsOverride::from_env()?;
+    select_with(find(query)?, &Sysfs::from_env(), &nics, placement)
+}
+
+/// [`select`] over given entries (`all`, in libfabric's order), sysfs root and `FEP_NICS`.
+pub fn select_with(
+    all: Vec<Info>,
+    sysfs: &Sysfs,
+    nics: &NicsOverride,
+    placement: &Placement,
+) -> Result<Info> {
+    // One entry per domain: the first libfabric lists (its preferred attributes), of the first
+    // entry's fabric unless FEP_NICS names a domain elsewhere.
+    let first_fabric = all.first().map(|i| i.fabric_name()).unwrap_or_default();
+    let mut entries: Vec<Info> = Vec::new();
+    for info in all {
+        if !entries.iter().any(|e| e.domain_name() == info.domain_name()) {
+            entries.push(info);
+        }
+    }
+    let (same, other): (Vec<Info>, Vec<Info>) =
+        entries.into_iter().partition(|i| i.fabric_name() == first_fabric);
+    let mut entries = same;
+    if !matches!(nics, NicsOverride::Auto) {
+        entries.extend(other);
+    }
+    if entries.len() == 1 && matches!(nics, NicsOverride::Auto) {
+        let info = entries.swap_remove(0);
+        log_choice(&info, placement, None);
+        return Ok(info);
+    }
+    let candidates: Vec<NicCandidate> = entries
+        .iter()
+        .map(|i| NicCandidate { domain: i.domain_name(), pci: i.nic_pci() })
+        .collect();
+    let choice = super::topo::choose(sysfs, nics, placement, &candidates)?;
+    let info = entries.swap_remove(choice.index);
+    log_choice(&info, placement, Some(&choice));
+    Ok(info)
+}
+
+fn log_choice(info: &Info, p: &Placement, choice: Option<&NicChoice>) {
+    let who = match p.rank {
+        Some(r) => format!("rank {r} (local {}) endpoint {}/{}", p.local_rank, p.lane, p.lanes),
+        None => format!("endpoint {}/{}", p.lane, p.lanes),
+    };
+    let gpu = p.gpu_pci.as_deref().unwrap_or("none");
+    let Some(c) = choice else {
+        if p.lane == 0 {
+            crate::fep_info!(
+                target: "fabric_ep::fabric",
+                "{who}: provider {} fabric {} domain {} (the only one in its fabric) mr_mode {:#x} hmem {}",
+                info.provider(),
+                info.fabric_name(),
+                info.domain_name(),
+                info.mr_mode(),
+                info.hmem()
+            );
+        }
+        return;
+    };
+    let set: Vec<&str> = c.set.iter().map(|n| n.domain.as_str()).collect();
+    let why =
+        if c.overridden { "FEP_NICS".to_string() } else { c.chosen.proximity.describe().into() };
+    let line = format!(
+        "{who}: provider {} fabric {} domain {} mr_mode {:#x} hmem {} (NIC {}, GPU {gpu}: \
+         {why}; one of {}: {})",
+        info.provider(),
+        info.fabric_name(),
+        info.domain_name(),
+        info.mr_mode(),
+        info.hmem(),
+        c.chosen.pci.as_deref().unwrap_or("?"),
+        c.set.len(),
+        set.join(",")
+    );
+    if p.lane == 0 {
+        crate::fep_info!(target: "fabric_ep::fabric", "{line}");
+    } else {
+        crate::fep_debug!(target: "fabric_ep::fabric", "{line}");
+    }
+    let far = p.gpu_pci.is_some()
+        && !c.overridden
+        && c.chosen.proximity != super::topo::Proximity::SameSwitch;
+    if far && p.lane == 0 {
+        crate::fep_warn!(
+            target: "fabric_ep::fabric",
+            "{who}: no NIC behind GPU {gpu}'s PCIe switch; using {} ({}): traffic crosses the \
+             host's PCIe/CPU links",
+            info.domain_name(),
+            c.chosen.proximity.describe()
+        );
+    }
+}
+
 /// The first entry [`find`] returns.
 pub fn find_first(query: &InfoQuery) -> Result<Info> {
     // `find` never returns an empty list.
@@ -256,6 +359,26 @@ impl Info {
             return v;
         }
         1 << 30
+    }
+    /// The NIC's PCI address when the provider reports it (`nic->bus_attr`), `dddd:bb:dd.f`.
+    pub fn nic_pci(&self) -> Option<String> {
+        // SAFETY: nic, when set, points at the provider's fid_nic for this entry, and bus_attr,
+        // when set, at its bus attributes; both live as long as the entry.
+        unsafe {
+            let nic = self.raw().nic;
+            if nic.is_null() || (*nic).bus_attr.is_null() {
+                return None;
+            }
+            let bus = &*(*nic).bus_attr;
+            if bus.bus_type != sys::fi_bus_type_FI_BUS_PCI {
+                return None;
+            }
+            let p = bus.attr.pci;
+            Some(format!(
+                "{:04x}:{:02x}:{:02x}.{:x}",
+                p.domain_id, p.bus_id, p.device_id, p.function_id
+            ))
+        }
     }
     /// A one-line human description.
     pub fn describe(&self) -> String {

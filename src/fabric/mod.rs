@@ -13,6 +13,7 @@ mod endpoint;
 mod error;
 mod info;
 mod mr;
+pub mod topo;
 
 use std::sync::Arc;
 
@@ -21,9 +22,12 @@ pub use cq::{Completion, CompletionQueue};
 pub use domain::{Domain, Fabric};
 pub use endpoint::Endpoint;
 pub use error::{strerror, FabricError, Result};
-pub use info::{api_version, find, find_first, library_version, Info, InfoQuery};
+pub use info::{
+    api_version, find, find_first, library_version, select, select_with, Info, InfoQuery,
+};
 pub use libfabric_sys as sys;
 pub use mr::{MemKind, MemoryRegion, RemoteRegion};
+pub use topo::Placement;
 
 /// Fabric, domain, CQ, AV and one endpoint for one provider/NIC.
 pub struct Stack {
@@ -36,9 +40,24 @@ pub struct Stack {
 }
 
 impl Stack {
-    /// Opens everything for the first entry matching `query`.
+    /// Opens everything for the entry [`select`] picks for an endpoint placed nowhere in
+    /// particular (no GPU, local rank 0, one endpoint): with `FEP_NICS` unset, the first
+    /// domain libfabric lists.
     pub fn open(query: &InfoQuery, num_peers: usize) -> Result<Stack> {
-        Self::open_info(find_first(query)?, num_peers)
+        Self::open_placed(query, num_peers, &Placement::default())
+    }
+
+    /// Opens everything for the NIC [`select`] picks for `placement` (the rank's GPU, its
+    /// local rank, which of its endpoints this is).
+    pub fn open_placed(
+        query: &InfoQuery,
+        num_peers: usize,
+        placement: &Placement,
+    ) -> Result<Stack> {
+        if let Some(r) = placement.rank {
+            crate::log::set_rank(r);
+        }
+        Self::open_info(select(query, placement)?, num_peers)
     }
 
     /// Opens everything for one `fi_info` entry (e.g. one of several NICs from [`find`]).
@@ -48,6 +67,7 @@ impl Stack {
         let cq = CompletionQueue::open(&domain, 0)?;
         let av = AddressVector::open(&domain, num_peers)?;
         let ep = Endpoint::open(&domain, &cq, &av)?;
+        crate::fep_debug!(target: "fabric_ep::fabric", "opened {}", info.describe());
         Ok(Stack { info, fabric, domain, cq, av, ep })
     }
 

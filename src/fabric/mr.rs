@@ -114,6 +114,16 @@ impl MemoryRegion {
             mr.chunks.push(register_chunk(domain, ep.filter(|_| bind_ep), base.add(off), n, kind)?);
             off += n;
         }
+        // Registration happens at set-up only (buffers are registered once and reused).
+        crate::fep_info!(
+            target: "fabric_ep::fabric",
+            "registered {len} bytes of {kind:?} memory on {}: {} region(s) of at most {chunk} \
+             bytes, mr_mode {:#x}{}",
+            info.domain_name(),
+            mr.chunks.len(),
+            info.mr_mode(),
+            if bind_ep { ", bound to the endpoint" } else { "" }
+        );
         Ok(mr)
     }
 
@@ -248,8 +258,15 @@ impl RemoteRegion {
         let c = (c as usize).min(self.keys.len().saturating_sub(1));
         let key = *self.keys.get(c).ok_or_else(|| FabricError::arg("remote", "no keys"))?;
         let in_chunk = off - c as u64 * self.chunk;
-        let addr =
-            if self.virt_addr { self.base + c as u64 * self.chunk + in_chunk } else { in_chunk };
+        let addr = if self.virt_addr {
+            // `base` came from a peer: a region past the end of the address space is refused
+            // here (and by `from_bytes`), never wrapped around.
+            self.base.checked_add(off).ok_or_else(|| {
+                FabricError::arg("remote", format!("base {:#x} + {off} overflows", self.base))
+            })?
+        } else {
+            in_chunk
+        };
         Ok((addr, key))
     }
 
@@ -273,11 +290,17 @@ impl RemoteRegion {
                 .ok_or_else(|| FabricError::arg("remote", format!("truncated ({} bytes)", b.len())))
         };
         let (base, len, chunk, flags, n) = (word(0)?, word(1)?, word(2)?, word(3)?, word(4)?);
-        if chunk == 0 || n != len.div_ceil(chunk) || b.len() as u64 != 40 + 8 * n {
+        // Checked: `n` comes from a peer, and 8 * n may not fit.
+        let want = n.checked_mul(8).and_then(|k| k.checked_add(40));
+        if chunk == 0 || n != len.div_ceil(chunk) || Some(b.len() as u64) != want {
             return Err(FabricError::arg("remote", "inconsistent region descriptor"));
         }
+        let virt_addr = flags & 1 != 0;
+        if virt_addr && base.checked_add(len).is_none() {
+            return Err(FabricError::arg("remote", format!("{len} bytes at {base:#x} overflow")));
+        }
         let keys = (0..n as usize).map(|i| word(5 + i)).collect::<Result<Vec<_>>>()?;
-        Ok(RemoteRegion { base, len, chunk, virt_addr: flags & 1 != 0, keys })
+        Ok(RemoteRegion { base, len, chunk, virt_addr, keys })
     }
 }
 

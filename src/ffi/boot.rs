@@ -78,8 +78,8 @@ pub unsafe extern "C" fn fep_boot_rank(
 }
 
 /// Equal-length all-gather over the bootstrap (the `fep_allgather_fn` signature, `user` = the
-/// `fep_boot`): `send` has `len` bytes, `recv` `len * num_ranks`. Returns 0 on success, else a
-/// `fep_status` (the message through `fep_last_error`). Collective.
+/// `fep_boot`): `send` has `len` bytes (at most 256 MiB), `recv` `len * num_ranks`. Returns 0 on
+/// success, else a `fep_status` (the message through `fep_last_error`). Collective.
 ///
 /// # Safety
 /// `send`/`recv` must hold the bytes above; `user` must be a live `fep_boot`.
@@ -93,9 +93,22 @@ pub unsafe extern "C" fn fep_boot_allgather(
     guard(|| {
         let b = super::live::get(user as *const fep_boot, "user")?.get()?;
         let n = b.world_size();
+        if len > crate::bootstrap::MAX_BLOB {
+            return Err(Error::arg(
+                "len",
+                format!(
+                    "{len} bytes, above the {}-byte limit of one contribution",
+                    crate::bootstrap::MAX_BLOB
+                ),
+            ));
+        }
         let total = len.checked_mul(n).ok_or_else(|| Error::arg("len", "len * ranks overflows"))?;
-        if len > 0 && (send.is_null() || recv.is_null()) {
-            return Err(Error::arg("send/recv", "NULL pointer"));
+        super::check_extent::<u8>("len", total)?;
+        if len > 0 && send.is_null() {
+            return Err(Error::arg("send", "NULL pointer with len > 0"));
+        }
+        if len > 0 && recv.is_null() {
+            return Err(Error::arg("recv", "NULL pointer with len > 0"));
         }
         let data = if len == 0 { &[][..] } else { std::slice::from_raw_parts(send.cast(), len) };
         let all = b.all_gather(data)?;

@@ -40,7 +40,10 @@ pub const FEP_BACKEND_HOST: i32 = 0;
 /// `fep_config.backend`: CUDA kernels.
 pub const FEP_BACKEND_GPU: i32 = 1;
 
-/// A dense, row-major tensor: data pointer, dtype (`FEP_DTYPE_*`) and shape.
+/// A dense, row-major tensor: data pointer, dtype (`FEP_DTYPE_*`) and shape (`ndim` of 0..=4
+/// extents, none negative). A tensor is refused, naming its argument, for a wrong dtype, ndim
+/// or extent, a NULL or misaligned `data` with elements, or a shape whose bytes would exceed
+/// `PTRDIFF_MAX` (no slice that large can exist, whatever the pointer).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct fep_tensor {
@@ -88,7 +91,8 @@ pub struct fep_config {
     /// Bound on every wait, seconds; 0: 60.
     pub timeout_s: f64,
     /// libfabric provider ("shm", "tcp;ofi_rxm", "efa", ...); NULL: `FI_PROVIDER`, else "shm".
-    /// On the GPU backend, the provider of both modes' proxy lanes to other nodes.
+    /// On the GPU backend, the provider of both modes' proxy lanes to other nodes. UTF-8, at
+    /// most 256 bytes, no control characters, not blank.
     pub provider: *const c_char,
     // ---- Appended after the first release (a caller whose `struct_size` ends before a field
     // gets that field's default; see `FEP_CONFIG_V1_SIZE`).
@@ -227,6 +231,9 @@ struct Resolved {
     /// The raw config (fields past the caller's `struct_size` at their defaults).
     raw: fep_config,
 }
+
+/// Longest `fep_config.provider` accepted (libfabric's names, lists included, are far shorter).
+const MAX_PROVIDER_LEN: usize = 256;
 
 /// Reads a caller's config: the first `struct_size` bytes (at least `FEP_CONFIG_V1_SIZE`, at
 /// most this library's `sizeof(fep_config)`); later fields keep `fep_config_init`'s defaults.
@@ -368,6 +375,17 @@ unsafe fn resolve(cfg: *const fep_config) -> Result<Resolved, Error> {
         if p.trim().is_empty() {
             return Err(Error::arg("provider", "empty (NULL picks FI_PROVIDER, else shm)"));
         }
+        if p.len() > MAX_PROVIDER_LEN || p.chars().any(char::is_control) {
+            return Err(Error::arg(
+                "provider",
+                format!(
+                    "{} bytes{}: a libfabric provider name is at most {MAX_PROVIDER_LEN} \
+                     printable bytes",
+                    p.len(),
+                    if p.chars().any(char::is_control) { " with control characters" } else { "" }
+                ),
+            ));
+        }
         p
     };
     let local_rank = if c.local_rank >= 0 {
@@ -375,10 +393,30 @@ unsafe fn resolve(cfg: *const fep_config) -> Result<Resolved, Error> {
     } else {
         env_usize("LOCAL_RANK").unwrap_or(rank % s.ranks_per_node.max(1))
     };
+    // Every field's range now, before any bootstrap or allocation (the errors name the field).
+    s.validate()?;
+    if local_rank >= s.ranks_per_node {
+        return Err(Error::arg(
+            "local_rank",
+            format!("{local_rank} not in 0..{} (ranks_per_node)", s.ranks_per_node),
+        ));
+    }
+    let hier = c.internode_hierarchy;
+    if hier == 1 && (backend != Backend::Gpu || s.ranks_per_node >= s.num_ranks) {
+        return Err(Error::arg(
+            "internode_hierarchy",
+            format!(
+                "{hier}: 1 (on) is for the GPU backend across nodes (ranks_per_node {} < \
+                 num_ranks {}), 0 off",
+                s.ranks_per_node, s.num_ranks
+            ),
+        ));
+    }
     Ok(Resolved { settings: s, local_rank, backend, provider, raw })
 }
 
-/// Bytes and memory regions a configuration needs per rank (no communication).
+/// Bytes and memory regions a configuration needs per rank (no communication). `cfg` is
+/// validated as by [`fep_buffer_create`].
 ///
 /// # Safety
 /// `cfg` and `out` must be valid pointers.
@@ -405,7 +443,9 @@ pub unsafe extern "C" fn fep_get_size_hints(
     })
 }
 
-/// Creates a buffer: validates `cfg`, bootstraps (through `allgather` when given, else the
+/// Creates a buffer: validates `cfg` (every field's range, `rank < num_ranks`, `local_rank <
+/// ranks_per_node`, `ranks_per_node` dividing `num_ranks`, before any communication; the
+/// message names the field), bootstraps (through `allgather` when given, else the
 /// torchrun/PyTorchJob environment variables), exchanges a config hash (a mismatch is
 /// `FEP_ERR_CONFIG_MISMATCH` naming the rank), allocates, registers and connects.
 ///
@@ -498,16 +538,6 @@ pub unsafe extern "C" fn fep_buffer_create_boot(
 fn create_on(r: Resolved, boot: Arc<dyn Bootstrap>) -> Result<*mut fep_buffer, Error> {
     let s = &r.settings;
     let hier = r.raw.internode_hierarchy;
-    if hier != 0 && (hier != 1 || r.backend != Backend::Gpu || s.ranks_per_node >= s.num_ranks) {
-        return Err(Error::arg(
-            "internode_hierarchy",
-            format!(
-                "{hier}: 1 (on) is for the GPU backend across nodes (ranks_per_node {} < \
-                     num_ranks {}), 0 off",
-                s.ranks_per_node, s.num_ranks
-            ),
-        ));
-    }
     if boot.rank() != s.rank || boot.world_size() != s.num_ranks {
         return Err(Error::arg(
             "cfg",
@@ -654,9 +684,20 @@ pub(crate) unsafe fn check_tensor(
     {
         return Err(Error::arg(name, format!("shape {dims:?}, expected {shape:?}")));
     }
-    dims.iter()
+    let n = dims
+        .iter()
         .try_fold(1usize, |acc, &d| acc.checked_mul(d as usize))
-        .ok_or_else(|| Error::arg(name, "size overflows"))
+        .ok_or_else(|| Error::arg(name, "size overflows"))?;
+    let elem = match dtype {
+        FEP_DTYPE_FP8_E4M3 | FEP_DTYPE_BOOL => 1,
+        FEP_DTYPE_BF16 => 2,
+        FEP_DTYPE_F32 | FEP_DTYPE_I32 => 4,
+        _ => 8,
+    };
+    if n.checked_mul(elem).is_none_or(|b| b > isize::MAX as usize) {
+        return Err(Error::arg(name, format!("shape {dims:?} exceeds the address space")));
+    }
+    Ok(n)
 }
 
 pub(crate) unsafe fn view<'a, T>(
@@ -715,6 +756,13 @@ pub(crate) fn no_stream(stream: *mut c_void, buf: &mut Buffer) -> Result<(), Err
 /// `cached` (a previous dispatch's handle) is given; `num_worst_tokens` 0 = as many rows as
 /// arrive. `stream`: a `CUstream` on the GPU backend, NULL on the host backend.
 ///
+/// Refused (`FEP_ERR_INVALID_ARGUMENT`, the message naming the argument): `T` above 2^31 - 1;
+/// `x_scales` given with bf16 `x`; a NaN or infinite `topk_weights` or `x_scales` value; a
+/// `topk_idx` value outside -1..num_experts (an expert named twice in one token is valid, as in
+/// DeepEP: the token goes to its rank once); `expert_alignment` < 1; `num_worst_tokens` outside
+/// 0..=2^31 - 1, below the rows received, or more rows than the host can allocate; a
+/// `cached` handle together with `topk_idx`/`topk_weights`, of another buffer, or destroyed.
+///
 /// # Safety
 /// Every non-NULL pointer must be valid for the call.
 #[no_mangle]
@@ -746,20 +794,29 @@ pub unsafe extern "C" fn fep_dispatch(
         }
         let xt = x.as_ref().ok_or_else(|| Error::arg("x", "NULL tensor"))?;
         let tokens = xt.shape[0];
+        // Before any tensor is read: DeepEP's token counts are ints.
+        if tokens > i64::from(i32::MAX) {
+            return Err(Error::arg("x", format!("{tokens} tokens, more than 2^31 - 1")));
+        }
         let xs = match xt.dtype {
             FEP_DTYPE_BF16 => {
+                if !x_scales.is_null() {
+                    return Err(Error::arg("x_scales", "given with bf16 x: must be NULL"));
+                }
                 Tokens::Bf16(view::<u16>("x", x, FEP_DTYPE_BF16, &[None, Some(hidden)])?.0)
             }
-            FEP_DTYPE_FP8_E4M3 => Tokens::Fp8 {
-                x: view::<u8>("x", x, FEP_DTYPE_FP8_E4M3, &[None, Some(hidden)])?.0,
-                scales: view::<f32>(
+            FEP_DTYPE_FP8_E4M3 => {
+                let x = view::<u8>("x", x, FEP_DTYPE_FP8_E4M3, &[None, Some(hidden)])?.0;
+                let scales = view::<f32>(
                     "x_scales",
                     x_scales,
                     FEP_DTYPE_F32,
                     &[Some(tokens), Some(hidden / 128)],
                 )?
-                .0,
-            },
+                .0;
+                super::check_finite("x_scales", scales)?;
+                Tokens::Fp8 { x, scales }
+            }
             d => {
                 return Err(Error::arg(
                     "x",
@@ -775,13 +832,14 @@ pub unsafe extern "C" fn fep_dispatch(
         let w = if topk_weights.is_null() {
             None
         } else {
-            Some(
+            let w =
                 view::<f32>("topk_weights", topk_weights, FEP_DTYPE_F32, &[Some(tokens), Some(k)])?
-                    .0,
-            )
+                    .0;
+            super::check_finite("topk_weights", w)?;
+            Some(w)
         };
         let cached = match super::live::get_opt(cached, "cached")? {
-            Some(h) => Some(h.host()?),
+            Some(h) => Some(h.host().map_err(|e| super::rename_arg(e, "handle", "cached"))?),
             None => None,
         };
         let args = DispatchArgs {
@@ -797,7 +855,13 @@ pub unsafe extern "C" fn fep_dispatch(
                 None
             },
         };
-        let out = b.dispatch(&args)?;
+        let out = b.dispatch(&args).map_err(|e| {
+            if cached.is_some() {
+                super::rename_arg(e, "handle", "cached")
+            } else {
+                e
+            }
+        })?;
         if !num_recv_tokens.is_null() {
             *num_recv_tokens = out.handle.num_out_rows() as i64;
         }
@@ -917,7 +981,8 @@ pub unsafe extern "C" fn fep_handle_num_recv_tokens(handle: *const fep_handle) -
 /// Normal combine with a dispatch handle: `x` `[rows, H]` bf16 (rows as the dispatch's outputs),
 /// optional `topk_weights` `[rows, K]` f32; writes `combined_x` `[T, H]` bf16 (per original
 /// token, the fp32 sum over the ranks it went to) and, when given, `combined_topk_weights`
-/// `[T, K]` f32.
+/// `[T, K]` f32. `combined_topk_weights` without `topk_weights` is refused (nothing would be
+/// written to it), as is a NaN or infinite weight.
 ///
 /// # Safety
 /// Every non-NULL pointer must be valid for the call.
@@ -939,11 +1004,18 @@ pub unsafe extern "C" fn fep_combine(
         let rows = h.num_out_rows() as i64;
         let xs = view::<u16>("x", x, FEP_DTYPE_BF16, &[Some(rows), Some(hidden)])?.0;
         let w = if topk_weights.is_null() {
+            if !combined_topk_weights.is_null() {
+                return Err(Error::arg(
+                    "combined_topk_weights",
+                    "given without topk_weights: nothing would be written (pass NULL)",
+                ));
+            }
             None
         } else {
-            Some(
-                view::<f32>("topk_weights", topk_weights, FEP_DTYPE_F32, &[Some(rows), Some(k)])?.0,
-            )
+            let w =
+                view::<f32>("topk_weights", topk_weights, FEP_DTYPE_F32, &[Some(rows), Some(k)])?.0;
+            super::check_finite("topk_weights", w)?;
+            Some(w)
         };
         let out = b.combine(&CombineArgs { x: xs, handle: h, topk_weights: w })?;
         let t = h.num_tokens() as i64;

@@ -278,7 +278,7 @@ fn elem_bytes(dtype: i32) -> usize {
 }
 
 /// A device tensor's range after checking dtype and shape (`None` extents: any).
-unsafe fn dev(
+pub(super) unsafe fn dev(
     name: &'static str,
     t: *const fep_tensor,
     dtype: i32,

@@ -31,12 +31,17 @@ pub struct fep_ll_op {
     state: State,
     /// The dispatch's routing, needed by the matching combine (dispatch ops only).
     handle: Option<LlHandle>,
+    /// The call's tokens `T` (a combine's output rows).
+    num_tokens: i64,
 }
 
 /// Low-latency dispatch (DeepEP V1 semantics): `x` `[T <= max_tokens_per_rank, H]` bf16,
 /// `topk_idx` `[T, K]` i64 (-1 = none). One write per (destination rank, local expert) carrying
 /// all its rows, the count in the immediate data. With `return_recv_hook` the call returns after
 /// the sends and `fep_ll_op_complete` does the receive. `stream`: NULL on the host backend.
+/// Refused: `T > max_tokens_per_rank`, a `topk_idx` value outside -1..num_experts or an expert
+/// named twice in one token (each row of an expert is one token), `round_scale` without
+/// `use_fp8`, `use_fp8` with a hidden size that is not a multiple of 128.
 ///
 /// # Safety
 /// Every non-NULL pointer must be valid for the call.
@@ -56,6 +61,9 @@ pub unsafe extern "C" fn fep_low_latency_dispatch(
         *out_op = std::ptr::null_mut();
         let b = super::buffer::buffer(buf)?;
         super::buffer::no_stream(stream, b)?;
+        if round_scale && !use_fp8 {
+            return Err(Error::arg("round_scale", "needs use_fp8 (bf16 rows have no scales)"));
+        }
         let (h, k) = (b.config().hidden as i64, b.config().num_topk as i64);
         let (xs, shape) = view::<u16>("x", x, FEP_DTYPE_BF16, &[None, Some(h)])?;
         let (idx, _) =
@@ -71,9 +79,10 @@ pub unsafe extern "C" fn fep_low_latency_dispatch(
             crate::ep::buffer::LlDispatchOutcome::Received(o) => fep_ll_op {
                 handle: Some(o.handle.clone()),
                 state: State::DispatchDone(Box::new(o)),
+                num_tokens: shape[0],
             },
             crate::ep::buffer::LlDispatchOutcome::Hook(hk) => {
-                fep_ll_op { handle: None, state: State::DispatchPending(hk) }
+                fep_ll_op { handle: None, state: State::DispatchPending(hk), num_tokens: shape[0] }
             }
         };
         *out_op = super::live::boxed(op);
@@ -95,11 +104,15 @@ pub unsafe extern "C" fn fep_ll_op_complete(
         let op = super::live::get(op, "op")?;
         match std::mem::replace(&mut op.state, State::Failed) {
             State::DispatchPending(hk) => {
-                let o = hk.complete(b)?;
+                let o = hk.complete(b).map_err(|e| super::rename_arg(e, "hook", "op"))?;
                 op.handle = Some(o.handle.clone());
                 op.state = State::DispatchDone(Box::new(o));
             }
-            State::CombinePending(hk) => op.state = State::CombineDone(hk.complete(b)?),
+            State::CombinePending(hk) => {
+                op.state = State::CombineDone(
+                    hk.complete(b).map_err(|e| super::rename_arg(e, "hook", "op"))?,
+                )
+            }
             State::Failed => {
                 return Err(Error::arg("op", "a previous completion of this op failed"))
             }
@@ -189,7 +202,10 @@ pub unsafe extern "C" fn fep_ll_dispatch_copy_out(
 /// Low-latency combine: `x` `[L, S, H]` bf16 expert outputs in the dispatch's row order, the
 /// dispatch's `topk_idx` `[T, K]` i64 and `topk_weights` `[T, K]` f32, `dispatch_op` the completed
 /// dispatch. The weighted sum (fp32) is computed on arrival; copy it out with
-/// `fep_ll_combine_copy_out`. With `return_recv_hook`, complete the op first.
+/// `fep_ll_combine_copy_out`. With `return_recv_hook`, complete the op first. Refused: a
+/// `dispatch_op` that is not a completed dispatch of this buffer, or from before
+/// `fep_clean_low_latency_buffer`; a `topk_idx` value other than the dispatch's (or -1, which
+/// leaves that expert out); a NaN or infinite weight.
 ///
 /// # Safety
 /// Every non-NULL pointer must be valid for the call.
@@ -224,23 +240,27 @@ pub unsafe extern "C" fn fep_low_latency_combine(
         let (xs, _) = view::<u16>("x", x, FEP_DTYPE_BF16, &[Some(l), Some(s), Some(h)])?;
         let (idx, _) = view::<i64>("topk_idx", topk_idx, FEP_DTYPE_I64, &[Some(t), Some(k)])?;
         let (w, _) = view::<f32>("topk_weights", topk_weights, FEP_DTYPE_F32, &[Some(t), Some(k)])?;
-        let outcome = b.low_latency_combine(&LlCombineArgs {
-            x: xs,
-            topk_idx: idx,
-            topk_weights: w,
-            handle,
-            return_recv_hook,
-        })?;
+        super::check_finite("topk_weights", w)?;
+        let outcome = b
+            .low_latency_combine(&LlCombineArgs {
+                x: xs,
+                topk_idx: idx,
+                topk_weights: w,
+                handle,
+                return_recv_hook,
+            })
+            .map_err(|e| super::rename_arg(e, "handle", "dispatch_op"))?;
         let state = match outcome {
             crate::ep::buffer::LlCombineOutcome::Received(o) => State::CombineDone(o),
             crate::ep::buffer::LlCombineOutcome::Hook(hk) => State::CombinePending(hk),
         };
-        *out_op = super::live::boxed(fep_ll_op { state, handle: None });
+        *out_op = super::live::boxed(fep_ll_op { state, handle: None, num_tokens: t });
         Ok(())
     })
 }
 
-/// Copies a completed combine's output `combined_x` `[T, H]` bf16. Once per op.
+/// Copies a completed combine's output `combined_x` `[T, H]` bf16, `T` the combine's tokens
+/// (another row count is refused). Once per op.
 ///
 /// # Safety
 /// `op` and `combined_x` must be valid.
@@ -257,14 +277,10 @@ pub unsafe extern "C" fn fep_ll_combine_copy_out(
                 "not a completed combine (complete its hook first), or already copied out",
             ));
         };
-        let t = combined_x.as_ref().map_or(0, |t| t.shape[0]);
-        // NOTES: a rank with no tokens has nothing to copy; its `[0, H]` output is still valid.
-        let h = if t == 0 {
-            combined_x.as_ref().map_or(0, |t| t.shape[1])
-        } else {
-            o.combined_x.len() as i64 / t
-        };
-        view_mut::<u16>("combined_x", combined_x, FEP_DTYPE_BF16, &[Some(t), Some(h)])?
+        // The rows are the combine's tokens, not whatever the caller's tensor says.
+        let t = op.num_tokens;
+        let h = if t == 0 { None } else { Some(o.combined_x.len() as i64 / t) };
+        view_mut::<u16>("combined_x", combined_x, FEP_DTYPE_BF16, &[Some(t), h])?
             .copy_from_slice(&o.combined_x);
         op.state = State::Drained;
         Ok(())

@@ -11,6 +11,7 @@
 mod boot;
 mod buffer;
 mod gpu;
+mod layout;
 mod live;
 mod ll;
 mod status;
@@ -18,6 +19,7 @@ mod status;
 pub use boot::*;
 pub use buffer::*;
 pub use gpu::*;
+pub use layout::*;
 pub use ll::*;
 
 pub use status::*;
@@ -40,7 +42,7 @@ pub extern "C" fn fep_abi_version() -> u32 {
 /// `topk_idx`: int64 `[num_tokens, num_topk]`, -1 = no expert. Outputs (caller-allocated):
 /// `num_tokens_per_rank` int32 `[num_ranks]`, `num_tokens_per_node` int32
 /// `[num_ranks / ranks_per_node]` (may be NULL), `num_tokens_per_expert` int32 `[num_experts]`,
-/// `is_token_in_rank` bool `[num_tokens, num_ranks]`.
+/// `is_token_in_rank` bool `[num_tokens, num_ranks]`. `num_tokens` is at most 2^31 - 1.
 ///
 /// # Safety
 /// Every non-NULL pointer must point at the number of elements given above.
@@ -59,6 +61,9 @@ pub unsafe extern "C" fn fep_get_dispatch_layout_host(
 ) -> fep_status {
     guard(|| {
         let nt = usize_arg("num_tokens", num_tokens)?;
+        if nt > i32::MAX as usize {
+            return Err(Error::arg("num_tokens", format!("{nt}: at most 2^31 - 1")));
+        }
         let k = usize_arg("num_topk", num_topk as i64)?;
         let e = usize_arg("num_experts", num_experts as i64)?;
         let r = usize_arg("num_ranks", num_ranks as i64)?;
@@ -80,7 +85,9 @@ pub unsafe extern "C" fn fep_get_dispatch_layout_host(
 }
 
 /// Writes `ep-bench plan`'s table for one setting into `buf` (NUL-terminated, truncated to
-/// `len`); `*needed` (if not NULL) receives the full length + 1.
+/// `len`); `*needed` (if not NULL) receives the full length + 1. The setting is validated as a
+/// buffer's would be (`num_ranks` in 1..=2^20, `num_experts` a multiple of it, `hidden` and
+/// `num_topk` in range, `num_tokens` at most 2^31 - 1).
 ///
 /// # Safety
 /// `buf` must have `len` writable bytes (or be NULL with `len == 0`).
@@ -97,13 +104,36 @@ pub unsafe extern "C" fn fep_plan_table(
     needed: *mut usize,
 ) -> fep_status {
     guard(|| {
+        let r = usize_arg("num_ranks", num_ranks)?;
+        if r == 0 || r > crate::bootstrap::MAX_WORLD {
+            return Err(Error::arg(
+                "num_ranks",
+                format!("{r} not in 1..={}", crate::bootstrap::MAX_WORLD),
+            ));
+        }
+        let tokens = usize_arg("num_tokens", num_tokens)?;
+        if tokens > i32::MAX as usize {
+            return Err(Error::arg("num_tokens", format!("{tokens}: at most 2^31 - 1")));
+        }
+        // The setting must be one a buffer could be created with (the errors name the field).
+        let mut s = crate::ep::config::EpSettings::new(
+            0,
+            r,
+            usize_arg("num_experts", num_experts)?,
+            usize_arg("hidden", hidden)?,
+            usize_arg("num_topk", num_topk)?,
+        );
+        if fp8 {
+            s.dispatch_dtype = crate::ep::config::DispatchDtype::Fp8E4m3;
+        }
+        s.validate()?;
         let t = crate::bench::plan::plan_table(
-            &[usize_arg("num_ranks", num_ranks)? as u64],
-            usize_arg("num_experts", num_experts)? as u64,
-            usize_arg("hidden", hidden)? as u64,
-            usize_arg("num_topk", num_topk)? as u64,
+            &[r as u64],
+            s.num_experts as u64,
+            s.hidden as u64,
+            s.num_topk as u64,
             fp8,
-            usize_arg("num_tokens", num_tokens)? as u64,
+            tokens as u64,
             128,
             64,
             4,
@@ -143,7 +173,37 @@ pub(crate) unsafe fn slice_in<'a, T>(
     if (p as usize) % std::mem::align_of::<T>() != 0 {
         return Err(Error::arg(name, "misaligned pointer"));
     }
+    check_extent::<T>(name, n)?;
     Ok(std::slice::from_raw_parts(p, n))
+}
+
+/// `n` elements of `T` must fit in the address space (at most `isize::MAX` bytes): a slice of
+/// more is undefined behaviour even before it is read, whatever the pointer.
+pub(crate) fn check_extent<T>(name: &'static str, n: usize) -> Result<(), Error> {
+    match n.checked_mul(std::mem::size_of::<T>()) {
+        Some(b) if b <= isize::MAX as usize => Ok(()),
+        _ => Err(Error::arg(name, format!("{n} elements exceed the address space"))),
+    }
+}
+
+/// Turns an argument error about `from` (a name the layer below uses) into one about `to` (the
+/// C argument that carried it), keeping `from` in the message: "invalid argument `cached`:
+/// handle: made by another Buffer" names both the C argument and what the Python layer calls it.
+pub(crate) fn rename_arg(e: Error, from: &str, to: &'static str) -> Error {
+    match e {
+        Error::InvalidArgument { arg, msg } if arg == from => {
+            Error::InvalidArgument { arg: to, msg: format!("{from}: {msg}") }
+        }
+        e => e,
+    }
+}
+
+/// Every value of `v` is finite (no NaN, no infinity); the error names `name` and the index.
+pub(crate) fn check_finite(name: &'static str, v: &[f32]) -> Result<(), Error> {
+    match v.iter().position(|x| !x.is_finite()) {
+        None => Ok(()),
+        Some(i) => Err(Error::arg(name, format!("element {i} is {}: must be finite", v[i]))),
+    }
 }
 
 /// Copies `src` into a caller buffer; `optional` outputs may be NULL.

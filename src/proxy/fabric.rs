@@ -147,12 +147,15 @@ impl Transport for FabricTransport {
                     events.push(TransportEvent::Arrival { imm: c.data as u32, len: c.len as u32 });
                 } else if c.is_local_tx() && c.context != 0 {
                     let ring = ((c.context & 0xffff_ffff) - 1) as u32;
+                    let dst = peer_of(c.context);
                     self.in_flight = self.in_flight.saturating_sub(1);
                     match events.last_mut() {
-                        Some(TransportEvent::SendDone { ring: r, count }) if *r == ring => {
+                        Some(TransportEvent::SendDone { ring: r, dst: d, count })
+                            if *r == ring && *d == dst =>
+                        {
                             *count += 1
                         }
-                        _ => events.push(TransportEvent::SendDone { ring, count: 1 }),
+                        _ => events.push(TransportEvent::SendDone { ring, dst, count: 1 }),
                     }
                 }
             }

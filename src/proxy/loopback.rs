@@ -181,7 +181,7 @@ pub struct LoopbackTransport {
     outstanding: usize,
     attempts: u64,
     /// `(ring, count)` runs of local completions since the last poll.
-    send_done: Vec<(u32, u32)>,
+    send_done: Vec<(u32, u32, u32)>,
     /// Arrivals held back by reordering, delivered at the next poll.
     deferred: Vec<(u32, u32)>,
     scratch: Vec<(u32, u32)>,
@@ -273,8 +273,12 @@ impl Transport for LoopbackTransport {
         out.push((op.imm, op.length));
         self.outstanding += 1;
         match self.send_done.last_mut() {
-            Some((ring, count)) if *ring == op.ring && *count < u32::MAX => *count += 1,
-            _ => self.send_done.push((op.ring, 1)),
+            Some((ring, dst, count))
+                if *ring == op.ring && *dst == op.dst_rank && *count < u32::MAX =>
+            {
+                *count += 1
+            }
+            _ => self.send_done.push((op.ring, op.dst_rank, 1)),
         }
         Ok(true)
     }
@@ -325,7 +329,11 @@ impl Transport for LoopbackTransport {
             );
         }
         events.extend(
-            self.send_done.drain(..).map(|(ring, count)| TransportEvent::SendDone { ring, count }),
+            self.send_done.drain(..).map(|(ring, dst, count)| TransportEvent::SendDone {
+                ring,
+                dst,
+                count,
+            }),
         );
         Ok(())
     }

@@ -267,6 +267,28 @@ impl RingMemory {
         Ok(self.tail_atomic(ring).load(Ordering::Acquire))
     }
 
+    /// The destination of every command published on `ring` and not yet handed to the
+    /// transport (tail to head), counted per rank: what a stalled ring still owes whom. A
+    /// diagnostic read of entries the producer may not overwrite (they are unconsumed).
+    pub fn queued_destinations(&self, ring: u32) -> Result<Vec<(u32, u64)>, ProxyError> {
+        self.check_ring(ring)?;
+        let (head, tail) = (self.head(ring)?, self.tail(ring)?);
+        let capacity = u64::from(self.inner.layout.capacity);
+        let mut per: Vec<(u32, u64)> = Vec::new();
+        for t in tail..head.min(tail + capacity) {
+            // SAFETY: (t % capacity) < capacity: inside the ring; the entry was published (t <
+            // head, Acquire above) and is not reused before the tail passes it.
+            let e =
+                unsafe { std::ptr::read_volatile(self.entries(ring).add((t % capacity) as usize)) };
+            match per.iter_mut().find(|(d, _)| *d == e.dst_rank) {
+                Some((_, n)) => *n += 1,
+                None => per.push((e.dst_rank, 1)),
+            }
+        }
+        per.sort_unstable();
+        Ok(per)
+    }
+
     fn head_atomic(&self, ring: u32) -> &AtomicU64 {
         self.inner.region.atomic_u64(self.inner.layout.ring_offset(ring) + HEAD_OFFSET)
     }
@@ -516,6 +538,7 @@ impl RingProducer {
                     head: self.head,
                     tail: self.cached_tail,
                     waited: start.elapsed(),
+                    queued: self.mem.queued_destinations(self.ring).unwrap_or_default(),
                 });
             }
             spins += 1;

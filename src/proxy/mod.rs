@@ -33,7 +33,35 @@ pub use transport::{SplitTransport, Throttled, Transport, TransportEvent, WriteO
 #[cfg(test)]
 pub(crate) use worker::worker_name;
 pub(crate) use worker::worker_rank;
-pub use worker::{ArrivalWait, Lagging, Proxy, ProxyConfig};
+pub use worker::{ArrivalWait, Lagging, PeerWatch, Proxy, ProxyConfig};
+
+/// "waiting for 3 sends to rank 2, 1 to rank 5 (what)", or "" when nothing is owed.
+fn owed_list(owed: &[(u32, u64)], what: &str) -> String {
+    if owed.is_empty() {
+        return String::new();
+    }
+    let parts: Vec<String> = owed
+        .iter()
+        .enumerate()
+        .map(|(i, (peer, n))| {
+            let s = if *n == 1 { "" } else { "s" };
+            if i == 0 {
+                format!("{n} send{s} to rank {peer}")
+            } else {
+                format!("{n} to rank {peer}")
+            }
+        })
+        .collect();
+    format!("; waiting for {} ({what})", parts.join(", "))
+}
+
+/// "writing to rank 3", or what an endpoint-wide failure is.
+fn fabric_peer(peer: Option<u32>) -> String {
+    match peer {
+        Some(p) => format!("writing to rank {p}"),
+        None => "on the endpoint (not tied to one peer's write)".into(),
+    }
+}
 
 /// Errors from the proxy. Each names the rank, ring, peer, slot or immediate it is about.
 #[derive(Debug, thiserror::Error)]
@@ -64,11 +92,20 @@ pub enum ProxyError {
     /// Somebody already holds the producer or consumer side of this ring.
     #[error("ring {ring}: its {role} is already claimed")]
     RingClaimed { ring: u32, role: &'static str },
-    /// A bounded producer wait for ring space ran out.
+    /// A bounded producer wait for ring space ran out; `queued` counts the commands still in the
+    /// ring per destination rank (the proxy could not hand them to the transport).
     #[error(
-        "ring {ring}: still full after {waited:?} (capacity {capacity}, head {head}, tail {tail})"
+        "ring {ring}: still full after {waited:?} (capacity {capacity}, head {head}, tail \
+         {tail}){}", owed_list(.queued, "queued")
     )]
-    RingFull { ring: u32, capacity: u64, head: u64, tail: u64, waited: Duration },
+    RingFull {
+        ring: u32,
+        capacity: u64,
+        head: u64,
+        tail: u64,
+        waited: Duration,
+        queued: Vec<(u32, u64)>,
+    },
     /// The producer published a head that is behind tail or more than `capacity` ahead of it.
     #[error("rank {rank} ring {ring}: impossible head {head} (tail {tail}, capacity {capacity})")]
     BadHead { rank: u32, ring: u32, head: u64, tail: u64, capacity: u64 },
@@ -91,11 +128,15 @@ pub enum ProxyError {
     /// The transport reported completions for a ring this proxy does not have.
     #[error("rank {rank}: completion for ring {ring}, but there are {num_rings} rings")]
     BadCompletion { rank: u32, ring: u32, num_rings: u32 },
+    /// The bootstrap saw a rank leave (its connection closed: killed, crashed, or it closed its
+    /// bootstrap): every wait of the job ends at once naming it.
+    #[error("rank {rank}: rank {peer} has left the job (the bootstrap saw its connection close)")]
+    PeerDead { rank: u32, peer: u32 },
     /// The transport cannot reach a peer (it left, or its endpoint failed).
     #[error("rank {rank}: peer {peer} is unreachable: {msg}")]
     PeerUnreachable { rank: u32, peer: u32, msg: String },
     /// A libfabric call or completion failed (`peer` when the operation names one).
-    #[error("rank {rank}: libfabric failure (peer {peer:?}): {source}")]
+    #[error("rank {rank}: libfabric failure {}: {source}", fabric_peer(*.peer))]
     Fabric { rank: u32, peer: Option<u32>, source: crate::fabric::FabricError },
     /// Any other transport failure.
     #[error("rank {rank}: transport failure: {msg}")]
@@ -103,9 +144,21 @@ pub enum ProxyError {
     /// A bounded wait for arrivals ran out; `lagging` names each slot and peer still short.
     #[error("rank {rank}: timed out after {waited:?} waiting for arrivals: {}", worker::lagging_list(.lagging))]
     ArrivalTimeout { rank: u32, waited: Duration, lagging: Vec<Lagging> },
-    /// A bounded wait for local send completions ran out.
-    #[error("rank {rank} ring {ring}: timed out after {waited:?} with {observed}/{expected} sends completed")]
-    SendTimeout { rank: u32, ring: u32, expected: u64, observed: u64, waited: Duration },
+    /// A bounded wait for local send completions ran out. `owed` lists, per destination rank,
+    /// the writes posted and not completed, and `queued` the commands not yet posted.
+    #[error(
+        "rank {rank} ring {ring}: timed out after {waited:?} with {observed}/{expected} sends \
+         completed{}{}", owed_list(.owed, "posted, not completed"), owed_list(.queued, "queued")
+    )]
+    SendTimeout {
+        rank: u32,
+        ring: u32,
+        expected: u64,
+        observed: u64,
+        waited: Duration,
+        owed: Vec<(u32, u64)>,
+        queued: Vec<(u32, u64)>,
+    },
     /// A worker stopped on an error; `source` is that error.
     #[error("proxy worker {worker} failed: {source}")]
     WorkerFailed { worker: String, source: Arc<ProxyError> },

@@ -20,8 +20,9 @@ pub struct WriteOp {
 /// What [`Transport::poll`] reports.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TransportEvent {
-    /// `count` writes posted from `ring` completed locally (their send data is reusable).
-    SendDone { ring: u32, count: u32 },
+    /// `count` writes posted from `ring` to rank `dst` completed locally (their send data is
+    /// reusable).
+    SendDone { ring: u32, dst: u32, count: u32 },
     /// A write into this rank's receive region arrived, with its immediate and length.
     Arrival { imm: u32, len: u32 },
 }

@@ -1,7 +1,7 @@
 //! The proxy: worker threads that drain rings into a transport and publish counters, plus the
 //! bounded host-side waits on those counters.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -119,6 +119,18 @@ struct Shared {
     stop: AtomicBool,
     failed: AtomicBool,
     error: Mutex<Option<(String, Arc<ProxyError>)>>,
+    /// Bumped by a waiter that wants every worker's writes in flight (a timed-out
+    /// `wait_sends`); each worker answers once per bump into `owed`.
+    owed_request: AtomicU64,
+    owed: Mutex<OwedReport>,
+}
+
+/// Workers' answers to one `owed_request`: writes posted and not completed, per (ring, rank).
+#[derive(Default)]
+struct OwedReport {
+    request: u64,
+    replies: usize,
+    inflight: Vec<(u32, u32, u64)>,
 }
 
 impl Shared {
@@ -147,7 +159,14 @@ pub struct Proxy {
     counters: CounterMemory,
     shared: Arc<Shared>,
     workers: Vec<WorkerHandle>,
+    /// Ranks known dead (the bootstrap's news: [`Proxy::watch_peers`]), asked by every wait.
+    peer_watch: std::sync::OnceLock<PeerWatch>,
 }
+
+/// Tells which ranks are known dead (ascending; empty: none). Asked on every pass of a wait, so
+/// it must be cheap when nobody died (the TCP store's and in-process groups' answer is one
+/// atomic load then).
+pub type PeerWatch = Arc<dyn Fn() -> Vec<usize> + Send + Sync>;
 
 impl std::fmt::Debug for Proxy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -186,6 +205,15 @@ impl Proxy {
             });
         }
         let num_workers = transports.len();
+        crate::fep_info!(
+            "proxy: rank {} starts {num_workers} worker(s) over {num_rings} ring(s){}, batch {}, \
+             start timeout {:?}, drain timeout {:?}",
+            config.rank,
+            if config.stripe_rings { " (striped)" } else { "" },
+            config.batch,
+            config.start_timeout,
+            config.drain_timeout
+        );
         let mut proxy = Proxy {
             rank: config.rank,
             codec,
@@ -195,8 +223,11 @@ impl Proxy {
                 stop: AtomicBool::new(false),
                 failed: AtomicBool::new(false),
                 error: Mutex::new(None),
+                owed_request: AtomicU64::new(0),
+                owed: Mutex::new(OwedReport::default()),
             }),
             workers: Vec::with_capacity(num_workers),
+            peer_watch: std::sync::OnceLock::new(),
         };
         // Claims happen here, on the caller's thread, so a claim error is a start error.
         let mut consumers: Vec<Vec<_>> = (0..num_workers).map(|_| Vec::new()).collect();
@@ -230,6 +261,8 @@ impl Proxy {
                 events: Vec::with_capacity(1024),
                 posted: 0,
                 completed: 0,
+                inflight: vec![Vec::new(); num_rings as usize],
+                answered: 0,
             };
             let (ready_tx, ready_rx) = mpsc::sync_channel(1);
             let thread = std::thread::Builder::new()
@@ -294,8 +327,28 @@ impl Proxy {
         }
     }
 
-    fn check_running(&self) -> Result<(), ProxyError> {
+    /// The waited slots' arrival counters summed (wrapping): any change is progress.
+    fn arrivals_seen(&self, waits: &[ArrivalWait]) -> u64 {
+        waits.iter().fold(0u64, |acc, w| {
+            acc.wrapping_add(self.counters.arrivals_atomic(w.slot).load(Ordering::Acquire))
+        })
+    }
+
+    /// Lets every wait of this proxy end at once, naming the rank, when `watch` reports a dead
+    /// rank (the bootstrap store sees a rank's connection close within milliseconds; without
+    /// this a wait on it would last its whole timeout). Set once; later calls are ignored.
+    pub fn watch_peers(&self, watch: PeerWatch) {
+        let _ = self.peer_watch.set(watch);
+    }
+
+    /// A worker's error, a stop, or a rank the bootstrap saw die (see [`Self::watch_peers`]).
+    pub fn check_running(&self) -> Result<(), ProxyError> {
         self.check()?;
+        if let Some(w) = self.peer_watch.get() {
+            if let Some(&peer) = w().first() {
+                return Err(ProxyError::PeerDead { rank: self.rank, peer: peer as u32 });
+            }
+        }
         if self.shared.stop.load(Ordering::Acquire) {
             // NOTES: a failing worker records its error, then sets `failed`, then `stop`
             // (release stores); a waiter that read `failed` unset before the failure and `stop`
@@ -324,9 +377,12 @@ impl Proxy {
         for w in waits {
             self.counters.arrivals(w.slot)?;
         }
-        let start = Instant::now();
+        // NOTES (deadline): `timeout` bounds the time without progress (an arrival), not the
+        // whole wait: slow but live peers on a busy machine never time out, a silent one does.
+        let mut idle_since = Instant::now();
         let mut backoff = Backoff::new(128, 4096);
         let mut first_pending = 0;
+        let mut seen = self.arrivals_seen(waits);
         loop {
             while first_pending < waits.len() {
                 let w = &waits[first_pending];
@@ -339,7 +395,13 @@ impl Proxy {
                 return Ok(());
             }
             self.check_running()?;
-            if start.elapsed() >= timeout {
+            if idle_since.elapsed() >= timeout {
+                let now = self.arrivals_seen(waits);
+                if now != seen {
+                    (seen, idle_since) = (now, Instant::now());
+                    backoff.reset();
+                    continue;
+                }
                 let lagging = waits
                     .iter()
                     .filter_map(|w| {
@@ -355,7 +417,7 @@ impl Proxy {
                     .collect();
                 return Err(ProxyError::ArrivalTimeout {
                     rank: self.rank,
-                    waited: start.elapsed(),
+                    waited: idle_since.elapsed(),
                     lagging,
                 });
             }
@@ -371,25 +433,62 @@ impl Proxy {
         timeout: Duration,
     ) -> Result<(), ProxyError> {
         self.counters.sends_completed(ring)?;
-        let start = Instant::now();
+        // As in `wait_all`: `timeout` bounds the time without a send completing.
+        let mut idle_since = Instant::now();
         let mut backoff = Backoff::new(128, 4096);
+        let mut last = self.counters.sends_atomic(ring).load(Ordering::Acquire);
         loop {
             let observed = self.counters.sends_atomic(ring).load(Ordering::Acquire);
             if observed >= expected {
                 return Ok(());
             }
             self.check_running()?;
-            if start.elapsed() >= timeout {
+            if observed != last {
+                (last, idle_since) = (observed, Instant::now());
+            }
+            if idle_since.elapsed() >= timeout {
+                let waited = idle_since.elapsed();
                 return Err(ProxyError::SendTimeout {
                     rank: self.rank,
                     ring,
                     expected,
                     observed,
-                    waited: start.elapsed(),
+                    waited,
+                    owed: self.inflight_of(ring),
+                    queued: self.rings.queued_destinations(ring).unwrap_or_default(),
                 });
             }
             backoff.snooze();
         }
+    }
+
+    /// The writes of `ring` posted and not completed, per destination rank: asks every worker
+    /// (each answers on its next pass) and waits at most 200 ms for the answers; a worker that
+    /// does not answer (stopped, or stuck in a provider call) is left out.
+    fn inflight_of(&self, ring: u32) -> Vec<(u32, u64)> {
+        {
+            let mut r = self.shared.owed.lock();
+            let id = self.shared.owed_request.load(Ordering::Acquire) + 1;
+            *r = OwedReport { request: id, replies: 0, inflight: Vec::new() };
+            self.shared.owed_request.store(id, Ordering::Release);
+        }
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_millis(200)
+            && !self.shared.stop.load(Ordering::Acquire)
+            && self.shared.owed.lock().replies < self.workers.len()
+        {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let r = self.shared.owed.lock();
+        let mut per: Vec<(u32, u64)> = Vec::new();
+        for &(_, dst, n) in r.inflight.iter().filter(|(g, _, _)| *g == ring) {
+            match per.iter_mut().find(|(d, _)| *d == dst) {
+                Some((_, m)) => *m += n,
+                None => per.push((dst, n)),
+            }
+        }
+        per.sort_unstable();
+        per
     }
 
     /// Stops and joins the workers; returns the error a worker stopped on, if any.
@@ -443,6 +542,10 @@ struct Worker<T> {
     /// Writes posted / completed by this worker (for the shutdown drain).
     posted: u64,
     completed: u64,
+    /// `inflight[ring][dst]`: writes posted and not completed (what a timeout says is owed).
+    inflight: Vec<Vec<u64>>,
+    /// The last `owed_request` answered.
+    answered: u64,
 }
 
 impl<T: Transport> Worker<T> {
@@ -488,6 +591,9 @@ impl<T: Transport> Worker<T> {
         let mut idle_since = Instant::now();
         let mut regime = Idle::Spin;
         while !self.shared.stop.load(Ordering::Relaxed) {
+            if self.shared.owed_request.load(Ordering::Relaxed) != self.answered {
+                self.answer_owed();
+            }
             let mut work = self.poll_transport()?;
             let mut backpressured = false;
             // NOTES: a back-pressured ring (its head command refused with EAGAIN, e.g. to a
@@ -526,6 +632,24 @@ impl<T: Transport> Worker<T> {
         Ok(())
     }
 
+    /// Adds this worker's writes in flight to the report a waiter asked for.
+    #[cold]
+    fn answer_owed(&mut self) {
+        let mut r = self.shared.owed.lock();
+        self.answered = self.shared.owed_request.load(Ordering::Acquire);
+        if r.request != self.answered {
+            return;
+        }
+        for (ring, per) in self.inflight.iter().enumerate() {
+            for (dst, &n) in per.iter().enumerate() {
+                if n > 0 {
+                    r.inflight.push((ring as u32, dst as u32, n));
+                }
+            }
+        }
+        r.replies += 1;
+    }
+
     /// Polls the transport and publishes what it reported. Returns the number of events.
     /// A bad event is reported after the whole batch is published (the good ones still count).
     #[inline]
@@ -549,11 +673,14 @@ impl<T: Transport> Worker<T> {
                         });
                     }
                 }
-                TransportEvent::SendDone { ring, count } => {
+                TransportEvent::SendDone { ring, dst, count } => {
                     host_event(abi::FEP_TRACE_PROXY_SEND_DONE, self.rank, count);
                     if ring < self.num_rings {
                         self.counters.record_sends(ring, count);
                         self.completed += u64::from(count);
+                        if let Some(n) = self.inflight[ring as usize].get_mut(dst as usize) {
+                            *n = n.saturating_sub(u64::from(count));
+                        }
                     } else if failed.is_none() {
                         failed = Some(ProxyError::BadCompletion {
                             rank: self.rank,
@@ -620,6 +747,13 @@ impl<T: Transport> Worker<T> {
                 Ok(true) => {
                     c.advance();
                     posted += 1;
+                    // `ring < num_rings` (a claimed consumer's); `dst` a rank the transport
+                    // accepted, so the table grows to the world at most.
+                    let per = &mut self.inflight[op.ring as usize];
+                    if per.len() <= op.dst_rank as usize {
+                        per.resize(op.dst_rank as usize + 1, 0);
+                    }
+                    per[op.dst_rank as usize] += 1;
                 }
                 Ok(false) => {
                     full = true;
@@ -644,5 +778,74 @@ impl<T: Transport> Worker<T> {
             Some(e) => Err(e),
             None => Ok((posted, full)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proxy::memory::{Command, CounterLayout, RingLayout};
+
+    /// Writes to rank 1 are taken and never complete; to rank 3 they complete at once; rank 2
+    /// backpressures for ever (EAGAIN).
+    struct Stuck {
+        done: Vec<TransportEvent>,
+    }
+
+    impl Transport for Stuck {
+        fn post_write(&mut self, op: &WriteOp) -> Result<bool, ProxyError> {
+            match op.dst_rank {
+                2 => Ok(false),
+                3 => {
+                    self.done.push(TransportEvent::SendDone { ring: op.ring, dst: 3, count: 1 });
+                    Ok(true)
+                }
+                _ => Ok(true),
+            }
+        }
+        fn poll(&mut self, events: &mut Vec<TransportEvent>) -> Result<(), ProxyError> {
+            events.append(&mut self.done);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_send_timeout_says_which_peers_are_owed_what() {
+        let rings = RingMemory::new_host(RingLayout::new(1, 16).unwrap()).unwrap();
+        let counters =
+            CounterMemory::new_host(CounterLayout { num_slots: 4, num_rings: 1 }).unwrap();
+        let proxy = Proxy::start(
+            ProxyConfig { rank: 5, ..ProxyConfig::default() },
+            rings.clone(),
+            counters,
+            vec![Stuck { done: Vec::new() }],
+        )
+        .unwrap();
+        let mut p = rings.producer(0).unwrap();
+        for dst in [1, 3, 1, 2, 3, 2, 2] {
+            let cmd =
+                Command { dst_rank: dst, local_offset: 0, remote_offset: 0, length: 8, imm: 0 };
+            assert!(p.try_push(&cmd));
+        }
+        let err = proxy.wait_sends(0, 7, Duration::from_millis(300)).unwrap_err();
+        match &err {
+            ProxyError::SendTimeout {
+                rank: 5,
+                ring: 0,
+                expected: 7,
+                observed: 1,
+                owed,
+                queued,
+                ..
+            } => {
+                assert_eq!(owed, &vec![(1, 2)], "{err}");
+                // The first write to rank 2 holds the ring: it and everything behind it wait.
+                assert_eq!(queued, &vec![(2, 3), (3, 1)], "{err}");
+            }
+            other => panic!("expected a send timeout, got {other}"),
+        }
+        let msg = err.to_string();
+        assert!(msg.contains("waiting for 2 sends to rank 1 (posted, not completed)"), "{msg}");
+        assert!(msg.contains("waiting for 3 sends to rank 2, 1 to rank 3 (queued)"), "{msg}");
     }
 }

@@ -48,6 +48,33 @@ _DTYPES = ("bf16", "fp8")
 _BACKENDS = {True: "gpu", False: "host"}
 
 
+def _bool_arg(name: str, v: Any) -> bool:
+    """``v`` as a bool (Python or numpy bools only, as DeepEP's bindings take them), else
+    TypeError naming ``name``: a string or a number is a mistake, not a truth value."""
+    if not isinstance(v, (bool, np.bool_)):
+        raise TypeError(f"{name}: {v!r} must be a bool")
+    return bool(v)
+
+
+# The library's limit on fep_config.provider (a libfabric provider name or list).
+_MAX_PROVIDER_BYTES = 256
+
+
+def _check_provider(provider: Any) -> None:
+    if provider is None:
+        return
+    if not isinstance(provider, str):
+        raise ValueError(f"provider: {provider!r} must be a str (or None)")
+    try:
+        raw = provider.encode()
+    except UnicodeEncodeError:
+        raise ValueError(f"provider: {provider!r} is not encodable as UTF-8") from None
+    if not provider.strip() or len(raw) > _MAX_PROVIDER_BYTES \
+            or any(not ch.isprintable() for ch in provider):
+        raise ValueError(f"provider: {provider[:64]!r} must be a non-blank, printable name of at "
+                         f"most {_MAX_PROVIDER_BYTES} bytes (no NUL)")
+
+
 def _int_arg(name: str, v: Any, lo: int, hi: int = 2**31 - 1) -> int:
     """``v`` as an int in ``[lo, hi]`` (bools refused), else ValueError naming ``name``."""
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
@@ -210,9 +237,11 @@ class Buffer:
             raise ValueError(f"timeout_s: {timeout_s!r} must be a finite number >= 0")
         _int_arg("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 0)
         _int_arg("gpu_reserve_tokens", gpu_reserve_tokens, 0)
-        if provider is not None and (not isinstance(provider, str) or "\0" in provider
-                                     or not provider):
-            raise ValueError(f"provider: {provider!r} must be a non-empty string without NUL")
+        _check_provider(provider)
+        if group is not None and not (callable(getattr(group, "rank", None))
+                                      and callable(getattr(group, "size", None))):
+            raise TypeError(f"group: {type(group).__name__} is not a process group (it needs "
+                            "rank() and size(); torch.distributed groups, ThreadGroup, or None)")
         self.group = group
         self.num_nvl_bytes = int(num_nvl_bytes)
         self.num_rdma_bytes = int(num_rdma_bytes)
@@ -652,6 +681,11 @@ class Buffer:
         tuple with float32 scales ``[L, R * M, H / 128]``), ``recv_count [L]`` int32, the handle,
         the event and the hook (with ``return_recv_hook``)."""
         m = num_max_dispatch_tokens_per_rank
+        for n, v in (("use_fp8", use_fp8), ("round_scale", round_scale), ("use_ue8m0", use_ue8m0),
+                     ("async_finish", async_finish), ("return_recv_hook", return_recv_hook)):
+            _bool_arg(n, v)
+        if round_scale and not use_fp8:
+            raise ValueError("round_scale=True: needs use_fp8=True (bf16 rows have no scales)")
         try:  # the common case in one lookup, as dispatch's
             gpu = x.is_cuda if self._auto else self._backend == "gpu"
             key = ("l", _BACKENDS[gpu], num_experts, x.shape[1], topk_idx.shape[1], m,
@@ -704,6 +738,9 @@ class Buffer:
         ``zero_copy``: the tensor :meth:`get_next_low_latency_combine_buffer` returned, already
         written), ``topk_idx``/``topk_weights [T, K]``. Returns ``combined_x [T, H]``, the event
         and the hook."""
+        for n, v in (("use_logfmt", use_logfmt), ("zero_copy", zero_copy),
+                     ("async_finish", async_finish), ("return_recv_hook", return_recv_hook)):
+            _bool_arg(n, v)
         e = self._by_handle(handle, LowLatencyHandle)
         if zero_copy:
             zc = handle._zero_copy
@@ -742,6 +779,9 @@ class Buffer:
         """Makes the low-latency buffers of this shape usable again (after a failed or
         abandoned step). Collective. Their earlier handles and hooks become invalid."""
         self._live()
+        _int_arg("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
+        _int_arg("hidden", hidden, 1)
+        _int_arg("num_experts", num_experts, 1)
         for key, e in list(self._engines.items()):
             if key[0] == "l" and key[2] == num_experts and key[3] == hidden \
                     and key[5] == num_max_dispatch_tokens_per_rank:

@@ -24,8 +24,9 @@ DEFAULT_SLOTS_PER_PEER = 4
 
 
 def _positive(name: str, v: object) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise ValueError(f"{name}: {v!r} must be a positive int")
+    # At most 2**31 - 1: the native config's fields are int32 (a larger value would wrap).
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 < v < 2**31:
+        raise ValueError(f"{name}: {v!r} must be a positive int below 2**31")
     return v
 
 

@@ -4,11 +4,15 @@ WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT set) that runs DeepEP's call se
 every rank's inputs (each rank makes all ranks' inputs from one seed).
 
 ``FEP_TEST_GROUP``: ``gloo`` (a gloo process group bootstraps the Buffer; the tensors choose the
-GPU backend) or ``env`` (``group=None``: the torchrun variables). ``FEP_TEST_CASE``: ``deepep``
-(the sequence) or ``dead_peer`` (the last rank exits after the first step; the others must raise
-naming it). Prints ``rank R/N: ok`` at the end; a traceback and exit status 1 otherwise."""
+GPU backend), ``nccl`` (an NCCL process group: its all-gather runs on CUDA tensors) or ``env``
+(``group=None``: the torchrun variables). ``FEP_TEST_CASE``: ``deepep`` (the sequence),
+``dead_peer`` (the last rank exits after the first step; the others must raise naming it) or
+``stalled_peer`` (the last rank stops itself, SIGSTOP, after the first step: alive to the
+store, silent on the data path; the others must raise naming it within their timeout). Prints
+``rank R/N: ok`` at the end; a traceback and exit status 1 otherwise."""
 
 import os
+import signal
 import sys
 import time
 
@@ -91,6 +95,7 @@ def eq(a, b, what):
 
 
 def normal_case(buf, case, h, k, lx):
+    lx = max(lx, -(-k // WORLD))  # at least top-k experts in all (one rank: all local)
     experts = lx * WORLD
     t = tokens_of(RANK, case)
     all_in = [inputs(s, tokens_of(s, case), h, k, experts, case, hot=case % 2 == 1)
@@ -259,10 +264,14 @@ def run_deepep(group):
     buf.destroy()
 
 
-def run_dead_peer(group):
+def run_dead_peer(group, stall=False):
     buf = Buffer(group, 0, 0, explicitly_destroy=True, timeout_s=10.0)
     normal_case(buf, 0, 256, 2, 2)
     if RANK == WORLD - 1:
+        if stall:
+            log("stopping itself (SIGSTOP)")
+            os.kill(os.getpid(), signal.SIGSTOP)
+            time.sleep(600)
         log("exiting without warning")
         os._exit(0)
     t0 = time.time()
@@ -282,15 +291,15 @@ def run_dead_peer(group):
 def main():
     mode = os.environ.get("FEP_TEST_GROUP", "gloo")
     group = None
-    if mode == "gloo":
-        dist.init_process_group("gloo")
+    if mode in ("gloo", "nccl"):
+        dist.init_process_group(mode)
         group = dist.group.WORLD
     case = os.environ.get("FEP_TEST_CASE", "deepep")
     log(f"fabric_ep from {os.path.dirname(fabric_ep.__file__)}, group {mode}, case {case}")
     if case == "deepep":
         run_deepep(group)
     else:
-        run_dead_peer(group)
+        run_dead_peer(group, stall=case == "stalled_peer")
     print(f"rank {RANK}/{WORLD}: ok", flush=True)
     os._exit(0)  # skip the process group's teardown (a dead peer cannot join it)
 

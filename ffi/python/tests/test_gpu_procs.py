@@ -17,6 +17,11 @@ HERE = pathlib.Path(__file__).resolve().parent
 RANK_SCRIPT = HERE / "_gpu_proc_rank.py"
 
 
+def _mps_running():
+    return os.path.exists(os.path.join(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"),
+                                       "control"))
+
+
 def _why_skip(world):
     try:
         import torch
@@ -26,8 +31,7 @@ def _why_skip(world):
         return None
     if not torch.cuda.is_available():
         return "no CUDA device"
-    if world > torch.cuda.device_count() and not os.path.exists(
-            os.path.join(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"), "control")):
+    if world > torch.cuda.device_count() and not _mps_running():
         return "several processes per GPU need MPS (nvidia-cuda-mps-control -d)"
     return None
 
@@ -39,7 +43,8 @@ def _port():
 
 
 def launch(world, group, case="deepep", timeout=200):
-    """Runs ``world`` rank processes; returns [(rc, output)]."""
+    """Runs ``world`` rank processes; returns [(rc, output)]. With ``case="stalled_peer"`` the
+    last rank (stopped by itself) is killed once the others are done."""
     port, store = _port(), _port()
     procs = []
     for r in range(world):
@@ -52,7 +57,9 @@ def launch(world, group, case="deepep", timeout=200):
                                       text=True))
     deadline = time.monotonic() + timeout
     out = []
-    for p in procs:
+    for i, p in enumerate(procs):
+        if case == "stalled_peer" and i == world - 1:
+            p.kill()
         try:
             o, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
             out.append((p.returncode, o))
@@ -65,7 +72,7 @@ def launch(world, group, case="deepep", timeout=200):
 
 def check(world, group, case="deepep"):
     results = launch(world, group, case)
-    survivors = range(world - 1) if case == "dead_peer" else range(world)
+    survivors = range(world - 1) if case in ("dead_peer", "stalled_peer") else range(world)
     bad = [(r, rc, o) for r, (rc, o) in enumerate(results) if r in survivors and
            (rc != 0 or f"rank {r}/{world}: ok" not in o)]
     assert not bad, "\n".join(f"--- rank {r} rc={rc}\n{o}" for r, rc, o in bad)
@@ -85,20 +92,82 @@ try:
             pytest.skip(_why_skip(world))
         check(world, group)
 
-    def test_dead_peer_is_named():
+    @pytest.mark.parametrize("case", ["dead_peer", "stalled_peer"])
+    def test_failed_peer_is_named(case):
         if _why_skip(3):
             pytest.skip(_why_skip(3))
-        check(3, "gloo", "dead_peer")
+        check(3, "gloo", case)
+
+    @pytest.mark.parametrize("world", [1, 2])
+    def test_nccl_group(world):
+        if _why_skip(world) or os.environ.get("FEP_TEST_DEVICE") == "cpu":
+            pytest.skip(_why_skip(world) or "an NCCL group needs CUDA")
+        try:
+            nccl_case(world)
+        except Skip as e:
+            pytest.skip(str(e))
+
+    def test_no_mps_is_refused():
+        why = no_mps_skip()
+        if why:
+            pytest.skip(why)
+        no_mps_case()
 except ImportError:  # the plain runner below
     pass
 
 
+class Skip(Exception):
+    pass
+
+
+def nccl_case(world):
+    """An NCCL group bootstraps the Buffer. NCCL refuses two ranks on one GPU ("Duplicate GPU
+    detected"): with more ranks than GPUs that refusal is NCCL's, reported as a skip."""
+    results = launch(world, "nccl")
+    if world > 1 and any("Duplicate GPU" in o for _, o in results):
+        raise Skip("NCCL refuses several ranks on one GPU (Duplicate GPU detected)")
+    bad = [(r, rc, o) for r, (rc, o) in enumerate(results)
+           if rc != 0 or f"rank {r}/{world}: ok" not in o]
+    assert not bad, "\n".join(f"--- rank {r} rc={rc}\n{o}" for r, rc, o in bad)
+    return results
+
+
+def no_mps_skip():
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if os.environ.get("FEP_TEST_DEVICE") == "cpu" or not torch.cuda.is_available():
+        return "no CUDA device"
+    if torch.cuda.device_count() > 1:
+        return "more than one GPU: the processes need not share one"
+    if _mps_running():
+        return "MPS is running (this case needs it stopped)"
+    return None
+
+
+def no_mps_case():
+    """Two processes on one GPU without MPS: every rank must fail with an error that says MPS
+    is needed, well before the launcher's deadline (never a hang)."""
+    t0 = time.monotonic()
+    results = launch(2, "env", timeout=120)
+    took = time.monotonic() - t0
+    bad = [(r, rc, o) for r, (rc, o) in enumerate(results) if rc in (0, None) or "MPS" not in o]
+    assert not bad, "\n".join(f"--- rank {r} rc={rc}\n{o}" for r, rc, o in bad)
+    assert took < 100, f"the refusal took {took:.0f} s"
+    return results
+
+
 if __name__ == "__main__":
-    cases = [(2, "gloo", "deepep"), (4, "gloo", "deepep"), (2, "env", "deepep"),
-             (4, "env", "deepep"), (3, "gloo", "dead_peer")]
+    if sys.argv[1:] == ["--no-mps"]:
+        cases = [(2, "env", "no_mps")]
+    else:
+        cases = [(2, "gloo", "deepep"), (4, "gloo", "deepep"), (2, "env", "deepep"),
+                 (4, "env", "deepep"), (1, "nccl", "deepep"), (2, "nccl", "deepep"),
+                 (3, "gloo", "dead_peer"), (3, "gloo", "stalled_peer")]
     passed = failed = skipped = 0
     for world, group, case in cases:
-        why = _why_skip(world)
+        why = no_mps_skip() if case == "no_mps" else _why_skip(world)
         name = f"{case} world={world} group={group}"
         if why:
             print(f"SKIP {name}: {why}")
@@ -106,7 +175,12 @@ if __name__ == "__main__":
             continue
         t0 = time.time()
         try:
-            res = check(world, group, case)
+            if case == "no_mps":
+                res = no_mps_case()
+            elif group == "nccl":
+                res = nccl_case(world)
+            else:
+                res = check(world, group, case)
             print(f"PASS {name} ({time.time() - t0:.1f} s)")
             for r, (_, o) in enumerate(res):
                 for line in o.splitlines():
@@ -114,6 +188,9 @@ if __name__ == "__main__":
                             r == 0 and "fabric_ep from" in line):
                         print("   ", line)
             passed += 1
+        except Skip as e:
+            print(f"SKIP {name}: {e}")
+            skipped += 1
         except AssertionError as e:
             print(f"FAIL {name} ({time.time() - t0:.1f} s)\n{e}")
             failed += 1

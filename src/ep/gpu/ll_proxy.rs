@@ -54,7 +54,7 @@ use crate::cuda::{Device, DeviceBuffer, HostMapped};
 use crate::ep::host::ll::LlGeometry;
 use crate::ep::ll_gpu::{LlGpuRank, LlMem};
 use crate::ep::plan::{LlLayout, IMM_VALUE_BITS, IMM_VALUE_MAX};
-use crate::fabric::{find_first, InfoQuery, MemKind, MemoryRegion, Stack};
+use crate::fabric::{select, InfoQuery, MemKind, MemoryRegion, Placement, Stack};
 use crate::proxy::{
     pack_counters, unpack_counters, ArrivalWait, CounterLayout, CounterMemory, FabricTransport,
     Proxy, ProxyConfig, ProxyError, RingLayout, RingMemory, SharedRegion,
@@ -251,10 +251,12 @@ impl LlProxyPrep {
     /// where that provider can register it, its units placed per registered chunk
     /// ([`LlGeometry`]: no message crosses a chunk). `provider` `None`: libfabric's choice
     /// (`FI_PROVIDER`, else the first match). One stack (endpoint) per proxy worker:
-    /// `FEP_LL_PROXY_WORKERS` (1 to 16, default [`DEFAULT_LL_PROXY_WORKERS`]).
+    /// `FEP_LL_PROXY_WORKERS` (1 to 16, default [`DEFAULT_LL_PROXY_WORKERS`]), each on the
+    /// NIC [`select`] gives it (nearest to `dev`, round-robin by worker).
     pub fn open(
         dev: &Device,
         provider: Option<&str>,
+        (rank, local_rank): (usize, usize),
         num_ranks: usize,
         layout: LlLayout,
     ) -> Result<Self> {
@@ -264,9 +266,16 @@ impl LlProxyPrep {
             DEFAULT_LL_PROXY_WORKERS,
         )?;
         let query = InfoQuery { provider: provider.map(str::to_string), ..Default::default() };
+        let place = Placement {
+            rank: Some(rank),
+            local_rank,
+            gpu_pci: dev.pci_bus_id().ok(),
+            lane: 0,
+            lanes: workers,
+        };
         let try_hmem = std::env::var("FEP_LL_HMEM").map_or(true, |v| v != "0");
         let hmem_info = if try_hmem {
-            find_first(&InfoQuery { hmem: true, ..query.clone() }).ok().filter(|i| i.hmem())
+            select(&InfoQuery { hmem: true, ..query.clone() }, &place).ok().filter(|i| i.hmem())
         } else {
             None
         };
@@ -285,9 +294,23 @@ impl LlProxyPrep {
             match unsafe { stack.register(ptr, len, kind) } {
                 Ok(mr) => {
                     // SAFETY: as above.
+                    let q = InfoQuery { hmem: true, ..query.clone() };
                     let (stacks, mrs) = unsafe {
-                        Self::more_stacks(stack, num_ranks, mr, workers, ptr, len, kind)?
+                        Self::more_stacks(
+                            stack,
+                            (&q, &place),
+                            num_ranks,
+                            mr,
+                            workers,
+                            ptr,
+                            len,
+                            kind,
+                        )?
                     };
+                    crate::fep_info!(
+                        "low-latency proxy lane: {workers} workers, buffer of {len} bytes in GPU \
+                         memory registered with FI_HMEM"
+                    );
                     return Ok(LlProxyPrep {
                         mrs,
                         stacks,
@@ -300,25 +323,51 @@ impl LlProxyPrep {
                 Err(e) => hmem_refused = Some(e.to_string()),
             }
         }
-        let stack = Stack::open(&query, num_ranks)?;
+        let stack = Stack::open_placed(&query, num_ranks, &place)?;
         let geo = Self::geometry(&stack, layout)?;
         let m = Arc::new(HostMapped::new(dev, geo_bytes(&geo)?)?);
         // SAFETY: as above, for pinned host memory.
         let mr = unsafe { stack.register(m.as_ptr(), m.len(), MemKind::Host)? };
         // SAFETY: as above.
         let (stacks, mrs) = unsafe {
-            Self::more_stacks(stack, num_ranks, mr, workers, m.as_ptr(), m.len(), MemKind::Host)?
+            let (ptr, len) = (m.as_ptr(), m.len());
+            Self::more_stacks(
+                stack,
+                (&query, &place),
+                num_ranks,
+                mr,
+                workers,
+                ptr,
+                len,
+                MemKind::Host,
+            )?
         };
+        match &hmem_refused {
+            Some(why) => crate::fep_warn!(
+                "low-latency proxy lane: the provider offers FI_HMEM but refused GPU memory \
+                 ({why}); staging through pinned host memory ({} bytes, {workers} workers)",
+                m.len()
+            ),
+            None => crate::fep_info!(
+                "low-latency proxy lane: {workers} workers, buffer of {} bytes in pinned host \
+                 memory (no FI_HMEM{})",
+                m.len(),
+                if try_hmem { "" } else { ": FEP_LL_HMEM=0" }
+            ),
+        }
         Ok(LlProxyPrep { mrs, stacks, mem: LlMem::Host(m), kind: MemKind::Host, geo, hmem_refused })
     }
 
-    /// `first` (with the buffer's registration `mr`) and `workers - 1` more stacks on the same
-    /// `fi_info` entry, each with its own registration of the buffer.
+    /// `first` (with the buffer's registration `mr`) and `workers - 1` more stacks of `query`,
+    /// worker `w` placed as endpoint `w` of `place`, each with its own registration of the
+    /// buffer.
     ///
     /// # Safety
     /// `ptr` / `len` / `kind` name the LL buffer, which outlives every registration.
+    #[allow(clippy::too_many_arguments)]
     unsafe fn more_stacks(
         first: Stack,
+        (query, place): (&InfoQuery, &Placement),
         num_peers: usize,
         mr: MemoryRegion,
         workers: usize,
@@ -326,10 +375,9 @@ impl LlProxyPrep {
         len: usize,
         kind: MemKind,
     ) -> Result<(Vec<Stack>, Vec<Arc<MemoryRegion>>)> {
-        let info = first.info.clone();
         let (mut stacks, mut mrs) = (vec![first], vec![Arc::new(mr)]);
-        for _ in 1..workers {
-            let s = Stack::open_info(info.clone(), num_peers)?;
+        for w in 1..workers {
+            let s = Stack::open_placed(query, num_peers, &place.lane(w, workers))?;
             // SAFETY: the caller's.
             mrs.push(Arc::new(unsafe { s.register(ptr, len, kind)? }));
             stacks.push(s);

@@ -370,6 +370,8 @@ pub struct GpuBuffer {
     /// Some rank pair of the job is in different processes (the same on every rank).
     ipc_world: bool,
     paths: Vec<PeerPath>,
+    /// Ranks known dead (the bootstrap's), asked while [`Self::sync_gpu`] waits.
+    peer_watch: crate::proxy::PeerWatch,
 }
 
 impl std::fmt::Debug for GpuBuffer {
@@ -510,6 +512,7 @@ impl GpuBuffer {
         // them) can wait for those kernels: the first step could stall until the timeout.
         dev.load_module()?;
         let (rank, r) = (cfg.rank, cfg.num_ranks);
+        crate::log::set_rank(rank);
         let slots_per_peer = opts.slots_per_peer.unwrap_or_else(|| default_slots_per_peer(r));
         // How each peer is reached (pointers, peer access, CUDA IPC): see ipc.rs.
         let remote = |peer: usize| cfg.node_of(peer) != cfg.node_of(rank);
@@ -526,7 +529,16 @@ impl GpuBuffer {
         if let Some(peer) =
             peers.paths().iter().position(|p| *p == ipc::PeerPath::Ipc { same_gpu: true })
         {
-            check_mps(rank, peer, under_mps, std::env::var_os("FEP_ALLOW_NO_MPS").is_some())?;
+            let allow = std::env::var_os("FEP_ALLOW_NO_MPS").is_some();
+            check_mps(rank, peer, under_mps, allow)?;
+            if under_mps {
+                crate::fep_info!("MPS: rank {rank} shares its GPU with rank {peer}; MPS found");
+            } else {
+                crate::fep_warn!(
+                    "MPS: rank {rank} shares its GPU with rank {peer}, another process, and no \
+                     MPS server was found; going on because FEP_ALLOW_NO_MPS is set"
+                );
+            }
         }
         let sms = dev.sm_count() as usize;
         // The cap is normal mode's (its kernels were tuned at 32 blocks); low latency alone
@@ -547,6 +559,16 @@ impl GpuBuffer {
             ));
         }
         let timeout = cfg.timeout;
+        crate::fep_info!(
+            "GPU buffer: rank {rank} of {r} ({} per node), GPU {} ({}), {num_sms} SMs, {on_gpu} \
+             rank(s) on it, normal {} low latency {}, {slots_per_peer} slots per peer, timeout \
+             {timeout:?}",
+            cfg.ranks_per_node,
+            dev.name(),
+            dev.pci_bus_id().unwrap_or_else(|_| "?".into()),
+            opts.normal,
+            opts.low_latency
+        );
         let normal = if opts.normal {
             let settings = NormalGpuSettings {
                 chunk_tokens: opts.chunk_tokens,
@@ -582,7 +604,8 @@ impl GpuBuffer {
             // Peers on other nodes: the proxy lane decides where the LL buffer lives.
             let prep = if cfg.num_nodes() > 1 {
                 let p = opts.ll_provider.as_deref();
-                Some(ll_proxy::LlProxyPrep::open(&dev, p, r, lcfg.layout()?)?)
+                let who = (rank, rank % cfg.ranks_per_node);
+                Some(ll_proxy::LlProxyPrep::open(&dev, p, who, r, lcfg.layout()?)?)
             } else {
                 None
             };
@@ -719,7 +742,25 @@ impl GpuBuffer {
         };
         let ipc_world = peers.world_uses_ipc();
         let paths = peers.paths().to_vec();
-        Ok(GpuBuffer { cfg, id, dev, num_sms, normal, ll, poisoned: None, maps, ipc_world, paths })
+        let b = boot.clone();
+        let peer_watch: crate::proxy::PeerWatch = Arc::new(move || b.dead_ranks());
+        let mut normal = normal;
+        if let Some(n) = normal.as_mut() {
+            n.rank.watch_peers(peer_watch.clone());
+        }
+        Ok(GpuBuffer {
+            cfg,
+            id,
+            dev,
+            num_sms,
+            normal,
+            ll,
+            poisoned: None,
+            maps,
+            ipc_world,
+            paths,
+            peer_watch,
+        })
     }
 
     /// Teardown step of [`Buffer::destroy`](super::buffer::Buffer::destroy), after its barrier
@@ -834,7 +875,20 @@ impl GpuBuffer {
     /// this rank's kernels recorded, as a typed error.
     pub fn sync_gpu(&mut self, stream: &Stream) -> Result<()> {
         let limit = self.cfg.timeout * 2 + Duration::from_secs(5);
-        let mut res = stream.synchronize_within(limit).map_err(Error::from);
+        // The stream's end, or a rank the bootstrap saw die (its kernels' waits on that rank
+        // would otherwise last their whole budget before this wait could tell).
+        let mut dead = None;
+        let mut res = crate::cuda::poll_within(limit, "cuStreamQuery", || {
+            dead = (self.peer_watch)().first().copied();
+            Ok(dead.is_some() || stream.query()?)
+        })
+        .map_err(Error::from);
+        if let Some(peer) = dead {
+            res = Err(Error::Proxy(crate::proxy::ProxyError::PeerDead {
+                rank: self.cfg.rank as u32,
+                peer: peer as u32,
+            }));
+        }
         if res.is_ok() {
             if let Some(n) = &self.normal {
                 res = n.rank.check();

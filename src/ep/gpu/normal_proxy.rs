@@ -37,7 +37,7 @@ use super::super::normal_gpu::{CommMap, NormalGpuSettings};
 use crate::abi;
 use crate::bootstrap::Bootstrap;
 use crate::cuda::{Device, DeviceBuffer, HostMapped};
-use crate::fabric::{Info, InfoQuery, MemKind, MemoryRegion, Stack};
+use crate::fabric::{Info, InfoQuery, MemKind, MemoryRegion, Placement, Stack};
 use crate::proxy::{
     CounterLayout, CounterMemory, FabricTransport, Proxy, ProxyConfig, RingLayout, RingMemory,
     SharedRegion,
@@ -361,12 +361,35 @@ impl NormalProxyLane {
         let map = CommMap::new(s)?;
         let layout = map.layout;
         let query = InfoQuery::provider(&l.provider);
+        // Worker w on the NIC select gives endpoint w of this rank (nearest the GPU, round-robin).
+        let place = Placement {
+            rank: Some(rank),
+            local_rank: rank % l.ranks_per_node.max(1),
+            gpu_pci: dev.pci_bus_id().ok(),
+            lane: 0,
+            lanes: l.workers,
+        };
         let stacks = (0..l.workers)
-            .map(|_| Stack::open(&query, r).map_err(Error::from))
+            .map(|w| Stack::open_placed(&query, r, &place.lane(w, l.workers)).map_err(Error::from))
             .collect::<Result<Vec<_>>>()?;
         let stride = stacks[0].info.max_region_bytes().max(4096) as u64;
         let geo = Geometry::new(&layout, stride)?;
         let kind = RegionKind::select(&stacks[0].info);
+        let prov = stacks[0].info.provider();
+        if kind != RegionKind::Device && prov.starts_with("efa") {
+            crate::fep_warn!(
+                "normal proxy lane: {prov} without GPU memory registration (FI_HMEM {}): staging \
+                 through host memory ({kind:?})",
+                if stacks[0].info.hmem() { "off by FEP_GPU_PROXY_HMEM=0" } else { "not offered" }
+            );
+        }
+        crate::fep_info!(
+            "normal proxy lane: {} workers, send and receive regions of {} bytes each in {kind:?} \
+             memory, ring capacity {}",
+            l.workers,
+            geo.bytes,
+            l.ring_capacity
+        );
         let send = Arc::new(RegionMem::alloc(dev, kind, geo.bytes as usize)?);
         let recv = Arc::new(RegionMem::alloc(dev, kind, geo.bytes as usize)?);
         let hdr = header(s, l, geo.bytes);
