@@ -383,6 +383,7 @@ impl Proxy {
         let mut backoff = Backoff::new(128, 4096);
         let mut first_pending = 0;
         let mut seen = self.arrivals_seen(waits);
+        let mut passes = 0u32;
         loop {
             while first_pending < waits.len() {
                 let w = &waits[first_pending];
@@ -395,13 +396,16 @@ impl Proxy {
                 return Ok(());
             }
             self.check_running()?;
-            if idle_since.elapsed() >= timeout {
+            passes = passes.wrapping_add(1);
+            if passes % 64 == 0 || idle_since.elapsed() >= timeout {
+                // Any arrival on a waited slot, also past the first pending one, is progress.
                 let now = self.arrivals_seen(waits);
                 if now != seen {
                     (seen, idle_since) = (now, Instant::now());
                     backoff.reset();
-                    continue;
                 }
+            }
+            if idle_since.elapsed() >= timeout {
                 let lagging = waits
                     .iter()
                     .filter_map(|w| {
