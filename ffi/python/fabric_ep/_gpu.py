@@ -46,6 +46,7 @@ run one process per GPU.
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -729,21 +730,36 @@ class GpuPath:
         self._layout_out = ()
 
 
+# The library's layout objects (the layout kernel's workspace) per (thread, device, experts,
+# ranks, ranks per node), made on first use and kept for the process. Per thread: ranks as
+# threads of one process must not share one, since a shared workspace orders a rank's layout
+# after the last one of any rank, which may sit behind that rank's notify waiting for this one.
+_LAYOUTS: dict = {}
+
+
+def _native_layout(dev: int, e: int, r: int, rpn: int) -> int:
+    key = (threading.get_ident(), dev, e, r, rpn)
+    lay = _LAYOUTS.get(key)
+    if lay is None:
+        lay = _LAYOUTS[key] = core.gpu_layout_create(dev, e, r, rpn)
+    return lay
+
+
 def _layout_ops(torch: Any, topk_idx: Any, num_experts: int, r: int, rpn: int,
                 dev: int) -> Tuple[Any, ...]:
-    """DeepEP's layout counts with torch ops on the current stream."""
-    lx = num_experts // r
-    t = topk_idx.shape[0]
-    valid = topk_idx >= 0
-    rank_of = torch.where(valid, topk_idx // lx, torch.full_like(topk_idx, r))
-    hit = torch.zeros((t, r + 1), dtype=torch.bool, device=dev)
-    hit.scatter_(1, rank_of, True)
-    in_rank = hit[:, :r].contiguous()
-    per_rank = in_rank.sum(0, dtype=torch.int32)
-    per_expert = torch.bincount(topk_idx[valid], minlength=num_experts).to(torch.int32)
+    """DeepEP's layout of ``topk_idx`` (contiguous int64 ``[T, K]`` on ``dev``) on the current
+    stream: the library's layout kernel (one launch, no host synchronisation) into outputs
+    allocated on that stream."""
+    t, k = int(topk_idx.shape[0]), int(topk_idx.shape[1])
     nodes = r // rpn
-    per_node = (in_rank.view(t, nodes, rpn).any(2).sum(0, dtype=torch.int32)
-                if nodes > 1 else None)
+    per_rank = torch.empty(r, dtype=torch.int32, device=dev)
+    per_node = torch.empty(nodes, dtype=torch.int32, device=dev) if nodes > 1 else None
+    per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    in_rank = torch.empty((t, r), dtype=torch.bool, device=dev)
+    core.gpu_layout_run(_native_layout(dev, num_experts, r, rpn), topk_idx.data_ptr(), t, k, r,
+                        nodes, num_experts, per_rank.data_ptr(),
+                        0 if per_node is None else per_node.data_ptr(), per_expert.data_ptr(),
+                        in_rank.data_ptr(), torch.cuda.current_stream(dev).cuda_stream)
     return per_rank, per_node, per_expert, in_rank
 
 

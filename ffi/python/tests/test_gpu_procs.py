@@ -161,6 +161,8 @@ def no_mps_case():
 if __name__ == "__main__":
     if sys.argv[1:] == ["--no-mps"]:
         cases = [(2, "env", "no_mps")]
+    elif sys.argv[1:2] == ["--cases"]:  # e.g. --cases 2/gloo/deepep,3/gloo/stalled_peer
+        cases = [(int(w), g, c) for w, g, c in (x.split("/") for x in sys.argv[2].split(","))]
     else:
         cases = [(2, "gloo", "deepep"), (4, "gloo", "deepep"), (2, "env", "deepep"),
                  (4, "env", "deepep"), (1, "nccl", "deepep"), (2, "nccl", "deepep"),

@@ -544,6 +544,67 @@ fn layout_host(
     check(py, "fep_get_dispatch_layout_host", st)
 }
 
+// ---------------------------------------------------------------- GPU layout
+
+/// `fep_gpu_layout_create`: a layout object for `e` experts over `r` ranks of `rpn` per node
+/// on CUDA device `device`.
+#[pyfunction]
+fn gpu_layout_create(py: Python<'_>, device: i64, e: i64, r: i64, rpn: i64) -> PyResult<usize> {
+    let (device, e, r, rpn) = (
+        i32_arg("device", device)?,
+        i32_arg("num_experts", e)?,
+        i32_arg("num_ranks", r)?,
+        i32_arg("ranks_per_node", rpn)?,
+    );
+    let mut out: *mut c::fep_gpu_layout = std::ptr::null_mut();
+    let op = AssertSend(&mut out as *mut *mut c::fep_gpu_layout);
+    // SAFETY: `out` lives on this frame for the call.
+    let st = nogil(py, move || unsafe { c::fep_gpu_layout_create(device, e, r, rpn, op.into_inner()) });
+    check(py, "fep_gpu_layout_create", st)?;
+    Ok(out as usize)
+}
+
+/// `fep_gpu_layout_run` on `stream`: `topk_idx` `[t, k]` int64 at `idx`; the outputs int32
+/// `[r]` at `per_rank`, int32 `[nodes]` at `per_node` (0 on one node), int32 `[e]` at
+/// `per_expert`, bool `[t, r]` at `in_rank`. No host synchronisation.
+#[pyfunction]
+fn gpu_layout_run(
+    py: Python<'_>,
+    layout: usize,
+    idx: usize,
+    t: i64,
+    k: i64,
+    r: i64,
+    nodes: i64,
+    e: i64,
+    per_rank: usize,
+    per_node: usize,
+    per_expert: usize,
+    in_rank: usize,
+    stream: usize,
+) -> PyResult<()> {
+    let ti = t2(idx, I64, t, k);
+    let pr = t1(per_rank, I32, r);
+    let pn = t1(per_node, I32, nodes);
+    let pe = t1(per_expert, I32, e);
+    let inr = t2(in_rank, c::FEP_DTYPE_BOOL, t, r);
+    let o = Order { stream, wait_stream: 0, wait_event: 0, then_stream: 0 }.raw();
+    let pn_ptr = if per_node == 0 { std::ptr::null() } else { &pn as *const fep_tensor };
+    // SAFETY: descriptors on this frame; the addresses are the caller's live CUDA tensors on
+    // `stream`; the library checks the layout pointer, shapes, dtypes and NULLs. No wait here:
+    // the GIL stays held (a launch).
+    let st = unsafe { c::fep_gpu_layout_run(vp(layout), &ti, &pr, pn_ptr, &pe, &inr, &o) };
+    check(py, "fep_gpu_layout_run", st)
+}
+
+/// `fep_gpu_layout_destroy` (waits, bounded, for the object's last launch).
+#[pyfunction]
+fn gpu_layout_destroy(py: Python<'_>, layout: usize) -> PyResult<()> {
+    // SAFETY: the library refuses a stale or foreign pointer.
+    let st = nogil(py, || unsafe { c::fep_gpu_layout_destroy(vp(layout)) });
+    check(py, "fep_gpu_layout_destroy", st)
+}
+
 #[pyfunction]
 fn ll_op_destroy(py: Python<'_>, op: usize) {
     // SAFETY: the library ignores NULL and refuses a stale pointer.
@@ -1290,6 +1351,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(boot_allgather, m)?)?;
     m.add_function(wrap_pyfunction!(boot_destroy, m)?)?;
     m.add_function(wrap_pyfunction!(layout_host, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu_layout_create, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu_layout_run, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu_layout_destroy, m)?)?;
     m.add_function(wrap_pyfunction!(ll_op_destroy, m)?)?;
     m.add_function(wrap_pyfunction!(gpu_ll_op_destroy, m)?)?;
     m.add_function(wrap_pyfunction!(clean_low_latency_buffer, m)?)?;
