@@ -45,7 +45,9 @@ gpu-bundle: setup
 # fresh release build from this checkout: a FABRIC_EP_EXTENSION in the environment
 # (ffi/python/setup.py's prebuilt option) is ignored here.
 wheel: setup
-	rm -f dist/fabric_ep-*.whl
+	# setuptools copies into ffi/python/build/ and never removes what a source tree no longer
+	# has: a stale build folder would ship deleted modules.
+	rm -rf dist/fabric_ep-*.whl ffi/python/build ffi/python/*.egg-info
 	env -u FABRIC_EP_EXTENSION -u FABRIC_EP_CARGO_PROFILE -u FABRIC_EP_ROOT \
 	    python3 -m pip wheel -v --no-deps --disable-pip-version-check -w dist ffi/python
 	@ls -l dist/fabric_ep-*.whl

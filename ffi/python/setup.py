@@ -238,6 +238,9 @@ def bundle_native(pkg: pathlib.Path) -> None:
 
 class BuildPy(build_py):
     def run(self):
+        # setuptools never removes from build/ what the sources no longer have: start the
+        # package's build folder empty, so a wheel holds exactly today's modules.
+        shutil.rmtree(pathlib.Path(self.build_lib) / "fabric_ep", ignore_errors=True)
         super().run()
         if getattr(self, "editable_mode", False):
             # An editable install runs from the source tree, which finds the repository's
