@@ -131,6 +131,6 @@ RUN printf '%s\n' /opt/amazon/efa/lib /opt/aws-ofi-nccl/lib /opt/fabric-ep/lib \
  && ep-bench --version \
  && ep-bench plan --at 16 > /dev/null
 
-ENV PKG_CONFIG_PATH=/opt/fabric-ep/lib/pkgconfig FABRIC_EP_LIBRARY=/opt/fabric-ep/lib/libfabric_ep.so.0
+ENV PKG_CONFIG_PATH=/opt/fabric-ep/lib/pkgconfig
 WORKDIR /workspace
 CMD ["ep-bench", "--help"]
