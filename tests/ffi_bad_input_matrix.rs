@@ -2190,7 +2190,22 @@ fn run_child(name: &str) -> (String, Option<i32>, bool) {
         }
     };
     let out = t1.join().unwrap_or_default() + &t2.join().unwrap_or_default();
+    remove_shm_regions(child.id());
     (out, code, hung)
+}
+
+/// libfabric's shm provider names its regions `/dev/shm/<pid>:<n>:<m>`; a child that exits
+/// without closing its endpoints (every case here ends with `process::exit`, or is killed)
+/// leaves them behind, 16 MiB each: the dead child's are removed.
+fn remove_shm_regions(pid: u32) {
+    let prefix = format!("{pid}:");
+    if let Ok(dir) = std::fs::read_dir("/dev/shm") {
+        for e in dir.flatten() {
+            if e.file_name().to_string_lossy().starts_with(&prefix) {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
 }
 
 #[test]
