@@ -559,7 +559,8 @@ fn gpu_layout_create(py: Python<'_>, device: i64, e: i64, r: i64, rpn: i64) -> P
     let mut out: *mut c::fep_gpu_layout = std::ptr::null_mut();
     let op = AssertSend(&mut out as *mut *mut c::fep_gpu_layout);
     // SAFETY: `out` lives on this frame for the call.
-    let st = nogil(py, move || unsafe { c::fep_gpu_layout_create(device, e, r, rpn, op.into_inner()) });
+    let st =
+        nogil(py, move || unsafe { c::fep_gpu_layout_create(device, e, r, rpn, op.into_inner()) });
     check(py, "fep_gpu_layout_create", st)?;
     Ok(out as usize)
 }
