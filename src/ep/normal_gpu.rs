@@ -606,6 +606,7 @@ impl NormalGpuRank {
             return Err(Error::Proxy(crate::proxy::ProxyError::PeerDead {
                 rank: self.rank as u32,
                 peer: peer as u32,
+                waiting: Vec::new(),
             }));
         }
         if ended && !arrived()? {

@@ -63,6 +63,14 @@ fn fabric_peer(peer: Option<u32>) -> String {
     }
 }
 
+fn waiting_list(w: &[u32]) -> String {
+    if w.is_empty() {
+        String::new()
+    } else {
+        format!("; this wait still needed ranks {w:?}")
+    }
+}
+
 /// Errors from the proxy. Each names the rank, ring, peer, slot or immediate it is about.
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
@@ -130,8 +138,13 @@ pub enum ProxyError {
     BadCompletion { rank: u32, ring: u32, num_rings: u32 },
     /// The bootstrap saw a rank leave (its connection closed: killed, crashed, or it closed its
     /// bootstrap): every wait of the job ends at once naming it.
-    #[error("rank {rank}: rank {peer} has left the job (the bootstrap saw its connection close)")]
-    PeerDead { rank: u32, peer: u32 },
+    /// `waiting`: the ranks the interrupted wait still needed (the rank that left may have
+    /// done so because of one of them: a survivor that timed out on a stalled rank leaves too).
+    #[error(
+        "rank {rank}: rank {peer} has left the job (the bootstrap saw its connection close){}",
+        waiting_list(.waiting)
+    )]
+    PeerDead { rank: u32, peer: u32, waiting: Vec<u32> },
     /// The transport cannot reach a peer (it left, or its endpoint failed).
     #[error("rank {rank}: peer {peer} is unreachable: {msg}")]
     PeerUnreachable { rank: u32, peer: u32, msg: String },

@@ -346,7 +346,11 @@ impl Proxy {
         self.check()?;
         if let Some(w) = self.peer_watch.get() {
             if let Some(&peer) = w().first() {
-                return Err(ProxyError::PeerDead { rank: self.rank, peer: peer as u32 });
+                return Err(ProxyError::PeerDead {
+                    rank: self.rank,
+                    peer: peer as u32,
+                    waiting: Vec::new(),
+                });
             }
         }
         if self.shared.stop.load(Ordering::Acquire) {
@@ -395,7 +399,25 @@ impl Proxy {
             if first_pending == waits.len() {
                 return Ok(());
             }
-            self.check_running()?;
+            if let Err(e) = self.check_running() {
+                return Err(match e {
+                    ProxyError::PeerDead { rank, peer, .. } => {
+                        let mut waiting: Vec<u32> = waits
+                            .iter()
+                            .filter(|w| {
+                                self.counters.arrivals_atomic(w.slot).load(Ordering::Acquire)
+                                    < w.expected
+                            })
+                            .map(|w| w.peer)
+                            .filter(|&p| p != u32::MAX)
+                            .collect();
+                        waiting.sort_unstable();
+                        waiting.dedup();
+                        ProxyError::PeerDead { rank, peer, waiting }
+                    }
+                    e => e,
+                });
+            }
             passes = passes.wrapping_add(1);
             if passes % 64 == 0 || idle_since.elapsed() >= timeout {
                 // Any arrival on a waited slot, also past the first pending one, is progress.

@@ -887,6 +887,7 @@ impl GpuBuffer {
             res = Err(Error::Proxy(crate::proxy::ProxyError::PeerDead {
                 rank: self.cfg.rank as u32,
                 peer: peer as u32,
+                waiting: Vec::new(),
             }));
         }
         if res.is_ok() {
