@@ -334,6 +334,29 @@ impl Proxy {
         })
     }
 
+    /// A worker's failure that names no peer (a target-side completion error: this libfabric's
+    /// error entries carry no source address) is often a peer's death seen by the fabric a few
+    /// milliseconds before the bootstrap reports it: wait up to 250 ms for that report, and
+    /// then name the rank that left instead.
+    fn blame_dead_peer(&self, e: ProxyError) -> ProxyError {
+        let Some(w) = self.peer_watch.get() else { return e };
+        if !matches!(e, ProxyError::Fabric { peer: None, .. }) {
+            return e;
+        }
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_millis(250) {
+            if let Some(&peer) = w().first() {
+                return ProxyError::PeerDead {
+                    rank: self.rank,
+                    peer: peer as u32,
+                    waiting: Vec::new(),
+                };
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        e
+    }
+
     /// Lets every wait of this proxy end at once, naming the rank, when `watch` reports a dead
     /// rank (the bootstrap store sees a rank's connection close within milliseconds; without
     /// this a wait on it would last its whole timeout). Set once; later calls are ignored.
@@ -343,7 +366,9 @@ impl Proxy {
 
     /// A worker's error, a stop, or a rank the bootstrap saw die (see [`Self::watch_peers`]).
     pub fn check_running(&self) -> Result<(), ProxyError> {
-        self.check()?;
+        if let Err(e) = self.check() {
+            return Err(self.blame_dead_peer(e));
+        }
         if let Some(w) = self.peer_watch.get() {
             if let Some(&peer) = w().first() {
                 return Err(ProxyError::PeerDead {
