@@ -321,7 +321,7 @@ fn read_u64(b: &[u8], at: usize) -> Option<u64> {
 
 /// The proxy's view of dead ranks: the bootstrap's (the TCP store pushes a rank's death to
 /// every rank at once), so a step waiting on a dead peer ends within milliseconds, naming it.
-fn peer_watch(boot: &Arc<dyn Bootstrap>) -> crate::proxy::PeerWatch {
+pub(crate) fn peer_watch(boot: &Arc<dyn Bootstrap>) -> crate::proxy::PeerWatch {
     let b = boot.clone();
     Arc::new(move || b.dead_ranks())
 }

@@ -328,7 +328,7 @@ unsafe fn begin(
 }
 
 /// [`begin`] with the state's parts (when the rest of it is borrowed elsewhere).
-unsafe fn begin_on(
+pub(super) unsafe fn begin_on(
     dev: &Device,
     ev_in: &Event,
     order: *const fep_gpu_order,

@@ -15,7 +15,7 @@ use std::sync::Mutex;
 use cudarc::driver::sys::CUstream;
 
 use super::buffer::{fep_tensor, FEP_DTYPE_BOOL, FEP_DTYPE_I32, FEP_DTYPE_I64};
-use super::gpu::{dev, fep_gpu_order};
+use super::gpu::{begin_on, dev, fep_gpu_order};
 use super::live;
 use super::{fep_status, guard};
 use crate::cuda::{DevErrorRecord, Device, Event, Stream};
@@ -162,15 +162,7 @@ pub unsafe extern "C" fn fep_gpu_layout_run(
                 .0;
         earlier_error(&st)?;
         st.dev.bind()?;
-        let o = *order.as_ref().ok_or_else(|| Error::arg("order", "NULL pointer"))?;
-        let s = Stream::borrowed(&st.dev, o.stream as CUstream);
-        if !o.wait_stream.is_null() && o.wait_stream != o.stream {
-            st.ev_in.record(&Stream::borrowed(&st.dev, o.wait_stream as CUstream))?;
-            s.wait_event(&st.ev_in)?;
-        }
-        if !o.wait_event.is_null() {
-            s.wait_raw_event(o.wait_event as cudarc::driver::sys::CUevent)?;
-        }
+        let (s, o) = begin_on(&st.dev, &st.ev_in, order)?;
         // One workspace: a launch on another stream waits for the last one.
         if st.last_stream.is_some_and(|p| p != o.stream as CUstream) {
             s.wait_event(&st.done)?;

@@ -742,8 +742,7 @@ impl GpuBuffer {
         };
         let ipc_world = peers.world_uses_ipc();
         let paths = peers.paths().to_vec();
-        let b = boot.clone();
-        let peer_watch: crate::proxy::PeerWatch = Arc::new(move || b.dead_ranks());
+        let peer_watch = super::buffer::peer_watch(boot);
         let mut normal = normal;
         if let Some(n) = normal.as_mut() {
             n.rank.watch_peers(peer_watch.clone());
