@@ -47,10 +47,41 @@ __device__ __forceinline__ uint4 combine_pack(const float (&acc)[8]) {
     return o;
 }
 
+
+// One token's output row: the sum of np rows (rows[0..np), ascending by rank) in fp32, rounded
+// to bf16 once. kU 16-byte vectors per lane per rank are loaded before any is added, so up to
+// kNp * kU loads are in flight per lane (few ranks: more vectors each, as a plain copy has).
+template <int kNp, int kU>
+__device__ __forceinline__ void combine_row(uint4* __restrict__ dst, const uint4* const (&rows)[FEP_NORMAL_MAX_RANKS],
+                                            int np, uint32_t row16, int lane) {
+    for (uint32_t i = lane; i < row16; i += 32 * kU) {
+        uint4 v[kNp][kU];
+#pragma unroll
+        for (int q = 0; q < kNp; ++q) {
+#pragma unroll
+            for (int u = 0; u < kU; ++u) {
+                if (q < np && i + 32 * u < row16) v[q][u] = __ldcg(rows[q] + i + 32 * u);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+            float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+            for (int q = 0; q < kNp; ++q) {
+                if (q < np) combine_add_bf16x8(a, v[q][u]);
+            }
+            if (i + 32 * u < row16) dst[i + 32 * u] = combine_pack(a);
+        }
+    }
+}
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
-    fep_normal_combine(const fep_normal_combine_params p) {
+namespace {
+
+// The kernel body, with the receiver's row variant fixed at compile time (see the kernels at the
+// end): ptxas spilled when one kernel held several variants, though each fits alone.
+template <int kNp, int kU>
+__device__ __forceinline__ void combine_body(const fep_normal_combine_params& p) {
     using namespace fep::normal;
     const Comm comm{p.comm};
     const int me = static_cast<int>(p.comm.rank);
@@ -216,45 +247,54 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
                              static_cast<uint64_t>(static_cast<uint32_t>(pos) % C) * p.record_bytes;
                 }
                 if (!alive) break;
-                for (uint32_t i = lane; i < row16; i += 64) {
-                    float a0[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-                    float a1[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-                    const bool two = i + 32 < row16;
-                    uint4 v0[kMaxRanks], v1[kMaxRanks];
+                // The rows to sum, ascending by rank, packed to the front: lane r holds rank
+                // r's row pointer and the q-th present rank comes by shuffle, so every array
+                // below is indexed by constants (registers, no local memory).
+                uint32_t present = 0;
+#pragma unroll
+                for (int r = 0; r < kMaxRanks; ++r) present |= rec[r] != nullptr ? 1u << r : 0u;
+                const int np = __popc(present);
+                uint64_t lane_ptr = 0;
+#pragma unroll
+                for (int r = 0; r < kMaxRanks; ++r)
+                    if (lane == r) lane_ptr = reinterpret_cast<uint64_t>(rec[r]);
+                const uint4* rows[kMaxRanks];
+                {
+                    uint32_t m = present;
 #pragma unroll
                     for (int q = 0; q < kMaxRanks; ++q) {
-                        if (rec[q] != nullptr) {
-                            v0[q] = __ldcg(reinterpret_cast<const uint4*>(rec[q]) + i);
-                            if (two) v1[q] = __ldcg(reinterpret_cast<const uint4*>(rec[q]) + i + 32);
-                        }
+                        const int r = m != 0u ? __ffs(m) - 1 : 0;
+                        m &= m - 1u;
+                        rows[q] = reinterpret_cast<const uint4*>(
+                            __shfl_sync(0xffffffffu, lane_ptr, r));
                     }
-#pragma unroll
-                    for (int q = 0; q < kMaxRanks; ++q) {
-                        if (rec[q] != nullptr) {
-                            combine_add_bf16x8(a0, v0[q]);
-                            if (two) combine_add_bf16x8(a1, v1[q]);
-                        }
-                    }
-                    out[t * row16 + i] = combine_pack(a0);
-                    if (two) out[t * row16 + i + 32] = combine_pack(a1);
                 }
+                uint4* dst = out + t * row16;
+                combine_row<kNp, kU>(dst, rows, np, row16, lane);
                 if (out_w != nullptr && lane < K) {
                     float a = 0.0f;
+                    uint32_t m = present;
 #pragma unroll
                     for (int q = 0; q < kMaxRanks; ++q) {
-                        if (rec[q] == nullptr) continue;
-                        if (q == me) {
-                            const int64_t row = own_row0 + send_pos[t * R + q];
+                        if (m == 0u) break;
+                        const int r = __ffs(m) - 1;
+                        m &= m - 1u;
+                        if (r == me) {
+                            const int64_t row = own_row0 + send_pos[t * R + r];
                             a += own_w != nullptr ? own_w[row * K + lane] : 0.0f;
                         } else {
-                            a += __ldcg(reinterpret_cast<const float*>(rec[q] + p.topk_weights_offset) +
+                            a += __ldcg(reinterpret_cast<const float*>(
+                                            reinterpret_cast<const uint8_t*>(rows[q]) +
+                                            p.topk_weights_offset) +
                                         lane);
                         }
                     }
                     out_w[t * K + lane] = a;
                 }
                 __syncwarp();
-                if (lane == 0) {
+                // Only peers' chunks take credits: a token whose rows are all this rank's own
+                // (every token at one rank) skips the fence, a memory round trip per token.
+                if (lane == 0 && (present & ~(1u << me)) != 0u) {
                     // NOTES: every lane's reads of this token's rows are done (__syncwarp); the
                     // warp that brings a chunk's counter to its row count resets it and returns the
                     // credit (the slot's next chunk cannot arrive before that credit).
@@ -299,4 +339,24 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
         comm.sent_base()[r] += div_ceil(static_cast<uint32_t>(prefix[r + 1] - prefix[r]), C);
         comm.recv_base()[r] += div_ceil(static_cast<uint32_t>(send_counts[r]), C);
     }
+}
+
+}  // namespace
+
+// One kernel per row variant, chosen by the host from the number of ranks (src/cuda/launch.rs):
+// a token's rows come from at most num_ranks ranks, and fewer ranks leave registers for more
+// 16-byte loads in flight per lane (at one rank, 8: a plain copy's depth).
+extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
+    fep_normal_combine(const fep_normal_combine_params p) {
+    combine_body<fep::normal::kMaxRanks, 2>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
+    fep_normal_combine_2(const fep_normal_combine_params p) {
+    combine_body<2, 4>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
+    fep_normal_combine_1(const fep_normal_combine_params p) {
+    combine_body<1, 8>(p);
 }

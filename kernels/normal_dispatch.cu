@@ -12,11 +12,82 @@
 //            wide pass), unpack the records into recv_x rows
 //            rank_prefix[s] + chunk * C + row (grouped by source rank, token order within one),
 //            barrier, return the credit.
+// This rank's own rows skip the queue: the blocks that serve this rank on both sides copy them
+// from x into recv_x directly (self_rows).
 // Rows past the received ones (num_worst_tokens mode) are padding: zero x and scales, top-k -1
 // and weight 0, source index -1.
 #include "fep_abi.h"
 #include "fep_device.cuh"
 #include "fep_normal.cuh"
+
+namespace {
+
+// This rank's own rows, straight from the inputs into the outputs: no queue record, flag or
+// credit (the (me -> me) pair's queue is never used). The work is shared by the sender blocks
+// that serve this rank and the receiver blocks that serve it: worker w of W, one warp per row.
+// Rows keep the order of send_token_ids, as a peer's rows keep it through the queue.
+__device__ __forceinline__ void self_rows(const fep_normal_dispatch_params& p, int w, int W,
+                                          int warp, int lane) {
+    using namespace fep::normal;
+    constexpr int kWarps = FEP_NORMAL_THREADS / 32;
+    const int me = static_cast<int>(p.comm.rank);
+    const int T = p.handle.num_tokens;
+    const int K = p.num_topk;
+    const int32_t* prefix = reinterpret_cast<const int32_t*>(p.handle.rank_prefix);
+    const int32_t n = reinterpret_cast<const int32_t*>(p.handle.send_counts)[me];
+    const int32_t* ids =
+        reinterpret_cast<const int32_t*>(p.handle.send_token_ids) + static_cast<int64_t>(me) * T;
+    const uint8_t* x = reinterpret_cast<const uint8_t*>(p.x);
+    const float* xs = reinterpret_cast<const float*>(p.x_scales);
+    const int64_t* topk = reinterpret_cast<const int64_t*>(p.topk_idx);
+    const float* topw = reinterpret_cast<const float*>(p.topk_weights);
+    uint8_t* rx = reinterpret_cast<uint8_t*>(p.recv_x);
+    float* rxs = reinterpret_cast<float*>(p.recv_x_scales);
+    int64_t* rtopk = reinterpret_cast<int64_t*>(p.recv_topk_idx);
+    float* rtopw = reinterpret_cast<float*>(p.recv_topk_weights);
+    int32_t* rsrc = reinterpret_cast<int32_t*>(p.recv_src_idx);
+    const int64_t lo = static_cast<int64_t>(me) * p.comm.num_local_experts;
+    const int64_t hi = lo + p.comm.num_local_experts;
+    const int64_t row0 = prefix[me];
+    for (int64_t i = static_cast<int64_t>(w) * kWarps + warp; i < n;
+         i += static_cast<int64_t>(W) * kWarps) {
+        const int64_t out = row0 + i;
+        if (out >= p.out_rows) {
+            if (lane == 0) {
+                fep::report_error(p.comm.dev_error, FEP_DEV_BAD_COUNT, me,
+                                  FEP_NORMAL_PHASE_DISPATCH_RECV, me,
+                                  static_cast<uint64_t>(p.out_rows), static_cast<uint64_t>(out));
+            }
+            continue;
+        }
+        const int t = ids[i];
+        // The routing loads go out with the row's (before any store that could alias them).
+        int64_t g = -1;
+        float wt = 0.0f;
+        if (lane < K) {
+            g = topk[static_cast<int64_t>(t) * K + lane];
+            wt = topw[static_cast<int64_t>(t) * K + lane];
+        }
+        warp_copy16<false>(reinterpret_cast<uint4*>(rx + out * p.payload_bytes),
+                           reinterpret_cast<const uint4*>(x + static_cast<int64_t>(t) *
+                                                                  p.payload_bytes),
+                           p.payload_bytes / 16, lane);
+        if (p.num_scales != 0) {
+            warp_copy4<false>(reinterpret_cast<uint32_t*>(rxs + out * p.num_scales),
+                              reinterpret_cast<const uint32_t*>(xs + static_cast<int64_t>(t) *
+                                                                         p.num_scales),
+                              p.num_scales, lane);
+        }
+        if (lane < K) {
+            const bool here = g >= lo && g < hi;
+            rtopk[out * K + lane] = here ? g - lo : -1;
+            rtopw[out * K + lane] = here ? wt : 0.0f;
+        }
+        if (lane == 0) rsrc[out] = t;
+    }
+}
+
+}  // namespace
 
 extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
     fep_normal_dispatch(const fep_normal_dispatch_params p) {
@@ -60,7 +131,10 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
         const int64_t lo = static_cast<int64_t>(d) * p.comm.num_local_experts;
         const int64_t hi = lo + p.comm.num_local_experts;
         const bool px = comm.via_proxy(d);
-        for (uint32_t k = j / R; k < chunks; k += nsub) {
+        if (d == me) {
+            self_rows(p, j / R, nsub + (num_recv - me + R - 1) / R, warp, lane);
+        }
+        for (uint32_t k = j / R; d != me && k < chunks; k += nsub) {
             const uint64_t cum = base + k;
             const uint32_t slot = static_cast<uint32_t>(cum % spp);
             if (threadIdx.x == 0) {
@@ -131,7 +205,11 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
         float* rtopw = reinterpret_cast<float*>(p.recv_topk_weights);
         int32_t* rsrc = reinterpret_cast<int32_t*>(p.recv_src_idx);
         const bool px = comm.via_proxy(s);
-        for (uint32_t k = j / R; k < chunks; k += nsub) {
+        if (s == me) {
+            const int ns = (num_send - me + R - 1) / R;
+            self_rows(p, ns + j / R, ns + nsub, warp, lane);
+        }
+        for (uint32_t k = j / R; s != me && k < chunks; k += nsub) {
             const uint64_t cum = base + k;
             const uint32_t slot = static_cast<uint32_t>(cum % spp);
             if (threadIdx.x == 0) {
@@ -218,8 +296,8 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
     }
 
     if (!last_block(comm.ticket(1))) return;
-    if (threadIdx.x < static_cast<unsigned>(R)) {
-        const int r = threadIdx.x;
+    if (threadIdx.x < static_cast<unsigned>(R) && static_cast<int>(threadIdx.x) != me) {
+        const int r = threadIdx.x;  // the (me -> me) pair has no queue chunks (self_rows)
         comm.sent_base()[r] += div_ceil(static_cast<uint32_t>(send_counts[r]), C);
         comm.recv_base()[r] += div_ceil(static_cast<uint32_t>(prefix[r + 1] - prefix[r]), C);
     }

@@ -197,20 +197,25 @@ __device__ __forceinline__ uint4 ld_nc(const uint4* p) { return __ldg(p); }
 
 // A warp copies n 16-byte vectors, kUnroll loads in flight per lane. `kFromQueue`: the source is
 // a queue slot (L2 loads), else read-only input (non-coherent path).
+// NOTES: the last, partial batch is guarded rather than copied one vector per lane at a time:
+// each such step was a full memory round trip (a 7168-byte fp8 row took 1 batch of 8 and then 6
+// single steps).
 template <bool kFromQueue>
 __device__ __forceinline__ void warp_copy16(uint4* __restrict__ dst, const uint4* __restrict__ src,
                                             int n, int lane) {
     constexpr int kUnroll = 8;
-    int i = lane;
-    for (; i + (kUnroll - 1) * kWarpSize < n; i += kUnroll * kWarpSize) {
+    for (int i = lane; i < n; i += kUnroll * kWarpSize) {
         uint4 v[kUnroll];
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-            v[u] = kFromQueue ? ld_cg(src + i + u * kWarpSize) : ld_nc(src + i + u * kWarpSize);
+        for (int u = 0; u < kUnroll; ++u) {
+            if (i + u * kWarpSize < n)
+                v[u] = kFromQueue ? ld_cg(src + i + u * kWarpSize) : ld_nc(src + i + u * kWarpSize);
+        }
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) dst[i + u * kWarpSize] = v[u];
+        for (int u = 0; u < kUnroll; ++u) {
+            if (i + u * kWarpSize < n) dst[i + u * kWarpSize] = v[u];
+        }
     }
-    for (; i < n; i += kWarpSize) dst[i] = kFromQueue ? ld_cg(src + i) : ld_nc(src + i);
 }
 
 // A warp copies n 4-byte words.
@@ -220,20 +225,22 @@ __device__ __forceinline__ void warp_copy4(uint32_t* dst, const uint32_t* src, i
 }
 
 // A block copies n 16-byte vectors out of a proxy receive region (uncached loads, kUnroll in
-// flight per thread: a PCIe read is a round trip).
+// flight per thread: a PCIe read is a round trip; the partial last batch guarded, as above).
 __device__ __forceinline__ void block_copy16_px(uint4* __restrict__ dst,
                                                 const uint4* __restrict__ src, uint32_t n) {
     constexpr uint32_t kUnroll = 8;
     const uint32_t step = blockDim.x;
-    uint32_t i = threadIdx.x;
-    for (; i + (kUnroll - 1) * step < n; i += kUnroll * step) {
+    for (uint32_t i = threadIdx.x; i < n; i += kUnroll * step) {
         uint4 v[kUnroll];
 #pragma unroll
-        for (uint32_t u = 0; u < kUnroll; ++u) v[u] = __ldcv(src + i + u * step);
+        for (uint32_t u = 0; u < kUnroll; ++u) {
+            if (i + u * step < n) v[u] = __ldcv(src + i + u * step);
+        }
 #pragma unroll
-        for (uint32_t u = 0; u < kUnroll; ++u) dst[i + u * step] = v[u];
+        for (uint32_t u = 0; u < kUnroll; ++u) {
+            if (i + u * step < n) dst[i + u * step] = v[u];
+        }
     }
-    for (; i < n; i += step) dst[i] = __ldcv(src + i);
 }
 
 __device__ __forceinline__ uint32_t div_ceil(uint32_t a, uint32_t b) { return (a + b - 1) / b; }

@@ -342,7 +342,8 @@ pub unsafe fn normal_dispatch(
     launch(stream, Kernel::NormalDispatch, cfg, &p)
 }
 
-/// `fep_normal_combine` (kernels/normal_combine.cu): as [`normal_dispatch`].
+/// `fep_normal_combine` (kernels/normal_combine.cu; `_1` / `_2` at one / two ranks): as
+/// [`normal_dispatch`].
 ///
 /// # Safety
 /// As [`normal_dispatch`].
@@ -353,7 +354,13 @@ pub unsafe fn normal_combine(
 ) -> CudaResult<()> {
     check_normal_grid(grid, p.comm.num_ranks)?;
     let cfg = LaunchConfig { grid, block: abi::FEP_NORMAL_THREADS, shared_bytes: 0 };
-    launch(stream, Kernel::NormalCombine, cfg, &p)
+    // Same kernel, built per bound on the ranks a token's rows come from (normal_combine.cu).
+    let k = match p.comm.num_ranks {
+        1 => Kernel::NormalCombine1,
+        2 => Kernel::NormalCombine2,
+        _ => Kernel::NormalCombine,
+    };
+    launch(stream, k, cfg, &p)
 }
 
 fn check_normal_grid(grid: u32, num_ranks: u32) -> CudaResult<()> {

@@ -32,6 +32,10 @@ pub enum Kernel {
     NormalNotify,
     NormalDispatch,
     NormalCombine,
+    /// `fep_normal_combine` built for at most 2 ranks (more loads in flight per lane).
+    NormalCombine2,
+    /// `fep_normal_combine` built for 1 rank.
+    NormalCombine1,
     GatherRows,
     SegmentSum,
     TraceClock,
@@ -39,7 +43,7 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 18] = [
+    pub const ALL: [Kernel; 20] = [
         Kernel::DispatchLayout,
         Kernel::DispatchLayoutCluster,
         Kernel::WaitTest,
@@ -54,6 +58,8 @@ impl Kernel {
         Kernel::NormalNotify,
         Kernel::NormalDispatch,
         Kernel::NormalCombine,
+        Kernel::NormalCombine2,
+        Kernel::NormalCombine1,
         Kernel::GatherRows,
         Kernel::SegmentSum,
         Kernel::TraceClock,
@@ -77,6 +83,8 @@ impl Kernel {
             Kernel::NormalNotify => "fep_normal_notify",
             Kernel::NormalDispatch => "fep_normal_dispatch",
             Kernel::NormalCombine => "fep_normal_combine",
+            Kernel::NormalCombine2 => "fep_normal_combine_2",
+            Kernel::NormalCombine1 => "fep_normal_combine_1",
             Kernel::GatherRows => "fep_gather_rows",
             Kernel::SegmentSum => "fep_segment_sum",
             Kernel::TraceClock => "fep_trace_clock",
