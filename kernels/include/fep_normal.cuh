@@ -200,10 +200,9 @@ __device__ __forceinline__ uint4 ld_nc(const uint4* p) { return __ldg(p); }
 // NOTES: the last, partial batch is guarded rather than copied one vector per lane at a time:
 // each such step was a full memory round trip (a 7168-byte fp8 row took 1 batch of 8 and then 6
 // single steps).
-template <bool kFromQueue>
+template <bool kFromQueue, int kUnroll = 8>
 __device__ __forceinline__ void warp_copy16(uint4* __restrict__ dst, const uint4* __restrict__ src,
                                             int n, int lane) {
-    constexpr int kUnroll = 8;
     for (int i = lane; i < n; i += kUnroll * kWarpSize) {
         uint4 v[kUnroll];
 #pragma unroll

@@ -80,7 +80,7 @@ use super::layout::{DispatchLayoutGpu, LayoutBuffers, LayoutTuning};
 use super::ll_gpu::{self, LlDispatchOut, LlGpuConfig, LlGpuRank, LlTicket};
 use super::normal_gpu::{
     CombineArgs, DispatchInputs, DispatchOutputs, NormalGpuRank, NormalGpuSettings, NormalHandle,
-    RecvInfo,
+    NotifySource, RecvInfo,
 };
 use crate::abi;
 use crate::bootstrap::Bootstrap;
@@ -973,20 +973,28 @@ impl GpuBuffer {
                 ),
             ));
         }
+        let local = self.cfg.num_experts / self.cfg.num_ranks.max(1);
         let n = self.normal()?;
         handle.out_rows = None;
         handle.info = None;
-        n.layout_gpu.launch(
-            a.stream,
-            &topk,
-            t,
-            k,
-            &n.layout,
-            None,
-            rank,
-            LayoutTuning::default(),
-        )?;
-        n.rank.notify(a.stream, &n.layout, t, &mut handle.inner, a.expert_alignment, cap)?;
+        // The notify counts from the top-k ids itself (one launch fewer before the host's
+        // count read); the layout kernel first only where its per-block histogram would not fit.
+        let source = if local <= abi::FEP_NORMAL_NOTIFY_MAX_LOCAL as usize {
+            NotifySource::TopK { buffer: &topk, num_topk: k }
+        } else {
+            n.layout_gpu.launch(
+                a.stream,
+                &topk,
+                t,
+                k,
+                &n.layout,
+                None,
+                rank,
+                LayoutTuning::default(),
+            )?;
+            NotifySource::Layout(&n.layout)
+        };
+        n.rank.notify(a.stream, source, t, &mut handle.inner, a.expert_alignment, cap)?;
         match a.num_worst_tokens {
             Some(w) => {
                 handle.out_rows = Some(w);
