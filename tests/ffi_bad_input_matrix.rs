@@ -397,6 +397,7 @@ fn cases() -> Vec<Case> {
     ll_cases(&mut c);
     lifetime_cases(&mut c);
     gpu_cases(&mut c);
+    ep_cases(&mut c);
     misc_cases(&mut c);
     c
 }
@@ -2102,6 +2103,601 @@ fn misc_cases(c: &mut Vec<Case>) {
     case(c, "fep_abi_version/matches", Want::Accept, || Got {
         st: if fep_abi_version() == FEP_ABI_VERSION { 0 } else { FEP_ERR_VERSION as i32 },
         msg: String::new(),
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// fep_ep: DeepEP's per-call shape
+// ---------------------------------------------------------------------------------------------
+
+fn ep_config() -> fep_ep_config {
+    let mut c = std::mem::MaybeUninit::<fep_ep_config>::uninit();
+    unsafe {
+        setup(fep_ep_config_init(c.as_mut_ptr()), "fep_ep_config_init");
+        let mut c = c.assume_init();
+        (c.rank, c.num_ranks, c.ranks_per_node, c.local_rank) = (0, 1, 1, 0);
+        c.low_latency_mode = 1;
+        c.timeout_s = 10.0;
+        c
+    }
+}
+
+fn ep_create(c: &fep_ep_config) -> (fep_status, *mut fep_ep) {
+    let mut ep = null_mut();
+    let st = unsafe { fep_ep_create(c, Some(copy_gather), null_mut(), &mut ep) };
+    (st, ep)
+}
+
+fn ep_with(c: &fep_ep_config) -> *mut fep_ep {
+    let (st, ep) = ep_create(c);
+    setup(st, "fep_ep_create");
+    ep
+}
+
+fn live_ep() -> *mut fep_ep {
+    ep_with(&ep_config())
+}
+
+fn destroyed_ep() -> *mut fep_ep {
+    let ep = live_ep();
+    setup(unsafe { fep_ep_destroy(ep) }, "fep_ep_destroy");
+    ep
+}
+
+/// A shape as `fep_ep_buffer` / `fep_ep_need_bytes` take it.
+#[derive(Clone, Copy)]
+struct Shp {
+    mode: i32,
+    experts: i32,
+    hidden: i32,
+    topk: i32,
+    dtype: i32,
+    maxt: i32,
+}
+
+const NORMAL: Shp = Shp {
+    mode: FEP_MODE_NORMAL,
+    experts: E,
+    hidden: H as i32,
+    topk: K as i32,
+    dtype: FEP_DTYPE_BF16,
+    maxt: 0,
+};
+const LOW: Shp = Shp { mode: FEP_MODE_LOW_LATENCY, maxt: MAXT, ..NORMAL };
+
+fn ep_buffer_of(ep: *mut fep_ep, s: Shp) -> (fep_status, *mut fep_buffer) {
+    let mut b = null_mut();
+    let st =
+        unsafe { fep_ep_buffer(ep, s.mode, s.experts, s.hidden, s.topk, s.dtype, s.maxt, &mut b) };
+    (st, b)
+}
+
+fn ep_buffer(ep: *mut fep_ep, s: Shp) -> *mut fep_buffer {
+    let (st, b) = ep_buffer_of(ep, s);
+    setup(st, "fep_ep_buffer");
+    b
+}
+
+fn need_of(c: &fep_ep_config, num_ranks: i32, s: Shp) -> (fep_status, u64) {
+    let mut n = 0u64;
+    let st = unsafe {
+        fep_ep_need_bytes(
+            c, num_ranks, s.mode, s.experts, s.hidden, s.topk, s.dtype, s.maxt, &mut n,
+        )
+    };
+    (st, n)
+}
+
+fn need(c: &fep_ep_config, s: Shp) -> u64 {
+    let (st, n) = need_of(c, 1, s);
+    setup(st, "fep_ep_need_bytes");
+    n
+}
+
+type EpEdit = fn(&mut fep_ep_config);
+
+/// (name, arguments the refusal may name, whether `fep_ep_need_bytes` refuses it too: it does
+/// not use the rank fields, so only their ranges are its concern, edit).
+const EP_CONFIG_EDITS: &[(&str, &[&str], bool, EpEdit)] = &[
+    ("timeout_nan", &["timeout_s"], true, |c| c.timeout_s = f64::NAN),
+    ("timeout_neg", &["timeout_s"], true, |c| c.timeout_s = -1.0),
+    ("timeout_inf", &["timeout_s"], true, |c| c.timeout_s = f64::INFINITY),
+    ("timeout_neg_inf", &["timeout_s"], true, |c| c.timeout_s = f64::NEG_INFINITY),
+    ("timeout_1e300", &["timeout_s"], true, |c| c.timeout_s = 1e300),
+    ("num_nvl_bytes_neg", &["num_nvl_bytes"], true, |c| c.num_nvl_bytes = -1),
+    ("num_nvl_bytes_min", &["num_nvl_bytes"], true, |c| c.num_nvl_bytes = i64::MIN),
+    ("num_rdma_bytes_neg", &["num_rdma_bytes"], true, |c| c.num_rdma_bytes = -4096),
+    ("low_latency_mode_2", &["low_latency_mode"], true, |c| c.low_latency_mode = 2),
+    ("low_latency_mode_neg", &["low_latency_mode"], true, |c| c.low_latency_mode = -1),
+    ("backend_5", &["backend"], true, |c| c.backend = 5),
+    ("backend_neg", &["backend"], true, |c| c.backend = -1),
+    ("num_sms_neg", &["num_sms"], true, |c| c.num_sms = -2),
+    ("chunk_tokens_neg", &["chunk_tokens"], true, |c| c.chunk_tokens = -1),
+    ("slots_per_peer_neg", &["slots_per_peer"], true, |c| c.slots_per_peer = -3),
+    ("ranks_per_node_neg", &["ranks_per_node"], true, |c| c.ranks_per_node = -1),
+    ("ranks_per_node_big", &["ranks_per_node"], false, |c| c.ranks_per_node = 3),
+    ("local_rank_neg", &["local_rank"], true, |c| c.local_rank = -5),
+    ("local_rank_big", &["local_rank"], false, |c| c.local_rank = 4),
+    ("rank_neg", &["rank"], true, |c| c.rank = -7),
+    ("rank_big", &["rank"], false, |c| c.rank = 1),
+    ("rank_min", &["rank"], true, |c| c.rank = i32::MIN),
+    ("num_ranks_neg", &["num_ranks"], true, |c| c.num_ranks = -2),
+    ("num_ranks_zero", &["num_ranks"], true, |c| c.num_ranks = 0),
+    ("device_neg", &["device"], true, |c| c.device = -2),
+    ("gpu_reserve_neg", &["gpu_reserve_tokens"], true, |c| c.gpu_reserve_tokens = -2),
+    ("hier_2", &["internode_hierarchy"], true, |c| c.internode_hierarchy = 2),
+    ("hier_host", &["internode_hierarchy"], false, |c| c.internode_hierarchy = 1),
+    ("struct_size_0", &["cfg"], true, |c| c.struct_size = 0),
+    ("struct_size_8", &["cfg"], true, |c| c.struct_size = 8),
+    ("struct_size_less", &["cfg"], true, |c| c.struct_size -= 8),
+    ("struct_size_more", &["cfg"], true, |c| c.struct_size += 8),
+    ("struct_size_4096", &["cfg"], true, |c| c.struct_size = 4096),
+    ("struct_size_max", &["cfg"], true, |c| c.struct_size = u32::MAX),
+    ("version_0", &["cfg"], true, |c| c.version = 0),
+    ("version_99", &["cfg"], true, |c| c.version = 99),
+];
+
+/// Sizes that would allocate without bound: a clean refusal or a buffer, never an abort.
+const EP_CONFIG_HUGE: &[(&str, &[&str], EpEdit)] = &[
+    ("chunk_tokens_max", &["chunk_tokens"], |c| c.chunk_tokens = i32::MAX),
+    ("slots_per_peer_max", &["slots_per_peer"], |c| c.slots_per_peer = i32::MAX),
+    ("num_sms_max", &["num_sms"], |c| c.num_sms = i32::MAX),
+];
+
+type ShpEdit = fn(&mut Shp);
+
+/// Shapes `fep_ep_buffer` and `fep_ep_need_bytes` refuse (a world of 1 rank).
+const SHAPE_EDITS: &[(&str, &[&str], ShpEdit)] = &[
+    ("mode_0", &["mode"], |s| s.mode = 0),
+    ("mode_both", &["mode"], |s| s.mode = FEP_MODE_NORMAL | FEP_MODE_LOW_LATENCY),
+    ("mode_neg", &["mode"], |s| s.mode = -1),
+    ("mode_99", &["mode"], |s| s.mode = 99),
+    ("num_experts_zero", &["num_experts"], |s| s.experts = 0),
+    ("num_experts_neg", &["num_experts"], |s| s.experts = -8),
+    ("num_experts_below_topk", &["num_topk"], |s| s.experts = 1),
+    ("hidden_zero", &["hidden"], |s| s.hidden = 0),
+    ("hidden_neg", &["hidden"], |s| s.hidden = -256),
+    ("hidden_12", &["hidden"], |s| s.hidden = 12),
+    ("hidden_odd_fp8", &["hidden"], |s| {
+        s.hidden = 200;
+        s.dtype = FEP_DTYPE_FP8_E4M3
+    }),
+    ("hidden_odd_fp8_ll", &["hidden"], |s| {
+        *s = LOW;
+        s.hidden = 200;
+        s.dtype = FEP_DTYPE_FP8_E4M3
+    }),
+    ("num_topk_zero", &["num_topk"], |s| s.topk = 0),
+    ("num_topk_9", &["num_topk"], |s| s.topk = 9),
+    ("num_topk_neg", &["num_topk"], |s| s.topk = -2),
+    ("dispatch_dtype_7", &["dispatch_dtype"], |s| s.dtype = 7),
+    ("dispatch_dtype_f32", &["dispatch_dtype"], |s| s.dtype = FEP_DTYPE_F32),
+    ("dispatch_dtype_neg", &["dispatch_dtype"], |s| s.dtype = -1),
+    ("max_tokens_normal", &["max_tokens_per_rank"], |s| s.maxt = 5),
+    ("max_tokens_ll_zero", &["max_tokens_per_rank"], |s| {
+        *s = LOW;
+        s.maxt = 0
+    }),
+    ("max_tokens_ll_neg", &["max_tokens_per_rank"], |s| {
+        *s = LOW;
+        s.maxt = -1
+    }),
+    ("max_tokens_ll_max", &["max_tokens_per_rank"], |s| {
+        *s = LOW;
+        s.maxt = i32::MAX
+    }),
+];
+
+/// Shapes that would allocate without bound.
+const SHAPE_HUGE: &[(&str, &[&str], ShpEdit)] = &[
+    ("hidden_max", &["hidden"], |s| s.hidden = i32::MAX - 127),
+    ("num_experts_max", &["num_experts"], |s| s.experts = i32::MAX),
+    ("hidden_max_ll", &["hidden"], |s| {
+        *s = LOW;
+        s.hidden = i32::MAX - 127
+    }),
+    ("num_experts_max_ll", &["num_experts"], |s| {
+        *s = LOW;
+        s.experts = i32::MAX
+    }),
+];
+
+/// A `fep_allgather_fn` for rank 0 of 2 whose peer reports another `num_rdma_bytes` in
+/// `fep_ep_create`'s settings exchange (56 bytes: seven int64, the second `num_rdma_bytes`).
+unsafe extern "C" fn lying_peer_gather(
+    send: *const c_void,
+    len: usize,
+    recv: *mut c_void,
+    _u: *mut c_void,
+) -> c_int {
+    for slot in 0..2 {
+        std::ptr::copy_nonoverlapping(send.cast::<u8>(), recv.cast::<u8>().add(slot * len), len);
+    }
+    if len == 56 {
+        *recv.cast::<u8>().add(len + 8) ^= 0x10;
+    }
+    0
+}
+
+fn ep_cases(c: &mut Vec<Case>) {
+    case(c, "fep_ep_config_init/null", Want::Refuse(&["cfg"]), || {
+        got(unsafe { fep_ep_config_init(null_mut()) })
+    });
+    for &(name, args, in_need, edit) in EP_CONFIG_EDITS {
+        case(c, format!("fep_ep_create/{name}"), Want::Refuse(args), move || {
+            let mut cfg = ep_config();
+            edit(&mut cfg);
+            let (st, ep) = ep_create(&cfg);
+            if !ep.is_null() && st != FEP_OK {
+                return Got { st: FEP_ERR_INTERNAL as i32, msg: "an error with an object".into() };
+            }
+            got(st)
+        });
+        if in_need {
+            case(c, format!("fep_ep_need_bytes/{name}"), Want::Refuse(args), move || {
+                let mut cfg = ep_config();
+                edit(&mut cfg);
+                got(need_of(&cfg, 1, NORMAL).0)
+            });
+        }
+    }
+    for &(name, args, edit) in EP_CONFIG_HUGE {
+        case(c, format!("fep_ep_buffer/{name}"), Want::Bounded(args), move || {
+            let mut cfg = ep_config();
+            edit(&mut cfg);
+            let (st, ep) = ep_create(&cfg);
+            if st != FEP_OK {
+                return got(st);
+            }
+            got(ep_buffer_of(ep, NORMAL).0)
+        });
+        case(c, format!("fep_ep_need_bytes/{name}"), Want::Bounded(args), move || {
+            let mut cfg = ep_config();
+            edit(&mut cfg);
+            got(need_of(&cfg, 1, NORMAL).0)
+        });
+    }
+    for &(name, args, edit) in SHAPE_EDITS {
+        case(c, format!("fep_ep_buffer/{name}"), Want::Refuse(args), move || {
+            let mut s = NORMAL;
+            edit(&mut s);
+            let ep = live_ep();
+            let (st, b) = ep_buffer_of(ep, s);
+            if !b.is_null() {
+                return Got { st: FEP_ERR_INTERNAL as i32, msg: format!("a buffer with {st:?}") };
+            }
+            got(st)
+        });
+        case(c, format!("fep_ep_need_bytes/{name}"), Want::Refuse(args), move || {
+            let mut s = NORMAL;
+            edit(&mut s);
+            got(need_of(&ep_config(), 1, s).0)
+        });
+    }
+    for &(name, args, edit) in SHAPE_HUGE {
+        case(c, format!("fep_ep_buffer/{name}"), Want::Bounded(args), move || {
+            let mut s = NORMAL;
+            edit(&mut s);
+            got(ep_buffer_of(live_ep(), s).0)
+        });
+        case(c, format!("fep_ep_need_bytes/{name}"), Want::Bounded(args), move || {
+            let mut s = NORMAL;
+            edit(&mut s);
+            got(need_of(&ep_config(), 1, s).0)
+        });
+    }
+    let provider = |name: &str, bytes: Vec<u8>| {
+        let name = format!("fep_ep_create/provider_{name}");
+        (name, move || {
+            let s = CString::new(bytes.clone()).unwrap();
+            let mut cfg = ep_config();
+            cfg.provider = s.as_ptr();
+            got(ep_create(&cfg).0)
+        })
+    };
+    for (name, bytes) in [
+        ("empty", b"".to_vec()),
+        ("blank", b" \t ".to_vec()),
+        ("non_utf8", vec![0xff, 0xfe, b's']),
+        ("oversized", vec![b's'; 1 << 20]),
+        ("control", b"sh\x07m".to_vec()),
+    ] {
+        let (n, f) = provider(name, bytes);
+        case(c, n, Want::Refuse(&["provider"]), f);
+    }
+    case(c, "fep_ep_create/provider_copied", Want::Accept, || {
+        // The provider string need only live for the create call.
+        let s = CString::new("shm").unwrap();
+        let mut cfg = ep_config();
+        cfg.provider = s.as_ptr();
+        let ep = ep_with(&cfg);
+        drop(s);
+        got(ep_buffer_of(ep, NORMAL).0)
+    });
+    case(c, "fep_ep_create/out_null", Want::Refuse(&["out"]), || {
+        got(unsafe { fep_ep_create(&ep_config(), Some(copy_gather), null_mut(), null_mut()) })
+    });
+    case(c, "fep_ep_create/cfg_null", Want::Refuse(&["cfg"]), || {
+        let mut ep = null_mut();
+        got(unsafe { fep_ep_create(null(), Some(copy_gather), null_mut(), &mut ep) })
+    });
+    case(
+        c,
+        "fep_ep_create/allgather_fails",
+        Want::Fail(FEP_ERR_BOOTSTRAP, &["all-gather"]),
+        || {
+            let mut ep = null_mut();
+            got(unsafe { fep_ep_create(&ep_config(), Some(failing_gather), null_mut(), &mut ep) })
+        },
+    );
+    case(
+        c,
+        "fep_ep_create/peer_disagrees",
+        Want::Fail(FEP_ERR_CONFIG_MISMATCH, &["num_rdma_bytes"]),
+        || {
+            let mut cfg = ep_config();
+            (cfg.num_ranks, cfg.ranks_per_node) = (2, 2);
+            cfg.num_rdma_bytes = 1 << 20;
+            let mut ep = null_mut();
+            got(unsafe { fep_ep_create(&cfg, Some(lying_peer_gather), null_mut(), &mut ep) })
+        },
+    );
+    case(c, "fep_ep_create/rank_from_missing_env", Want::Refuse(&["RANK"]), || {
+        std::env::remove_var("RANK");
+        let mut cfg = ep_config();
+        cfg.rank = -1;
+        got(ep_create(&cfg).0)
+    });
+    case(c, "fep_ep_create/valid", Want::Accept, || {
+        let (st, ep) = ep_create(&ep_config());
+        if st != FEP_OK {
+            return got(st);
+        }
+        got(unsafe { fep_ep_destroy(ep) })
+    });
+    case(c, "fep_ep_create/env_store", Want::Accept, || {
+        // The environment's store, joined once by the object (rank fields from it).
+        boot_env();
+        let mut cfg = ep_config();
+        (cfg.rank, cfg.num_ranks, cfg.ranks_per_node, cfg.local_rank) = (-1, -1, 0, -1);
+        let mut ep = null_mut();
+        setup(unsafe { fep_ep_create(&cfg, None, null_mut(), &mut ep) }, "fep_ep_create");
+        let (b1, b2) = (ep_buffer(ep, NORMAL), ep_buffer(ep, LOW));
+        let (mut r, mut n, mut nb) = (-1, -1, -1);
+        setup(
+            unsafe { fep_ep_info(ep, &mut r, &mut n, null_mut(), &mut nb, null_mut()) },
+            "fep_ep_info",
+        );
+        if (r, n, nb) != (0, 1, 2) || b1 == b2 {
+            return Got { st: FEP_ERR_INTERNAL as i32, msg: format!("rank {r}/{n}, {nb} buffers") };
+        }
+        got(unsafe { fep_ep_destroy(ep) })
+    });
+    case(c, "fep_ep_create/env_store_rank_disagrees", Want::Refuse(&["rank"]), || {
+        boot_env();
+        let mut cfg = ep_config();
+        // Consistent in itself, not with the store's world of one rank.
+        (cfg.rank, cfg.num_ranks, cfg.ranks_per_node) = (1, 2, 2);
+        let mut ep = null_mut();
+        got(unsafe { fep_ep_create(&cfg, None, null_mut(), &mut ep) })
+    });
+    // fep_ep_buffer
+    case(c, "fep_ep_buffer/ep_null", Want::Refuse(&["ep"]), || {
+        got(ep_buffer_of(null_mut(), NORMAL).0)
+    });
+    case(c, "fep_ep_buffer/ep_foreign", Want::Refuse(&["ep"]), || {
+        got(ep_buffer_of(0x9000usize as *mut fep_ep, NORMAL).0)
+    });
+    case(c, "fep_ep_buffer/ep_destroyed", Want::Refuse(&["ep"]), || {
+        got(ep_buffer_of(destroyed_ep(), NORMAL).0)
+    });
+    case(c, "fep_ep_buffer/ep_is_a_buffer", Want::Refuse(&["ep"]), || {
+        got(ep_buffer_of(buffer().cast(), NORMAL).0)
+    });
+    case(c, "fep_ep_buffer/out_null", Want::Refuse(&["out"]), || {
+        let s = NORMAL;
+        got(unsafe {
+            fep_ep_buffer(live_ep(), s.mode, s.experts, s.hidden, s.topk, s.dtype, 0, null_mut())
+        })
+    });
+    case(c, "fep_ep_buffer/ll_without_low_latency_mode", Want::Refuse(&["mode"]), || {
+        let mut cfg = ep_config();
+        cfg.low_latency_mode = 0;
+        got(ep_buffer_of(ep_with(&cfg), LOW).0)
+    });
+    case(
+        c,
+        "fep_ep_buffer/normal_over_capacity",
+        Want::Refuse(&["num_nvl_bytes + num_rdma_bytes"]),
+        || {
+            let mut cfg = ep_config();
+            let n = need(&cfg, NORMAL);
+            (cfg.num_nvl_bytes, cfg.num_rdma_bytes) = (n as i64 / 2, n as i64 / 2 - 1);
+            let (st, b) = ep_buffer_of(ep_with(&cfg), NORMAL);
+            let msg = last_error();
+            if st != FEP_OK && !msg.contains(&n.to_string()) {
+                return Got { st: FEP_ERR_INTERNAL as i32, msg: format!("no need in {msg}") };
+            }
+            if !b.is_null() {
+                return Got { st: FEP_ERR_INTERNAL as i32, msg: "a buffer with the error".into() };
+            }
+            Got { st: st as i32, msg }
+        },
+    );
+    case(c, "fep_ep_buffer/ll_over_capacity", Want::Refuse(&["num_rdma_bytes"]), || {
+        let mut cfg = ep_config();
+        // num_nvl_bytes does not count for low latency.
+        (cfg.num_nvl_bytes, cfg.num_rdma_bytes) = (1 << 40, need(&cfg, LOW) as i64 - 1);
+        got(ep_buffer_of(ep_with(&cfg), LOW).0)
+    });
+    case(c, "fep_ep_buffer/exact_capacity", Want::Accept, || {
+        let mut cfg = ep_config();
+        let (n, l) = (need(&cfg, NORMAL), need(&cfg, LOW));
+        (cfg.num_nvl_bytes, cfg.num_rdma_bytes) = (n as i64, 0);
+        let st = ep_buffer_of(ep_with(&cfg), NORMAL).0;
+        if st != FEP_OK {
+            return got(st);
+        }
+        (cfg.num_nvl_bytes, cfg.num_rdma_bytes) = (0, l as i64);
+        got(ep_buffer_of(ep_with(&cfg), LOW).0)
+    });
+    case(c, "fep_ep_buffer/no_limit", Want::Accept, || {
+        // 0 and 0: any shape.
+        got(ep_buffer_of(live_ep(), Shp { hidden: 8192, ..NORMAL }).0)
+    });
+    case(c, "fep_ep_buffer/ll_rdma_zero_no_limit", Want::Accept, || {
+        let mut cfg = ep_config();
+        cfg.num_nvl_bytes = 4096;
+        got(ep_buffer_of(ep_with(&cfg), LOW).0)
+    });
+    case(c, "fep_ep_buffer/reused", Want::Accept, || {
+        let ep = live_ep();
+        let b = ep_buffer(ep, NORMAL);
+        let fp8 = ep_buffer(ep, Shp { dtype: FEP_DTYPE_FP8_E4M3, ..NORMAL });
+        let ll = ep_buffer(ep, LOW);
+        let ll8 = ep_buffer(ep, Shp { dtype: FEP_DTYPE_FP8_E4M3, ..LOW });
+        let again = ep_buffer(ep, NORMAL);
+        let mut n = 0;
+        setup(
+            unsafe { fep_ep_info(ep, null_mut(), null_mut(), null_mut(), &mut n, null_mut()) },
+            "fep_ep_info",
+        );
+        // Host backend: one low-latency buffer for both formats.
+        if again != b || fp8 == b || ll == b || ll8 != ll || n != 3 {
+            return Got { st: FEP_ERR_INTERNAL as i32, msg: format!("{n} buffers") };
+        }
+        got(FEP_OK)
+    });
+    case(c, "fep_ep_buffer/runs_dispatch", Want::Accept, || {
+        let b = ep_buffer(live_ep(), NORMAL);
+        let (h, rows) = dispatched(b, 4, false);
+        let op = ll_dispatched(ep_buffer(live_ep(), LOW), 4, true);
+        if rows < 4 || op.is_null() {
+            return Got { st: FEP_ERR_INTERNAL as i32, msg: format!("{rows} rows") };
+        }
+        got_void(|| unsafe { fep_handle_destroy(h) })
+    });
+    // fep_ep_need_bytes
+    for (name, n) in [("zero", 0), ("neg", -1), ("min", i32::MIN), ("over_max", (1 << 20) + 1)] {
+        case(
+            c,
+            format!("fep_ep_need_bytes/world_{name}"),
+            Want::Refuse(&["num_ranks"]),
+            move || got(need_of(&ep_config(), n, NORMAL).0),
+        );
+    }
+    case(c, "fep_ep_need_bytes/num_experts_not_multiple", Want::Refuse(&["num_experts"]), || {
+        got(need_of(&ep_config(), 3, NORMAL).0)
+    });
+    case(c, "fep_ep_need_bytes/cfg_null", Want::Refuse(&["cfg"]), || {
+        let mut n = 0u64;
+        let s = NORMAL;
+        got(unsafe {
+            fep_ep_need_bytes(null(), 1, s.mode, s.experts, s.hidden, s.topk, s.dtype, 0, &mut n)
+        })
+    });
+    case(c, "fep_ep_need_bytes/bytes_null", Want::Refuse(&["bytes"]), || {
+        let s = NORMAL;
+        got(unsafe {
+            fep_ep_need_bytes(
+                &ep_config(),
+                1,
+                s.mode,
+                s.experts,
+                s.hidden,
+                s.topk,
+                s.dtype,
+                0,
+                null_mut(),
+            )
+        })
+    });
+    case(c, "fep_ep_need_bytes/valid", Want::Accept, || {
+        let cfg = ep_config();
+        let (n, l) = (need(&cfg, NORMAL), need(&cfg, LOW));
+        let (_, big) = need_of(&cfg, 1, Shp { hidden: 2 * H as i32, ..NORMAL });
+        if n == 0 || l == 0 || big <= n {
+            return Got { st: FEP_ERR_INTERNAL as i32, msg: format!("needs {n} {l} {big}") };
+        }
+        got(FEP_OK)
+    });
+    case(c, "fep_ep_need_bytes/world_of_256", Want::Accept, || {
+        // Larger than any world in these tests; the rank fields of cfg are not used.
+        let (st, n) = need_of(&ep_config(), 256, Shp { experts: 256, ..NORMAL });
+        if st == FEP_OK && n == 0 {
+            return Got { st: FEP_ERR_INTERNAL as i32, msg: "0 bytes".into() };
+        }
+        got(st)
+    });
+    // fep_ep_info
+    let info = |ep: *const fep_ep| {
+        let mut r = 0;
+        got(unsafe { fep_ep_info(ep, &mut r, null_mut(), null_mut(), null_mut(), null_mut()) })
+    };
+    case(c, "fep_ep_info/null", Want::Refuse(&["ep"]), move || info(null()));
+    case(c, "fep_ep_info/foreign", Want::Refuse(&["ep"]), move || info(0x9000usize as *const _));
+    case(c, "fep_ep_info/destroyed", Want::Refuse(&["ep"]), move || info(destroyed_ep()));
+    case(c, "fep_ep_info/outputs_null", Want::Accept, || {
+        got(unsafe {
+            fep_ep_info(live_ep(), null_mut(), null_mut(), null_mut(), null_mut(), null_mut())
+        })
+    });
+    // Lifetimes
+    case(c, "fep_ep_destroy/twice", Want::Refuse(&["ep"]), || {
+        got(unsafe { fep_ep_destroy(destroyed_ep()) })
+    });
+    case(c, "fep_ep_destroy/foreign", Want::Refuse(&["ep"]), || {
+        got(unsafe { fep_ep_destroy(0x9000usize as *mut fep_ep) })
+    });
+    case(c, "fep_ep_destroy/a_buffer", Want::Refuse(&["ep"]), || {
+        got(unsafe { fep_ep_destroy(buffer().cast()) })
+    });
+    case(c, "fep_ep_destroy/null", Want::Accept, || got(unsafe { fep_ep_destroy(null_mut()) }));
+    case(c, "fep_ep_destroy/with_buffers", Want::Accept, || {
+        let ep = live_ep();
+        ep_buffer(ep, NORMAL);
+        ep_buffer(ep, LOW);
+        got(unsafe { fep_ep_destroy(ep) })
+    });
+    case(c, "fep_ep_destroy/handle_outlives", Want::Accept, || {
+        let ep = live_ep();
+        let (h, _) = dispatched(ep_buffer(ep, NORMAL), 4, false);
+        let op = ll_dispatched(ep_buffer(ep, LOW), 4, false);
+        setup(unsafe { fep_ep_destroy(ep) }, "fep_ep_destroy");
+        let g = got_void(|| unsafe { fep_handle_destroy(h) });
+        if g.st != 0 {
+            return g;
+        }
+        got_void(|| unsafe { fep_ll_op_destroy(op) })
+    });
+    case(c, "fep_buffer_destroy/owned_by_ep", Want::Refuse(&["fep_ep"]), || {
+        let b = ep_buffer(live_ep(), NORMAL);
+        let g = got(unsafe { fep_buffer_destroy(b) });
+        // Refused, and still usable.
+        if g.st != 0 && unsafe { fep_buffer_rank(b, null_mut(), null_mut()) } != FEP_OK {
+            return Got { st: FEP_ERR_INTERNAL as i32, msg: "unusable after the refusal".into() };
+        }
+        g
+    });
+    case(c, "fep_dispatch/buffer_of_destroyed_ep", Want::Refuse(&["buf"]), || {
+        let ep = live_ep();
+        let b = ep_buffer(ep, NORMAL);
+        setup(unsafe { fep_ep_destroy(ep) }, "fep_ep_destroy");
+        let (x, i, w) = (x_bf16(4), idx(4), weights(4));
+        let (mut h, mut rows) = (null_mut(), 0i64);
+        got(unsafe {
+            fep_dispatch(b, &x.t, null(), &i.t, &w.t, null(), 1, 0, null_mut(), &mut h, &mut rows)
+        })
+    });
+    case(c, "fep_low_latency_dispatch/buffer_of_destroyed_ep", Want::Refuse(&["buf"]), || {
+        let ep = live_ep();
+        let b = ep_buffer(ep, LOW);
+        setup(unsafe { fep_ep_destroy(ep) }, "fep_ep_destroy");
+        let (x, i) = (x_bf16(4), idx(4));
+        let mut op = null_mut();
+        got(unsafe {
+            fep_low_latency_dispatch(b, &x.t, &i.t, false, false, false, null_mut(), &mut op)
+        })
     });
 }
 

@@ -1,8 +1,9 @@
 //! The C library as a user gets it: `make install` into a temporary prefix, the installed files'
 //! contract (SONAME, RUNPATH, exports = the header's functions, pkg-config and CMake files), and
-//! the C example (ffi/examples/roundtrip.c, a dispatch/combine round trip on the host backend)
-//! built against the prefix through pkg-config, shared and static, and through CMake, then run
-//! with 1 to 4 forked ranks without LD_LIBRARY_PATH.
+//! the C examples (ffi/examples/roundtrip.c, a dispatch/combine round trip on the host backend;
+//! ffi/examples/ep_shapes.c, DeepEP's per-call shape: two normal shapes and a low-latency one on
+//! one `fep_ep`) built against the prefix through pkg-config, shared and static, and through
+//! CMake, then run with 1 to 4 forked ranks without LD_LIBRARY_PATH.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -101,19 +102,34 @@ fn header_functions() -> BTreeSet<String> {
 }
 
 fn build_pkg_config(out: &Path, package: &str) {
+    build_example(out, package, "roundtrip.c")
+}
+
+fn build_example(out: &Path, package: &str, source: &str) {
     let flags = pkg_config(&["--cflags", "--libs", package]);
     output(
         Command::new("cc")
             .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1"])
-            .arg(root().join("ffi/examples/roundtrip.c"))
+            .arg(root().join("ffi/examples").join(source))
             .args(&flags)
             .arg("-o")
             .arg(out),
     );
 }
 
-/// Runs the example with `ranks` forked ranks, with no library path from the environment.
+/// Runs the round-trip example with `ranks` forked ranks, with no library path from the
+/// environment.
 fn run(exe: &Path, ranks: usize) {
+    run_checked(exe, ranks, "combine == x * destinations");
+}
+
+/// Runs the shapes example likewise.
+fn run_shapes(exe: &Path, ranks: usize) {
+    run_checked(exe, ranks, "3 shapes on one fep_ep");
+}
+
+/// Runs an example with `ranks` forked ranks; every rank must print `per_rank`.
+fn run_checked(exe: &Path, ranks: usize, per_rank: &str) {
     let out = Command::new(exe)
         .arg(ranks.to_string())
         .env_remove("RANK")
@@ -124,7 +140,7 @@ fn run(exe: &Path, ranks: usize) {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{exe:?} {ranks}: {}\n{stdout}\n{stderr}", out.status);
     assert!(stdout.contains(&format!("ok: {ranks} ranks")), "{stdout}");
-    assert_eq!(stdout.matches("combine == x * destinations").count(), ranks, "{stdout}");
+    assert_eq!(stdout.matches(per_rank).count(), ranks, "{stdout}");
 }
 
 fn scratch(name: &str) -> PathBuf {
@@ -192,6 +208,10 @@ fn pkg_config_shared_link_runs_without_library_path() {
     assert!(dynamic.contains(&lib().display().to_string()), "no run path to the prefix: {dynamic}");
     run(&exe, 1);
     run(&exe, 4);
+    let shapes = dir.join("ep_shapes");
+    build_example(&shapes, "fabric_ep", "ep_shapes.c");
+    run_shapes(&shapes, 1);
+    run_shapes(&shapes, 4);
 }
 
 #[test]
@@ -207,6 +227,10 @@ fn pkg_config_static_link_needs_no_fabric_ep_library() {
     assert!(dynamic.contains("libfabric.so"), "{dynamic}");
     run(&exe, 1);
     run(&exe, 2);
+    let shapes = dir.join("ep_shapes_static");
+    build_example(&shapes, "fabric_ep-static", "ep_shapes.c");
+    assert!(!readelf_dynamic(&shapes).contains("libfabric_ep"));
+    run_shapes(&shapes, 2);
 }
 
 #[test]
@@ -232,4 +256,6 @@ fn cmake_package_links_shared_and_static() {
     assert!(!readelf_dynamic(&stat).contains("libfabric_ep"));
     run(&shared, 2);
     run(&stat, 4);
+    run_shapes(&dir.join("ep_shapes"), 2);
+    run_shapes(&dir.join("ep_shapes_static"), 1);
 }

@@ -101,6 +101,11 @@ typedef struct fep_boot fep_boot;
 typedef struct fep_buffer fep_buffer;
 
 /**
+ * DeepEP's per-call shape over native buffers (opaque): see [`fep_ep_buffer`].
+ */
+typedef struct fep_ep fep_ep;
+
+/**
  * An opaque GPU layout object (see the module docs).
  */
 typedef struct fep_gpu_layout fep_gpu_layout;
@@ -252,6 +257,93 @@ typedef struct fep_tensor {
   int32_t ndim;
   int64_t shape[4];
 } fep_tensor;
+
+/**
+ * What a `fep_ep` is created from: DeepEP's `Buffer` arguments and the `fep_config` fields that
+ * every buffer of the object shares. Fill it with `fep_ep_config_init` (defaults), then set the
+ * fields to change. Zero fields take their defaults; -1 rank fields come from the environment
+ * (torchrun variables) or, over the environment's store, from the store.
+ */
+typedef struct fep_ep_config {
+  /**
+   * `sizeof(fep_ep_config)`.
+   */
+  uint32_t struct_size;
+  /**
+   * `FEP_ABI_VERSION`.
+   */
+  uint32_t version;
+  /**
+   * DeepEP's `num_nvl_bytes`, per rank, >= 0. A normal-mode shape may use up to
+   * `num_nvl_bytes + num_rdma_bytes` (`fep_ep_need_bytes`); 0 and 0: no limit.
+   */
+  int64_t num_nvl_bytes;
+  /**
+   * DeepEP's `num_rdma_bytes`, per rank, >= 0: also the limit of each low-latency shape
+   * (0: no limit for low latency).
+   */
+  int64_t num_rdma_bytes;
+  /**
+   * DeepEP's `low_latency_mode`: 1 = low-latency shapes may be requested, 0 = normal mode
+   * only (as DeepEP, whose low-latency calls need it).
+   */
+  int32_t low_latency_mode;
+  /**
+   * `FEP_BACKEND_HOST` or `FEP_BACKEND_GPU`.
+   */
+  int32_t backend;
+  /**
+   * This rank; -1: `RANK` (over the environment's store: the store's).
+   */
+  int32_t rank;
+  /**
+   * World size; -1: `WORLD_SIZE` (over the environment's store: the store's).
+   */
+  int32_t num_ranks;
+  /**
+   * Ranks per node; 0: `LOCAL_WORLD_SIZE` (or up to 8 dividing the world).
+   */
+  int32_t ranks_per_node;
+  /**
+   * Rank within the node; -1: `LOCAL_RANK` (or rank % ranks_per_node).
+   */
+  int32_t local_rank;
+  /**
+   * `FEP_BACKEND_GPU`: CUDA device ordinal; -1: `LOCAL_RANK` (or 0 without it).
+   */
+  int32_t device;
+  /**
+   * SM budget of every buffer; 0: the backend's default.
+   */
+  int32_t num_sms;
+  /**
+   * Normal-mode chunk tokens; 0: the backend's default (host 64, GPU 16).
+   */
+  int32_t chunk_tokens;
+  /**
+   * Normal-mode slots per peer; 0: the backend's default (host 4; GPU 32 up to 8 ranks,
+   * else 16).
+   */
+  int32_t slots_per_peer;
+  /**
+   * `FEP_BACKEND_GPU`, normal-mode buffers: dispatch handles reserved at creation for up to
+   * this many input tokens; 0: 4096; -1: none (`fep_config.gpu_reserve_tokens`).
+   */
+  int32_t gpu_reserve_tokens;
+  /**
+   * `FEP_BACKEND_GPU` across nodes, normal-mode buffers: 1 = DeepEP's hierarchy, 0 = direct
+   * (`fep_config.internode_hierarchy`).
+   */
+  int32_t internode_hierarchy;
+  /**
+   * Bound on every wait, seconds (the bootstrap's too); 0: 60. Finite and >= 0.
+   */
+  double timeout_s;
+  /**
+   * libfabric provider; NULL: `FI_PROVIDER`, else "shm" (`fep_config.provider`; copied).
+   */
+  const char *provider;
+} fep_ep_config;
 
 /**
  * Stream order of one GPU call. The kernels run on `stream`; before them, `stream` waits for
@@ -454,7 +546,8 @@ enum fep_status fep_buffer_create_boot(const struct fep_config *cfg,
 
 /**
  * Tears the buffer down (a bounded barrier with the other ranks, then teardown) and frees it.
- * NULL is a no-op. The pointer is invalid afterwards, whatever the status.
+ * NULL is a no-op. The pointer is invalid afterwards, whatever the status. A buffer from
+ * `fep_ep_buffer` is refused (`FEP_ERR_INVALID_ARGUMENT`, nothing freed): its `fep_ep` frees it.
  *
  * # Safety
  * `buf` must come from `fep_buffer_create` and not be used afterwards.
@@ -549,6 +642,120 @@ enum fep_status fep_combine(struct fep_buffer *buf,
  * `buf` must be valid; `rank`/`num_ranks` may be NULL.
  */
 enum fep_status fep_buffer_rank(struct fep_buffer *buf, int32_t *rank, int32_t *num_ranks);
+
+/**
+ * Fills `cfg` with its size, version and defaults: no byte limit, normal mode only, host
+ * backend, rank fields from the environment (-1 / 0), every other field 0 (its default),
+ * provider NULL.
+ *
+ * # Safety
+ * `cfg` must point at a writable `fep_ep_config`.
+ */
+enum fep_status fep_ep_config_init(struct fep_ep_config *cfg);
+
+/**
+ * Creates the object: checks `cfg` (every field's range before any communication; the message
+ * names the field), joins the bootstrap (through `allgather` when given, else the
+ * torchrun/PyTorchJob environment's store, once, for every buffer of the object), and checks
+ * that every rank gave the same byte counts, `low_latency_mode`, backend, chunking and
+ * `internode_hierarchy` (a difference is `FEP_ERR_CONFIG_MISMATCH` naming the rank and the
+ * field). No buffer is created yet: [`fep_ep_buffer`] makes one per shape. On the GPU backend it
+ * opens the device and takes the object's communication stream. Collective.
+ *
+ * # Safety
+ * `cfg` and `out` must be valid; `allgather` (if given) must be callable with `user` from the
+ * threads that call `fep_ep_*` on this object until `fep_ep_destroy` returns.
+ */
+enum fep_status fep_ep_create(const struct fep_ep_config *cfg,
+                              fep_allgather_fn allgather,
+                              void *user,
+                              struct fep_ep **out);
+
+/**
+ * The native buffer of one per-call shape: `mode` `FEP_MODE_NORMAL` or `FEP_MODE_LOW_LATENCY`
+ * (the latter only with `low_latency_mode` 1), `num_experts` (a multiple of the ranks),
+ * `hidden`, `num_topk`, `dispatch_dtype` (`FEP_DTYPE_BF16` or `FEP_DTYPE_FP8_E4M3`) and
+ * `max_tokens_per_rank` (low latency: DeepEP's `num_max_dispatch_tokens_per_rank`, >= 1;
+ * normal mode: 0). The first request of a shape creates its buffer (collective: every rank
+ * makes the same `fep_ep_buffer` calls in the same order, as DeepEP requires of its calls);
+ * later requests return the same buffer and communicate nothing. The fp8 format of normal mode
+ * is the tokens' (`fep_dispatch`'s `x`); of low latency on the GPU the received rows' (on the
+ * host backend one buffer serves both: `use_fp8` per call).
+ *
+ * Refused (`FEP_ERR_INVALID_ARGUMENT`, before any communication, the message naming the
+ * argument): a field out of range, as `fep_config` would refuse it; a low-latency shape
+ * without `low_latency_mode`; a shape needing more than the object's capacity
+ * (`fep_ep_need_bytes`: normal mode up to `num_nvl_bytes + num_rdma_bytes`, low latency up to
+ * `num_rdma_bytes`, 0 = no limit), the message naming the capacity argument, both sizes and the
+ * shape.
+ *
+ * `*out` stays owned by the object: use it with every `fep_*` call that takes a buffer until
+ * `fep_ep_destroy`, which frees it (`fep_buffer_destroy` on it is refused). On the GPU backend,
+ * a shape's first request allocates device memory: with ranks as threads of one process, make
+ * it while no kernel of the group runs (as `fep_gpu_reserve`).
+ *
+ * # Safety
+ * `ep` must come from `fep_ep_create`; `out` must be valid. Calls on one object are sequential.
+ */
+enum fep_status fep_ep_buffer(struct fep_ep *ep,
+                              int32_t mode,
+                              int32_t num_experts,
+                              int32_t hidden,
+                              int32_t num_topk,
+                              int32_t dispatch_dtype,
+                              int32_t max_tokens_per_rank,
+                              struct fep_buffer **out);
+
+/**
+ * Bytes per rank the buffer of a shape needs, as [`fep_ep_buffer`] checks them against the
+ * capacity: DeepEP's size hints for C callers (`get_nvl_buffer_size_hint` /
+ * `get_rdma_buffer_size_hint` for normal mode, whose shapes may use `num_nvl_bytes +
+ * num_rdma_bytes` in any split; `get_low_latency_rdma_size_hint` for low latency, against
+ * `num_rdma_bytes`). `cfg`: the configuration the object will be created with (its backend and
+ * chunking change the answer; every field is checked; its rank fields are not used), `num_ranks`
+ * the world size (1..=2^20), the shape as `fep_ep_buffer` takes it (and checks it). No
+ * communication. Size a `fep_ep` for several shapes with the largest need of each mode.
+ *
+ * # Safety
+ * `cfg` and `bytes` must be valid pointers.
+ */
+enum fep_status fep_ep_need_bytes(const struct fep_ep_config *cfg,
+                                  int32_t num_ranks,
+                                  int32_t mode,
+                                  int32_t num_experts,
+                                  int32_t hidden,
+                                  int32_t num_topk,
+                                  int32_t dispatch_dtype,
+                                  int32_t max_tokens_per_rank,
+                                  uint64_t *bytes);
+
+/**
+ * This object's rank, world size, ranks per node, number of buffers created so far, and (GPU
+ * backend) the communication stream every one of its buffers reports (`fep_gpu_info`): a
+ * non-blocking `CUstream` valid for the rest of the process; NULL on the host backend. Outputs
+ * may be NULL.
+ *
+ * # Safety
+ * `ep` must come from `fep_ep_create`; the outputs must be valid or NULL.
+ */
+enum fep_status fep_ep_info(const struct fep_ep *ep,
+                            int32_t *rank,
+                            int32_t *num_ranks,
+                            int32_t *ranks_per_node,
+                            int32_t *num_buffers,
+                            void **comm_stream);
+
+/**
+ * Destroys every buffer of the object in creation order (each a bounded barrier with the other
+ * ranks, then its teardown; a failure does not stop the others, the first is returned) and
+ * leaves the bootstrap. Collective. NULL is a no-op; the object and its buffers are invalid
+ * afterwards, whatever the status (a second destroy is refused). Handles and ops the caller
+ * still holds are freed by their own `_destroy` calls, before or after.
+ *
+ * # Safety
+ * `ep` must come from `fep_ep_create` and not be used afterwards.
+ */
+enum fep_status fep_ep_destroy(struct fep_ep *ep);
 
 /**
  * Reserves `num_handles` more dispatch handles for up to `max_tokens` input tokens each

@@ -223,9 +223,9 @@ fn env_usize(var: &'static str) -> Result<usize, Error> {
     v.parse().map_err(|_| Error::arg("cfg", format!("{var}={v:?} is not a non-negative integer")))
 }
 
-struct Resolved {
-    settings: EpSettings,
-    local_rank: usize,
+pub(crate) struct Resolved {
+    pub(crate) settings: EpSettings,
+    pub(crate) local_rank: usize,
     backend: Backend,
     provider: String,
     /// The raw config (fields past the caller's `struct_size` at their defaults).
@@ -268,7 +268,7 @@ unsafe fn read_config(cfg: *const fep_config) -> Result<fep_config, Error> {
     Ok(c)
 }
 
-unsafe fn resolve(cfg: *const fep_config) -> Result<Resolved, Error> {
+pub(crate) unsafe fn resolve(cfg: *const fep_config) -> Result<Resolved, Error> {
     let raw = read_config(cfg)?;
     let c = &raw;
     // Fields whose 0 (or -1) means "the default": any other negative is a mistake, not a
@@ -465,37 +465,39 @@ pub unsafe extern "C" fn fep_buffer_create(
         let r = resolve(cfg)?;
         let s = &r.settings;
         let boot: Arc<dyn Bootstrap> = match allgather {
-            Some(f) => {
-                // NOTES: the pointer is only used during fep_buffer_create (the Buffer's connect
-                // phase); later collectives of the Buffer (destroy's barrier) use it too, so the
-                // caller's callback must stay valid until fep_buffer_destroy returns.
-                let user = user as usize;
-                let gather: crate::bootstrap::AllGatherFn =
-                    Box::new(move |send: &[u8], recv: &mut [u8]| {
-                        let rc = f(
-                            send.as_ptr().cast(),
-                            send.len(),
-                            recv.as_mut_ptr().cast(),
-                            user as *mut c_void,
-                        );
-                        if rc == 0 {
-                            Ok(())
-                        } else {
-                            Err(format!("the caller's all-gather returned {rc}"))
-                        }
-                    });
-                Arc::new(CallbackBootstrap::new(
-                    s.rank,
-                    s.num_ranks,
-                    r.local_rank,
-                    s.ranks_per_node,
-                    gather,
-                )?)
-            }
+            // NOTES: the pointer is only used during fep_buffer_create (the Buffer's connect
+            // phase); later collectives of the Buffer (destroy's barrier) use it too, so the
+            // caller's callback must stay valid until fep_buffer_destroy returns.
+            Some(f) => Arc::new(CallbackBootstrap::new(
+                s.rank,
+                s.num_ranks,
+                r.local_rank,
+                s.ranks_per_node,
+                caller_gather(f, user),
+            )?),
             None => Arc::new(TcpStore::from_env(s.timeout)?),
         };
         *out = create_on(r, boot)?;
         Ok(())
+    })
+}
+
+/// A caller's `fep_allgather_fn` and its `user` pointer as the bootstrap's all-gather.
+pub(crate) fn caller_gather(
+    f: unsafe extern "C" fn(*const c_void, usize, *mut c_void, *mut c_void) -> c_int,
+    user: *mut c_void,
+) -> crate::bootstrap::AllGatherFn {
+    let user = user as usize;
+    Box::new(move |send: &[u8], recv: &mut [u8]| {
+        // SAFETY: the caller promised a callable `f` for `user` while the object lives.
+        let rc = unsafe {
+            f(send.as_ptr().cast(), send.len(), recv.as_mut_ptr().cast(), user as *mut c_void)
+        };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(format!("the caller's all-gather returned {rc}"))
+        }
     })
 }
 
@@ -515,23 +517,31 @@ pub unsafe extern "C" fn fep_buffer_create_boot(
         let out = out.as_mut().ok_or_else(|| Error::arg("out", "NULL pointer"))?;
         *out = std::ptr::null_mut();
         let boot = super::live::get(boot, "boot")?.get()?;
-        let mut raw = read_config(cfg)?;
-        if raw.rank < 0 {
-            raw.rank = boot.rank() as i32;
-        }
-        if raw.num_ranks < 0 {
-            raw.num_ranks = boot.world_size() as i32;
-        }
-        if raw.local_rank < 0 {
-            raw.local_rank = boot.local_rank() as i32;
-        }
-        if raw.ranks_per_node <= 0 {
-            raw.ranks_per_node = boot.local_world_size() as i32;
-        }
-        let r = resolve(&raw)?;
-        *out = create_on(r, boot)?;
+        *out = create_over(cfg, boot)?;
         Ok(())
     })
+}
+
+/// [`fep_buffer_create_boot`]'s work over a bootstrap (also `fep_ep`'s, over its own).
+pub(crate) unsafe fn create_over(
+    cfg: *const fep_config,
+    boot: Arc<dyn Bootstrap>,
+) -> Result<*mut fep_buffer, Error> {
+    let mut raw = read_config(cfg)?;
+    if raw.rank < 0 {
+        raw.rank = boot.rank() as i32;
+    }
+    if raw.num_ranks < 0 {
+        raw.num_ranks = boot.world_size() as i32;
+    }
+    if raw.local_rank < 0 {
+        raw.local_rank = boot.local_rank() as i32;
+    }
+    if raw.ranks_per_node <= 0 {
+        raw.ranks_per_node = boot.local_world_size() as i32;
+    }
+    let r = resolve(&raw)?;
+    create_on(r, boot)
 }
 
 /// The collective part of buffer creation, over a bootstrap.
@@ -595,7 +605,8 @@ fn create_on(r: Resolved, boot: Arc<dyn Bootstrap>) -> Result<*mut fep_buffer, E
 }
 
 /// Tears the buffer down (a bounded barrier with the other ranks, then teardown) and frees it.
-/// NULL is a no-op. The pointer is invalid afterwards, whatever the status.
+/// NULL is a no-op. The pointer is invalid afterwards, whatever the status. A buffer from
+/// `fep_ep_buffer` is refused (`FEP_ERR_INVALID_ARGUMENT`, nothing freed): its `fep_ep` frees it.
 ///
 /// # Safety
 /// `buf` must come from `fep_buffer_create` and not be used afterwards.
@@ -605,22 +616,26 @@ pub unsafe extern "C" fn fep_buffer_destroy(buf: *mut fep_buffer) -> super::fep_
         if buf.is_null() {
             return Ok(());
         }
-        let mut b = super::live::take(buf, "buf")?;
-        // The hierarchy's stages first (collective, in the same order on every rank).
-        let hier = b.gpu.as_mut().and_then(|g| g.take_hier()).map(|h| h.destroy());
-        let res = match b.inner.take() {
-            Some(inner) => inner.destroy(),
-            None => Ok(()),
-        };
-        let res = match hier {
-            Some(Err(e)) => Err(e),
-            _ => res,
-        };
-        // NOTES: pooled GPU handles are freed here, after the collective teardown (no peer
-        // kernel can be spinning any more); handles the caller still holds free their own.
-        b.gpu.take();
-        res
+        destroy_boxed(super::live::take(buf, "buf")?)
     })
+}
+
+/// The collective teardown of a buffer taken out of the registry.
+pub(crate) fn destroy_boxed(mut b: Box<fep_buffer>) -> Result<(), Error> {
+    // The hierarchy's stages first (collective, in the same order on every rank).
+    let hier = b.gpu.as_mut().and_then(|g| g.take_hier()).map(|h| h.destroy());
+    let res = match b.inner.take() {
+        Some(inner) => inner.destroy(),
+        None => Ok(()),
+    };
+    let res = match hier {
+        Some(Err(e)) => Err(e),
+        _ => res,
+    };
+    // NOTES: pooled GPU handles are freed here, after the collective teardown (no peer
+    // kernel can be spinning any more); handles the caller still holds free their own.
+    b.gpu.take();
+    res
 }
 
 /// Frees a dispatch handle. NULL is a no-op.

@@ -150,6 +150,22 @@ impl GpuState {
         self.hier = Some(HierPart { buf: h, pool: Arc::new(Mutex::new(Vec::new())) });
     }
 
+    /// Makes `shared` (a [`Stream::kept`] stream of this device, which its owner keeps) the
+    /// communication stream this buffer reports: the buffers of one `fep_ep` share one. The
+    /// buffer's own goes back to the process's list of kept streams.
+    pub(crate) fn share_comm(&mut self, shared: &Stream) -> Result<(), Error> {
+        if shared.device().ordinal() != self.dev.ordinal() {
+            return Err(Error::Other(format!(
+                "a communication stream of GPU {} for a buffer on GPU {}",
+                shared.device().ordinal(),
+                self.dev.ordinal()
+            )));
+        }
+        // SAFETY: a kept stream is never destroyed; it is of this buffer's device.
+        self.comm = unsafe { Stream::borrowed(&self.dev, shared.as_raw()) };
+        Ok(())
+    }
+
     /// The hierarchy's buffer, for the collective teardown; its pooled handles are freed.
     pub(crate) fn take_hier(&mut self) -> Option<GpuHierBuffer> {
         self.hier.take().map(|hp| hp.buf)

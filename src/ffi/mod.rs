@@ -10,6 +10,7 @@
 
 mod boot;
 mod buffer;
+mod ep;
 mod gpu;
 mod layout;
 mod live;
@@ -18,6 +19,7 @@ mod status;
 
 pub use boot::*;
 pub use buffer::*;
+pub use ep::*;
 pub use gpu::*;
 pub use layout::*;
 pub use ll::*;
