@@ -14,6 +14,7 @@ mod gpu;
 mod layout;
 mod live;
 mod ll;
+mod region;
 mod status;
 
 pub use boot::*;
@@ -21,6 +22,7 @@ pub use buffer::*;
 pub use gpu::*;
 pub use layout::*;
 pub use ll::*;
+pub use region::*;
 
 pub use status::*;
 
