@@ -2218,7 +2218,8 @@ fn deepep_ll_cases(c: &mut Vec<Case>) {
     });
 
     type Mk = fn() -> *mut fep_buffer;
-    let mask_calls: &[(&str, fn(*mut fep_buffer) -> fep_status)] = &[
+    type Call = fn(*mut fep_buffer) -> fep_status;
+    let mask_calls: &[(&str, Call)] = &[
         ("fep_ll_update_mask", |b| unsafe { fep_ll_update_mask(b, 0, true) }),
         ("fep_ll_query_mask", |b| {
             let t = ten(FEP_DTYPE_I32, &[1]);
