@@ -461,9 +461,23 @@ impl LlComm {
         });
     }
 
+    /// Shrink mode, before a call's writes: masks the ranks the bootstrap saw leave (a write to
+    /// a dead rank may never complete, and this rank's later `wait_sends` would wait for it).
+    pub fn mask_dead(&mut self, phase: &'static str, dead: DeadFn<'_>) {
+        if !self.shrink {
+            return;
+        }
+        for p in 0..self.num_ranks {
+            if !self.mask[p] && dead(p) {
+                self.mask_peer(p, phase, "the bootstrap saw it leave");
+            }
+        }
+    }
+
     /// Before the sends of a call on `set`: waits (bounded) until every unmasked rank acked
     /// every earlier call on this set since the last fence (module NOTES).
     pub fn wait_set_free(&mut self, phase: LlPhase, set: u64, dead: DeadFn<'_>) -> Result<()> {
+        self.mask_dead(phase.name(), dead);
         let earlier = self.calls / LL_NUM_SETS + u64::from(self.calls % LL_NUM_SETS > set);
         let r = self.num_ranks as u64;
         let waits: Vec<ArrivalWait> = (0..r)
@@ -773,6 +787,7 @@ impl LlComm {
         const PHASE: &str = "clean_low_latency_buffer";
         self.producer.publish();
         self.proxy.check().map_err(Error::Proxy)?;
+        self.mask_dead(PHASE, dead);
         self.wait_sends(PHASE)?;
         let r = self.num_ranks;
         let me = self.rank as u64;
