@@ -525,6 +525,8 @@ def ll_deepep_args(group, r, world):
         got = bits(rx)
         # (Rows are written there as chunks by their senders; at least those must be found.)
         found = sum(blob.find(row.tobytes()) >= 0 for row in got)
+        # Before any rank combines (its chunks reuse the slots); no kernel runs here.
+        group.all_gather_bytes(b"")
         assert got.shape[0] == 0 or found > 0, "no received row in the comm buffer"
         nb.combine(rx, h)
         nb.sync()

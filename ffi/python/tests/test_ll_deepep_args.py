@@ -197,6 +197,9 @@ def test_get_local_buffer_tensor_views_the_registered_memory():
             region = nvl.tobytes()
             assert rx.shape[0] > 0
             missing = [i for i, row in enumerate(rx) if region.find(row.tobytes()) < 0]
+            # Before any rank combines: its chunks go to the same slots (DeepEP's contract too:
+            # the next call overwrites the region).
+            g.all_gather_bytes(b"")
             assert not missing, f"rows {missing} of {rx.shape[0]} not in the region"
             buf.combine(rx, handle)
             # Low latency: its own buffer (both sets), with the dispatched rows in it.
