@@ -9,7 +9,9 @@
 // fep_ll_combine_recv (the hook; any grid): bounded wait for all E flags (each count checked
 //   against this rank's own top-k), then per token t the weighted sum over its top-k in fp32,
 //   k ascending, one fma per step (acc = fma(y, w, acc)), rounded once to bf16 (RNE). The same
-//   sum whether a row is read from the receive block or (self_pull) from x: bit-identical.
+//   sum whether a row is read from the receive block or (self_pull) from x: bit-identical. With
+//   `wait_stats`, block 0 adds per answering rank the %globaltimer ns from the start of its wait
+//   until each of that rank's flags was seen (DeepEP's combine_wait_recv_cost_stats).
 // Proxy peers (fep_abi.h): rows for them are staged in this rank's send area (unit e * R + dst)
 //   and pushed as one command per (peer, local expert); the receive waits on the packed counter
 //   word of unit g (arrival and count in one read, fep_ll.cuh px_count) and checks the count
@@ -151,6 +153,9 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     }
     __syncthreads();
     const fep_ll_peer* peers = reinterpret_cast<const fep_ll_peer*>(p.peers);
+    // Every block waits for every flag; block 0's waits are the ones timed (one per expert).
+    const bool timed = p.wait_stats != 0 && blockIdx.x == 0;
+    const uint64_t wait_start = timed ? fep::globaltimer_ns() : 0;
     for (int g = tid; g < E; g += kThreads) {
         const fep::WaitCtx ctx{p.dev_error, p.budget_cycles, static_cast<uint32_t>(p.rank),
                                FEP_PHASE_LL_COMBINE_RECV, static_cast<uint32_t>(g / L)};
@@ -175,6 +180,10 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
                                   g / L, flag_value(tag, s_hist[g]), v);
                 s_fail = 1;
             }
+        }
+        if (timed) {
+            atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats) + (g / L),
+                      static_cast<unsigned long long>(fep::globaltimer_ns() - wait_start));
         }
     }
     if (p.proxy.ring != 0) {

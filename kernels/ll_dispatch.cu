@@ -9,7 +9,9 @@
 // fep_ll_dispatch_recv (the hook; any grid): blocks stride over units (e, src). Bounded wait for
 //   the flags of sources 0..src of expert e, prefix of their counts = begin, then the rows are
 //   copied into the packed output at [e][begin + i] with their source info; unit (e, R-1) writes
-//   recv_count[e]. Rows past recv_count are not written (DeepEP: undefined).
+//   recv_count[e]. Rows past recv_count are not written (DeepEP: undefined). With `wait_stats`,
+//   block 0 adds per source the %globaltimer ns from the start of its wait until each of the
+//   source's flags was seen (DeepEP's dispatch_wait_recv_cost_stats).
 // Proxy peers (FEP_LL_TRANSPORT_PROXY, another node; fep_abi.h): the send stages their rows in
 //   this rank's send area (unit g) and its last block pushes one command per (peer, local expert)
 //   with the count in the immediate; instead of the unit's flag, the receive's leader polls the
@@ -238,6 +240,9 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     // the prefix. The flag of unit (e, src) comes from rank src. Proxy units: only block 0 polls
     // the proxy's counters (host memory); the others take the counts from it (px_counts_handoff).
     const fep_ll_peer* peers = reinterpret_cast<const fep_ll_peer*>(p.peers);
+    // Every block waits for every flag; block 0's waits are the ones timed (one per unit).
+    const bool timed = p.wait_stats != 0 && blockIdx.x == 0;
+    const uint64_t wait_start = timed ? fep::globaltimer_ns() : 0;
     for (int u = tid; u < E; u += kThreads) {
         const fep::WaitCtx ctx{p.dev_error, p.budget_cycles, static_cast<uint32_t>(p.rank),
                                FEP_PHASE_LL_DISPATCH_RECV, static_cast<uint32_t>(u % R)};
@@ -268,6 +273,10 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
             }
         }
         s_cnt[u] = c;
+        if (timed) {
+            atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats) + (u % R),
+                      static_cast<unsigned long long>(fep::globaltimer_ns() - wait_start));
+        }
     }
     if (p.proxy.ring != 0) {
         const fep::WaitCtx ctx{p.dev_error, p.budget_cycles, static_cast<uint32_t>(p.rank),

@@ -41,6 +41,8 @@ struct Case {
     all_masked: bool,
     net: Net,
     timeout: Duration,
+    /// `BufferOptions::ll_shrink`.
+    shrink: bool,
 }
 
 impl Case {
@@ -59,6 +61,7 @@ impl Case {
             all_masked: false,
             net,
             timeout: Duration::from_secs(30),
+            shrink: false,
         }
     }
 
@@ -123,11 +126,12 @@ fn run_ranks<T: Send>(
                 let groups = groups.clone();
                 s.spawn(move || {
                     let cfg = EpConfig::new(case.settings(rank))?;
-                    let opts = match (&case.net, groups) {
+                    let mut opts = match (&case.net, groups) {
                         (Net::Fabric(p), _) => BufferOptions::host(p),
                         (_, Some((g, ll))) => BufferOptions::loopback(g).with_ll_loopback(ll),
                         _ => unreachable!(),
                     };
+                    opts.ll_shrink = case.shrink;
                     let boot: Arc<dyn Bootstrap> = Arc::new(boot);
                     let mut buf = Buffer::new(cfg, boot, opts)?;
                     let out = body(rank, &mut buf)?;
@@ -514,4 +518,148 @@ fn stalled_peer_is_named_then_clean_recovers() {
 
 fn shuffled_opts() -> LoopbackOptions {
     LoopbackOptions { eagain_every: 7, reorder_seed: Some(3), max_outstanding: 64 }
+}
+
+#[test]
+fn receive_wait_costs_name_the_late_rank() {
+    let mut case = Case::new(3, 3, Net::Loopback(shuffled_opts()));
+    case.experts = 6;
+    let (late, delay) = (1usize, Duration::from_millis(400));
+    let cfg0 = EpConfig::new(case.settings(0)).unwrap();
+    let inputs = case.inputs(&cfg0, 21);
+    let (want_d, want_c) = ll_reference(&cfg0, &inputs, false, false).unwrap();
+    let l = case.experts / case.num_ranks;
+    let res = run_ranks(&case, |rank, buf| {
+        let me = &inputs[rank];
+        // The first call connects the lane (a collective); the timed ones come after.
+        let d = dispatch(buf, &case, me, false)?;
+        let y = ll_combine_input(&d.recv_x, &d.recv_count, case.hidden)?;
+        combine(buf, me, &d, &y, false)?;
+        if rank == late {
+            std::thread::sleep(delay);
+        }
+        let d = dispatch(buf, &case, me, true)?;
+        check_ll_dispatch(rank, &d, &want_d[rank], case.hidden, true)?;
+        if rank == late {
+            std::thread::sleep(delay);
+        }
+        let c = buf
+            .low_latency_combine(&LlCombineArgs {
+                x: &y,
+                topk_idx: &me.topk_idx,
+                topk_weights: &me.topk_weights,
+                handle: &d.handle,
+                return_recv_hook: false,
+            })?
+            .complete(buf)?;
+        assert_eq!(c.combined_x, want_c[rank]);
+        Ok((d.recv_wait_ns, c.recv_wait_ns))
+    });
+    for (r, x) in res.into_iter().enumerate() {
+        let (dw, cw) = x.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert_eq!((dw.len(), cw.len()), (3, 3));
+        if r == late {
+            continue;
+        }
+        // One wait per (local expert, source): the late rank's each about `delay` long.
+        let floor = (l as f64 * 0.6 * delay.as_nanos() as f64) as u64;
+        for (what, w) in [("dispatch", &dw), ("combine", &cw)] {
+            assert!(w[late] >= floor, "rank {r} {what}: {w:?}");
+            assert!((0..3).filter(|&o| o != late).all(|o| w[late] > 2 * w[o]), "rank {r}: {w:?}");
+        }
+    }
+}
+
+/// Rank `gone`'s tokens dropped and every expert of it masked out of the others' routing: what
+/// shrink mode's survivors must get once `gone` is masked.
+fn without_rank(inputs: &[LlRankInputs], gone: usize, l: usize) -> Vec<LlRankInputs> {
+    inputs
+        .iter()
+        .enumerate()
+        .map(|(s, i)| {
+            if s == gone {
+                return LlRankInputs { x: vec![], topk_idx: vec![], topk_weights: vec![] };
+            }
+            let topk_idx =
+                i.topk_idx.iter().map(|&g| if g >= 0 && g as usize / l == gone { -1 } else { g });
+            LlRankInputs { topk_idx: topk_idx.collect(), ..i.clone() }
+        })
+        .collect()
+}
+
+#[test]
+fn shrink_masks_a_stalled_rank_and_cleans_among_the_others() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let mut case = Case::new(4, 4, Net::Loopback(shuffled_opts()));
+    case.timeout = Duration::from_millis(1500);
+    case.shrink = true;
+    let (gone, l) = (3usize, case.experts / case.num_ranks);
+    let cfg0 = EpConfig::new(case.settings(0)).unwrap();
+    let inputs = case.inputs(&cfg0, 23);
+    let (want_d, want_c) = ll_reference(&cfg0, &inputs, false, false).unwrap();
+    let shrunk = without_rank(&inputs, gone, l);
+    let (shr_d, shr_c) = ll_reference(&cfg0, &shrunk, false, false).unwrap();
+    let done = std::sync::Barrier::new(3);
+    let left = AtomicBool::new(false);
+    let res = run_ranks(&case, |rank, buf| {
+        let me = &inputs[rank];
+        let d = dispatch(buf, &case, me, false)?;
+        check_ll_dispatch(rank, &d, &want_d[rank], case.hidden, true)?;
+        let y = ll_combine_input(&d.recv_x, &d.recv_count, case.hidden)?;
+        assert_eq!(combine(buf, me, &d, &y, false)?, want_c[rank]);
+        if rank == gone {
+            // Stops taking part; back only for the collective destroy.
+            while !left.load(Ordering::Acquire) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        let d = dispatch(buf, &case, me, false)?;
+        assert!(t0.elapsed() >= case.timeout, "{:?}", t0.elapsed());
+        assert!(d.recv_wait_ns[gone] >= l as u64 * case.timeout.as_nanos() as u64 * 8 / 10);
+        check_ll_dispatch(rank, &d, &shr_d[rank], case.hidden, true)?;
+        assert_eq!(buf.ll_mask()?, vec![false, false, false, true]);
+        let y = ll_combine_input(&d.recv_x, &d.recv_count, case.hidden)?;
+        assert_eq!(combine(buf, me, &d, &y, false)?, shr_c[rank], "rank {rank}");
+        // Skipped without waiting from now on, hooks included.
+        let t0 = Instant::now();
+        let d = dispatch(buf, &case, me, true)?;
+        check_ll_dispatch(rank, &d, &shr_d[rank], case.hidden, true)?;
+        assert_eq!(combine(buf, me, &d, &y, true)?, shr_c[rank]);
+        assert!(t0.elapsed() < case.timeout / 2, "{:?}", t0.elapsed());
+        // clean among the three (in band; `gone` takes no part), and on.
+        buf.clean_low_latency_buffer()?;
+        let d = dispatch(buf, &case, me, false)?;
+        check_ll_dispatch(rank, &d, &shr_d[rank], case.hidden, true)?;
+        assert_eq!(combine(buf, me, &d, &y, false)?, shr_c[rank]);
+        // Unmasked: refused until clean, which masks it again (it does not answer).
+        buf.ll_update_mask(gone, false)?;
+        assert!(dispatch(buf, &case, me, false).is_err());
+        buf.clean_low_latency_buffer()?;
+        assert_eq!(buf.ll_mask()?, vec![false, false, false, true]);
+        let d = dispatch(buf, &case, me, false)?;
+        check_ll_dispatch(rank, &d, &shr_d[rank], case.hidden, true)?;
+        assert!(buf.ll_update_mask(4, true).is_err());
+        done.wait();
+        left.store(true, Ordering::Release);
+        Ok(())
+    });
+    for (r, x) in res.into_iter().enumerate() {
+        x.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    }
+}
+
+#[test]
+fn mask_calls_need_shrink_mode() {
+    let case = Case::new(2, 2, Net::Loopback(shuffled_opts()));
+    let res = run_ranks(&case, |_, buf| {
+        for e in [buf.ll_update_mask(0, true).unwrap_err(), buf.ll_mask().unwrap_err()] {
+            assert_eq!(arg_of(&e), "enable_shrink");
+        }
+        Ok(())
+    });
+    for (r, x) in res.into_iter().enumerate() {
+        x.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    }
 }

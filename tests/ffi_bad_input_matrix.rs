@@ -395,6 +395,7 @@ fn cases() -> Vec<Case> {
     dispatch_cases(&mut c);
     combine_cases(&mut c);
     ll_cases(&mut c);
+    deepep_ll_cases(&mut c);
     lifetime_cases(&mut c);
     gpu_cases(&mut c);
     ep_cases(&mut c);
@@ -451,6 +452,12 @@ const CONFIG_EDITS: &[(&str, &[&str], Edit)] = &[
     ("struct_size_max", &["cfg"], |c| c.struct_size = u32::MAX),
     ("version_99", &["cfg"], |c| c.version = 99),
     ("version_0", &["cfg"], |c| c.version = 0),
+    ("enable_shrink_2", &["enable_shrink"], |c| c.enable_shrink = 2),
+    ("enable_shrink_neg", &["enable_shrink"], |c| c.enable_shrink = -1),
+    ("enable_shrink_gpu", &["enable_shrink"], |c| {
+        c.enable_shrink = 1;
+        c.backend = FEP_BACKEND_GPU;
+    }),
 ];
 
 /// Sizes that would allocate without bound: a clean refusal, or a buffer when the machine has
@@ -2058,6 +2065,54 @@ fn gpu_cases(c: &mut Vec<Case>) {
                 )
             }
         }),
+        ("fep_gpu_ll_dispatch_ex", |b| {
+            let (x, i, st) = (x_bf16(4), idx(4), ten(FEP_DTYPE_I64, &[1]));
+            let o = fep_gpu_order {
+                stream: null_mut(),
+                wait_stream: null_mut(),
+                wait_event: null_mut(),
+                then_stream: null_mut(),
+            };
+            let mut op = null_mut();
+            unsafe {
+                fep_gpu_ll_dispatch_ex(
+                    b,
+                    &x.t,
+                    &i.t,
+                    false,
+                    false,
+                    false,
+                    null(),
+                    &st.t,
+                    &o,
+                    &mut op,
+                )
+            }
+        }),
+        ("fep_gpu_ll_combine_ex", |b| {
+            let (x, i, w, st) = (x_bf16(4), idx(4), weights(4), ten(FEP_DTYPE_I64, &[1]));
+            let o = fep_gpu_order {
+                stream: null_mut(),
+                wait_stream: null_mut(),
+                wait_event: null_mut(),
+                then_stream: null_mut(),
+            };
+            let mut op = null_mut();
+            unsafe {
+                fep_gpu_ll_combine_ex(
+                    b,
+                    0x9000usize as *const fep_gpu_ll_op,
+                    &x.t,
+                    &i.t,
+                    &w.t,
+                    &x.t,
+                    false,
+                    &st.t,
+                    &o,
+                    &mut op,
+                )
+            }
+        }),
         ("fep_gpu_sync", |b| unsafe { fep_gpu_sync(b, null_mut()) }),
         ("fep_gpu_info", |b| {
             let (mut d, mut n, mut s) = (0, 0, null_mut());
@@ -2085,6 +2140,187 @@ fn gpu_cases(c: &mut Vec<Case>) {
         let mut cfg = config();
         cfg.backend = FEP_BACKEND_GPU;
         got(create(&cfg).0)
+    });
+}
+
+/// A buffer in shrink mode (`fep_config.enable_shrink`).
+fn shrink_buffer() -> *mut fep_buffer {
+    let mut c = config();
+    c.enable_shrink = 1;
+    let (st, b) = create(&c);
+    setup(st, "fep_buffer_create (enable_shrink)");
+    b
+}
+
+/// DeepEP's further low-latency arguments: the wait-cost tensors of the `_ex` calls, shrink
+/// mode's mask calls and the local region (`get_local_buffer_tensor`).
+fn deepep_ll_cases(c: &mut Vec<Case>) {
+    const W: &[(&str, i32, bool)] = &[("wait_recv_cost_stats", FEP_DTYPE_I64, true)];
+    tensor_matrix(c, "fep_low_latency_dispatch_ex", W, |i, m| {
+        let b = buffer();
+        let (x, ix) = (x_bf16(4), idx(4));
+        let mut ts = vec![ten(FEP_DTYPE_I64, &[1])];
+        let p = ptrs(&mut ts, i, m);
+        let mut op = null_mut();
+        got(unsafe {
+            fep_low_latency_dispatch_ex(
+                b,
+                &x.t,
+                &ix.t,
+                false,
+                false,
+                false,
+                p[0],
+                null_mut(),
+                &mut op,
+            )
+        })
+    });
+    tensor_matrix(c, "fep_low_latency_combine_ex", W, |i, m| {
+        let b = buffer();
+        let d = ll_dispatched(b, 4, false);
+        let (x, ix, w) = (ten(FEP_DTYPE_BF16, &[L, S, H]), idx(4), weights(4));
+        let mut ts = vec![ten(FEP_DTYPE_I64, &[1])];
+        let p = ptrs(&mut ts, i, m);
+        let mut op = null_mut();
+        got(unsafe {
+            fep_low_latency_combine_ex(b, d, &x.t, &ix.t, &w.t, false, p[0], null_mut(), &mut op)
+        })
+    });
+    case(c, "fep_low_latency_dispatch_ex/stats_added", Want::Accept, || {
+        // The receive adds to the caller's values (world 1: rank 0's own messages).
+        let b = buffer();
+        let (x, ix) = (x_bf16(4), idx(4));
+        let st = ten_of(FEP_DTYPE_I64, &[1], &[-5i64]);
+        let mut op = null_mut();
+        let g = got(unsafe {
+            fep_low_latency_dispatch_ex(
+                b,
+                &x.t,
+                &ix.t,
+                false,
+                false,
+                true,
+                &st.t as *const _ as *mut _,
+                null_mut(),
+                &mut op,
+            )
+        });
+        if g.st != 0 {
+            return g;
+        }
+        let before = unsafe { *st.t.data.cast::<i64>() };
+        let g = got(unsafe { fep_ll_op_complete(b, op) });
+        let after = unsafe { *st.t.data.cast::<i64>() };
+        if g.st == 0 && (before != -5 || after < -5) {
+            return Got { st: FEP_ERR_INTERNAL as i32, msg: format!("stats {before} -> {after}") };
+        }
+        g
+    });
+
+    type Mk = fn() -> *mut fep_buffer;
+    type Call = fn(*mut fep_buffer) -> fep_status;
+    let mask_calls: &[(&str, Call)] = &[
+        ("fep_ll_update_mask", |b| unsafe { fep_ll_update_mask(b, 0, true) }),
+        ("fep_ll_query_mask", |b| {
+            let t = ten(FEP_DTYPE_I32, &[1]);
+            unsafe { fep_ll_query_mask(b, &t.t as *const _ as *mut _) }
+        }),
+        ("fep_ll_clean_mask", |b| unsafe { fep_ll_clean_mask(b) }),
+    ];
+    for &(name, f) in mask_calls {
+        case(c, format!("{name}/no_shrink"), Want::Refuse(&["enable_shrink"]), move || {
+            got(f(buffer()))
+        });
+        case(c, format!("{name}/buf_null"), Want::Refuse(&["buf"]), move || got(f(null_mut())));
+        case(c, format!("{name}/buf_destroyed"), Want::Refuse(&["buf"]), move || {
+            got(f(destroyed_buffer()))
+        });
+        case(c, format!("{name}/valid"), Want::Accept, move || got(f(shrink_buffer())));
+    }
+    for (name, rank) in [("rank_neg", -1), ("rank_past", 1), ("rank_min", i32::MIN)] {
+        case(c, format!("fep_ll_update_mask/{name}"), Want::Refuse(&["rank"]), move || {
+            got(unsafe { fep_ll_update_mask(shrink_buffer(), rank, true) })
+        });
+    }
+    const Q: &[(&str, i32, bool)] = &[("mask_status", FEP_DTYPE_I32, false)];
+    tensor_matrix(c, "fep_ll_query_mask", Q, |i, m| {
+        let b = shrink_buffer();
+        let mut ts = vec![ten(FEP_DTYPE_I32, &[1])];
+        let p = ptrs(&mut ts, i, m);
+        got(unsafe { fep_ll_query_mask(b, p[0]) })
+    });
+    case(c, "fep_ll_query_mask/reports_the_mask", Want::Accept, || {
+        let b = shrink_buffer();
+        let t = ten(FEP_DTYPE_I32, &[1]);
+        setup(unsafe { fep_ll_update_mask(b, 0, true) }, "fep_ll_update_mask");
+        let g = got(unsafe { fep_ll_query_mask(b, &t.t as *const _ as *mut _) });
+        let v = unsafe { *t.t.data.cast::<i32>() };
+        if g.st == 0 && v != 1 {
+            return Got { st: FEP_ERR_INTERNAL as i32, msg: format!("mask_status {v}, want 1") };
+        }
+        g
+    });
+
+    // fep_buffer_local_region
+    let region = |b: *mut fep_buffer, r: i32| -> Got {
+        let (mut p, mut n) = (null_mut::<c_void>(), 0u64);
+        got(unsafe { fep_buffer_local_region(b, r, &mut p, &mut n) })
+    };
+    let mk: &[(&str, Mk)] = &[("null", || null_mut()), ("destroyed", destroyed_buffer)];
+    for &(name, f) in mk {
+        case(c, format!("fep_buffer_local_region/buf_{name}"), Want::Refuse(&["buf"]), move || {
+            region(f(), FEP_REGION_NORMAL)
+        });
+    }
+    for (name, r) in [("region_2", 2), ("region_neg", -1), ("region_max", i32::MAX)] {
+        case(c, format!("fep_buffer_local_region/{name}"), Want::Refuse(&["region"]), move || {
+            region(buffer(), r)
+        });
+    }
+    case(c, "fep_buffer_local_region/data_null", Want::Refuse(&["data"]), || {
+        let mut n = 0u64;
+        got(unsafe { fep_buffer_local_region(buffer(), FEP_REGION_NORMAL, null_mut(), &mut n) })
+    });
+    case(c, "fep_buffer_local_region/bytes_null", Want::Refuse(&["bytes"]), || {
+        let mut p = null_mut::<c_void>();
+        got(unsafe { fep_buffer_local_region(buffer(), FEP_REGION_NORMAL, &mut p, null_mut()) })
+    });
+    case(
+        c,
+        "fep_buffer_local_region/low_latency_not_connected",
+        Want::Refuse(&["region"]),
+        move || region(buffer(), FEP_REGION_LOW_LATENCY),
+    );
+    case(c, "fep_buffer_local_region/normal", Want::Accept, || {
+        let b = buffer();
+        let (mut p, mut n) = (null_mut::<c_void>(), 0u64);
+        let g = got(unsafe { fep_buffer_local_region(b, FEP_REGION_NORMAL, &mut p, &mut n) });
+        if g.st == 0 && (p.is_null() || n == 0) {
+            return Got { st: FEP_ERR_INTERNAL as i32, msg: format!("{p:?}, {n} bytes") };
+        }
+        g
+    });
+    case(c, "fep_buffer_local_region/low_latency", Want::Accept, || {
+        // After a low-latency dispatch its rows are in the region.
+        let b = buffer();
+        let op = ll_dispatched(b, 4, false);
+        let (mut p, mut n) = (null_mut::<c_void>(), 0u64);
+        let g = got(unsafe { fep_buffer_local_region(b, FEP_REGION_LOW_LATENCY, &mut p, &mut n) });
+        if g.st != 0 {
+            return g;
+        }
+        let region = unsafe { std::slice::from_raw_parts(p.cast::<u8>(), n as usize) };
+        let x = x_bf16(4);
+        let row = unsafe { std::slice::from_raw_parts(x.t.data.cast::<u8>(), 2 * H as usize) };
+        unsafe { fep_ll_op_destroy(op) };
+        if !region.windows(row.len()).any(|w| w == row) {
+            return Got {
+                st: FEP_ERR_INTERNAL as i32,
+                msg: "the dispatched row is not there".into(),
+            };
+        }
+        g
     });
 }
 

@@ -376,3 +376,63 @@ fn too_many_tokens_is_an_argument_error() {
     let e = unsafe { g.ranks[0].dispatch_send(&dd[0].x, &dd[0].topk, 49, &dd[0].out) }.unwrap_err();
     assert!(matches!(e, Error::InvalidArgument { arg: "x", .. }), "{e}");
 }
+
+#[test]
+#[ignore = "needs a GPU: scripts/gpu-check.sh runs it"]
+fn wait_costs_name_the_late_rank() {
+    // DeepEP's *_wait_recv_cost_stats: each receive adds, per source, the %globaltimer ns from
+    // the start of its wait until each of that source's flags was seen (LlTicket::with_wait_stats).
+    let Some(dev) = gpu() else { return };
+    let cfg = small(2, false);
+    let l = cfg.num_local_experts() as i64;
+    let mut g = LlGpuGroup::new(&dev, cfg.clone()).unwrap();
+    let d = make_data(&cfg, &[48, 40], Routing::Random { mask_pct: 0 }, 31);
+    let dd = upload(&dev, &cfg, &d);
+    run(&mut g, &d, &dd, &[true, true]).unwrap(); // first launches, outside the timing
+    let stats: Vec<DeviceBuffer> =
+        (0..2).map(|_| DeviceBuffer::zeroed(&dev, 2 * 8).unwrap()).collect();
+    let cstats: Vec<DeviceBuffer> =
+        (0..2).map(|_| DeviceBuffer::zeroed(&dev, 2 * 8).unwrap()).collect();
+    let delay = Duration::from_millis(200);
+    // Rank 0 sends and starts waiting; rank 1 launches `delay` later.
+    let mut tickets = Vec::new();
+    for i in 0..2 {
+        if i == 1 {
+            std::thread::sleep(delay);
+        }
+        // SAFETY: every buffer outlives the finish() below.
+        let t = unsafe { g.ranks[i].dispatch_send(&dd[i].x, &dd[i].topk, d[i].t, &dd[i].out) }
+            .unwrap()
+            .with_wait_stats(stats[i].device_ptr());
+        unsafe { g.ranks[i].dispatch_recv(t, &dd[i].out) }.unwrap();
+        tickets.push(t);
+    }
+    g.finish().unwrap();
+    let disp: Vec<LlDispatchHost> = dd.iter().map(|r| r.out.to_host().unwrap()).collect();
+    for i in 0..2 {
+        if i == 1 {
+            std::thread::sleep(delay);
+        }
+        // SAFETY: as above.
+        let t = unsafe { g.ranks[i].combine_send(&dd[i].y, &dd[i].out, d[i].t) }
+            .unwrap()
+            .with_wait_stats(cstats[i].device_ptr());
+        unsafe { g.ranks[i].combine_recv(t, &dd[i].topk, &dd[i].w, &dd[i].out, &dd[i].comb) }
+            .unwrap();
+    }
+    g.finish().unwrap();
+    let comb: Vec<Vec<u16>> = dd
+        .iter()
+        .zip(&d)
+        .map(|(r, rd)| r.comb.to_vec::<u16>().unwrap()[..rd.t * cfg.hidden].to_vec())
+        .collect();
+    check(&cfg, &d, &disp, &comb);
+    let floor = l * delay.as_nanos() as i64 / 2;
+    for (what, s) in [("dispatch", &stats), ("combine", &cstats)] {
+        let w0: Vec<i64> = s[0].to_vec().unwrap();
+        let w1: Vec<i64> = s[1].to_vec().unwrap();
+        eprintln!("{what} wait ns: rank 0 {w0:?}, rank 1 {w1:?}");
+        assert!(w0[1] >= floor && w0[1] > 4 * w0[0].max(1), "rank 0 {what}: {w0:?}");
+        assert!(w1.iter().all(|&v| v >= 0 && v < floor), "rank 1 {what}: {w1:?}");
+    }
+}

@@ -71,6 +71,16 @@
 #define FEP_CONFIG_V1_SIZE 80
 
 /**
+ * `fep_buffer_local_region`: normal mode's region.
+ */
+#define FEP_REGION_NORMAL 0
+
+/**
+ * `fep_buffer_local_region`: low-latency mode's region.
+ */
+#define FEP_REGION_LOW_LATENCY 1
+
+/**
  * Every `fep_*` call returns one of these. Errors live in their own range (7000..7100) so they
  * cannot be confused with errno, CUresult or libfabric codes.
  */
@@ -217,6 +227,14 @@ typedef struct fep_config {
    * The host backend always has both.
    */
   int32_t modes;
+  /**
+   * Low-latency mode, host backend: 1 = DeepEP's `enable_shrink` (a rank that stalls for the
+   * timeout is masked instead of failing the call; `fep_ll_update_mask` /
+   * `fep_ll_query_mask` / `fep_ll_clean_mask`), 0 = off (the default). Refused with
+   * `FEP_BACKEND_GPU`: its kernels do not skip masked ranks.
+   */
+  int32_t enable_shrink;
+  int32_t reserved2;
 } fep_config;
 
 /**
@@ -886,6 +904,27 @@ enum fep_status fep_gpu_ll_dispatch(struct fep_buffer *buf,
                                     struct fep_gpu_ll_op **out_op);
 
 /**
+ * `fep_gpu_ll_dispatch` with DeepEP's `dispatch_wait_recv_cost_stats`:
+ * `wait_recv_cost_stats` (NULL: none) is a device `int64 [num_ranks]` tensor to which the
+ * receive kernel (launched now, or by `fep_gpu_ll_complete`) atomically adds, per source rank,
+ * the nanoseconds (%globaltimer) from the start of its wait until each of that rank's flags
+ * (one per local expert) was seen. Keep it alive until the receive has run on its stream.
+ *
+ * # Safety
+ * As `fep_gpu_ll_dispatch`; `wait_recv_cost_stats`' memory until the receive has run.
+ */
+enum fep_status fep_gpu_ll_dispatch_ex(struct fep_buffer *buf,
+                                       const struct fep_tensor *x,
+                                       const struct fep_tensor *topk_idx,
+                                       bool use_fp8,
+                                       bool round_scale,
+                                       bool return_recv_hook,
+                                       const struct fep_gpu_ll_buffers *outputs,
+                                       const struct fep_tensor *wait_recv_cost_stats,
+                                       const struct fep_gpu_order *order,
+                                       struct fep_gpu_ll_op **out_op);
+
+/**
  * Launches the receive of a hooked GPU low-latency dispatch or combine on `order->stream`
  * (DeepEP's hook); a no-op when there is none pending.
  *
@@ -914,6 +953,25 @@ enum fep_status fep_gpu_ll_combine(struct fep_buffer *buf,
                                    bool return_recv_hook,
                                    const struct fep_gpu_order *order,
                                    struct fep_gpu_ll_op **out_op);
+
+/**
+ * `fep_gpu_ll_combine` with DeepEP's `combine_wait_recv_cost_stats` (NULL: none): a device
+ * `int64 [num_ranks]` tensor, added to as in `fep_gpu_ll_dispatch_ex` (per rank whose experts
+ * answer, the nanoseconds the combine's receive waited for its flags).
+ *
+ * # Safety
+ * As `fep_gpu_ll_dispatch_ex`.
+ */
+enum fep_status fep_gpu_ll_combine_ex(struct fep_buffer *buf,
+                                      const struct fep_gpu_ll_op *dispatch_op,
+                                      const struct fep_tensor *x,
+                                      const struct fep_tensor *topk_idx,
+                                      const struct fep_tensor *topk_weights,
+                                      const struct fep_tensor *out,
+                                      bool return_recv_hook,
+                                      const struct fep_tensor *wait_recv_cost_stats,
+                                      const struct fep_gpu_order *order,
+                                      struct fep_gpu_ll_op **out_op);
 
 /**
  * Frees a GPU low-latency op. NULL is a no-op. A dispatch's outputs stay the caller's.
@@ -1013,6 +1071,27 @@ enum fep_status fep_low_latency_dispatch(struct fep_buffer *buf,
                                          struct fep_ll_op **out_op);
 
 /**
+ * `fep_low_latency_dispatch` with DeepEP's `dispatch_wait_recv_cost_stats`:
+ * `wait_recv_cost_stats` (NULL: none) is an `[R]` int64 host tensor to which the receive (at
+ * once, or in `fep_ll_op_complete`) adds, per source rank, the nanoseconds it waited for that
+ * rank's messages (summed over its messages, one per local expert; a rank masked in shrink
+ * mode: the time until it was masked). Keep it alive until the receive has run.
+ *
+ * # Safety
+ * Every non-NULL pointer must be valid for the call; `wait_recv_cost_stats`' data until the
+ * receive has run.
+ */
+enum fep_status fep_low_latency_dispatch_ex(struct fep_buffer *buf,
+                                            const struct fep_tensor *x,
+                                            const struct fep_tensor *topk_idx,
+                                            bool use_fp8,
+                                            bool round_scale,
+                                            bool return_recv_hook,
+                                            struct fep_tensor *wait_recv_cost_stats,
+                                            void *stream,
+                                            struct fep_ll_op **out_op);
+
+/**
  * Completes the receive of a hooked dispatch or combine (a no-op when already complete).
  *
  * # Safety
@@ -1060,6 +1139,24 @@ enum fep_status fep_low_latency_combine(struct fep_buffer *buf,
                                         struct fep_ll_op **out_op);
 
 /**
+ * `fep_low_latency_combine` with DeepEP's `combine_wait_recv_cost_stats` (NULL: none): an
+ * `[R]` int64 host tensor, added to as in `fep_low_latency_dispatch_ex` (per rank, the
+ * nanoseconds the combine's receive waited for its answers).
+ *
+ * # Safety
+ * As `fep_low_latency_dispatch_ex`.
+ */
+enum fep_status fep_low_latency_combine_ex(struct fep_buffer *buf,
+                                           const struct fep_ll_op *dispatch_op,
+                                           const struct fep_tensor *x,
+                                           const struct fep_tensor *topk_idx,
+                                           const struct fep_tensor *topk_weights,
+                                           bool return_recv_hook,
+                                           struct fep_tensor *wait_recv_cost_stats,
+                                           void *stream,
+                                           struct fep_ll_op **out_op);
+
+/**
  * Copies a completed combine's output `combined_x` `[T, H]` bf16, `T` the combine's tokens
  * (another row count is refused). Once per op.
  *
@@ -1087,6 +1184,64 @@ void fep_ll_op_destroy(struct fep_ll_op *op);
  * `buf` must be valid.
  */
 enum fep_status fep_clean_low_latency_buffer(struct fep_buffer *buf);
+
+/**
+ * Shrink mode (`fep_config.enable_shrink`; DeepEP's `low_latency_update_mask_buffer`): masks
+ * (`mask` true) or unmasks `rank` on this rank only. A masked rank gets no low-latency writes
+ * from this rank and is not waited for (its messages count as empty, its experts' answers
+ * as -1 entries in combine); a rank that stalls for the timeout is masked the same way.
+ * Unmasking a masked rank leaves the low-latency buffer refusing calls until
+ * `fep_clean_low_latency_buffer` (on every unmasked rank, that one included).
+ *
+ * Refused: a buffer without shrink mode; `rank` outside `0..num_ranks`.
+ *
+ * # Safety
+ * `buf` must be valid.
+ */
+enum fep_status fep_ll_update_mask(struct fep_buffer *buf, int32_t rank, bool mask);
+
+/**
+ * Shrink mode (DeepEP's `low_latency_query_mask_buffer`): writes `mask_status` `[R]` int32
+ * (host memory): 1 for each rank this rank has masked, 0 for the others.
+ *
+ * Refused: a buffer without shrink mode; a tensor that is not `[num_ranks]` int32.
+ *
+ * # Safety
+ * `buf` and `mask_status` must be valid.
+ */
+enum fep_status fep_ll_query_mask(struct fep_buffer *buf, struct fep_tensor *mask_status);
+
+/**
+ * Shrink mode (DeepEP's `low_latency_clean_mask_buffer`): unmasks every rank, as
+ * `fep_ll_update_mask` does each.
+ *
+ * # Safety
+ * `buf` must be valid.
+ */
+enum fep_status fep_ll_clean_mask(struct fep_buffer *buf);
+
+/**
+ * This rank's own registered communication memory (DeepEP's `get_local_buffer_tensor`):
+ * `*data` its address and `*bytes` its length. Host backend: host memory; `FEP_REGION_NORMAL`
+ * is the normal-mode receive region (peers' chunks and notify records land there),
+ * `FEP_REGION_LOW_LATENCY` the low-latency buffer (both sets' send staging and receive areas),
+ * which exists once the first low-latency call (or `fep_clean_low_latency_buffer`) connected
+ * it. GPU backend: a device address (`FEP_REGION_NORMAL`: the normal comm buffer, its chunks
+ * followed by flags, credits, notify records and local state; `FEP_REGION_LOW_LATENCY`: the
+ * low-latency buffer, device memory or pinned host memory mapped into the GPU). Every dispatch
+ * and combine of that mode overwrites it, and writing into it while one may run corrupts that
+ * call. Valid until `fep_buffer_destroy`.
+ *
+ * Refused: NULL `buf`, `data` or `bytes`; another `region`; a region this buffer does not have
+ * (a mode not allocated, the low-latency lane not connected yet).
+ *
+ * # Safety
+ * `buf` must be valid; `data` and `bytes` writable.
+ */
+enum fep_status fep_buffer_local_region(struct fep_buffer *buf,
+                                        int32_t region,
+                                        void **data,
+                                        uint64_t *bytes);
 
 /**
  * A static, human-readable name for a status (any integer is accepted).

@@ -322,7 +322,11 @@ typedef struct fep_ll_dispatch_params {
     int32_t round_scale;
     int32_t _pad;
     fep_ll_proxy proxy;     /* peers with FEP_LL_TRANSPORT_PROXY go through it */
-} fep_ll_dispatch_params;   /* 264 bytes */
+    uint64_t wait_stats;    /* int64 [num_ranks] or 0: the receive's block 0 atomically adds, per
+                               source rank, the %globaltimer nanoseconds from the start of its
+                               wait until each of that rank's flags (or counts) was seen (DeepEP's
+                               dispatch_wait_recv_cost_stats) */
+} fep_ll_dispatch_params;   /* 272 bytes */
 
 typedef struct fep_ll_combine_params {
     uint64_t x;             /* const bf16 [L, R * M, hidden]: expert outputs, rows as dispatched */
@@ -352,7 +356,9 @@ typedef struct fep_ll_combine_params {
                                and the receive reads them from `x` (send and receive of one call,
                                no hook, so `x` is unchanged in between); 0: copied as the others */
     fep_ll_proxy proxy;     /* as in fep_ll_dispatch_params */
-} fep_ll_combine_params;    /* 224 bytes */
+    uint64_t wait_stats;    /* as in fep_ll_dispatch_params, per rank that answers (DeepEP's
+                               combine_wait_recv_cost_stats) */
+} fep_ll_combine_params;    /* 232 bytes */
 
 /* ---- normal mode, intranode (kernels/normal_*.cu; Rust: src/ep/normal_gpu.rs) ----------------
  * Every rank owns one comm buffer (device memory, zeroed once). Peers write into it through
@@ -520,8 +526,8 @@ static_assert(offsetof(fep_proxy_exchange_params, capacity) == 88, "fep_proxy_ex
 static_assert(offsetof(fep_proxy_pingpong_params, cmd) == 64, "fep_proxy_pingpong_params fields");
 static_assert(sizeof(fep_ll_peer) == 32, "fep_ll_peer layout");
 static_assert(sizeof(fep_trace_clock_params) == 16, "fep_trace_clock_params layout");
-static_assert(sizeof(fep_ll_dispatch_params) == 264, "fep_ll_dispatch_params layout");
-static_assert(sizeof(fep_ll_combine_params) == 224, "fep_ll_combine_params layout");
+static_assert(sizeof(fep_ll_dispatch_params) == 272, "fep_ll_dispatch_params layout");
+static_assert(sizeof(fep_ll_combine_params) == 232, "fep_ll_combine_params layout");
 static_assert(offsetof(fep_ll_dispatch_params, epoch) == 120, "fep_ll_dispatch_params fields");
 static_assert(offsetof(fep_ll_combine_params, record_bytes) == 120, "fep_ll_combine_params fields");
 static_assert(sizeof(fep_ll_proxy) == 64, "fep_ll_proxy layout");

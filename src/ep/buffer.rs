@@ -98,6 +98,11 @@ pub struct BufferOptions {
     /// at this many GB/s (`proxy::Throttled`), to stand in for a NIC slower than the node's
     /// own link where both are memory copies (one machine). `None`: no cap.
     pub emulate_network_gbps: Option<f64>,
+    /// Host backend, low-latency mode: DeepEP's `enable_shrink`. A peer that stalls for the
+    /// timeout (or that the bootstrap saw leave) is masked instead of failing the call; masked
+    /// ranks get no writes and are not waited for ([`Buffer::ll_update_mask`]), and
+    /// [`Buffer::clean_low_latency_buffer`] runs among the unmasked ranks only.
+    pub ll_shrink: bool,
 }
 
 impl BufferOptions {
@@ -113,6 +118,7 @@ impl BufferOptions {
             gpu: None,
             intranode_provider: None,
             emulate_network_gbps: None,
+            ll_shrink: false,
         }
     }
 
@@ -252,6 +258,8 @@ pub struct Buffer {
     opts: BufferOptions,
     /// The GPU backend's engine (`Backend::Gpu`); the host fields above are then empty.
     gpu: Option<Box<GpuBuffer>>,
+    /// `[R]` shrink mode's mask until the LL lane connects (then the lane's).
+    ll_mask: Vec<bool>,
 }
 
 impl std::fmt::Debug for Buffer {
@@ -377,6 +385,13 @@ impl Buffer {
                 return Err(Error::arg("emulate_network_gbps", format!("{g} must be > 0 GB/s")));
             }
         }
+        if opts.backend == Backend::Gpu && opts.ll_shrink {
+            return Err(Error::arg(
+                "ll_shrink",
+                "the GPU backend's low-latency kernels do not skip masked ranks: shrink mode is \
+                 the host backend's",
+            ));
+        }
         if opts.backend == Backend::Gpu {
             let g = opts.gpu.as_ref().ok_or_else(|| {
                 Error::arg("backend", "Backend::Gpu needs GPU options: use BufferOptions::gpu")
@@ -395,6 +410,7 @@ impl Buffer {
                 ll: None,
                 opts: opts.clone(),
                 gpu: Some(gpu),
+                ll_mask: Vec::new(),
             });
         }
         if opts.ring_capacity == 0 {
@@ -574,6 +590,7 @@ impl Buffer {
             ll: None,
             opts: opts_kept,
             gpu: None,
+            ll_mask: vec![false; r],
         })
     }
 
@@ -1160,6 +1177,10 @@ pub struct LlDispatchOutput {
     pub recv_src_idx: Vec<i32>,
     /// `[L, R]` `(begin, count)` of each source's rows within `recv_x[e]`.
     pub layout_range: Vec<(u32, u32)>,
+    /// `[R]` nanoseconds the receive waited for each source rank's messages, summed over its
+    /// `L` messages (from the start of the wait until each was seen; DeepEP's
+    /// `dispatch_wait_recv_cost_stats`). A masked rank's: the time until it was masked, else 0.
+    pub recv_wait_ns: Vec<u64>,
     pub handle: LlHandle,
 }
 
@@ -1221,8 +1242,12 @@ pub struct LlCombineArgs<'a> {
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlCombineOutput {
     /// `[T, H]` bf16: per token, `acc = fma(y_k, w_k, acc)` over its non-masked experts in `k`
-    /// order, fp32, rounded once (bit-identical to `reference::ll_combine`).
+    /// order, fp32, rounded once (bit-identical to `reference::ll_combine`). In shrink mode an
+    /// expert of a masked rank counts as masked (`-1`).
     pub combined_x: Vec<u16>,
+    /// `[R]` nanoseconds the receive waited for each rank's messages, as
+    /// [`LlDispatchOutput::recv_wait_ns`] (DeepEP's `combine_wait_recv_cost_stats`).
+    pub recv_wait_ns: Vec<u64>,
 }
 
 /// A low-latency combine whose receive is still to be done (`return_recv_hook`).
@@ -1378,8 +1403,25 @@ impl Buffer {
         // Every rank's LL proxy runs and every LL region is registered before anyone writes.
         self.boot.barrier()?;
         let producer = rings.producer(0)?;
-        proxy.watch_peers(peer_watch(&self.boot));
-        let comm = LlComm::new(rank, geo, timeout, producer, proxy, send.clone(), recv.clone());
+        let shrink = self.opts.ll_shrink;
+        if !shrink {
+            // NOTES: in shrink mode the lane's own waits ask the bootstrap about the peers they
+            // wait for (a dead rank is masked); a proxy watch would fail every later wait.
+            proxy.watch_peers(peer_watch(&self.boot));
+        }
+        let mut mask = self.ll_mask.clone();
+        mask.resize(r, false);
+        let comm = LlComm::new(
+            rank,
+            geo,
+            timeout,
+            producer,
+            proxy,
+            send.clone(),
+            recv.clone(),
+            shrink,
+            mask,
+        );
         Ok(LlLane { comm, _fabric: fabric, _mem: (send, recv) })
     }
 
@@ -1482,9 +1524,11 @@ impl Buffer {
         let plan = LlSendPlan::new(args.topk_idx, t as u64, k as u64, &layout)?;
         let (call, set) = self.ll_begin()?;
         let me = cfg.rank;
+        let boot = self.boot.clone();
+        let dead = |p: usize| boot.is_dead(p);
         let res = (|| -> Result<()> {
             let comm = self.ll_comm()?;
-            comm.wait_set_free(LlPhase::Dispatch, set)?;
+            comm.wait_set_free(LlPhase::Dispatch, set, &dead)?;
             let rec = RecordLayout::ll_dispatch(h as u64, dtype_of(args.use_fp8))?;
             let rb = rec.bytes as usize;
             let groups = h / FP8_GROUP as usize;
@@ -1581,7 +1625,7 @@ impl Buffer {
     ) -> Result<LlDispatchOutput> {
         let res = self.ll_dispatch_recv_inner(set, use_fp8, &mut handle);
         match res {
-            Ok((recv_x, src_rank, src_idx)) => {
+            Ok((recv_x, src_rank, src_idx, recv_wait_ns)) => {
                 let r = self.cfg.num_ranks;
                 let l = self.cfg.num_local_experts();
                 let mut layout_range = Vec::with_capacity(l * r);
@@ -1596,6 +1640,7 @@ impl Buffer {
                     recv_src_rank: src_rank,
                     recv_src_idx: src_idx,
                     layout_range,
+                    recv_wait_ns,
                     handle,
                 })
             }
@@ -1609,7 +1654,7 @@ impl Buffer {
         set: u64,
         use_fp8: bool,
         handle: &mut LlHandle,
-    ) -> Result<(OwnedTokens, Vec<i32>, Vec<i32>)> {
+    ) -> Result<(OwnedTokens, Vec<i32>, Vec<i32>, Vec<u64>)> {
         let cfg = self.cfg.clone();
         let (h, m, r, l) =
             (cfg.hidden, cfg.max_tokens_per_rank, cfg.num_ranks, cfg.num_local_experts());
@@ -1618,8 +1663,11 @@ impl Buffer {
         let layout = ll_layout_bf16(&cfg)?;
         let rec = RecordLayout::ll_dispatch(h as u64, dtype_of(use_fp8))?;
         let rb = rec.bytes as usize;
+        let boot = self.boot.clone();
         let comm = self.ll_comm()?;
-        let counts = comm.wait_counts(LlPhase::Dispatch, set)?;
+        let mut wait_ns = vec![0u64; r];
+        let counts =
+            comm.wait_counts(LlPhase::Dispatch, set, &mut wait_ns, &|p| boot.is_dead(p))?;
         let recv = LlRecvLayout::new(cfg.rank, &counts, &layout)?;
         let (mut xb, mut xq, mut xs) = if use_fp8 {
             (Vec::new(), vec![0u8; l * s_rows * h], vec![0f32; l * s_rows * groups])
@@ -1668,7 +1716,7 @@ impl Buffer {
         handle.recv = recv;
         let recv_x =
             if use_fp8 { OwnedTokens::Fp8 { x: xq, scales: xs } } else { OwnedTokens::Bf16(xb) };
-        Ok((recv_x, src_rank, src_idx))
+        Ok((recv_x, src_rank, src_idx, wait_ns))
     }
 
     /// Low-latency combine (DeepEP V1): every expert rank returns its rows to the ranks they
@@ -1726,9 +1774,11 @@ impl Buffer {
         let layout = ll_layout_bf16(&cfg)?;
         let (call, set) = self.ll_begin()?;
         let me = cfg.rank;
+        let boot = self.boot.clone();
+        let dead = |p: usize| boot.is_dead(p);
         let res = (|| -> Result<()> {
             let comm = self.ll_comm()?;
-            comm.wait_set_free(LlPhase::Combine, set)?;
+            comm.wait_set_free(LlPhase::Combine, set, &dead)?;
             let rec = layout.combine_record;
             let rb = rec.bytes as usize;
             let geo = comm.geo;
@@ -1802,12 +1852,17 @@ impl Buffer {
         let (h, k, r, l) = (cfg.hidden, cfg.num_topk, cfg.num_ranks, cfg.num_local_experts());
         let layout = ll_layout_bf16(&cfg)?;
         let rb = layout.combine_record.bytes as usize;
+        let boot = self.boot.clone();
         let comm = self.ll_comm()?;
         let set = hk.set;
-        let counts = comm.wait_counts(LlPhase::Combine, set)?;
+        let mut wait_ns = vec![0u64; r];
+        let counts = comm.wait_counts(LlPhase::Combine, set, &mut wait_ns, &|p| boot.is_dead(p))?;
         // counts[e * R + src] = rows answered by global expert src * L + e.
         for e in 0..l {
             for src in 0..r {
+                if comm.mask[src] {
+                    continue;
+                }
                 let got = counts[e * r + src];
                 let want = hk.count_per_expert[src * l + e];
                 if got != want {
@@ -1827,7 +1882,7 @@ impl Buffer {
             acc.fill(0.0);
             for j in 0..k {
                 let g = hk.topk_idx[tok * k + j];
-                if g < 0 {
+                if g < 0 || comm.mask[g as usize / l] {
                     continue;
                 }
                 let p = hk.pos[tok * k + j];
@@ -1847,7 +1902,7 @@ impl Buffer {
             }
         }
         comm.finish_recv(LlPhase::Combine, set)?;
-        Ok(LlCombineOutput { combined_x: out })
+        Ok(LlCombineOutput { combined_x: out, recv_wait_ns: wait_ns })
     }
 
     /// DeepEP's `clean_low_latency_buffer`: makes the LL buffer usable again after a failed
@@ -1862,6 +1917,12 @@ impl Buffer {
     /// late writes are counted before clean returns and can never pass for a later call's
     /// (host/ll.rs NOTES). Buffer contents are not zeroed (every call overwrites what it
     /// reads). Limit: a peer whose transport died cannot be fenced; rebuild the Buffer then.
+    ///
+    /// In shrink mode ([`BufferOptions::ll_shrink`]) it is collective among the ranks this rank
+    /// has not masked and runs over the low-latency lane instead of the bootstrap (a masked
+    /// rank does not take part): the same exact re-base, per unmasked rank, from the write
+    /// counts each reports in band; a rank that does not take part within the timeout is
+    /// masked (host/ll.rs NOTES).
     pub fn clean_low_latency_buffer(&mut self) -> Result<()> {
         if self.ll.is_none() {
             // Nothing sent yet on this rank; connecting is itself collective, so peers that
@@ -1874,6 +1935,90 @@ impl Buffer {
             Some(lane) => lane.comm.fence(boot.as_ref()),
             None => Err(Error::Other("no LL lane".into())),
         }
+    }
+}
+
+impl Buffer {
+    fn shrink_only(&self, call: &str) -> Result<()> {
+        if self.opts.ll_shrink {
+            return Ok(());
+        }
+        Err(Error::arg(
+            "enable_shrink",
+            format!(
+                "{call}: this buffer was built without shrink mode (BufferOptions::ll_shrink, \
+                 fep_config.enable_shrink)"
+            ),
+        ))
+    }
+
+    /// This rank's own registered memory as `(address, bytes)` (DeepEP's
+    /// `get_local_buffer_tensor`), host memory here (the GPU backend's: [`GpuBuffer::local_region`]).
+    /// `low_latency` false: normal mode's receive region (peers' chunks and notify records land
+    /// there: every dispatch and combine overwrites it); true: the low-latency lane's buffer
+    /// (both sets' send staging and receive areas: every low-latency call overwrites it), which
+    /// exists once the lane connected (the first low-latency call or clean).
+    pub fn local_region(&self, low_latency: bool) -> Result<(u64, usize)> {
+        if let Some(g) = self.gpu.as_deref() {
+            return g.local_region(low_latency);
+        }
+        let r = if low_latency {
+            let lane = self.ll.as_ref().ok_or_else(|| {
+                Error::arg(
+                    "low_latency",
+                    "the low-latency buffer is connected by the first low-latency call (or \
+                     clean_low_latency_buffer) on every rank; none was made yet",
+                )
+            })?;
+            &lane.comm.recv
+        } else {
+            &self.comm.as_ref().ok_or_else(|| Error::Other("buffer destroyed".into()))?.recv
+        };
+        Ok((r.as_ptr() as u64, r.len()))
+    }
+
+    /// DeepEP's `low_latency_update_mask_buffer` (shrink mode; this rank only): masks `rank`
+    /// (this rank's low-latency calls write nothing to it and wait for nothing from it; an
+    /// expert of it counts as `-1` in combine) or unmasks it. Unmasking a masked rank leaves
+    /// the low-latency buffer refusing calls until [`Buffer::clean_low_latency_buffer`] (on
+    /// every unmasked rank, it included): what was written while it was masked is out of step.
+    pub fn ll_update_mask(&mut self, rank: usize, masked: bool) -> Result<()> {
+        self.shrink_only("low_latency_update_mask_buffer")?;
+        let r = self.cfg.num_ranks;
+        if rank >= r {
+            return Err(Error::arg("rank", format!("{rank} not in 0..{r}")));
+        }
+        match self.ll.as_mut() {
+            Some(lane) => {
+                let was = lane.comm.mask[rank];
+                lane.comm.set_mask(rank, masked)?;
+                if was && !masked {
+                    lane.comm.broken = Some(format!("rank {rank} was unmasked"));
+                }
+            }
+            None => self.ll_mask[rank] = masked,
+        }
+        Ok(())
+    }
+
+    /// DeepEP's `low_latency_query_mask_buffer`: `[R]` which ranks this rank has masked (by
+    /// [`Buffer::ll_update_mask`] or because they timed out).
+    pub fn ll_mask(&self) -> Result<Vec<bool>> {
+        self.shrink_only("low_latency_query_mask_buffer")?;
+        Ok(match self.ll.as_ref() {
+            Some(lane) => lane.comm.mask.clone(),
+            None => self.ll_mask.clone(),
+        })
+    }
+
+    /// DeepEP's `low_latency_clean_mask_buffer`: unmasks every rank (as
+    /// [`Buffer::ll_update_mask`] does each).
+    pub fn ll_clean_mask(&mut self) -> Result<()> {
+        self.shrink_only("low_latency_clean_mask_buffer")?;
+        for rank in 0..self.cfg.num_ranks {
+            self.ll_update_mask(rank, false)?;
+        }
+        Ok(())
     }
 }
 

@@ -285,6 +285,8 @@ pub struct LlTicket {
     pub pull_x: u64,
     /// [`Self::chained`]: the receive may use programmatic dependent launch.
     pub chain: bool,
+    /// [`Self::with_wait_stats`]: the receive's per-source wait costs go here (0: none).
+    pub wait_stats: u64,
 }
 
 impl LlTicket {
@@ -293,6 +295,13 @@ impl LlTicket {
     /// launch (`launch::ll_dispatch_recv`'s `chained` says why only then).
     pub fn chained(self) -> LlTicket {
         LlTicket { chain: true, ..self }
+    }
+
+    /// This ticket with its receive adding, per source rank, the nanoseconds it waited for that
+    /// rank's flags to `stats` (device `int64 [num_ranks]`, DeepEP's `*_wait_recv_cost_stats`;
+    /// 0: none). The caller keeps it alive until the receive has run.
+    pub fn with_wait_stats(self, stats: u64) -> LlTicket {
+        LlTicket { wait_stats: stats, ..self }
     }
 }
 
@@ -592,7 +601,13 @@ impl LlGpuRank {
 
     fn next_ticket(&mut self, num_tokens: usize) -> LlTicket {
         self.calls += 1;
-        LlTicket { set: (self.calls % 2) as u32, num_tokens, pull_x: 0, chain: false }
+        LlTicket {
+            set: (self.calls % 2) as u32,
+            num_tokens,
+            pull_x: 0,
+            chain: false,
+            wait_stats: 0,
+        }
     }
 
     /// A launch of at most `work` blocks (and at most the rank's budget): every LL kernel
@@ -656,6 +671,7 @@ impl LlGpuRank {
             round_scale: c.round_scale as i32,
             _pad: 0,
             proxy: self.proxy,
+            wait_stats: t.wait_stats,
         })
     }
 
@@ -757,6 +773,7 @@ impl LlGpuRank {
             set: t.set as i32,
             self_pull: (t.pull_x != 0) as i32,
             proxy: self.proxy,
+            wait_stats: t.wait_stats,
         })
     }
 

@@ -110,6 +110,12 @@ pub struct fep_config {
     /// `FEP_MODE_LOW_LATENCY`; 0: both. A call of a mode not allocated is `FEP_ERR_INVALID_ARGUMENT`.
     /// The host backend always has both.
     pub modes: i32,
+    /// Low-latency mode, host backend: 1 = DeepEP's `enable_shrink` (a rank that stalls for the
+    /// timeout is masked instead of failing the call; `fep_ll_update_mask` /
+    /// `fep_ll_query_mask` / `fep_ll_clean_mask`), 0 = off (the default). Refused with
+    /// `FEP_BACKEND_GPU`: its kernels do not skip masked ranks.
+    pub enable_shrink: i32,
+    pub reserved2: i32,
 }
 
 /// `fep_config.modes`: normal mode (dispatch / combine).
@@ -211,6 +217,8 @@ pub unsafe extern "C" fn fep_config_init(cfg: *mut fep_config) -> super::fep_sta
             gpu_reserve_tokens: 0,
             internode_hierarchy: 0,
             modes: 0,
+            enable_shrink: 0,
+            reserved2: 0,
         };
         Ok(())
     })
@@ -293,6 +301,16 @@ pub(crate) unsafe fn resolve(cfg: *const fep_config) -> Result<Resolved, Error> 
         return Err(Error::arg(
             "internode_hierarchy",
             format!("{}: 1 (on) or 0 (off)", c.internode_hierarchy),
+        ));
+    }
+    if !(0..=1).contains(&c.enable_shrink) {
+        return Err(Error::arg("enable_shrink", format!("{}: 1 (on) or 0 (off)", c.enable_shrink)));
+    }
+    if c.enable_shrink == 1 && c.backend == FEP_BACKEND_GPU {
+        return Err(Error::arg(
+            "enable_shrink",
+            "1 with FEP_BACKEND_GPU: the GPU low-latency kernels do not skip masked ranks \
+             (shrink mode is the host backend's)",
         ));
     }
     if !(0..=FEP_MODE_NORMAL | FEP_MODE_LOW_LATENCY).contains(&c.modes) {
@@ -561,7 +579,14 @@ fn create_on(r: Resolved, boot: Arc<dyn Bootstrap>) -> Result<*mut fep_buffer, E
         ));
     }
     let (opts, dev, hier_opts) = match r.backend {
-        Backend::Host => (BufferOptions::host(&r.provider), None, None),
+        Backend::Host => (
+            BufferOptions {
+                ll_shrink: r.raw.enable_shrink == 1,
+                ..BufferOptions::host(&r.provider)
+            },
+            None,
+            None,
+        ),
         Backend::Gpu => {
             let (mut o, dev) = super::gpu::options(&r.raw, r.local_rank)?;
             // The provider to other nodes, for both modes' proxy lanes.

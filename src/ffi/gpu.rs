@@ -901,6 +901,49 @@ pub unsafe extern "C" fn fep_gpu_ll_dispatch(
     order: *const fep_gpu_order,
     out_op: *mut *mut fep_gpu_ll_op,
 ) -> fep_status {
+    fep_gpu_ll_dispatch_ex(
+        buf,
+        x,
+        topk_idx,
+        use_fp8,
+        round_scale,
+        return_recv_hook,
+        outputs,
+        std::ptr::null(),
+        order,
+        out_op,
+    )
+}
+
+/// The wait-cost tensor of a `_ex` call: device `int64 [num_ranks]`, NULL: none.
+unsafe fn wait_stats_arg(b: &mut Buffer, t: *const fep_tensor) -> Result<(), Error> {
+    let r = Some(b.config().num_ranks as i64);
+    let ws = dev_opt("wait_recv_cost_stats", t, FEP_DTYPE_I64, &[r])?.map_or(0, |d| d.ptr);
+    b.gpu()?.set_ll_wait_stats(ws)
+}
+
+/// `fep_gpu_ll_dispatch` with DeepEP's `dispatch_wait_recv_cost_stats`:
+/// `wait_recv_cost_stats` (NULL: none) is a device `int64 [num_ranks]` tensor to which the
+/// receive kernel (launched now, or by `fep_gpu_ll_complete`) atomically adds, per source rank,
+/// the nanoseconds (%globaltimer) from the start of its wait until each of that rank's flags
+/// (one per local expert) was seen. Keep it alive until the receive has run on its stream.
+///
+/// # Safety
+/// As `fep_gpu_ll_dispatch`; `wait_recv_cost_stats`' memory until the receive has run.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn fep_gpu_ll_dispatch_ex(
+    buf: *mut fep_buffer,
+    x: *const fep_tensor,
+    topk_idx: *const fep_tensor,
+    use_fp8: bool,
+    round_scale: bool,
+    return_recv_hook: bool,
+    outputs: *const fep_gpu_ll_buffers,
+    wait_recv_cost_stats: *const fep_tensor,
+    order: *const fep_gpu_order,
+    out_op: *mut *mut fep_gpu_ll_op,
+) -> fep_status {
     guard(|| {
         let out_op = out_op.as_mut().ok_or_else(|| Error::arg("out_op", "NULL pointer"))?;
         *out_op = std::ptr::null_mut();
@@ -922,6 +965,7 @@ pub unsafe extern "C" fn fep_gpu_ll_dispatch(
         let (idx, _) = dev("topk_idx", topk_idx, FEP_DTYPE_I64, &[Some(t as i64), Some(k)])?;
         let out = ll_slices(b, outputs)?;
         let view = ll_view(&st.dev, &out);
+        wait_stats_arg(b, wait_recv_cost_stats)?;
         let (s, o) = begin(st, order)?;
         let args = GpuLlDispatchArgs {
             x: xs,
@@ -1003,6 +1047,40 @@ pub unsafe extern "C" fn fep_gpu_ll_combine(
     order: *const fep_gpu_order,
     out_op: *mut *mut fep_gpu_ll_op,
 ) -> fep_status {
+    fep_gpu_ll_combine_ex(
+        buf,
+        dispatch_op,
+        x,
+        topk_idx,
+        topk_weights,
+        out,
+        return_recv_hook,
+        std::ptr::null(),
+        order,
+        out_op,
+    )
+}
+
+/// `fep_gpu_ll_combine` with DeepEP's `combine_wait_recv_cost_stats` (NULL: none): a device
+/// `int64 [num_ranks]` tensor, added to as in `fep_gpu_ll_dispatch_ex` (per rank whose experts
+/// answer, the nanoseconds the combine's receive waited for its flags).
+///
+/// # Safety
+/// As `fep_gpu_ll_dispatch_ex`.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn fep_gpu_ll_combine_ex(
+    buf: *mut fep_buffer,
+    dispatch_op: *const fep_gpu_ll_op,
+    x: *const fep_tensor,
+    topk_idx: *const fep_tensor,
+    topk_weights: *const fep_tensor,
+    out: *const fep_tensor,
+    return_recv_hook: bool,
+    wait_recv_cost_stats: *const fep_tensor,
+    order: *const fep_gpu_order,
+    out_op: *mut *mut fep_gpu_ll_op,
+) -> fep_status {
     guard(|| {
         let out_op = out_op.as_mut().ok_or_else(|| Error::arg("out_op", "NULL pointer"))?;
         *out_op = std::ptr::null_mut();
@@ -1028,6 +1106,7 @@ pub unsafe extern "C" fn fep_gpu_ll_combine(
         let w = dev("topk_weights", topk_weights, FEP_DTYPE_F32, &[ti, Some(k)])?.0;
         let o_out = dev("out", out, FEP_DTYPE_BF16, &[ti, Some(h)])?.0;
         let view = ll_view(&st.dev, &handle);
+        wait_stats_arg(b, wait_recv_cost_stats)?;
         let (stream, o) = begin(st, order)?;
         let args = GpuLlCombineArgs {
             x: xs,

@@ -2,6 +2,8 @@
 //! at once, or — with `return_recv_hook` — holding the receive half, which
 //! `fep_ll_op_complete` runs (DeepEP's hook). Outputs are copied into caller tensors with
 //! `fep_ll_dispatch_copy_out` / `fep_ll_combine_copy_out`; `fep_ll_op_destroy` frees the op.
+//! The `_ex` forms take DeepEP's `*_wait_recv_cost_stats`; shrink mode's rank mask is
+//! `fep_ll_update_mask` / `fep_ll_query_mask` / `fep_ll_clean_mask`.
 
 use std::os::raw::c_void;
 
@@ -33,6 +35,54 @@ pub struct fep_ll_op {
     handle: Option<LlHandle>,
     /// The call's tokens `T` (a combine's output rows).
     num_tokens: i64,
+    /// The caller's wait-cost tensor, until the receive has added to it.
+    stats: Option<WaitStats>,
+}
+
+/// A caller's `[R]` int64 tensor (DeepEP's `dispatch_wait_recv_cost_stats` /
+/// `combine_wait_recv_cost_stats`): the receive adds to entry `r` the nanoseconds it waited for
+/// rank `r`'s messages.
+struct WaitStats {
+    data: *mut i64,
+    len: usize,
+}
+
+impl WaitStats {
+    /// `t` checked as `[num_ranks]` int64; NULL: none.
+    ///
+    /// # Safety
+    /// A non-NULL `t` must be valid, its data until the receive has run.
+    unsafe fn of(t: *mut fep_tensor, num_ranks: usize) -> Result<Option<Self>, Error> {
+        if t.is_null() {
+            return Ok(None);
+        }
+        let v =
+            view_mut::<i64>("wait_recv_cost_stats", t, FEP_DTYPE_I64, &[Some(num_ranks as i64)])?;
+        Ok(Some(WaitStats { data: v.as_mut_ptr(), len: v.len() }))
+    }
+
+    /// Adds `ns[r]` to entry `r` (wrapping, as DeepEP's 64-bit atomic add).
+    ///
+    /// # Safety
+    /// The tensor given to [`Self::of`] is still valid.
+    unsafe fn add(&self, ns: &[u64]) {
+        for (i, &v) in ns.iter().enumerate().take(self.len) {
+            let p = self.data.add(i);
+            *p = (*p).wrapping_add(v as i64);
+        }
+    }
+}
+
+/// Moves a finished receive's wait costs into the op's tensor (once).
+unsafe fn add_stats(op: &mut fep_ll_op) {
+    let ns = match &op.state {
+        State::DispatchDone(o) => &o.recv_wait_ns,
+        State::CombineDone(o) => &o.recv_wait_ns,
+        _ => return,
+    };
+    if let Some(s) = op.stats.take() {
+        s.add(ns);
+    }
 }
 
 /// Low-latency dispatch (DeepEP V1 semantics): `x` `[T <= max_tokens_per_rank, H]` bf16,
@@ -56,6 +106,41 @@ pub unsafe extern "C" fn fep_low_latency_dispatch(
     stream: *mut c_void,
     out_op: *mut *mut fep_ll_op,
 ) -> super::fep_status {
+    fep_low_latency_dispatch_ex(
+        buf,
+        x,
+        topk_idx,
+        use_fp8,
+        round_scale,
+        return_recv_hook,
+        std::ptr::null_mut(),
+        stream,
+        out_op,
+    )
+}
+
+/// `fep_low_latency_dispatch` with DeepEP's `dispatch_wait_recv_cost_stats`:
+/// `wait_recv_cost_stats` (NULL: none) is an `[R]` int64 host tensor to which the receive (at
+/// once, or in `fep_ll_op_complete`) adds, per source rank, the nanoseconds it waited for that
+/// rank's messages (summed over its messages, one per local expert; a rank masked in shrink
+/// mode: the time until it was masked). Keep it alive until the receive has run.
+///
+/// # Safety
+/// Every non-NULL pointer must be valid for the call; `wait_recv_cost_stats`' data until the
+/// receive has run.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn fep_low_latency_dispatch_ex(
+    buf: *mut fep_buffer,
+    x: *const fep_tensor,
+    topk_idx: *const fep_tensor,
+    use_fp8: bool,
+    round_scale: bool,
+    return_recv_hook: bool,
+    wait_recv_cost_stats: *mut fep_tensor,
+    stream: *mut c_void,
+    out_op: *mut *mut fep_ll_op,
+) -> super::fep_status {
     guard(|| {
         let out_op = out_op.as_mut().ok_or_else(|| Error::arg("out_op", "NULL pointer"))?;
         *out_op = std::ptr::null_mut();
@@ -68,6 +153,7 @@ pub unsafe extern "C" fn fep_low_latency_dispatch(
         let (xs, shape) = view::<u16>("x", x, FEP_DTYPE_BF16, &[None, Some(h)])?;
         let (idx, _) =
             view::<i64>("topk_idx", topk_idx, FEP_DTYPE_I64, &[Some(shape[0]), Some(k)])?;
+        let stats = WaitStats::of(wait_recv_cost_stats, b.config().num_ranks)?;
         let outcome = b.low_latency_dispatch(&LlDispatchArgs {
             x: xs,
             topk_idx: idx,
@@ -75,16 +161,21 @@ pub unsafe extern "C" fn fep_low_latency_dispatch(
             round_scale,
             return_recv_hook,
         })?;
-        let op = match outcome {
+        let mut op = match outcome {
             crate::ep::buffer::LlDispatchOutcome::Received(o) => fep_ll_op {
                 handle: Some(o.handle.clone()),
                 state: State::DispatchDone(Box::new(o)),
                 num_tokens: shape[0],
+                stats,
             },
-            crate::ep::buffer::LlDispatchOutcome::Hook(hk) => {
-                fep_ll_op { handle: None, state: State::DispatchPending(hk), num_tokens: shape[0] }
-            }
+            crate::ep::buffer::LlDispatchOutcome::Hook(hk) => fep_ll_op {
+                handle: None,
+                state: State::DispatchPending(hk),
+                num_tokens: shape[0],
+                stats,
+            },
         };
+        add_stats(&mut op);
         *out_op = super::live::boxed(op);
         Ok(())
     })
@@ -107,11 +198,13 @@ pub unsafe extern "C" fn fep_ll_op_complete(
                 let o = hk.complete(b).map_err(|e| super::rename_arg(e, "hook", "op"))?;
                 op.handle = Some(o.handle.clone());
                 op.state = State::DispatchDone(Box::new(o));
+                add_stats(op);
             }
             State::CombinePending(hk) => {
                 op.state = State::CombineDone(
                     hk.complete(b).map_err(|e| super::rename_arg(e, "hook", "op"))?,
-                )
+                );
+                add_stats(op);
             }
             State::Failed => {
                 return Err(Error::arg("op", "a previous completion of this op failed"))
@@ -221,6 +314,38 @@ pub unsafe extern "C" fn fep_low_latency_combine(
     stream: *mut c_void,
     out_op: *mut *mut fep_ll_op,
 ) -> super::fep_status {
+    fep_low_latency_combine_ex(
+        buf,
+        dispatch_op,
+        x,
+        topk_idx,
+        topk_weights,
+        return_recv_hook,
+        std::ptr::null_mut(),
+        stream,
+        out_op,
+    )
+}
+
+/// `fep_low_latency_combine` with DeepEP's `combine_wait_recv_cost_stats` (NULL: none): an
+/// `[R]` int64 host tensor, added to as in `fep_low_latency_dispatch_ex` (per rank, the
+/// nanoseconds the combine's receive waited for its answers).
+///
+/// # Safety
+/// As `fep_low_latency_dispatch_ex`.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn fep_low_latency_combine_ex(
+    buf: *mut fep_buffer,
+    dispatch_op: *const fep_ll_op,
+    x: *const fep_tensor,
+    topk_idx: *const fep_tensor,
+    topk_weights: *const fep_tensor,
+    return_recv_hook: bool,
+    wait_recv_cost_stats: *mut fep_tensor,
+    stream: *mut c_void,
+    out_op: *mut *mut fep_ll_op,
+) -> super::fep_status {
     guard(|| {
         let out_op = out_op.as_mut().ok_or_else(|| Error::arg("out_op", "NULL pointer"))?;
         *out_op = std::ptr::null_mut();
@@ -241,6 +366,7 @@ pub unsafe extern "C" fn fep_low_latency_combine(
         let (idx, _) = view::<i64>("topk_idx", topk_idx, FEP_DTYPE_I64, &[Some(t), Some(k)])?;
         let (w, _) = view::<f32>("topk_weights", topk_weights, FEP_DTYPE_F32, &[Some(t), Some(k)])?;
         super::check_finite("topk_weights", w)?;
+        let stats = WaitStats::of(wait_recv_cost_stats, c.num_ranks)?;
         let outcome = b
             .low_latency_combine(&LlCombineArgs {
                 x: xs,
@@ -254,7 +380,9 @@ pub unsafe extern "C" fn fep_low_latency_combine(
             crate::ep::buffer::LlCombineOutcome::Received(o) => State::CombineDone(o),
             crate::ep::buffer::LlCombineOutcome::Hook(hk) => State::CombinePending(hk),
         };
-        *out_op = super::live::boxed(fep_ll_op { state, handle: None, num_tokens: t });
+        let mut op = fep_ll_op { state, handle: None, num_tokens: t, stats };
+        add_stats(&mut op);
+        *out_op = super::live::boxed(op);
         Ok(())
     })
 }
@@ -313,4 +441,63 @@ pub unsafe extern "C" fn fep_clean_low_latency_buffer(buf: *mut fep_buffer) -> s
             Err(_) => b.clean_low_latency_buffer(),
         }
     })
+}
+
+/// Shrink mode (`fep_config.enable_shrink`; DeepEP's `low_latency_update_mask_buffer`): masks
+/// (`mask` true) or unmasks `rank` on this rank only. A masked rank gets no low-latency writes
+/// from this rank and is not waited for (its messages count as empty, its experts' answers
+/// as -1 entries in combine); a rank that stalls for the timeout is masked the same way.
+/// Unmasking a masked rank leaves the low-latency buffer refusing calls until
+/// `fep_clean_low_latency_buffer` (on every unmasked rank, that one included).
+///
+/// Refused: a buffer without shrink mode; `rank` outside `0..num_ranks`.
+///
+/// # Safety
+/// `buf` must be valid.
+#[no_mangle]
+pub unsafe extern "C" fn fep_ll_update_mask(
+    buf: *mut fep_buffer,
+    rank: i32,
+    mask: bool,
+) -> super::fep_status {
+    guard(|| {
+        let b = super::buffer::buffer(buf)?;
+        let r = usize::try_from(rank)
+            .map_err(|_| Error::arg("rank", format!("{rank}: must be >= 0")))?;
+        b.ll_update_mask(r, mask)
+    })
+}
+
+/// Shrink mode (DeepEP's `low_latency_query_mask_buffer`): writes `mask_status` `[R]` int32
+/// (host memory): 1 for each rank this rank has masked, 0 for the others.
+///
+/// Refused: a buffer without shrink mode; a tensor that is not `[num_ranks]` int32.
+///
+/// # Safety
+/// `buf` and `mask_status` must be valid.
+#[no_mangle]
+pub unsafe extern "C" fn fep_ll_query_mask(
+    buf: *mut fep_buffer,
+    mask_status: *mut fep_tensor,
+) -> super::fep_status {
+    guard(|| {
+        let b = super::buffer::buffer(buf)?;
+        let r = b.config().num_ranks as i64;
+        let m = b.ll_mask()?;
+        let out = view_mut::<i32>("mask_status", mask_status, FEP_DTYPE_I32, &[Some(r)])?;
+        for (o, &v) in out.iter_mut().zip(&m) {
+            *o = i32::from(v);
+        }
+        Ok(())
+    })
+}
+
+/// Shrink mode (DeepEP's `low_latency_clean_mask_buffer`): unmasks every rank, as
+/// `fep_ll_update_mask` does each.
+///
+/// # Safety
+/// `buf` must be valid.
+#[no_mangle]
+pub unsafe extern "C" fn fep_ll_clean_mask(buf: *mut fep_buffer) -> super::fep_status {
+    guard(|| super::buffer::buffer(buf)?.ll_clean_mask())
 }

@@ -15,6 +15,7 @@ mod gpu;
 mod layout;
 mod live;
 mod ll;
+mod region;
 mod status;
 
 pub use boot::*;
@@ -23,6 +24,7 @@ pub use ep::*;
 pub use gpu::*;
 pub use layout::*;
 pub use ll::*;
+pub use region::*;
 
 pub use status::*;
 

@@ -45,6 +45,10 @@ from .config import DEFAULT_NUM_SMS, Config, gpu_chunking, normal_buffer_bytes
 from .utils import EventOverlap
 
 _DTYPES = ("bf16", "fp8")
+_SHRINK_GPU = (
+    "enable_shrink=True with CUDA tensors (the GPU backend): its low-latency kernels do not skip "
+    "masked ranks yet; shrink mode is the host backend's (numpy arrays or CPU tensors)"
+)
 _BACKENDS = {True: "gpu", False: "host"}
 
 
@@ -158,10 +162,16 @@ class Buffer:
             more than ``num_rdma_bytes``, is refused naming the argument and both sizes; 0 (both)
             sets no limit. Each shape in use has its own native buffer.
         low_latency_mode: must be True for the ``low_latency_*`` calls (as in DeepEP).
-        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric,
-            enable_shrink, comm: accepted and validated; they tune DeepEP's NVSHMEM/IBGDA
-            transport, which fabric-ep does not have (libfabric endpoints; CUDA IPC inside a
-            node). ``enable_shrink=True`` is refused (no rank masking here).
+        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric, comm:
+            accepted and validated; they tune DeepEP's NVSHMEM/IBGDA transport, which fabric-ep
+            does not have (libfabric endpoints; CUDA IPC inside a node).
+        enable_shrink: DeepEP's elastic low-latency mode (host backend): a rank that stalls for
+            ``timeout_s`` (or that the bootstrap saw leave) is masked instead of failing the
+            call; masked ranks get no low-latency writes and are not waited for
+            (:meth:`low_latency_update_mask_buffer`, :meth:`low_latency_query_mask_buffer`,
+            :meth:`low_latency_clean_mask_buffer`); ``clean_low_latency_buffer`` runs among the
+            unmasked ranks. Refused with CUDA tensors (the GPU kernels do not skip masked
+            ranks yet).
         explicitly_destroy: when True, :meth:`destroy` must be called; otherwise the native
             buffers are also freed by ``__del__`` (a collective: every rank must drop its Buffer).
 
@@ -217,11 +227,8 @@ class Buffer:
                      ("internode_hierarchy", internode_hierarchy)):
             if not isinstance(v, (bool, np.bool_)):
                 raise TypeError(f"{n}: {v!r} must be a bool")
-        if enable_shrink:
-            raise ValueError(
-                "enable_shrink=True: fabric-ep has no rank masking (low_latency_update_mask_buffer); "
-                "pass False"
-            )
+        if enable_shrink and backend == "gpu":
+            raise ValueError(_SHRINK_GPU)
         if comm is not None and group is not None:
             raise ValueError("comm: pass either group or comm (an mpi4py communicator), not both")
         if comm is not None:
@@ -251,11 +258,14 @@ class Buffer:
         self.allow_mnnvl = bool(allow_mnnvl)
         self.use_fabric = bool(use_fabric)
         self.explicitly_destroy = bool(explicitly_destroy)
-        self.enable_shrink = False
+        self.enable_shrink = bool(enable_shrink)
         self.internode_hierarchy = bool(internode_hierarchy)
         self._backend = backend
         self._auto = backend == "auto"
         self._by_id: Dict[int, _Engine] = {}
+        # Shrink mode: the ranks masked (by the caller, or as every low-latency native buffer
+        # found them), given to each one made later.
+        self._mask: List[int] = []
         self._opts = dict(provider=provider, timeout_s=float(timeout_s),
                           gpu_reserve_tokens=gpu_reserve_tokens,
                           internode_hierarchy=bool(internode_hierarchy), config=config)
@@ -287,6 +297,7 @@ class Buffer:
                              f"{self.num_ranks} ranks")
         self.ranks_per_node = int(ranks_per_node)
         self._num_nodes = self.num_ranks // self.ranks_per_node
+        self._mask = [0] * self.num_ranks
         self._comm: Any = None  # the shared communication stream (GPU), made on first need
         self._comm_ptr = 0
         self._last_experts: Optional[int] = None
@@ -329,6 +340,8 @@ class Buffer:
         if kind == "l":
             _int_arg("num_max_dispatch_tokens_per_rank", max_tokens, 1)
         self._check_capacity(kind, backend, experts, hidden, topk, max_tokens, bool(fp8))
+        if self.enable_shrink and backend == "gpu" and kind == "l":
+            raise ValueError(_SHRINK_GPU)
         modes = FEP_MODE_NORMAL if kind == "n" else FEP_MODE_LOW_LATENCY
         comm = self._comm_ptr
         if backend == "gpu" and not comm and self._comm is not None:
@@ -345,7 +358,12 @@ class Buffer:
             gpu_reserve_tokens=o["gpu_reserve_tokens"] if kind == "n" else 0,
             internode_hierarchy=o["internode_hierarchy"] if kind == "n" else False,
             _boot=self._boot, _modes=modes, _comm_ptr=comm,
+            _shrink=self.enable_shrink and backend == "host",
         )
+        if e._shrink:
+            for rank, m in enumerate(self._mask):
+                if m:
+                    core.ll_update_mask(e._ptr, rank, True)
         if e._g is not None and not self._comm_ptr:
             self._comm_ptr = e._g.comm_ptr
             if self._comm is None:
@@ -524,10 +542,31 @@ class Buffer:
         for e in self._order:
             e.sync()
 
-    def get_local_buffer_tensor(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            "get_local_buffer_tensor: fabric-ep does not expose its registered buffers as tensors"
-        )
+    def get_local_buffer_tensor(self, dtype: Any, size: Any = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> Any:
+        """DeepEP's ``get_local_buffer_tensor``: a view of this rank's own registered
+        communication memory as a 1-D tensor of ``dtype`` (or ``size``'s shape): with
+        ``use_rdma_buffer`` the low-latency buffer of the first low-latency shape used (both
+        sets' send staging and receive areas), else the normal-mode receive region of the first
+        normal-mode shape (peers' chunks land there; on the GPU followed by the protocol's
+        flags and counters). It spans the region fabric-ep registered for that shape (sized by
+        the shape, at most ``num_nvl_bytes + num_rdma_bytes`` / ``num_rdma_bytes``), from byte
+        ``offset`` (as DeepEP applies it: bytes, here a multiple of the element size) to its
+        end. Dispatch and combine of that mode overwrite it (as in DeepEP); it is valid until
+        :meth:`destroy`. Host backend: a numpy array for a numpy dtype, a torch CPU tensor for a
+        torch dtype; GPU backend: a torch CUDA tensor over device memory."""
+        self._live()
+        use_rdma_buffer = _bool_arg("use_rdma_buffer", use_rdma_buffer)
+        kind = "l" if use_rdma_buffer else "n"
+        e = next((e for k, e in self._engines.items() if k[0] == kind), None)
+        if e is None:
+            what = "low-latency" if use_rdma_buffer else "normal-mode"
+            raise RuntimeError(
+                f"get_local_buffer_tensor: no {what} native buffer yet (fabric-ep creates one "
+                "on a shape's first call, or at construction with num_experts, hidden and "
+                "num_topk)"
+            )
+        return e.get_local_buffer_tensor(dtype, size, offset, use_rdma_buffer)
 
     # ---------------------------------------------------------------- normal mode
 
@@ -701,6 +740,8 @@ class Buffer:
             raise ValueError(f"use_ue8m0=True: hidden {key[3]} must be a multiple of 512 (four "
                              "UE8M0 scales per int32)")
         e = e or self._engines.get(key) or self._make(key, m)
+        if self.enable_shrink and len(self._engines) > 1:
+            self._sync_mask()
         out = e.low_latency_dispatch(x, topk_idx, m, num_experts,
                                      cumulative_local_expert_recv_stats,
                                      dispatch_wait_recv_cost_stats, use_fp8, round_scale,
@@ -773,11 +814,86 @@ class Buffer:
             handle._zero_copy = zc
         return zc
 
+    # ---------------------------------------------------------------- shrink mode
+
+    def _ll_engines(self) -> List[_Engine]:
+        seen: Dict[int, _Engine] = {}
+        for k, e in self._engines.items():
+            if k[0] == "l" and e._ptr:
+                seen.setdefault(id(e), e)
+        return list(seen.values())
+
+    def _shrink_only(self, call: str) -> None:
+        self._live()
+        if not self.enable_shrink:
+            raise ValueError(f"{call}: needs Buffer(..., enable_shrink=True) (as in DeepEP)")
+
+    def _sync_mask(self) -> List[int]:
+        """The union of every low-latency native buffer's mask (each masks the ranks it found
+        stalled), given back to each."""
+        engines = self._ll_engines()
+        for e in engines:
+            for rank, m in enumerate(core.ll_query_mask(e._ptr, self.num_ranks)):
+                self._mask[rank] |= m
+        if len(engines) > 1:
+            for e in engines:
+                have = core.ll_query_mask(e._ptr, self.num_ranks)
+                for rank, m in enumerate(self._mask):
+                    if m and not have[rank]:
+                        core.ll_update_mask(e._ptr, rank, True)
+        return self._mask
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """DeepEP's ``low_latency_update_mask_buffer`` (``enable_shrink``; this rank only):
+        ``mask=True`` masks ``rank_to_mask`` (this rank's low-latency calls stop writing to it
+        and waiting for it; its experts count as ``-1`` in combine), False unmasks it; an
+        unmasked rank needs ``clean_low_latency_buffer`` (on every unmasked rank, it included)
+        before the next low-latency call, which is refused until then."""
+        self._shrink_only("low_latency_update_mask_buffer")
+        rank = _int_arg("rank_to_mask", rank_to_mask, 0, self.num_ranks - 1)
+        mask = _bool_arg("mask", mask)
+        self._sync_mask()
+        self._mask[rank] = int(mask)
+        for e in self._ll_engines():
+            core.ll_update_mask(e._ptr, rank, mask)
+
+    def low_latency_query_mask_buffer(self, mask_status: Any) -> None:
+        """DeepEP's ``low_latency_query_mask_buffer``: writes ``mask_status`` (``[R]`` int32:
+        numpy, or a torch tensor on any device) with 1 for each rank this rank has masked
+        (by :meth:`low_latency_update_mask_buffer` or because it stalled), else 0."""
+        self._shrink_only("low_latency_query_mask_buffer")
+        shape = tuple(getattr(mask_status, "shape", ()) or ())
+        if not hasattr(mask_status, "shape"):
+            raise TypeError(f"mask_status: expected a numpy.ndarray or a torch.Tensor, got "
+                            f"{type(mask_status).__name__}")
+        if shape != (self.num_ranks,):
+            raise ValueError(f"mask_status: shape {list(shape)}, expected [{self.num_ranks}]")
+        m = self._sync_mask()
+        if type(mask_status) is np.ndarray:
+            if mask_status.dtype != np.int32:
+                raise TypeError(f"mask_status: dtype {mask_status.dtype}, expected int32")
+            mask_status[...] = np.asarray(m, np.int32)
+            return
+        torch = sys.modules["torch"]
+        if mask_status.dtype != torch.int32:
+            raise TypeError(f"mask_status: dtype {mask_status.dtype}, expected torch.int32")
+        mask_status.copy_(torch.tensor(m, dtype=torch.int32))
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """DeepEP's ``low_latency_clean_mask_buffer``: unmasks every rank (then
+        ``clean_low_latency_buffer`` before the next low-latency call, as for one)."""
+        self._shrink_only("low_latency_clean_mask_buffer")
+        self._mask = [0] * self.num_ranks
+        for e in self._ll_engines():
+            core.ll_clean_mask(e._ptr)
+
     def clean_low_latency_buffer(
         self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int
     ) -> None:
         """Makes the low-latency buffers of this shape usable again (after a failed or
-        abandoned step). Collective. Their earlier handles and hooks become invalid."""
+        abandoned step). Collective (with ``enable_shrink``: among the ranks not masked; one
+        that does not take part in time is masked). Their earlier handles and hooks become
+        invalid."""
         self._live()
         _int_arg("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
         _int_arg("hidden", hidden, 1)

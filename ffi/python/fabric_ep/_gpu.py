@@ -612,8 +612,9 @@ class GpuPath:
             "orders the receive on the current stream)"
         )
 
-    def ll_dispatch(self, x: Any, topk_idx: Any, stats: Any, use_fp8: bool, round_scale: bool,
-                    async_finish: bool, return_recv_hook: bool) -> Tuple[Any, ...]:
+    def ll_dispatch(self, x: Any, topk_idx: Any, stats: Any, wait_stats: Any, use_fp8: bool,
+                    round_scale: bool, async_finish: bool,
+                    return_recv_hook: bool) -> Tuple[Any, ...]:
         # NOTES (per-call cost): flat as the normal dispatch (see there): the options and both
         # tensors checked inline, the refusals and messages in helpers.
         b = self.buf
@@ -638,6 +639,10 @@ class GpuPath:
             ip = self._t2_slow("topk_idx", topk_idx, self.i64s, t, k)[0]
         if stats is not None:
             self.tn("cumulative_local_expert_recv_stats", stats, (self.i32,), (l,))
+        wsp = None
+        if wait_stats is not None:
+            wsp = self.tn("dispatch_wait_recv_cost_stats", wait_stats, (self.i64,),
+                          (b.num_ranks,))
         compute = self._raw_stream(dev) or self.compute()  # 0: the legacy stream (compute())
         # The outputs' shapes and strides are the Buffer's (built once, _ll_layout), allocated
         # as the normal mode's (alloc_dispatch).
@@ -650,10 +655,10 @@ class GpuPath:
         op = self._n.gpu_ll_dispatch(p, xp, t, ip, recv_x.data_ptr(),
                                      recv_s.data_ptr() if use_fp8 else 0, routing.data_ptr(),
                                      bool(use_fp8), bool(round_scale), bool(return_recv_hook),
-                                     compute, async_finish)
+                                     compute, async_finish, wsp)
         handle = self._LLHandle(op, self._buf_id, t, m, h, b.num_experts, True)
         handle._routing = (routing, views)  # src_rank, src_idx, pairs: views made when read
-        handle._keep = (recv_x, recv_s, x, topk_idx)
+        handle._keep = (recv_x, recv_s, x, topk_idx, wait_stats)
         out_x = (recv_x, recv_s) if use_fp8 else recv_x
         if return_recv_hook:
             me = self
@@ -675,12 +680,13 @@ class GpuPath:
             else:
                 stats.add_(count)
         # (stats: updated on the communication stream above with async_finish.)
-        event = self.finish((x, topk_idx, stats), (recv_x, recv_s, routing), None) \
+        event = self.finish((x, topk_idx, stats, wait_stats), (recv_x, recv_s, routing), None) \
             if async_finish else NO_EVENT
         return out_x, count, handle, event, None
 
     def ll_combine(self, x: Any, topk_idx: Any, topk_weights: Any, handle: Any, out: Any,
-                   async_finish: bool, return_recv_hook: bool) -> Tuple[Any, ...]:
+                   async_finish: bool, return_recv_hook: bool,
+                   wait_stats: Any = None) -> Tuple[Any, ...]:
         b = self.buf
         p = b._ptr
         h, k, t = b.hidden, b.num_topk, handle.num_tokens
@@ -690,6 +696,9 @@ class GpuPath:
         xp = self.tn("x", x, self.bf16, (l, s, h))
         ip = self.t2("topk_idx", topk_idx, (self.i64,), t, k)[0]
         wp = self.t2("topk_weights", topk_weights, (self.f32,), t, k)[0]
+        wsp = None
+        if wait_stats is not None:
+            wsp = self.tn("combine_wait_recv_cost_stats", wait_stats, (self.i64,), (b.num_ranks,))
         compute = self.compute()
         if out is not None:
             op_ = self.t2("out", out, self.bf16, t, h)[0]
@@ -700,8 +709,8 @@ class GpuPath:
         if self._ll_layout is None:
             self._make_ll_layout()
         op = self._n.gpu_ll_combine(p, handle._ptr, xp, ip, wp, t, op_, bool(return_recv_hook),
-                                    compute, async_finish)
-        cop = self._LLOp(op, (x, topk_idx, topk_weights, combined, handle))
+                                    compute, async_finish, wsp)
+        cop = self._LLOp(op, (x, topk_idx, topk_weights, combined, handle, wait_stats))
         if return_recv_hook:
             me = self
 
@@ -713,8 +722,8 @@ class GpuPath:
 
             return combined, NO_EVENT, receive
         cop.done = True
-        event = self.finish((x, topk_idx, topk_weights), (combined,), None) if async_finish \
-            else NO_EVENT
+        event = self.finish((x, topk_idx, topk_weights, wait_stats), (combined,), None) \
+            if async_finish else NO_EVENT
         return combined, event, None
 
     # ------------------------------------------------------------------ lifetime

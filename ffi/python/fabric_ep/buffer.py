@@ -11,6 +11,7 @@ arguments (``num_nvl_bytes``/``num_rdma_bytes`` are accepted and kept, but size 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Callable, List, Optional, Tuple, Union
 
 import numpy as np
@@ -77,6 +78,18 @@ def _host_only(async_finish: bool, allocate_on_comm_stream: bool) -> None:
             "allocate_on_comm_stream=True: the host backend has no communication stream; pass "
             "allocate_on_comm_stream=False"
         )
+
+
+def wait_stats_arg(name: str, t: Any, num_ranks: int) -> Any:
+    """DeepEP's ``dispatch_wait_recv_cost_stats`` / ``combine_wait_recv_cost_stats`` on the
+    host backend: None, or a writable ``[num_ranks]`` int64 numpy array / torch CPU tensor (the
+    receive adds to it). Returns its :class:`Arr` (or None)."""
+    if t is None:
+        return None
+    a = arr(name, t, FEP_DTYPE_I64, (num_ranks,))
+    if type(t) is np.ndarray and not t.flags.writeable:
+        raise ValueError(f"{name}: a read-only array (the receive adds the wait times to it)")
+    return a
 
 
 def _destroy_handle(ptr: int, _destroy=core.handle_destroy) -> None:
@@ -215,6 +228,7 @@ class _Engine:
         _boot: Any = None,
         _modes: int = 0,
         _comm_ptr: int = 0,
+        _shrink: bool = False,
     ) -> None:
         self._ptr = 0  # set last: __del__ must see a consistent object if __init__ raises
         # The facade's shared bootstrap (fabric_ep.Buffer): its gather or native store, instead
@@ -350,6 +364,11 @@ class _Engine:
                 if _public_buffer().num_sms == DEFAULT_NUM_SMS:
                     cfg["num_sms"] = 0
         cfg["modes"] = _modes if backend == "gpu" else 0
+        if _shrink and backend == "gpu":
+            raise ValueError("enable_shrink: the GPU backend's low-latency kernels do not skip "
+                             "masked ranks yet (shrink mode is the host backend's)")
+        self._shrink = bool(_shrink)
+        cfg["enable_shrink"] = int(self._shrink)
         cfg["timeout_s"] = float(timeout_s)
         cfg["provider"] = provider
         self._cfg = cfg
@@ -441,10 +460,25 @@ class _Engine:
         if self._g is not None:
             self._g.sync()
 
-    def get_local_buffer_tensor(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            "get_local_buffer_tensor: fabric-ep does not expose its registered buffers as tensors"
-        )
+    def get_local_buffer_tensor(self, dtype: Any, size: Any = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> Any:
+        """A view of this native buffer's own registered memory (see
+        :meth:`fabric_ep.Buffer.get_local_buffer_tensor`)."""
+        p = self._live()
+        use_rdma_buffer = bool(use_rdma_buffer)
+        if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)):
+            raise TypeError(f"offset: {offset!r} must be an int (bytes)")
+        try:
+            addr, nbytes = core.local_region(p, use_rdma_buffer)
+        except Exception as e:  # noqa: BLE001 - re-raised naming DeepEP's argument
+            if use_rdma_buffer and "connected by the first low-latency call" in str(e):
+                raise RuntimeError(
+                    "get_local_buffer_tensor(use_rdma_buffer=True): the host backend connects "
+                    "its low-latency buffer on the first low-latency call (or "
+                    "clean_low_latency_buffer) of every rank; make one first"
+                ) from e
+            raise
+        return local_view(self._g, addr, int(nbytes), dtype, size, int(offset))
 
     # ---------------------------------------------------------------- normal mode
 
@@ -770,7 +804,9 @@ class _Engine:
             num_max_dispatch_tokens_per_rank, num_experts: must equal the Buffer's.
             cumulative_local_expert_recv_stats: optional ``[L]`` int32; the received count of
                 each local expert is added to it (DeepEP's EPLB statistics).
-            dispatch_wait_recv_cost_stats: must be None (no per-rank wait timing here).
+            dispatch_wait_recv_cost_stats: optional ``[R]`` int64; the receive adds to entry
+                ``r`` the nanoseconds it waited for rank ``r``'s messages (summed over them, one
+                per local expert; DeepEP's statistics for finding slow ranks).
             use_fp8: cast to fp8 e4m3 with one float32 scale per 128 channels.
             round_scale: power-of-two scales. use_ue8m0: must be False (no UE8M0 packing).
             async_finish: must be False on the host backend.
@@ -794,16 +830,14 @@ class _Engine:
                 and num_max_dispatch_tokens_per_rank == self.num_max_dispatch_tokens_per_rank):
             p = self._ll_check("low_latency_dispatch")
             self._ll_shape_args(num_max_dispatch_tokens_per_rank, None, num_experts)
-        if dispatch_wait_recv_cost_stats is not None:
-            raise ValueError(
-                "dispatch_wait_recv_cost_stats: fabric-ep does not time per-rank receive waits; "
-                "pass None"
-            )
         if use_ue8m0:
             raise ValueError("use_ue8m0=True: fabric-ep's fp8 scales are float32; pass False")
         if self._g is not None:
-            return self._g.ll_dispatch(x, topk_idx, cumulative_local_expert_recv_stats, use_fp8,
-                                       round_scale, async_finish, return_recv_hook)
+            return self._g.ll_dispatch(x, topk_idx, cumulative_local_expert_recv_stats,
+                                       dispatch_wait_recv_cost_stats, use_fp8, round_scale,
+                                       async_finish, return_recv_hook)
+        ws = wait_stats_arg("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats,
+                            self.num_ranks)
         if async_finish:
             _host_only(async_finish, False)
         h, k = self.hidden, self.num_topk
@@ -820,7 +854,8 @@ class _Engine:
                         FEP_DTYPE_I32, (self.num_local_experts,)).obj
         l, sz = self.num_local_experts, self.num_ranks * self.num_max_dispatch_tokens_per_rank
         n = self._n
-        op = n.ll_dispatch(p, xp, t, ip, bool(use_fp8), bool(round_scale), bool(return_recv_hook))
+        op = n.ll_dispatch(p, xp, t, ip, bool(use_fp8), bool(round_scale), bool(return_recv_hook),
+                           ws.ptr if ws is not None else None)
         handle = LowLatencyHandle(op, id(self), t, self.num_max_dispatch_tokens_per_rank,
                                   h, self.num_experts)
         like = x
@@ -838,6 +873,8 @@ class _Engine:
                 data_ptr(recv_s) if recv_s is not None else None, data_ptr(recv_count),
                 data_ptr(handle.src_rank), data_ptr(handle.src_idx), data_ptr(handle.layout_range))
         buf_ref = self
+        # The native op adds to the wait-cost array in its receive: kept alive until then.
+        handle._keep = ws
 
         def receive() -> None:
             bp = buf_ref._ptr
@@ -848,6 +885,7 @@ class _Engine:
             n.ll_complete(bp, handle._ptr)
             n.ll_dispatch_copy_out(handle._ptr, *outs)
             handle._received = True
+            handle._keep = None
             if stats is not None:
                 _accumulate(stats, recv_count)
 
@@ -878,8 +916,11 @@ class _Engine:
             topk_idx: ``[T, K]`` int64, the ids given to the dispatch (an entry may be -1 to
                 leave that expert out of the sum). topk_weights: ``[T, K]`` float32.
             handle: the dispatch's :class:`LowLatencyHandle` (its hook, if any, called).
-            use_logfmt, zero_copy: must be False. async_finish: must be False on the host
-                backend. combine_wait_recv_cost_stats: must be None.
+            use_logfmt: accepted; the combine sends bf16 (no LogFMT compression: at least as
+                accurate). zero_copy: must be False here (the facade's zero-copy form passes
+                its tensor as ``x``). async_finish: must be False on the host backend.
+            combine_wait_recv_cost_stats: optional ``[R]`` int64; the receive adds to entry
+                ``r`` the nanoseconds it waited for rank ``r``'s answers.
             return_recv_hook: return after the sends; ``hook()`` receives and fills the output.
             out: optional ``[T, H]`` bf16 array to write the result into.
 
@@ -890,17 +931,12 @@ class _Engine:
             hook: None, or with ``return_recv_hook`` a callable completing the receive.
         """
         p = self._ll_check("low_latency_combine")
-        if use_logfmt:
-            raise ValueError("use_logfmt=True: fabric-ep's combine sends bf16; pass False")
+        # NOTES: use_logfmt is accepted and the payload stays bf16 (LogFMT is DeepEP's lossy
+        # 10-bit compression; bf16 is at least as accurate), on both backends.
         if zero_copy:
             raise ValueError(
                 "zero_copy=True: fabric-ep does not expose its low-latency buffer "
                 "(get_next_low_latency_combine_buffer); pass False"
-            )
-        if combine_wait_recv_cost_stats is not None:
-            raise ValueError(
-                "combine_wait_recv_cost_stats: fabric-ep does not time per-rank receive waits; "
-                "pass None"
             )
         if type(handle) is not LowLatencyHandle:
             raise TypeError(
@@ -912,9 +948,11 @@ class _Engine:
             raise ValueError("handle: its dispatch's receive hook has not been called yet")
         if self._g is not None:
             return self._g.ll_combine(x, topk_idx, topk_weights, handle, out, async_finish,
-                                      return_recv_hook)
+                                      return_recv_hook, combine_wait_recv_cost_stats)
         if async_finish:
             _host_only(async_finish, False)
+        ws = wait_stats_arg("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats,
+                            self.num_ranks)
         h, k, t = self.hidden, self.num_topk, handle.num_tokens
         l, sz = self.num_local_experts, self.num_ranks * self.num_max_dispatch_tokens_per_rank
         xa = arr("x", x, FEP_DTYPE_BF16, (l, sz, h))
@@ -925,7 +963,8 @@ class _Engine:
         else:
             combined = empty_like_kind(x, (t, h))
         n = self._n
-        cop = _LowLatencyOp(n.ll_combine(p, handle._ptr, xa.ptr, ip, wp, t, bool(return_recv_hook)))
+        cop = _LowLatencyOp(n.ll_combine(p, handle._ptr, xa.ptr, ip, wp, t, bool(return_recv_hook),
+                                         ws.ptr if ws is not None else None))
         outp = data_ptr(combined)
         buf_ref = self
 
@@ -938,6 +977,7 @@ class _Engine:
             n.ll_complete(bp, cop.ptr)
             n.ll_combine_copy_out(cop.ptr, outp, t)
             cop.done = True
+            _ = ws  # the native op added to it in its receive: alive until here
 
         if return_recv_hook:
             return combined, NO_EVENT, receive
@@ -973,6 +1013,70 @@ class _Engine:
             from ._gpu import group_barrier
 
             group_barrier(self.group)
+
+
+class _CudaRegion:
+    """``__cuda_array_interface__`` of ``nbytes`` bytes of device memory at ``addr`` (what
+    ``torch.as_tensor`` views without copying)."""
+
+    def __init__(self, addr: int, nbytes: int):
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (addr, False), "version": 3,
+            "strides": None,
+        }
+
+
+def local_view(g: Any, addr: int, nbytes: int, dtype: Any, size: Any, offset: int) -> Any:
+    """``get_local_buffer_tensor``'s view: ``nbytes`` at ``addr`` from byte ``offset``, as
+    ``dtype`` (1-D, or ``size``'s shape); device memory when ``g`` (the GPU path) is given."""
+    torch = sys.modules.get("torch")
+    is_torch = torch is not None and isinstance(dtype, torch.dtype)
+    if g is not None and not is_torch:
+        raise TypeError(f"dtype: {dtype!r}: the GPU backend's view is a torch tensor; pass a "
+                        "torch.dtype")
+    if is_torch:
+        item = torch.empty((), dtype=dtype).element_size()
+    else:
+        try:
+            np_dt = np.dtype(dtype)
+        except TypeError:
+            raise TypeError(f"dtype: {dtype!r} is neither a torch.dtype nor a numpy dtype") \
+                from None
+        item = np_dt.itemsize
+    if not 0 <= offset <= nbytes:
+        raise ValueError(f"offset: {offset} bytes, outside the region's {nbytes} bytes")
+    if offset % item:
+        raise ValueError(f"offset: {offset} bytes is not a multiple of the {item}-byte element")
+    avail = (nbytes - offset) // item
+    if size is None:
+        shape: Tuple[int, ...] = (avail,)
+    else:
+        dims = (size,) if isinstance(size, (int, np.integer)) and not isinstance(size, bool) \
+            else tuple(size) if isinstance(size, (tuple, list)) or (
+                torch is not None and isinstance(size, torch.Size)) else None
+        if dims is None or any(isinstance(d, bool) or not isinstance(d, (int, np.integer))
+                               or d < 0 for d in dims):
+            raise TypeError(f"size: {size!r} must be a torch.Size, a tuple of non-negative ints "
+                            "or an int")
+        shape = tuple(int(d) for d in dims)
+        n = 1
+        for d in shape:
+            n *= d
+        if n > avail:
+            raise ValueError(f"size: {list(shape)} is {n} elements of {item} bytes, the region "
+                             f"has {avail} from offset {offset} ({nbytes} bytes)")
+        avail = n
+    count = avail * item
+    if g is not None:
+        raw = torch.as_tensor(_CudaRegion(addr + offset, count), device=f"cuda:{g.dev}")
+        return raw.view(dtype).view(shape)
+    import ctypes
+
+    raw = np.ctypeslib.as_array((ctypes.c_uint8 * count).from_address(addr + offset)) \
+        if count else np.empty(0, np.uint8)
+    if is_torch:
+        return torch.from_numpy(raw).view(dtype).view(shape)
+    return raw.view(np_dt).reshape(shape)
 
 
 def layout_host(r: int, rpn: int, topk_idx: Any, num_experts: int, previous_event: Any,

@@ -437,6 +437,104 @@ def normal_hier_fp8(group, r, world):
     return normal_fp8(group, r, world, **dict(HIER, ranks_per_node=world // 2))
 
 
+def ll_deepep_args(group, r, world):
+    """DeepEP's further low-latency arguments on the GPU backend: the receive wait costs
+    (``[R]`` int64 on the device, ns; a rank that launches late shows up in the others'), the
+    hook adding them only when it runs, ``use_logfmt`` (accepted: bf16, the same result),
+    ``get_local_buffer_tensor`` (torch CUDA views of the normal comm buffer and the
+    low-latency buffer, holding the rows that arrived) and ``enable_shrink`` refused."""
+    late, delay = 1, 0.3
+    all_in = [inputs(s, world, salt=6, tokens=TOKENS) for s in range(world)]
+    x, idx, w = all_in[r]
+    xt, it, wt = to_bf16(torch, x, DEV), tdev(idx), tdev(w)
+    e_all = L * world
+    ref_x, ref_cnt, *_ = ll_reference(r, world, all_in)
+    raises(ValueError, "^enable_shrink=True with CUDA tensors", Buffer, group,
+           enable_shrink=True, backend="gpu")
+    buf = make_buffer(group, world, low_latency_mode=True,
+                      num_max_dispatch_tokens_per_rank=MAX_LL)
+    try:
+        i64 = dict(dtype=torch.int64, device=DEV)
+        mult = torch.arange(1, L + 1, device=DEV, dtype=torch.float32)[:, None, None]
+        # Warm-up (first launches), then timed.
+        rx, _, handle, _, _ = buf.low_latency_dispatch(xt, it, MAX_LL, e_all, use_fp8=False)
+        buf.low_latency_combine((rx.float() * mult).to(torch.bfloat16), it, wt, handle)
+        buf.sync()
+        ds, cs = torch.zeros(world, **i64), torch.zeros(world, **i64)
+        raises(ValueError, "^dispatch_wait_recv_cost_stats: shape", buf.low_latency_dispatch, xt,
+               it, MAX_LL, e_all, use_fp8=False,
+               dispatch_wait_recv_cost_stats=torch.zeros(world + 1, **i64))
+        raises(TypeError, "^dispatch_wait_recv_cost_stats: dtype", buf.low_latency_dispatch, xt,
+               it, MAX_LL, e_all, use_fp8=False,
+               dispatch_wait_recv_cost_stats=torch.zeros(world, dtype=torch.int32, device=DEV))
+        if r == late:
+            time.sleep(delay)
+        rx, cnt, handle, _, hook = buf.low_latency_dispatch(
+            xt, it, MAX_LL, e_all, use_fp8=False, dispatch_wait_recv_cost_stats=ds,
+            return_recv_hook=True)
+        torch.cuda.current_stream().synchronize()
+        before = host(ds).tolist()
+        hook()
+        assert host(cnt).tolist() == ref_cnt.tolist()
+        got = bits(rx)
+        for e in range(L):
+            assert np.array_equal(got[e, :ref_cnt[e]], ref_x[e, :ref_cnt[e]]), e
+        y = (rx.float() * mult).to(torch.bfloat16)
+        if r == late:
+            time.sleep(delay)
+        cx, _, _ = buf.low_latency_combine(y, it, wt, handle, combine_wait_recv_cost_stats=cs)
+        assert np.array_equal(bits(cx), ll_combine_want(x, idx, w))
+        d, c = host(ds).tolist(), host(cs).tolist()
+        assert before == [0] * world, before  # added by the receive, which the hook launched
+        assert all(v >= 0 for v in d + c) and sum(d) > 0 and sum(c) > 0, (d, c)
+        if world > 1 and r != late:
+            floor = L * 0.5 * delay * 1e9
+            for what, v in (("dispatch", d), ("combine", c)):
+                assert v[late] >= floor and all(v[late] > 2 * v[o] for o in range(world)
+                                                 if o != late), (what, v)
+        # use_logfmt: accepted, bf16 on the wire: the same result.
+        rx, _, handle, _, _ = buf.low_latency_dispatch(xt, it, MAX_LL, e_all, use_fp8=False)
+        lx, _, _ = buf.low_latency_combine((rx.float() * mult).to(torch.bfloat16), it, wt,
+                                           handle, use_logfmt=True)
+        assert np.array_equal(bits(lx), ll_combine_want(x, idx, w))
+        # get_local_buffer_tensor(use_rdma_buffer=True): the low-latency buffer, on the device,
+        # with this dispatch's received rows in it.
+        region = buf.get_local_buffer_tensor(torch.uint8, use_rdma_buffer=True)
+        assert region.is_cuda and region.get_device() == DEV and region.dim() == 1
+        blob = host(region).numpy().tobytes()
+        got = bits(rx)
+        rows = [got[e, i] for e in range(L) for i in range(int(ref_cnt[e]))]
+        assert all(blob.find(row.tobytes()) >= 0 for row in rows), "rows not in the LL buffer"
+        words = buf.get_local_buffer_tensor(torch.int32, size=(2, 3), offset=64,
+                                            use_rdma_buffer=True)
+        assert tuple(words.shape) == (2, 3) and words.data_ptr() == region.data_ptr() + 64
+        raises(ValueError, "^size: ", buf.get_local_buffer_tensor, torch.uint8,
+               (region.numel() + 1,), 0, True)
+        raises(ValueError, "^offset: ", buf.get_local_buffer_tensor, torch.int32, None, 2, True)
+        raises(TypeError, "^dtype: ", buf.get_local_buffer_tensor, np.uint8, None, 0, True)
+        buf.sync()
+    finally:
+        buf.destroy()
+    # The normal comm buffer: a dispatch's rows land there.
+    nb = make_buffer(group, world)
+    try:
+        rx, _, _, _, h, _ = nb.dispatch(xt, topk_idx=it, topk_weights=wt)
+        comm = nb.get_local_buffer_tensor(torch.uint8)
+        assert comm.is_cuda and comm.numel() > 0
+        blob = host(comm).numpy().tobytes()
+        got = bits(rx)
+        # (Rows are written there as chunks by their senders; at least those must be found.)
+        found = sum(blob.find(row.tobytes()) >= 0 for row in got)
+        # Before any rank combines (its chunks reuse the slots); no kernel runs here.
+        group.all_gather_bytes(b"")
+        assert got.shape[0] == 0 or found > 0, "no received row in the comm buffer"
+        nb.combine(rx, h)
+        nb.sync()
+    finally:
+        nb.destroy()
+    return "ok"
+
+
 # The low-latency cases' iterations, (hooked, async_finish) each (low_latency).
 _LL_MODES = [(False, False), (True, False), (False, False), (False, True)]
 
@@ -454,6 +552,7 @@ CASES = {
     "legacy_stream_refused": (legacy_stream_refused, "ok"),
     "auto_backend": (auto_backend, ("gpu", True)),
     "zero_token_rank": (zero_token_rank, _LL_MODES),
+    "ll_deepep_args": (ll_deepep_args, "ok"),
 }
 
 

@@ -66,7 +66,9 @@ def test_constructor_argument_errors(env1):
     raises(ValueError, "^num_nvl_bytes: ", Buffer, None, -1)
     raises(ValueError, "^num_qps_per_rank: ", Buffer, None, 0, 0, False, 0)
     raises(TypeError, "^low_latency_mode: ", Buffer, None, 0, 0, "yes")
-    raises(ValueError, "^enable_shrink=True", Buffer, None, enable_shrink=True)
+    raises(ValueError, "^enable_shrink=True with CUDA tensors", Buffer, None, enable_shrink=True,
+           backend="gpu")
+    raises(TypeError, "^enable_shrink: ", Buffer, None, enable_shrink=1)
     raises(ValueError, "^timeout_s: ", Buffer, None, timeout_s=float("nan"))
     raises(ValueError, "^timeout_s: ", Buffer, None, timeout_s=-1.0)
     raises(ValueError, "^provider: ", Buffer, None, provider="shm\0tcp")
@@ -228,8 +230,10 @@ def test_low_latency_argument_checks(buf, env1, data):
         raises(ValueError, "^num_experts: 0 ", ll.low_latency_dispatch, x, idx, T, 0)
         raises(ValueError, "^use_ue8m0=True", ll.low_latency_dispatch, x, idx, T, E,
                use_ue8m0=True)
-        raises(ValueError, "^dispatch_wait_recv_cost_stats: ", ll.low_latency_dispatch, x, idx, T,
-               E, dispatch_wait_recv_cost_stats=np.zeros(1, np.int64))
+        raises(ValueError, "^dispatch_wait_recv_cost_stats: shape", ll.low_latency_dispatch, x,
+               idx, T, E, dispatch_wait_recv_cost_stats=np.zeros(2, np.int64))
+        raises(TypeError, "^dispatch_wait_recv_cost_stats: dtype", ll.low_latency_dispatch, x,
+               idx, T, E, dispatch_wait_recv_cost_stats=np.zeros(1, np.int32))
         raises(ValueError, "^async_finish=True", ll.low_latency_dispatch, x, idx, T, E,
                async_finish=True)
         raises(TypeError, "^x: dtype float32", ll.low_latency_dispatch, x.astype(np.float32), idx,
@@ -248,10 +252,10 @@ def test_low_latency_argument_checks(buf, env1, data):
         raises(RuntimeError, "already called", hook)
         raises(ValueError, "^zero_copy=True: call get_next_low_latency_combine_buffer",
                ll.low_latency_combine, rx, idx, w, handle, zero_copy=True)
-        raises(ValueError, "^use_logfmt=True", ll.low_latency_combine, rx, idx, w, handle,
-               use_logfmt=True)
-        raises(ValueError, "^combine_wait_recv_cost_stats: ", ll.low_latency_combine, rx, idx, w,
-               handle, combine_wait_recv_cost_stats=np.zeros(1, np.int64))
+        raises(TypeError, "^use_logfmt: ", ll.low_latency_combine, rx, idx, w, handle,
+               use_logfmt="yes")
+        raises(ValueError, "^combine_wait_recv_cost_stats: shape", ll.low_latency_combine, rx,
+               idx, w, handle, combine_wait_recv_cost_stats=np.zeros(2, np.int64))
         raises(ValueError, r"^x: shape \[16, 256\]", ll.low_latency_combine, x, idx, w, handle)
         raises(ValueError, r"^out: shape", ll.low_latency_combine, rx, idx, w, handle,
                out=np.empty((1, H), np.uint16))

@@ -163,7 +163,9 @@ for _n, _v in [("neg", -1), ("2e31", 2**31), ("bool", True), ("str", "16")]:
 for _n, _v in [("zero", 0), ("neg", -1), ("3", 3), ("bool", True), ("2e32p1", 2**32 + 1)]:
     case(f"ctor/ranks_per_node/{_n}", ["ranks_per_node"])(
         lambda c, v=_v: c.make(None, ranks_per_node=v))
-case("ctor/enable_shrink", ["enable_shrink"])(lambda c: c.make(None, enable_shrink=True))
+case("ctor/enable_shrink_gpu", ["enable_shrink"])(
+    lambda c: c.make(None, enable_shrink=True, backend="gpu"))
+case("ctor/enable_shrink_int", ["enable_shrink"])(lambda c: c.make(None, enable_shrink=1))
 case("ctor/group_and_comm", ["comm"])(lambda c: c.make(object(), comm=object()))
 for _n, _v in [("int", 42), ("str", "world")]:
     case(f"ctor/group/{_n}", ["group"])(lambda c, v=_v: c.make(v))
@@ -397,6 +399,20 @@ case("ll_dispatch/cumulative_stats_shape", ["cumulative_local_expert_recv_stats"
 case("ll_dispatch/on_normal_buffer", ["low_latency_mode", "low_latency_dispatch"])(
     lambda c: c.buf.low_latency_dispatch(c.x, c.idx, T, E, use_fp8=False))
 case("ll_dispatch/valid", [], valid=True)(lambda c: c.ll_dispatch())
+case("ll_dispatch/wait_stats_dtype", ["dispatch_wait_recv_cost_stats"])(
+    lambda c: c.ll_dispatch(dispatch_wait_recv_cost_stats=np.zeros(1, np.float32)))
+case("ll_dispatch/wait_stats_list", ["dispatch_wait_recv_cost_stats"])(
+    lambda c: c.ll_dispatch(dispatch_wait_recv_cost_stats=[0]))
+case("ll_dispatch/wait_stats_valid", [], valid=True)(
+    lambda c: c.ll_dispatch(dispatch_wait_recv_cost_stats=np.zeros(1, np.int64)))
+case("local_buffer/offset_past", ["offset"])(
+    lambda c: c.ll.get_local_buffer_tensor(np.uint8, offset=1 << 40))
+case("local_buffer/size_past", ["size"])(
+    lambda c: c.ll.get_local_buffer_tensor(np.uint8, size=(1 << 40,)))
+case("local_buffer/dtype", ["dtype"])(lambda c: c.ll.get_local_buffer_tensor("nope"))
+case("local_buffer/valid", [], valid=True)(lambda c: c.ll.get_local_buffer_tensor(np.uint8))
+case("shrink/update_without", ["enable_shrink", "low_latency_update_mask_buffer"])(
+    lambda c: c.ll.low_latency_update_mask_buffer(0, True))
 case("ll_dispatch/zero_tokens", [], valid=True)(
     lambda c: c.ll_dispatch(x=c.x[:0].copy(), topk_idx=c.idx[:0].copy()))
 case("ll_dispatch/all_minus_one", [], valid=True)(
@@ -428,7 +444,12 @@ case("ll_combine/out_shape", ["out"])(
     _llc(lambda c, a: a.update(out=np.empty((1, H), np.uint16))))
 case("ll_combine/zero_copy_without_buffer", ["zero_copy"])(
     _llc(lambda c, a: a.update(zero_copy=True)))
-case("ll_combine/use_logfmt", ["use_logfmt"])(_llc(lambda c, a: a.update(use_logfmt=True)))
+case("ll_combine/use_logfmt_str", ["use_logfmt"])(_llc(lambda c, a: a.update(use_logfmt="1")))
+case("ll_combine/use_logfmt", [], valid=True)(_llc(lambda c, a: a.update(use_logfmt=True)))
+case("ll_combine/wait_stats_shape", ["combine_wait_recv_cost_stats"])(
+    _llc(lambda c, a: a.update(combine_wait_recv_cost_stats=np.zeros(3, np.int64))))
+case("ll_combine/wait_stats_valid", [], valid=True)(
+    _llc(lambda c, a: a.update(combine_wait_recv_cost_stats=np.zeros(1, np.int64))))
 case("ll_combine/valid", [], valid=True)(_llc(lambda c, a: None))
 
 

@@ -102,3 +102,8 @@ def test_auto_backend_picks_gpu_for_a_thread_group():
 
 def test_zero_token_rank_normal_and_low_latency():
     run_case("zero_token_rank", 2)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_low_latency_wait_costs_logfmt_and_local_buffer_tensor(world):
+    run_case("ll_deepep_args", world)

@@ -39,7 +39,8 @@ def small_cfg():
 
 def test_config_defaults_carry_size_version_and_device():
     d = core.config_defaults()
-    assert d["struct_size"] == 96 > core.FEP_CONFIG_V1_SIZE == 80
+    assert d["struct_size"] == 104 > core.FEP_CONFIG_V1_SIZE == 80
+    assert d["enable_shrink"] == 0
     assert d["version"] == FEP_ABI_VERSION == core.abi_version()
     assert d["device"] == -1 and d["gpu_reserve_tokens"] == 0 and d["internode_hierarchy"] == 0
     assert d["rank"] == -1 and d["provider"] is None

@@ -156,9 +156,9 @@ _ARGS = {
                      "after_notify", "compute", "event", "async_"),
     "gpu_combine": ("p", "hp", "x", "rows", "w", "out", "t", "cw", "compute", "event", "async_"),
     "gpu_ll_dispatch": ("p", "x", "t", "idx", "rx", "rxs", "routing", "fp8", "round_scale",
-                        "hook", "compute", "async_"),
+                        "hook", "compute", "async_", "ws"),
     "gpu_ll_complete": ("p", "op", "compute"),
-    "gpu_ll_combine": ("p", "hp", "x", "idx", "w", "t", "out", "hook", "compute", "async_"),
+    "gpu_ll_combine": ("p", "hp", "x", "idx", "w", "t", "out", "hook", "compute", "async_", "ws"),
 }
 
 
@@ -373,13 +373,14 @@ def test_ll_dispatch_and_combine_pass_every_pointer_and_stream(path):
     S = R * M
     x = torch.Tensor((T, H), torch.bfloat16)
     idx = torch.Tensor((T, K), torch.int64)
-    rx, count, handle, ev, hook = g.ll_dispatch(x, idx, None, False, False, False, False)
+    rx, count, handle, ev, hook = g.ll_dispatch(x, idx, None, None, False, False, False, False)
     assert (rx.shape, rx.dtype, count.shape) == ((L, S, H), torch.bfloat16, (L,))
     name, d = rec.calls[0]
     base = count.data_ptr()
     assert name == "gpu_ll_dispatch" and d == dict(
         p=0xABC, x=x.data_ptr(), t=T, idx=idx.data_ptr(), rx=rx.data_ptr(), rxs=0,
-        routing=base, fp8=False, round_scale=False, hook=False, compute=COMPUTE, async_=False)
+        routing=base, fp8=False, round_scale=False, hook=False, compute=COMPUTE, async_=False,
+        ws=None)
     assert hook is None
     # count, src_rank, src_idx, pairs and positions: parts of one int32 allocation, 256-byte
     # aligned, the handle's views made when read; their offsets as the native side has them
@@ -401,7 +402,7 @@ def test_ll_dispatch_and_combine_pass_every_pointer_and_stream(path):
         assert (cx.shape, cx.dtype) == ((T, H), torch.bfloat16)
         assert name == "gpu_ll_combine" and d == dict(
             p=0xABC, hp=0x4321, x=rx.data_ptr(), idx=idx.data_ptr(), w=w.data_ptr(), t=T,
-            out=cx.data_ptr(), hook=False, compute=COMPUTE, async_=True)
+            out=cx.data_ptr(), hook=False, compute=COMPUTE, async_=True, ws=None)
         assert ev.event is not None  # async_finish
     finally:
         handle._ptr = 0
@@ -413,19 +414,19 @@ def test_bad_ll_dispatch_arguments_are_named(path):
     x, idx = torch.Tensor((T, H), torch.bfloat16), torch.Tensor((T, K), torch.int64)
     x4 = torch.Tensor((4, H), torch.bfloat16)
     for args, exc, match in [
-        ((x4, torch.Tensor((4, K), torch.int64), None, False, True, False, False), ValueError,
+        ((x4, torch.Tensor((4, K), torch.int64), None, None, False, True, False, False), ValueError,
          "^round_scale=True"),
-        ((x4, torch.Tensor((4, K), torch.int64), None, True, False, False, False), ValueError,
+        ((x4, torch.Tensor((4, K), torch.int64), None, None, True, False, False, False), ValueError,
          "^use_fp8=True: this Buffer's low-latency buffers are sized for dispatch_dtype='bf16'"),
-        ((x4, torch.Tensor((4, K), torch.int64), None, False, False, True, True), ValueError,
+        ((x4, torch.Tensor((4, K), torch.int64), None, None, False, False, True, True), ValueError,
          "^async_finish=True with return_recv_hook=True"),
-        ((x, idx, None, False, False, False, False), ValueError,
+        ((x, idx, None, None, False, False, False, False), ValueError,
          "^x: 5 tokens, more than num_max_dispatch_tokens_per_rank 4"),
-        ((torch.Tensor((4, H), torch.float32), idx, None, False, False, False, False), TypeError,
+        ((torch.Tensor((4, H), torch.float32), idx, None, None, False, False, False, False), TypeError,
          "^x: dtype torch.float32"),
-        ((x4, torch.Tensor((4, K), torch.int32), None, False, False, False, False), TypeError,
+        ((x4, torch.Tensor((4, K), torch.int32), None, None, False, False, False, False), TypeError,
          "^topk_idx: dtype torch.int32"),
-        ((x4, torch.Tensor((3, K), torch.int64), None, False, False, False, False), ValueError,
+        ((x4, torch.Tensor((3, K), torch.int64), None, None, False, False, False, False), ValueError,
          r"^topk_idx: shape \[3, 2\], expected \[4, 2\]"),
     ]:
         with pytest.raises(exc, match=match):
@@ -524,8 +525,42 @@ def test_ll_async_dispatch_records_its_tensors_and_the_stats_on_comm(path):
     x, idx = torch.Tensor((T, H), torch.bfloat16), torch.Tensor((T, K), torch.int64)
     stats = torch.Tensor((L,), torch.int32)
     torch.records.clear()
-    rx, count, handle, ev, hook = g.ll_dispatch(x, idx, stats, False, False, True, False)
+    rx, count, handle, ev, hook = g.ll_dispatch(x, idx, stats, None, False, False, True, False)
     assert hook is None and ev.event.recorded_on == COMM
     assert stats.added[1] == COMM and stats.added[0].data_ptr() == count.data_ptr()
     routing = handle._routing[0]
     assert torch.records == [(x, COMM), (idx, COMM), (stats, COMM), (rx, COMM), (routing, COMM)]
+
+
+def test_ll_wait_recv_cost_stats_reach_the_kernels_and_are_recorded_on_comm(path):
+    """DeepEP's dispatch/combine_wait_recv_cost_stats on the GPU path: an ``[R]`` int64 CUDA
+    tensor, checked by name, whose address the native call gets (the receive kernels add to it),
+    recorded on the comm stream when the call is asynchronous."""
+    g, torch, rec, buf = path
+    buf.num_max_dispatch_tokens_per_rank, buf.num_experts = 6, L * R
+    x, idx = torch.Tensor((T, H), torch.bfloat16), torch.Tensor((T, K), torch.int64)
+    for bad, exc, match in ((torch.Tensor((R + 1,), torch.int64), ValueError, "shape"),
+                            (torch.Tensor((R,), torch.int32), TypeError, "dtype")):
+        with pytest.raises(exc, match=f"^dispatch_wait_recv_cost_stats: {match}"):
+            g.ll_dispatch(x, idx, None, bad, False, False, False, False)
+    assert rec.calls == []
+    ds = torch.Tensor((R,), torch.int64)
+    torch.records.clear()
+    rx, count, handle, ev, hook = g.ll_dispatch(x, idx, None, ds, False, False, True, False)
+    name, d = rec.calls[0]
+    assert name == "gpu_ll_dispatch" and d["ws"] == ds.data_ptr() and d["async_"] is True
+    assert (ds, COMM) in torch.records and handle._keep[-1] is ds
+    cs = torch.Tensor((R,), torch.int64)
+    with pytest.raises(ValueError, match="^combine_wait_recv_cost_stats: shape"):
+        g.ll_combine(rx, idx, torch.Tensor((T, K), torch.float32), handle, None, False, False,
+                     torch.Tensor((1,), torch.int64))
+    handle._ptr = 0x4321
+    try:
+        torch.records.clear()
+        w = torch.Tensor((T, K), torch.float32)
+        g.ll_combine(rx, idx, w, handle, None, True, False, cs)
+        name, d = rec.calls[1]
+        assert name == "gpu_ll_combine" and d["ws"] == cs.data_ptr()
+        assert (cs, COMM) in torch.records
+    finally:
+        handle._ptr = 0

@@ -342,6 +342,8 @@ pub struct LlCombineHook {
 
 struct NormalPart {
     rank: NormalGpuRank,
+    /// The rank's comm buffer (the same allocation `rank` holds), for [`GpuBuffer::local_region`].
+    comm: Arc<DeviceBuffer>,
     layout_gpu: DispatchLayoutGpu,
     layout: LayoutBuffers,
     layout_cap: usize,
@@ -372,6 +374,8 @@ pub struct GpuBuffer {
     paths: Vec<PeerPath>,
     /// Ranks known dead (the bootstrap's), asked while [`Self::sync_gpu`] waits.
     peer_watch: crate::proxy::PeerWatch,
+    /// [`Self::set_ll_wait_stats`]: the next low-latency call's wait-cost tensor (0: none).
+    ll_wait_stats: u64,
 }
 
 impl std::fmt::Debug for GpuBuffer {
@@ -702,6 +706,7 @@ impl GpuBuffer {
                 // lives until its Buffer is destroyed (collectively, after every rank's last
                 // kernel; IPC mappings are closed before any rank frees its buffers); a peer on
                 // another node has no pointer (0) and is reached through the proxy lane below.
+                let comm = buf.clone();
                 let mut rank_n = unsafe {
                     NormalGpuRank::from_peer_pointers(&dev, &settings, rank, buf, &normal_ptrs)?
                 };
@@ -721,7 +726,7 @@ impl GpuBuffer {
                 }
                 let layout_gpu = DispatchLayoutGpu::new(&dev, cfg.num_experts, r, r)?;
                 let layout = LayoutBuffers::new(&layout_gpu, 1)?;
-                Some(NormalPart { rank: rank_n, layout_gpu, layout, layout_cap: 1 })
+                Some(NormalPart { rank: rank_n, comm, layout_gpu, layout, layout_cap: 1 })
             }
             None => None,
         };
@@ -759,6 +764,7 @@ impl GpuBuffer {
             ipc_world,
             paths,
             peer_watch,
+            ll_wait_stats: 0,
         })
     }
 
@@ -1106,6 +1112,30 @@ impl GpuBuffer {
         )
     }
 
+    /// This rank's own communication memory as `(address, bytes)`, as the kernels address it
+    /// (DeepEP's `get_local_buffer_tensor`): `low_latency` false: the normal-mode comm buffer
+    /// (device memory: peers' chunks land there, then the flags, credits, notify records and
+    /// local state of its layout); true: the low-latency buffer (both sets' send and receive
+    /// areas; device memory, or pinned host memory mapped into the GPU when peers on other
+    /// nodes reach it through a provider without `FI_HMEM`). Dispatch and combine overwrite it.
+    pub fn local_region(&self, low_latency: bool) -> Result<(u64, usize)> {
+        if low_latency {
+            let l = self.ll.as_ref().ok_or_else(|| {
+                Error::arg("mode", "low-latency mode was not enabled (GpuOptions::low_latency)")
+            })?;
+            let m = l.rank.mem();
+            return Ok((m.device_ptr(), m.len()));
+        }
+        let n = self.normal.as_ref().ok_or_else(|| {
+            Error::arg(
+                "mode",
+                "normal mode was not enabled here (GpuOptions::normal; with internode_hierarchy \
+                 its buffers are the stages')",
+            )
+        })?;
+        Ok((n.comm.device_ptr(), n.comm.len()))
+    }
+
     /// Low-latency dispatch outputs (and combine handle) for this buffer's config.
     pub fn new_ll_dispatch_out(&mut self) -> Result<LlDispatchOut> {
         let dev = self.dev.clone();
@@ -1136,6 +1166,7 @@ impl GpuBuffer {
         a: &GpuLlDispatchArgs<'_>,
         out: &LlDispatchOut,
     ) -> Result<Option<LlDispatchHook>> {
+        let ws = std::mem::take(&mut self.ll_wait_stats);
         let fp8 = self.cfg.dispatch_dtype == DispatchDtype::Fp8E4m3;
         if a.use_fp8 != fp8 {
             return Err(Error::arg(
@@ -1151,7 +1182,7 @@ impl GpuBuffer {
         let hook = a.return_recv_hook;
         let id = self.id;
         self.on_ll_stream(a.stream, |r| {
-            let t = r.dispatch_send(&x, &ti, a.num_tokens, out)?;
+            let t = r.dispatch_send(&x, &ti, a.num_tokens, out)?.with_wait_stats(ws);
             if hook {
                 Ok(Some(LlDispatchHook { ticket: t, buffer_id: id }))
             } else {
@@ -1159,6 +1190,22 @@ impl GpuBuffer {
                 Ok(None)
             }
         })
+    }
+
+    /// DeepEP's `dispatch_wait_recv_cost_stats` / `combine_wait_recv_cost_stats` for the next
+    /// low-latency dispatch or combine only (then reset): `stats` is a device `int64
+    /// [num_ranks]` (0: none) to which that call's receive adds, per source rank, the
+    /// nanoseconds (%globaltimer) it waited for the rank's flags, summed over them. The caller
+    /// keeps it alive until the receive has run on its stream.
+    pub fn set_ll_wait_stats(&mut self, stats: u64) -> Result<()> {
+        if stats != 0 && self.ll.is_none() {
+            return Err(Error::arg("wait_recv_cost_stats", "this buffer has no low-latency part"));
+        }
+        if stats % 8 != 0 {
+            return Err(Error::arg("wait_recv_cost_stats", "misaligned device pointer"));
+        }
+        self.ll_wait_stats = stats;
+        Ok(())
     }
 
     /// Power-of-two fp8 scales (DeepEP's `round_scale`) for this rank's later low-latency
@@ -1197,11 +1244,13 @@ impl GpuBuffer {
         &mut self,
         a: &GpuLlCombineArgs<'_>,
     ) -> Result<Option<LlCombineHook>> {
+        let ws = std::mem::take(&mut self.ll_wait_stats);
         let x = self.view("x", a.x)?;
         let id = self.id;
         if a.return_recv_hook {
             let send =
                 self.on_ll_stream(a.stream, |r| r.combine_send(&x, a.handle, a.num_tokens))?;
+            let send = send.with_wait_stats(ws);
             return Ok(Some(LlCombineHook { ticket: send, buffer_id: id }));
         }
         // NOTES: send and receive in one call, so `x` is unchanged in between: the rows of this
@@ -1210,7 +1259,7 @@ impl GpuBuffer {
         let tw = self.view("topk_weights", a.topk_weights)?;
         let out = self.view("out", a.out)?;
         self.on_ll_stream(a.stream, |r| {
-            let t = r.combine_send_pull(&x, a.handle, a.num_tokens)?;
+            let t = r.combine_send_pull(&x, a.handle, a.num_tokens)?.with_wait_stats(ws);
             r.combine_recv(t.chained(), &ti, &tw, a.handle, &out)
         })?;
         Ok(None)

@@ -134,7 +134,7 @@ fn i32_arg(name: &str, v: i64) -> PyResult<i32> {
 
 /// `fep_config`'s integer fields as Python sees them (`struct_size` and `version` are the
 /// library's, read-only).
-const INT_FIELDS: [&str; 18] = [
+const INT_FIELDS: [&str; 20] = [
     "rank",
     "num_ranks",
     "ranks_per_node",
@@ -153,6 +153,8 @@ const INT_FIELDS: [&str; 18] = [
     "internode_hierarchy",
     "modes",
     "reserved",
+    "enable_shrink",
+    "reserved2",
 ];
 
 fn int_field<'a>(cfg: &'a mut fep_config, name: &str) -> Option<&'a mut i32> {
@@ -175,6 +177,8 @@ fn int_field<'a>(cfg: &'a mut fep_config, name: &str) -> Option<&'a mut i32> {
         "internode_hierarchy" => &mut cfg.internode_hierarchy,
         "modes" => &mut cfg.modes,
         "reserved" => &mut cfg.reserved,
+        "enable_shrink" => &mut cfg.enable_shrink,
+        "reserved2" => &mut cfg.reserved2,
         _ => return None,
     })
 }
@@ -625,6 +629,49 @@ fn clean_low_latency_buffer(py: Python<'_>, buf: usize) -> PyResult<()> {
     check(py, "fep_clean_low_latency_buffer", st)
 }
 
+/// `fep_ll_update_mask` (shrink mode): masks or unmasks `rank` on this rank.
+#[pyfunction]
+fn ll_update_mask(py: Python<'_>, buf: usize, rank: i64, mask: bool) -> PyResult<()> {
+    let r = i32_arg("rank", rank)?;
+    // SAFETY: the library checks `buf`.
+    let st = nogil(py, || unsafe { c::fep_ll_update_mask(vp(buf), r, mask) });
+    check(py, "fep_ll_update_mask", st)
+}
+
+/// `fep_ll_query_mask` (shrink mode): which ranks are masked, as a list of 0 / 1.
+#[pyfunction]
+fn ll_query_mask<'py>(py: Python<'py>, buf: usize, num_ranks: i64) -> PyResult<Bound<'py, PyList>> {
+    let n = usize::try_from(num_ranks)
+        .map_err(|_| PyValueError::new_err(format!("num_ranks: {num_ranks} is negative")))?;
+    let mut v = vec![0i32; n];
+    let t = t1(v.as_mut_ptr() as usize, I32, num_ranks);
+    // SAFETY: `v` holds num_ranks int32 on this frame; the library checks `buf` and the shape.
+    let st = unsafe { c::fep_ll_query_mask(vp(buf), at(&t)) };
+    check(py, "fep_ll_query_mask", st)?;
+    PyList::new(py, v)
+}
+
+/// `fep_ll_clean_mask` (shrink mode): unmasks every rank.
+#[pyfunction]
+fn ll_clean_mask(py: Python<'_>, buf: usize) -> PyResult<()> {
+    // SAFETY: the library checks `buf`.
+    let st = nogil(py, || unsafe { c::fep_ll_clean_mask(vp(buf)) });
+    check(py, "fep_ll_clean_mask", st)
+}
+
+/// `fep_buffer_local_region`: `(address, bytes)` of this rank's own communication memory
+/// (`low_latency`: the low-latency buffer, else normal mode's).
+#[pyfunction]
+fn local_region(py: Python<'_>, buf: usize, low_latency: bool) -> PyResult<(usize, u64)> {
+    let region = if low_latency { c::FEP_REGION_LOW_LATENCY } else { c::FEP_REGION_NORMAL };
+    let mut data: *mut c_void = std::ptr::null_mut();
+    let mut bytes = 0u64;
+    // SAFETY: out-parameters on this frame; the library checks `buf`.
+    let st = unsafe { c::fep_buffer_local_region(vp(buf), region, &mut data, &mut bytes) };
+    check(py, "fep_buffer_local_region", st)?;
+    Ok((data as usize, bytes))
+}
+
 /// `fep_gpu_sync`: waits (bounded) for `stream` and reports the kernels' recorded errors.
 #[pyfunction]
 fn gpu_sync(py: Python<'_>, buf: usize, stream: usize) -> PyResult<()> {
@@ -881,7 +928,9 @@ impl Calls {
 
     // ------------------------------------------------------------ host low latency
 
-    /// `fep_low_latency_dispatch` (host): x `[t, H]` bf16, topk_idx `[t, K]`. Returns the op.
+    /// `fep_low_latency_dispatch_ex` (host): x `[t, H]` bf16, topk_idx `[t, K]`, the wait
+    /// costs `[R]` int64 (None: not kept). Returns the op.
+    #[pyo3(signature = (buf, x, t, topk_idx, use_fp8, round_scale, return_recv_hook, wait_stats=None))]
     fn ll_dispatch(
         &self,
         py: Python<'_>,
@@ -892,20 +941,23 @@ impl Calls {
         use_fp8: bool,
         round_scale: bool,
         return_recv_hook: bool,
+        wait_stats: Option<usize>,
     ) -> PyResult<usize> {
         let tx = t2(x, BF16, t, self.h);
         let ti = t2(topk_idx, I64, t, self.k);
+        let ts = wait_stats.map(|p| t1(p, I64, self.r));
         let mut op: *mut c::fep_ll_op = std::ptr::null_mut();
         let opp = &mut op as *mut _ as usize;
         // SAFETY: as dispatch.
         let st = nogil(py, || unsafe {
-            c::fep_low_latency_dispatch(
+            c::fep_low_latency_dispatch_ex(
                 vp(buf),
                 at(&tx),
                 at(&ti),
                 use_fp8,
                 round_scale,
                 return_recv_hook,
+                opt(&ts),
                 std::ptr::null_mut(),
                 opp as *mut *mut c::fep_ll_op,
             )
@@ -959,8 +1011,9 @@ impl Calls {
         check(py, "fep_ll_dispatch_copy_out", st)
     }
 
-    /// `fep_low_latency_combine` (host): x `[L, S, H]` bf16, topk_idx / topk_weights
-    /// `[t, K]`. Returns the op.
+    /// `fep_low_latency_combine_ex` (host): x `[L, S, H]` bf16, topk_idx / topk_weights
+    /// `[t, K]`, the wait costs `[R]` int64 (None: not kept). Returns the op.
+    #[pyo3(signature = (buf, dispatch_op, x, topk_idx, topk_weights, t, return_recv_hook, wait_stats=None))]
     fn ll_combine(
         &self,
         py: Python<'_>,
@@ -971,21 +1024,24 @@ impl Calls {
         topk_weights: usize,
         t: i64,
         return_recv_hook: bool,
+        wait_stats: Option<usize>,
     ) -> PyResult<usize> {
         let tx = t3(x, BF16, self.l, self.r * self.m, self.h);
         let ti = t2(topk_idx, I64, t, self.k);
         let tw = t2(topk_weights, F32, t, self.k);
+        let ts = wait_stats.map(|p| t1(p, I64, self.r));
         let mut op: *mut c::fep_ll_op = std::ptr::null_mut();
         let opp = &mut op as *mut _ as usize;
         // SAFETY: as dispatch.
         let st = nogil(py, || unsafe {
-            c::fep_low_latency_combine(
+            c::fep_low_latency_combine_ex(
                 vp(buf),
                 dispatch_op as *const c::fep_ll_op,
                 at(&tx),
                 at(&ti),
                 at(&tw),
                 return_recv_hook,
+                opt(&ts),
                 std::ptr::null_mut(),
                 opp as *mut *mut c::fep_ll_op,
             )
@@ -1204,7 +1260,7 @@ impl Calls {
     /// `fep_gpu_ll_dispatch`: x `[t, H]` bf16, topk_idx `[t, K]`; outputs recv_x (and its
     /// scales: 0 for bf16) and the routing allocation at `routing` (count first, the other
     /// parts at the offsets of [`Calls::set_ll_layout`]). Returns the op.
-    #[pyo3(signature = (buf, x, t, topk_idx, recv_x, recv_x_scales, routing, use_fp8, round_scale, return_recv_hook, compute, async_finish))]
+    #[pyo3(signature = (buf, x, t, topk_idx, recv_x, recv_x_scales, routing, use_fp8, round_scale, return_recv_hook, compute, async_finish, wait_stats=None))]
     fn gpu_ll_dispatch(
         &self,
         py: Python<'_>,
@@ -1220,9 +1276,11 @@ impl Calls {
         return_recv_hook: bool,
         compute: usize,
         async_finish: bool,
+        wait_stats: Option<usize>,
     ) -> PyResult<usize> {
         let tx = t2(x, BF16, t, self.h);
         let ti = t2(topk_idx, I64, t, self.k);
+        let ts = wait_stats.map(|p| t1(p, I64, self.r));
         let o = self.ll_offsets.each_ref().map(|a| a.load(Ordering::Relaxed));
         let outs = desc::gpu_ll_buffers(
             self.xc,
@@ -1241,7 +1299,7 @@ impl Calls {
         let opp = &mut op as *mut _ as usize;
         // SAFETY: descriptors, order and out-parameter on this frame.
         let st = nogil(py, || unsafe {
-            c::fep_gpu_ll_dispatch(
+            c::fep_gpu_ll_dispatch_ex(
                 vp(buf),
                 at(&tx),
                 at(&ti),
@@ -1249,6 +1307,7 @@ impl Calls {
                 round_scale,
                 return_recv_hook,
                 &outs,
+                opt(&ts),
                 &order,
                 opp as *mut *mut c::fep_gpu_ll_op,
             )
@@ -1274,7 +1333,7 @@ impl Calls {
 
     /// `fep_gpu_ll_combine`: x `[L, S, H]` bf16, topk_idx / topk_weights `[t, K]`, out
     /// `[t, H]` bf16. Returns the op.
-    #[pyo3(signature = (buf, dispatch_op, x, topk_idx, topk_weights, t, out, return_recv_hook, compute, async_finish))]
+    #[pyo3(signature = (buf, dispatch_op, x, topk_idx, topk_weights, t, out, return_recv_hook, compute, async_finish, wait_stats=None))]
     fn gpu_ll_combine(
         &self,
         py: Python<'_>,
@@ -1288,17 +1347,19 @@ impl Calls {
         return_recv_hook: bool,
         compute: usize,
         async_finish: bool,
+        wait_stats: Option<usize>,
     ) -> PyResult<usize> {
         let tx = t3(x, BF16, self.l, self.r * self.m, self.h);
         let ti = t2(topk_idx, I64, t, self.k);
         let tw = t2(topk_weights, F32, t, self.k);
         let to = t2(out, BF16, t, self.h);
+        let ts = wait_stats.map(|p| t1(p, I64, self.r));
         let order = self.order(compute, 0, async_finish).raw();
         let mut op: *mut c::fep_gpu_ll_op = std::ptr::null_mut();
         let opp = &mut op as *mut _ as usize;
         // SAFETY: as gpu_ll_dispatch.
         let st = nogil(py, || unsafe {
-            c::fep_gpu_ll_combine(
+            c::fep_gpu_ll_combine_ex(
                 vp(buf),
                 dispatch_op as *const c::fep_gpu_ll_op,
                 at(&tx),
@@ -1306,6 +1367,7 @@ impl Calls {
                 at(&tw),
                 at(&to),
                 return_recv_hook,
+                opt(&ts),
                 &order,
                 opp as *mut *mut c::fep_gpu_ll_op,
             )
@@ -1359,6 +1421,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gpu_ll_op_destroy, m)?)?;
     m.add_function(wrap_pyfunction!(clean_low_latency_buffer, m)?)?;
     m.add_function(wrap_pyfunction!(gpu_sync, m)?)?;
+    m.add_function(wrap_pyfunction!(ll_update_mask, m)?)?;
+    m.add_function(wrap_pyfunction!(ll_query_mask, m)?)?;
+    m.add_function(wrap_pyfunction!(ll_clean_mask, m)?)?;
+    m.add_function(wrap_pyfunction!(local_region, m)?)?;
     m.add_function(wrap_pyfunction!(gpu_info, m)?)?;
     Ok(())
 }
