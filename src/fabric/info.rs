@@ -25,6 +25,22 @@ pub(crate) const MR_MODES_SUPPORTED: u32 = sys::FI_MR_LOCAL
     | sys::FI_MR_ENDPOINT
     | sys::FI_MR_HMEM;
 
+/// A bound on the packets one endpoint may have in flight, for a provider that cannot be
+/// handed an unbounded burst ([`Info::burst_limit`]). Writes are counted in packets of at least
+/// `packet_payload` bytes (a zero-length write is one packet).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BurstLimit {
+    pub packets: u64,
+    pub packet_payload: u64,
+}
+
+impl BurstLimit {
+    /// Packets a write of `len` bytes takes (an upper bound: the header packet, then segments).
+    pub fn packets_of(&self, len: u64) -> u64 {
+        1 + len / self.packet_payload.max(1)
+    }
+}
+
 /// What to look for.
 #[derive(Clone, Debug, Default)]
 pub struct InfoQuery {
@@ -360,6 +376,41 @@ impl Info {
         }
         1 << 30
     }
+    /// The bound on packets in flight per endpoint this provider needs, if any.
+    /// `FEP_RXD_MAX_PACKETS` overrides it (0: none); a value that is not a number is an error.
+    ///
+    /// NOTES: `ofi_rxd` sends every packet its window allows at once (new writes, retransmits,
+    /// the rest of a window an ack opened) and reads the completions of its datagram endpoint's
+    /// queue (`tx_size + rx_size` entries) only in its progress calls. The `udp` provider of
+    /// libfabric before 2.4 refuses a send into a full queue (rxd logs "error sending packet:
+    /// -11") but writes a receive completion into it unchecked (fixed upstream: "prov/udp: fix
+    /// CQ overflow case"), overwriting an unread entry: rxd then handles a packet twice or
+    /// never and frees a packet buffer twice, and the writes it reports are garbled
+    /// (target-side FI_ETRUNC, "Cannot process packet") or never complete. What the queue holds
+    /// between two progress calls is bounded by a few times the packets unacknowledged, which
+    /// the writes in flight bound: a quarter of `tx_size` keeps it far from full.
+    pub fn burst_limit(&self) -> Result<Option<BurstLimit>> {
+        if !self.provider().split(';').any(|p| p == "ofi_rxd") {
+            return Ok(None);
+        }
+        let packets = match std::env::var("FEP_RXD_MAX_PACKETS") {
+            Ok(v) => match v.trim().parse::<u64>() {
+                Ok(0) => return Ok(None),
+                Ok(n) => n,
+                Err(_) => {
+                    return Err(FabricError::arg(
+                        "FEP_RXD_MAX_PACKETS",
+                        format!("{v:?} is not a packet count (0 turns the bound off)"),
+                    ))
+                }
+            },
+            Err(_) => (self.tx_size() as u64 / 4).max(16),
+        };
+        // inject_size (the inline RMA payload) is below rxd's segment payload: an overestimate
+        // of the packets, on the safe side.
+        Ok(Some(BurstLimit { packets, packet_payload: (self.inject_size() as u64).max(256) }))
+    }
+
     /// The NIC's PCI address when the provider reports it (`nic->bus_attr`), `dddd:bb:dd.f`.
     pub fn nic_pci(&self) -> Option<String> {
         // SAFETY: nic, when set, points at the provider's fid_nic for this entry, and bus_attr,
