@@ -387,8 +387,11 @@ impl Info {
     /// CQ overflow case"), overwriting an unread entry: rxd then handles a packet twice or
     /// never and frees a packet buffer twice, and the writes it reports are garbled
     /// (target-side FI_ETRUNC, "Cannot process packet") or never complete. What the queue holds
-    /// between two progress calls is bounded by a few times the packets unacknowledged, which
-    /// the writes in flight bound: a quarter of `tx_size` keeps it far from full.
+    /// between two progress calls grows with the packets unacknowledged (each retransmit round
+    /// resends them all, and every packet received, duplicates too, is acked with a send of its
+    /// own), which the writes in flight bound: a sixteenth of `tx_size` keeps it far from full.
+    /// The bound makes the overrun rare, not impossible: a receiver that stays busy with
+    /// arrivals can still let acks pile up (libfabric 2.4 fixes the provider).
     pub fn burst_limit(&self) -> Result<Option<BurstLimit>> {
         if !self.provider().split(';').any(|p| p == "ofi_rxd") {
             return Ok(None);
@@ -404,7 +407,7 @@ impl Info {
                     ))
                 }
             },
-            Err(_) => (self.tx_size() as u64 / 4).max(16),
+            Err(_) => (self.tx_size() as u64 / 16).max(16),
         };
         // inject_size (the inline RMA payload) is below rxd's segment payload: an overestimate
         // of the packets, on the safe side.
