@@ -16,6 +16,10 @@ use crate::abi;
 use crate::trace::host_event;
 use crate::util::Backoff;
 
+/// How long a worker failure that names no peer waits for the bootstrap's news of a rank that
+/// left ([`Proxy::blame_dead_peer`]).
+const BLAME_WAIT: Duration = Duration::from_secs(2);
+
 /// How a host-side wait backs off: spins, then yields, then sleeps 1/64 of the time it has
 /// waited so far (20 us to 1 ms). The added latency stays under 2% of the wait, and a wait of
 /// seconds (a slow provider, a peer that is late) wakes about a thousand times a second instead
@@ -377,16 +381,26 @@ impl Proxy {
     }
 
     /// A worker's failure that names no peer (a target-side completion error: this libfabric's
-    /// error entries carry no source address) is often a peer's death seen by the fabric a few
-    /// milliseconds before the bootstrap reports it: wait up to 250 ms for that report, and
-    /// then name the rank that left instead.
+    /// error entries carry no source address) is usually a peer's death that the fabric saw
+    /// before the bootstrap: wait up to [`BLAME_WAIT`] for the bootstrap's report, and then name
+    /// the rank that left instead.
+    ///
+    /// NOTES: a killed process's memory goes before its sockets close (the kernel unmaps it
+    /// first): a peer writing into it (shm's cross-memory copies) fails at once, while the
+    /// bootstrap hears of it only when the unmapping of a large buffer is done, hundreds of
+    /// milliseconds later on a busy host. The fault matrix saw 250 ms run out.
     fn blame_dead_peer(&self, e: ProxyError) -> ProxyError {
         let Some(w) = self.peer_watch.get() else { return e };
-        if !matches!(e, ProxyError::Fabric { peer: None, .. }) {
+        let unnamed = |e: &ProxyError| matches!(e, ProxyError::Fabric { peer: None, .. });
+        let names_none = match &e {
+            ProxyError::WorkerFailed { source, .. } => unnamed(source),
+            e => unnamed(e),
+        };
+        if !names_none {
             return e;
         }
         let start = Instant::now();
-        while start.elapsed() < Duration::from_millis(250) {
+        while start.elapsed() < BLAME_WAIT {
             if let Some(&peer) = w().first() {
                 return ProxyError::PeerDead {
                     rank: self.rank,
@@ -902,6 +916,53 @@ mod tests {
             events.append(&mut self.done);
             Ok(())
         }
+    }
+
+    /// Fails its first poll with a target-side completion error (no peer named).
+    struct TargetSideError;
+
+    impl Transport for TargetSideError {
+        fn post_write(&mut self, _: &WriteOp) -> Result<bool, ProxyError> {
+            Ok(true)
+        }
+        fn poll(&mut self, _: &mut Vec<TransportEvent>) -> Result<(), ProxyError> {
+            Err(ProxyError::Fabric {
+                rank: 0,
+                peer: None,
+                source: crate::fabric::FabricError::Completion {
+                    err: 5,
+                    prov_errno: -5,
+                    text: "Input/output error".into(),
+                    op_context: 0,
+                    len: 0,
+                    flags: 0,
+                },
+            })
+        }
+    }
+
+    #[test]
+    fn a_failure_naming_no_peer_names_the_rank_the_bootstrap_reports_late() {
+        let rings = RingMemory::new_host(RingLayout::new(1, 16).unwrap()).unwrap();
+        let counters =
+            CounterMemory::new_host(CounterLayout { num_slots: 4, num_rings: 1 }).unwrap();
+        let proxy =
+            Proxy::start(ProxyConfig::default(), rings, counters, vec![TargetSideError]).unwrap();
+        // The bootstrap hears of rank 2's death 600 ms after the fabric failed.
+        let t = Instant::now();
+        proxy.watch_peers(Arc::new(move || {
+            if t.elapsed() > Duration::from_millis(600) {
+                vec![2]
+            } else {
+                Vec::new()
+            }
+        }));
+        let waits = [ArrivalWait { slot: 1, expected: 1, peer: 2 }];
+        match proxy.wait_all(&waits, Duration::from_secs(10)) {
+            Err(ProxyError::PeerDead { peer: 2, waiting, .. }) => assert_eq!(waiting, vec![2]),
+            other => panic!("expected rank 2 named, got {other:?}"),
+        }
+        assert!(t.elapsed() < BLAME_WAIT + Duration::from_secs(1), "{:?}", t.elapsed());
     }
 
     #[test]
