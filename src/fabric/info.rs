@@ -25,6 +25,15 @@ pub(crate) const MR_MODES_SUPPORTED: u32 = sys::FI_MR_LOCAL
     | sys::FI_MR_ENDPOINT
     | sys::FI_MR_HMEM;
 
+/// Mode bits a provider may not require of this layer: `FI_RX_CQ_DATA` (a write carrying
+/// remote CQ data would consume a posted receive at the target; the proxy posts none),
+/// `FI_CONTEXT`/`FI_CONTEXT2` (op contexts are plain cookies, not provider-owned structs) and
+/// `FI_MSG_PREFIX`. The hints ask for none, so `fi_getinfo` should return no entry needing one
+/// (EFA's `efa-direct` fabric, which needs `FI_CONTEXT2`, is left out and its `efa` fabric is
+/// used); an entry that sets one anyway is dropped rather than run against its contract.
+pub(crate) const UNSUPPORTED_MODES: u64 =
+    sys::FI_RX_CQ_DATA | sys::FI_CONTEXT | sys::FI_CONTEXT2 | sys::FI_MSG_PREFIX;
+
 /// A bound on the packets one endpoint may have in flight, for a provider that cannot be
 /// handed an unbounded burst ([`Info::burst_limit`]). Writes are counted in packets of at least
 /// `packet_payload` bytes (a zero-length write is one packet).
@@ -132,9 +141,8 @@ pub fn find(query: &InfoQuery) -> Result<Vec<Info>> {
     unsafe {
         let h = &mut *hints.0;
         h.caps = EP_CAPS | if query.hmem { sys::FI_HMEM } else { 0 };
-        // We accept no mode bits: no FI_CONTEXT (we pass plain cookies as op contexts) and no
-        // FI_RX_CQ_DATA (remote CQ data must not consume posted receives). Providers that
-        // insist on either are filtered out by fi_getinfo.
+        // We accept no mode bits (UNSUPPORTED_MODES says why): providers that insist on one
+        // are filtered out by fi_getinfo, and `find` drops any entry that sets one anyway.
         h.mode = 0;
         h.addr_format = sys::FI_FORMAT_UNSPEC;
         (*h.ep_attr).type_ = sys::fi_ep_type_FI_EP_RDM;
@@ -179,15 +187,37 @@ pub fn find(query: &InfoQuery) -> Result<Vec<Info>> {
         }
         sys::fi_freeinfo(list);
     }
+    let found = out.len();
+    let needing: Vec<String> = out
+        .iter()
+        .filter(|i| i.mode() & UNSUPPORTED_MODES != 0)
+        .map(|i| format!("{} needs mode {:#x}", i.domain_name(), i.mode() & UNSUPPORTED_MODES))
+        .collect();
     let out: Vec<Info> = out
         .into_iter()
-        .filter(|i| i.cq_data_size() >= 4 && (i.mr_mode() & !MR_MODES_SUPPORTED) == 0)
+        .filter(|i| {
+            i.cq_data_size() >= 4
+                && (i.mr_mode() & !MR_MODES_SUPPORTED) == 0
+                && i.mode() & UNSUPPORTED_MODES == 0
+        })
         .collect();
     if out.is_empty() {
+        let modes = if needing.is_empty() {
+            String::new()
+        } else {
+            format!(
+                " and no mode this layer cannot honour (FI_RX_CQ_DATA, FI_CONTEXT, FI_CONTEXT2, \
+                 FI_MSG_PREFIX: {})",
+                needing.join(", ")
+            )
+        };
         return Err(FabricError::NoProvider {
             provider: query.provider.clone().unwrap_or_else(|| "<any>".into()),
             hmem: query.hmem,
-            text: "entries found, but none with >= 4 bytes of CQ data and supported mr_mode".into(),
+            text: format!(
+                "{found} entries found, but none with >= 4 bytes of CQ data and supported \
+                 mr_mode{modes}"
+            ),
         });
     }
     Ok(out)
@@ -336,6 +366,16 @@ impl Info {
     pub fn caps(&self) -> u64 {
         self.raw().caps
     }
+    /// The mode bits the entry requires: its own and its transmit and receive contexts'.
+    pub fn mode(&self) -> u64 {
+        let r = self.raw();
+        // SAFETY: tx_attr and rx_attr, when set, point at the entry's own attributes.
+        let ctx = unsafe {
+            (if r.tx_attr.is_null() { 0 } else { (*r.tx_attr).mode })
+                | (if r.rx_attr.is_null() { 0 } else { (*r.rx_attr).mode })
+        };
+        r.mode | ctx
+    }
     /// True when GPU memory can be registered directly (`FI_HMEM`).
     pub fn hmem(&self) -> bool {
         self.caps() & sys::FI_HMEM != 0
@@ -446,5 +486,21 @@ impl Info {
             self.hmem(),
             self.max_msg_size()
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_mode_bit_of_the_receive_context_counts_as_required() {
+        // SAFETY: a fresh fi_info from fi_allocinfo, owned (and freed) by `Info`.
+        let info = Info { ptr: unsafe { sys::fi_allocinfo() } };
+        assert!(!info.ptr.is_null());
+        assert_eq!(info.mode() & UNSUPPORTED_MODES, 0);
+        // SAFETY: fi_allocinfo allocates rx_attr.
+        unsafe { (*(*info.ptr).rx_attr).mode = sys::FI_RX_CQ_DATA };
+        assert_eq!(info.mode() & UNSUPPORTED_MODES, sys::FI_RX_CQ_DATA);
     }
 }
