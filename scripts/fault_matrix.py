@@ -108,7 +108,7 @@ def one(binary: str, provider: str, mode: str, fault: str, at: float) -> tuple:
         sec = err.split(f"--- rank {r} stderr ---")
         sec = sec[1].split("--- rank")[0] if len(sec) > 1 else ""
         if not names(sec, VICTIM):
-            bad.append((r, sec.strip()[-240:]))
+            bad.append((r, sec.strip()[-800:]))
     if p.returncode == 0:
         return ("SUCCEEDED", took, "a job with a failed rank reported success")
     if bad:
@@ -121,15 +121,26 @@ def main() -> int:
     ap.add_argument("--bin", default="target/release/ep-bench")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--at", default="0.4,1.2,2.5", help="fault moments, s (comma list)")
+    ap.add_argument("--providers", default=",".join(PROVIDERS),
+                    help="providers to run, comma list (to replay one case: --providers shm "
+                         "--modes low-latency --faults kill --at 2.5 --reps 20)")
+    ap.add_argument("--modes", default=",".join(MODES), help="modes to run, comma list")
+    ap.add_argument("--faults", default=",".join(FAULTS), help="kill and/or stop, comma list")
     a = ap.parse_args()
     moments = [float(x) for x in a.at.split(",")]
+    providers, modes, faults = (x.split(",") for x in (a.providers, a.modes, a.faults))
+    for what, got, known in [("--providers", providers, PROVIDERS), ("--modes", modes, MODES),
+                             ("--faults", faults, FAULTS)]:
+        unknown = [x for x in got if x not in known]
+        if unknown:
+            ap.error(f"{what}: unknown {unknown}; known: {known}")
     tally = {}
     n = 0
     t_all = time.monotonic()
     for rep in range(a.reps):
-        for prov in PROVIDERS:
-            for mode in MODES:
-                for fault in FAULTS:
+        for prov in providers:
+            for mode in modes:
+                for fault in faults:
                     for at in moments:
                         v, took, why = one(a.bin, prov, mode, fault, at)
                         n += 1

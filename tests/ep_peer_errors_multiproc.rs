@@ -1,10 +1,14 @@
 //! A peer that dies (SIGKILL) or stops (SIGSTOP) in the middle of a run of normal dispatches
 //! and combines: every surviving rank's error must name it. Ranks are OS processes (this test
 //! binary re-executed, one per rank) driving the C ABI over the environment's TCP store and
-//! libfabric's tcp;ofi_rxm, so the errors are the ones a C or Python caller sees.
+//! libfabric's tcp;ofi_rxm, so the errors are the ones a C or Python caller sees. The same with a
+//! caller's all-gather callback instead of the store (what a torch process group gives): the
+//! callback bootstrap's liveness channel must name a killed peer as fast as the store does.
 
-use std::ffi::CStr;
-use std::io::{BufRead, BufReader};
+use std::ffi::{c_void, CStr};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::raw::c_int;
 use std::process::{Child, Command, Stdio};
 use std::ptr::{null, null_mut};
 use std::sync::mpsc;
@@ -13,11 +17,93 @@ use std::time::{Duration, Instant};
 use fabric_ep::ffi::*;
 
 const ROLE: &str = "FEP_PEER_TEST_RANK";
+/// Set (to the hub's port): the rank bootstraps over [`Hub`] through `fep_buffer_create`'s
+/// all-gather callback, not the TCP store.
+const HUB: &str = "FEP_PEER_TEST_HUB";
 const WORLD: usize = 3;
+/// The rank the fault hits, unless a test names another.
 const VICTIM: usize = 1;
 
 fn last_error() -> String {
     unsafe { CStr::from_ptr(fep_last_error()) }.to_string_lossy().into_owned()
+}
+
+/// A caller's collective as plain as can be: rank 0 holds one TCP connection per other rank and
+/// answers every round with all blobs in rank order. It watches nobody: a dead rank only shows
+/// as a read that fails, in the next round (the data path runs none).
+struct Hub {
+    rank: usize,
+    /// Rank 0: the connections of ranks 1.. (index r - 1); else: the one to rank 0.
+    conns: Vec<TcpStream>,
+}
+
+impl Hub {
+    fn connect(rank: usize, port: u16) -> Hub {
+        let io = Some(Duration::from_secs(60));
+        if rank == 0 {
+            let l = TcpListener::bind(("127.0.0.1", port)).expect("hub listen");
+            let mut conns: Vec<Option<TcpStream>> = (1..WORLD).map(|_| None).collect();
+            for _ in 1..WORLD {
+                let (mut s, _) = l.accept().expect("hub accept");
+                let mut r = [0u8; 8];
+                s.read_exact(&mut r).expect("hub hello");
+                s.set_read_timeout(io).unwrap();
+                conns[u64::from_le_bytes(r) as usize - 1] = Some(s);
+            }
+            return Hub {
+                rank,
+                conns: conns.into_iter().map(|c| c.expect("every rank")).collect(),
+            };
+        }
+        let t = Instant::now();
+        let mut s = loop {
+            match TcpStream::connect(("127.0.0.1", port)) {
+                Ok(s) => break s,
+                Err(e) if t.elapsed() < Duration::from_secs(20) => {
+                    let _ = e;
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => panic!("rank {rank}: hub connect: {e}"),
+            }
+        };
+        s.write_all(&(rank as u64).to_le_bytes()).unwrap();
+        s.set_read_timeout(io).unwrap();
+        Hub { rank, conns: vec![s] }
+    }
+
+    fn gather(&mut self, send: &[u8], recv: &mut [u8]) -> std::io::Result<()> {
+        let n = send.len();
+        if self.rank == 0 {
+            recv[..n].copy_from_slice(send);
+            for (i, c) in self.conns.iter_mut().enumerate() {
+                c.read_exact(&mut recv[(i + 1) * n..(i + 2) * n])?;
+            }
+            for c in &mut self.conns {
+                c.write_all(recv)?;
+            }
+        } else {
+            self.conns[0].write_all(send)?;
+            self.conns[0].read_exact(recv)?;
+        }
+        Ok(())
+    }
+}
+
+unsafe extern "C" fn hub_gather(
+    send: *const c_void,
+    len: usize,
+    recv: *mut c_void,
+    user: *mut c_void,
+) -> c_int {
+    // SAFETY: `user` is the rank's Hub, alive for the whole process; the buffers are the
+    // library's, `len` and `len * WORLD` bytes.
+    let hub = unsafe { &mut *user.cast::<Hub>() };
+    let send = unsafe { std::slice::from_raw_parts(send.cast::<u8>(), len) };
+    let recv = unsafe { std::slice::from_raw_parts_mut(recv.cast::<u8>(), len * WORLD) };
+    match hub.gather(send, recv) {
+        Ok(()) => 0,
+        Err(_) => -1,
+    }
 }
 
 /// One rank: dispatch + combine until a call fails; prints `iter N` after each and `ERROR
@@ -35,7 +121,14 @@ fn rank_main(rank: usize) -> ! {
     let provider = c"tcp;ofi_rxm";
     cfg.provider = provider.as_ptr();
     let mut b = null_mut();
-    let st = unsafe { fep_buffer_create(&cfg, None, null_mut(), &mut b) };
+    let st = match std::env::var(HUB) {
+        Ok(port) => {
+            let hub = Box::leak(Box::new(Hub::connect(rank, port.parse().unwrap())));
+            let user = (hub as *mut Hub).cast::<c_void>();
+            unsafe { fep_buffer_create(&cfg, Some(hub_gather), user, &mut b) }
+        }
+        Err(_) => unsafe { fep_buffer_create(&cfg, None, null_mut(), &mut b) },
+    };
     if st != fep_status::FEP_OK {
         println!("SETUP {st:?} {}", last_error());
         std::process::exit(3);
@@ -78,21 +171,29 @@ fn rank_main(rank: usize) -> ! {
 }
 
 /// The ranks, their stdout lines (rank, line) on one channel.
-fn launch(test: &str) -> (Vec<Child>, mpsc::Receiver<(usize, String)>) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+fn launch(test: &str, hub: bool) -> (Vec<Child>, mpsc::Receiver<(usize, String)>) {
+    let free = || TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = free();
+    let hub_port = free();
     let (tx, rx) = mpsc::channel();
     let mut kids = Vec::new();
     for r in 0..WORLD {
-        let mut child = Command::new(std::env::current_exe().unwrap())
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        if hub {
+            // No store variables at all: the callback is the only bootstrap.
+            cmd.env(HUB, hub_port.to_string());
+        } else {
+            cmd.env("MASTER_ADDR", "127.0.0.1")
+                .env("FEP_MASTER_PORT", port.to_string())
+                .env("FEP_JOB_ID", format!("peer-errors-{}-{port}", std::process::id()));
+        }
+        let mut child = cmd
             .args(["--exact", "--nocapture", "--test-threads=1", test])
             .env(ROLE, r.to_string())
             .env("RANK", r.to_string())
             .env("WORLD_SIZE", WORLD.to_string())
             .env("LOCAL_RANK", "0")
             .env("LOCAL_WORLD_SIZE", "1")
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("FEP_MASTER_PORT", port.to_string())
-            .env("FEP_JOB_ID", format!("peer-errors-{}-{port}", std::process::id()))
             .env_remove("FI_PROVIDER")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -121,11 +222,15 @@ fn names_peer(msg: &str, peer: usize) -> bool {
     listed || body.contains(&format!("rank {peer}"))
 }
 
-fn run(test: &str, stop_instead_of_kill: bool) {
+fn run(test: &str, stop_instead_of_kill: bool, hub: bool) {
+    run_victim(test, stop_instead_of_kill, hub, VICTIM)
+}
+
+fn run_victim(test: &str, stop_instead_of_kill: bool, hub: bool, victim: usize) {
     if let Ok(r) = std::env::var(ROLE) {
         rank_main(r.parse().unwrap());
     }
-    let (mut kids, rx) = launch(test);
+    let (mut kids, rx) = launch(test, hub);
     let start = Instant::now();
     // Let every rank run a few steps, so the victim goes down in the middle of the run.
     let mut iters = [0u64; WORLD];
@@ -137,15 +242,15 @@ fn run(test: &str, stop_instead_of_kill: bool) {
             panic!("rank {r} before the fault: {line}");
         }
     }
-    let victim = kids[VICTIM].id() as i32;
+    let victim_pid = kids[victim].id() as i32;
     let sig = if stop_instead_of_kill { libc::SIGSTOP } else { libc::SIGKILL };
     // SAFETY: a plain signal to a child this test spawned and has not reaped.
-    assert_eq!(unsafe { libc::kill(victim, sig) }, 0);
+    assert_eq!(unsafe { libc::kill(victim_pid, sig) }, 0);
     let faulted = Instant::now();
     let mut errors: Vec<Option<String>> = vec![None; WORLD];
     let mut last_error_after = Duration::ZERO;
     let deadline = Instant::now() + Duration::from_secs(60);
-    while (0..WORLD).any(|r| r != VICTIM && errors[r].is_none()) && Instant::now() < deadline {
+    while (0..WORLD).any(|r| r != victim && errors[r].is_none()) && Instant::now() < deadline {
         if let Ok((r, line)) = rx.recv_timeout(Duration::from_millis(200)) {
             if let Some(m) = line.strip_prefix("ERROR ") {
                 errors[r] = Some(m.to_string());
@@ -155,8 +260,8 @@ fn run(test: &str, stop_instead_of_kill: bool) {
     }
     eprintln!("every survivor failed within {last_error_after:?} of the fault");
     if !stop_instead_of_kill {
-        // A killed rank's store connection closes at once and the store tells every rank: no
-        // survivor waits out its 4 s timeout.
+        // A killed rank's store (or liveness) connection closes at once and rank 0 tells every
+        // rank: no survivor waits out its 4 s timeout.
         assert!(
             last_error_after < Duration::from_secs(2),
             "the death was reported after {last_error_after:?}"
@@ -167,10 +272,10 @@ fn run(test: &str, stop_instead_of_kill: bool) {
         let _ = k.kill();
         let _ = k.wait();
     }
-    for r in (0..WORLD).filter(|&r| r != VICTIM) {
+    for r in (0..WORLD).filter(|&r| r != victim) {
         let msg = errors[r].as_deref().unwrap_or_else(|| panic!("rank {r} reported no error"));
         eprintln!("rank {r}: {msg}");
-        assert!(names_peer(msg, VICTIM), "rank {r}'s error does not name rank {VICTIM}: {msg}");
+        assert!(names_peer(msg, victim), "rank {r}'s error does not name rank {victim}: {msg}");
         assert!(!msg.contains("peer None"), "{msg}");
     }
     assert!(took < Duration::from_secs(90), "{took:?}");
@@ -179,12 +284,29 @@ fn run(test: &str, stop_instead_of_kill: bool) {
 // Each test re-executes itself once per rank (`ROLE` set): a rank process runs `rank_main`.
 #[test]
 fn a_peer_killed_mid_run_is_named_by_every_survivor() {
-    run("a_peer_killed_mid_run_is_named_by_every_survivor", false);
+    run("a_peer_killed_mid_run_is_named_by_every_survivor", false, false);
+}
+
+#[test]
+fn a_peer_killed_mid_run_is_named_by_every_survivor_over_a_callback_bootstrap() {
+    run("a_peer_killed_mid_run_is_named_by_every_survivor_over_a_callback_bootstrap", false, true);
+}
+
+/// Rank 0 serves the callback bootstrap's liveness channel: its death closes every connection,
+/// and the others name it instead of hanging.
+#[test]
+fn rank_0_killed_mid_run_is_named_by_every_survivor_over_a_callback_bootstrap() {
+    run_victim(
+        "rank_0_killed_mid_run_is_named_by_every_survivor_over_a_callback_bootstrap",
+        false,
+        true,
+        0,
+    );
 }
 
 #[test]
 fn a_peer_stopped_mid_run_is_named_by_every_survivor() {
-    run("a_peer_stopped_mid_run_is_named_by_every_survivor", true);
+    run("a_peer_stopped_mid_run_is_named_by_every_survivor", true, false);
 }
 
 #[test]

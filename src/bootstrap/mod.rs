@@ -9,7 +9,8 @@
 //!   names it. Several stores in one process share rank 0's port (one server, one namespace each).
 //! - [`InProcGroup`]: threads as ranks, for tests.
 //! - [`CallbackBootstrap`]: the caller supplies an equal-length all-gather (C ABI, torch process
-//!   groups).
+//!   groups); rank 0 serves a small liveness channel whose address travels in the first
+//!   all-gather, so a dead peer is named as fast as with the TCP store.
 //!
 //! [`LocalJob`] starts N ranks of an executable as local processes with the same env vars torchrun
 //! would set; `ep-bench` and the multi-process tests use it.
@@ -26,6 +27,7 @@ mod auth;
 mod callback;
 mod inproc;
 mod launch;
+mod liveness;
 mod server;
 mod tcp;
 mod wire;
@@ -68,7 +70,7 @@ pub trait Bootstrap: Send + Sync {
     /// Ranks this bootstrap has seen leave while it was open, ascending: their connection closed
     /// (killed, crashed, or closed their bootstrap early). A rank never leaves this list, and any
     /// collective that needs it fails naming it. Default: none known (a bootstrap that cannot watch
-    /// its peers, such as a caller's callback).
+    /// its peers).
     fn dead_ranks(&self) -> Vec<usize> {
         Vec::new()
     }
@@ -149,7 +151,7 @@ pub enum BootstrapError {
     Timeout { op: &'static str, round: u64, missing: Vec<usize>, waited: Duration, note: String },
     /// A rank's connection closed while the job still needed it.
     #[error(
-        "rank {rank} is gone ({op}): its connection to the store closed (process killed, crashed or \
+        "rank {rank} is gone ({op}): its bootstrap connection closed (process killed, crashed or \
          exited early); see rank {rank}'s log"
     )]
     PeerGone { rank: usize, op: &'static str },

@@ -29,6 +29,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+/// The host backend's proxy workers (one lane idles while the other works) sleep up to this
+/// long between polls once idle for a while (`ProxyConfig::idle_sleep_max`).
+const HOST_IDLE_SLEEP_MAX: Duration = Duration::from_millis(1);
+
 use super::config::{DispatchDtype, EpConfig};
 use super::gpu::{GpuBuffer, GpuOptions};
 use super::handle::{DispatchHandle, LlHandle};
@@ -434,6 +438,7 @@ impl Buffer {
         let pcfg = ProxyConfig {
             rank: rank as u32,
             value_bits: plan::IMM_VALUE_BITS,
+            idle_sleep_max: HOST_IDLE_SLEEP_MAX,
             ..ProxyConfig::default()
         };
         let hash = cfg.hash();
@@ -1333,6 +1338,7 @@ impl Buffer {
         let pcfg = ProxyConfig {
             rank: rank as u32,
             value_bits: plan::IMM_VALUE_BITS,
+            idle_sleep_max: HOST_IDLE_SLEEP_MAX,
             ..ProxyConfig::default()
         };
         let (geo, send, recv, proxy, fabric) = match &self.opts.transport {

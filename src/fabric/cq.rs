@@ -162,6 +162,7 @@ impl CompletionQueue {
             text,
             op_context: e.op_context as u64,
             len: e.len,
+            flags: e.flags,
         }
     }
 }

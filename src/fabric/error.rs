@@ -18,12 +18,15 @@ pub enum FabricError {
         if *.hmem { " and FI_HMEM" } else { "" }
     )]
     NoProvider { provider: String, hmem: bool, text: String },
-    /// A completion-error entry (`fi_cq_readerr`), decoded with `fi_cq_strerror`.
+    /// A completion-error entry (`fi_cq_readerr`), decoded with `fi_cq_strerror`. `flags` are
+    /// the entry's `FI_*` flags: on the target side of a peer's write (`op_context` 0, or
+    /// `FI_REMOTE_WRITE`) the entry names no peer, since libfabric's error entries carry no
+    /// source address.
     #[error(
         "completion error: {text} (err {err}, prov_errno {prov_errno}, op context {op_context:#x}, \
-         len {len})"
+         len {len}{})", completion_side(*.op_context, *.flags)
     )]
-    Completion { err: i32, prov_errno: i32, text: String, op_context: u64, len: usize },
+    Completion { err: i32, prov_errno: i32, text: String, op_context: u64, len: usize, flags: u64 },
     /// A bounded wait ran out.
     #[error("timed out after {waited:?} {what}")]
     Timeout { what: String, waited: Duration },
@@ -33,6 +36,17 @@ pub enum FabricError {
     /// The provider lacks something EP relies on.
     #[error("provider {provider} unsupported: {msg}")]
     Unsupported { provider: String, msg: String },
+}
+
+/// Flags of a completion that belongs to the target side of a peer's operation.
+const TARGET_SIDE_FLAGS: u64 = sys::FI_REMOTE_WRITE as u64 | sys::FI_REMOTE_READ as u64;
+
+fn completion_side(op_context: u64, flags: u64) -> &'static str {
+    if op_context == 0 || flags & TARGET_SIDE_FLAGS != 0 {
+        ", target side of a peer's operation"
+    } else {
+        ""
+    }
 }
 
 fn ctx_suffix(ctx: &str) -> String {
@@ -66,6 +80,13 @@ impl FabricError {
 
     pub(crate) fn arg(arg: &'static str, msg: impl Into<String>) -> Self {
         FabricError::InvalidArgument { arg, msg: msg.into() }
+    }
+
+    /// A completion error on the target side of a peer's operation (a remote write landing
+    /// here): nothing in it names the peer.
+    pub fn is_target_side(&self) -> bool {
+        matches!(self, FabricError::Completion { op_context, flags, .. }
+            if *op_context == 0 || flags & TARGET_SIDE_FLAGS != 0)
     }
 
     /// True for `-FI_EAGAIN` returned by a call.

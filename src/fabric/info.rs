@@ -25,6 +25,31 @@ pub(crate) const MR_MODES_SUPPORTED: u32 = sys::FI_MR_LOCAL
     | sys::FI_MR_ENDPOINT
     | sys::FI_MR_HMEM;
 
+/// Mode bits a provider may not require of this layer: `FI_RX_CQ_DATA` (a write carrying
+/// remote CQ data would consume a posted receive at the target; the proxy posts none),
+/// `FI_CONTEXT`/`FI_CONTEXT2` (op contexts are plain cookies, not provider-owned structs) and
+/// `FI_MSG_PREFIX`. The hints ask for none, so `fi_getinfo` should return no entry needing one
+/// (EFA's `efa-direct` fabric, which needs `FI_CONTEXT2`, is left out and its `efa` fabric is
+/// used); an entry that sets one anyway is dropped rather than run against its contract.
+pub(crate) const UNSUPPORTED_MODES: u64 =
+    sys::FI_RX_CQ_DATA | sys::FI_CONTEXT | sys::FI_CONTEXT2 | sys::FI_MSG_PREFIX;
+
+/// A bound on the packets one endpoint may have in flight, for a provider that cannot be
+/// handed an unbounded burst ([`Info::burst_limit`]). Writes are counted in packets of at least
+/// `packet_payload` bytes (a zero-length write is one packet).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BurstLimit {
+    pub packets: u64,
+    pub packet_payload: u64,
+}
+
+impl BurstLimit {
+    /// Packets a write of `len` bytes takes (an upper bound: the header packet, then segments).
+    pub fn packets_of(&self, len: u64) -> u64 {
+        1 + len / self.packet_payload.max(1)
+    }
+}
+
 /// What to look for.
 #[derive(Clone, Debug, Default)]
 pub struct InfoQuery {
@@ -116,9 +141,8 @@ pub fn find(query: &InfoQuery) -> Result<Vec<Info>> {
     unsafe {
         let h = &mut *hints.0;
         h.caps = EP_CAPS | if query.hmem { sys::FI_HMEM } else { 0 };
-        // We accept no mode bits: no FI_CONTEXT (we pass plain cookies as op contexts) and no
-        // FI_RX_CQ_DATA (remote CQ data must not consume posted receives). Providers that
-        // insist on either are filtered out by fi_getinfo.
+        // We accept no mode bits (UNSUPPORTED_MODES says why): providers that insist on one
+        // are filtered out by fi_getinfo, and `find` drops any entry that sets one anyway.
         h.mode = 0;
         h.addr_format = sys::FI_FORMAT_UNSPEC;
         (*h.ep_attr).type_ = sys::fi_ep_type_FI_EP_RDM;
@@ -163,15 +187,37 @@ pub fn find(query: &InfoQuery) -> Result<Vec<Info>> {
         }
         sys::fi_freeinfo(list);
     }
+    let found = out.len();
+    let needing: Vec<String> = out
+        .iter()
+        .filter(|i| i.mode() & UNSUPPORTED_MODES != 0)
+        .map(|i| format!("{} needs mode {:#x}", i.domain_name(), i.mode() & UNSUPPORTED_MODES))
+        .collect();
     let out: Vec<Info> = out
         .into_iter()
-        .filter(|i| i.cq_data_size() >= 4 && (i.mr_mode() & !MR_MODES_SUPPORTED) == 0)
+        .filter(|i| {
+            i.cq_data_size() >= 4
+                && (i.mr_mode() & !MR_MODES_SUPPORTED) == 0
+                && i.mode() & UNSUPPORTED_MODES == 0
+        })
         .collect();
     if out.is_empty() {
+        let modes = if needing.is_empty() {
+            String::new()
+        } else {
+            format!(
+                " and no mode this layer cannot honour (FI_RX_CQ_DATA, FI_CONTEXT, FI_CONTEXT2, \
+                 FI_MSG_PREFIX: {})",
+                needing.join(", ")
+            )
+        };
         return Err(FabricError::NoProvider {
             provider: query.provider.clone().unwrap_or_else(|| "<any>".into()),
             hmem: query.hmem,
-            text: "entries found, but none with >= 4 bytes of CQ data and supported mr_mode".into(),
+            text: format!(
+                "{found} entries found, but none with >= 4 bytes of CQ data and supported \
+                 mr_mode{modes}"
+            ),
         });
     }
     Ok(out)
@@ -320,6 +366,16 @@ impl Info {
     pub fn caps(&self) -> u64 {
         self.raw().caps
     }
+    /// The mode bits the entry requires: its own and its transmit and receive contexts'.
+    pub fn mode(&self) -> u64 {
+        let r = self.raw();
+        // SAFETY: tx_attr and rx_attr, when set, point at the entry's own attributes.
+        let ctx = unsafe {
+            (if r.tx_attr.is_null() { 0 } else { (*r.tx_attr).mode })
+                | (if r.rx_attr.is_null() { 0 } else { (*r.rx_attr).mode })
+        };
+        r.mode | ctx
+    }
     /// True when GPU memory can be registered directly (`FI_HMEM`).
     pub fn hmem(&self) -> bool {
         self.caps() & sys::FI_HMEM != 0
@@ -360,6 +416,44 @@ impl Info {
         }
         1 << 30
     }
+    /// The bound on packets in flight per endpoint this provider needs, if any.
+    /// `FEP_RXD_MAX_PACKETS` overrides it (0: none); a value that is not a number is an error.
+    ///
+    /// NOTES: `ofi_rxd` sends every packet its window allows at once (new writes, retransmits,
+    /// the rest of a window an ack opened) and reads the completions of its datagram endpoint's
+    /// queue (`tx_size + rx_size` entries) only in its progress calls. The `udp` provider of
+    /// libfabric before 2.4 refuses a send into a full queue (rxd logs "error sending packet:
+    /// -11") but writes a receive completion into it unchecked (fixed upstream: "prov/udp: fix
+    /// CQ overflow case"), overwriting an unread entry: rxd then handles a packet twice or
+    /// never and frees a packet buffer twice, and the writes it reports are garbled
+    /// (target-side FI_ETRUNC, "Cannot process packet") or never complete. What the queue holds
+    /// between two progress calls grows with the packets unacknowledged (each retransmit round
+    /// resends them all, and every packet received, duplicates too, is acked with a send of its
+    /// own), which the writes in flight bound: a sixteenth of `tx_size` keeps it far from full.
+    /// The bound makes the overrun rare, not impossible: a receiver that stays busy with
+    /// arrivals can still let acks pile up (libfabric 2.4 fixes the provider).
+    pub fn burst_limit(&self) -> Result<Option<BurstLimit>> {
+        if !self.provider().split(';').any(|p| p == "ofi_rxd") {
+            return Ok(None);
+        }
+        let packets = match std::env::var("FEP_RXD_MAX_PACKETS") {
+            Ok(v) => match v.trim().parse::<u64>() {
+                Ok(0) => return Ok(None),
+                Ok(n) => n,
+                Err(_) => {
+                    return Err(FabricError::arg(
+                        "FEP_RXD_MAX_PACKETS",
+                        format!("{v:?} is not a packet count (0 turns the bound off)"),
+                    ))
+                }
+            },
+            Err(_) => (self.tx_size() as u64 / 16).max(16),
+        };
+        // inject_size (the inline RMA payload) is below rxd's segment payload: an overestimate
+        // of the packets, on the safe side.
+        Ok(Some(BurstLimit { packets, packet_payload: (self.inject_size() as u64).max(256) }))
+    }
+
     /// The NIC's PCI address when the provider reports it (`nic->bus_attr`), `dddd:bb:dd.f`.
     pub fn nic_pci(&self) -> Option<String> {
         // SAFETY: nic, when set, points at the provider's fid_nic for this entry, and bus_attr,
@@ -392,5 +486,21 @@ impl Info {
             self.hmem(),
             self.max_msg_size()
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_mode_bit_of_the_receive_context_counts_as_required() {
+        // SAFETY: a fresh fi_info from fi_allocinfo, owned (and freed) by `Info`.
+        let info = Info { ptr: unsafe { sys::fi_allocinfo() } };
+        assert!(!info.ptr.is_null());
+        assert_eq!(info.mode() & UNSUPPORTED_MODES, 0);
+        // SAFETY: fi_allocinfo allocates rx_attr.
+        unsafe { (*(*info.ptr).rx_attr).mode = sys::FI_RX_CQ_DATA };
+        assert_eq!(info.mode() & UNSUPPORTED_MODES, sys::FI_RX_CQ_DATA);
     }
 }

@@ -23,7 +23,8 @@ pub use domain::{Domain, Fabric};
 pub use endpoint::Endpoint;
 pub use error::{strerror, FabricError, Result};
 pub use info::{
-    api_version, find, find_first, library_version, select, select_with, Info, InfoQuery,
+    api_version, find, find_first, library_version, select, select_with, BurstLimit, Info,
+    InfoQuery,
 };
 pub use libfabric_sys as sys;
 pub use mr::{MemKind, MemoryRegion, RemoteRegion};

@@ -4,7 +4,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::fabric::{Completion, Endpoint, FabricError, FiAddr, MemoryRegion, RemoteRegion};
+use crate::fabric::{
+    BurstLimit, Completion, Endpoint, FabricError, FiAddr, MemoryRegion, RemoteRegion,
+};
 
 use super::transport::{Transport, TransportEvent, WriteOp};
 use super::ProxyError;
@@ -21,6 +23,60 @@ pub struct FabricPeer {
 const CQ_BATCH: usize = 64;
 const CQ_ROUNDS: usize = 16;
 
+/// The most writes one transport keeps in flight (posted, local completion not read): past it a
+/// post is back-pressured like the provider's EAGAIN. Far above what a provider accepts.
+const MAX_OPS_IN_FLIGHT: usize = 1 << 20;
+
+/// One write in flight: what its completion credits and (for a [`BurstLimit`]) what it costs.
+#[derive(Clone, Copy, Debug)]
+struct Op {
+    dst: u32,
+    ring: u32,
+    packets: u64,
+}
+
+/// The writes in flight, by op context: context `i + 1` is `slots[i]` (0 is never used:
+/// remote-write completions carry 0). A completion, or a completion error, finds its write's
+/// destination and ring here.
+#[derive(Debug, Default)]
+struct InFlight {
+    slots: Vec<Option<Op>>,
+    free: Vec<usize>,
+    count: u64,
+    packets: u64,
+}
+
+impl InFlight {
+    fn insert(&mut self, op: Op) -> Option<u64> {
+        let i = match self.free.pop() {
+            Some(i) => i,
+            None if self.slots.len() < MAX_OPS_IN_FLIGHT => {
+                self.slots.push(None);
+                self.slots.len() - 1
+            }
+            None => return None,
+        };
+        self.slots[i] = Some(op);
+        self.count += 1;
+        self.packets += op.packets;
+        Some(i as u64 + 1)
+    }
+
+    /// Returns the slot of `context` to the free list (the post that took it failed).
+    fn cancel(&mut self, context: u64) {
+        let _ = self.take(context);
+    }
+
+    fn take(&mut self, context: u64) -> Option<Op> {
+        let i = usize::try_from(context.checked_sub(1)?).ok()?;
+        let op = self.slots.get_mut(i)?.take()?;
+        self.free.push(i);
+        self.count -= 1;
+        self.packets -= op.packets;
+        Some(op)
+    }
+}
+
 /// One worker's endpoint. The endpoint's CQ must be used by this transport alone while it runs
 /// (the proxy reads every completion on it).
 pub struct FabricTransport {
@@ -31,7 +87,9 @@ pub struct FabricTransport {
     send: Arc<MemoryRegion>,
     peers: Vec<Option<FabricPeer>>,
     cq_buf: Vec<Completion>,
-    in_flight: u64,
+    in_flight: InFlight,
+    /// The provider's bound on packets in flight, if it has one ([`BurstLimit`]).
+    burst: Option<BurstLimit>,
     drop_timeout: Duration,
 }
 
@@ -40,19 +98,10 @@ impl std::fmt::Debug for FabricTransport {
         f.debug_struct("FabricTransport")
             .field("rank", &self.rank)
             .field("peers", &self.peers.len())
-            .field("in_flight", &self.in_flight)
+            .field("in_flight", &self.in_flight.count)
+            .field("burst", &self.burst)
             .finish()
     }
-}
-
-/// The op context carries the destination and the ring, so completions credit the ring and
-/// completion errors name the peer. 0 is never used (remote-write completions carry 0).
-fn context(dst_rank: u32, ring: u32) -> u64 {
-    (u64::from(dst_rank) << 32) | (u64::from(ring) + 1)
-}
-
-fn peer_of(context: u64) -> u32 {
-    (context >> 32) as u32
 }
 
 impl FabricTransport {
@@ -70,20 +119,35 @@ impl FabricTransport {
                 msg: format!("immediate data limit {:#x} is under 32 bits", ep.imm_limit()),
             });
         }
+        let burst = ep.domain().info().burst_limit().map_err(|e| ProxyError::InvalidConfig {
+            what: "FEP_RXD_MAX_PACKETS",
+            msg: e.to_string(),
+        })?;
+        if let Some(b) = &burst {
+            crate::fep_debug!(
+                target: "fabric_ep::fabric",
+                "rank {rank}: provider {} takes at most ~{} packets in flight per endpoint ({} \
+                 bytes each at least)",
+                ep.domain().info().provider(),
+                b.packets,
+                b.packet_payload
+            );
+        }
         Ok(FabricTransport {
             rank,
             ep,
             send,
             peers,
             cq_buf: vec![Completion { context: 0, flags: 0, len: 0, data: 0 }; CQ_BATCH],
-            in_flight: 0,
+            in_flight: InFlight::default(),
+            burst,
             drop_timeout: Duration::from_secs(2),
         })
     }
 
     /// Writes posted whose local completion has not been read yet.
     pub fn in_flight(&self) -> u64 {
-        self.in_flight
+        self.in_flight.count
     }
 
     fn fabric_err(&self, peer: Option<u32>, source: FabricError) -> ProxyError {
@@ -102,6 +166,18 @@ impl Transport for FabricTransport {
                 num_ranks: self.peers.len() as u32,
             });
         };
+        let packets = self.burst.map_or(1, |b| b.packets_of(u64::from(op.length)));
+        if let Some(b) = &self.burst {
+            // One write always goes when nothing is in flight, however large: the provider's
+            // own window splits it.
+            if self.in_flight.count > 0 && self.in_flight.packets + packets > b.packets {
+                return Ok(false);
+            }
+        }
+        let Some(ctx) = self.in_flight.insert(Op { dst: op.dst_rank, ring: op.ring, packets })
+        else {
+            return Ok(false);
+        };
         let local_offset = usize::try_from(op.local_offset).unwrap_or(usize::MAX);
         // SAFETY: `send` stays registered while this transport lives, and Drop keeps it
         // registered while writes are in flight; the peer's region is the peer's to keep (a
@@ -117,14 +193,20 @@ impl Transport for FabricTransport {
                 &peer.recv,
                 op.remote_offset,
                 Some(u64::from(op.imm)),
-                context(op.dst_rank, op.ring),
+                ctx,
             )
+        };
+        match posted {
+            Ok(true) => Ok(true),
+            Ok(false) => {
+                self.in_flight.cancel(ctx);
+                Ok(false)
+            }
+            Err(e) => {
+                self.in_flight.cancel(ctx);
+                Err(self.fabric_err(Some(op.dst_rank), e))
+            }
         }
-        .map_err(|e| self.fabric_err(Some(op.dst_rank), e))?;
-        if posted {
-            self.in_flight += 1;
-        }
-        Ok(posted)
     }
 
     fn poll(&mut self, events: &mut Vec<TransportEvent>) -> Result<(), ProxyError> {
@@ -133,9 +215,12 @@ impl Transport for FabricTransport {
             let n = match self.ep.cq().read(&mut self.cq_buf) {
                 Ok(n) => n,
                 Err(e) => {
+                    // The failed write's destination, from its op context; a target-side
+                    // error (a peer's write landing here) carries no context and no source
+                    // address, so it names no peer.
                     let peer = match &e {
-                        FabricError::Completion { op_context, .. } if *op_context != 0 => {
-                            Some(peer_of(*op_context))
+                        FabricError::Completion { op_context, .. } if !e.is_target_side() => {
+                            self.in_flight.take(*op_context).map(|op| op.dst)
                         }
                         _ => None,
                     };
@@ -146,9 +231,16 @@ impl Transport for FabricTransport {
                 if c.has_data() {
                     events.push(TransportEvent::Arrival { imm: c.data as u32, len: c.len as u32 });
                 } else if c.is_local_tx() && c.context != 0 {
-                    let ring = ((c.context & 0xffff_ffff) - 1) as u32;
-                    let dst = peer_of(c.context);
-                    self.in_flight = self.in_flight.saturating_sub(1);
+                    let Some(Op { dst, ring, .. }) = self.in_flight.take(c.context) else {
+                        return Err(ProxyError::Transport {
+                            rank: self.rank,
+                            msg: format!(
+                                "a local completion names op context {:#x}, which no write in \
+                                 flight has",
+                                c.context
+                            ),
+                        });
+                    };
                     match events.last_mut() {
                         Some(TransportEvent::SendDone { ring: r, dst: d, count })
                             if *r == ring && *d == dst =>
@@ -172,16 +264,48 @@ impl Drop for FabricTransport {
         // The worker drains before it stops; this covers a transport dropped some other way.
         let start = Instant::now();
         let mut events = Vec::new();
-        while self.in_flight > 0 && start.elapsed() < self.drop_timeout {
+        while self.in_flight.count > 0 && start.elapsed() < self.drop_timeout {
             events.clear();
             if self.poll(&mut events).is_err() {
                 break;
             }
         }
-        if self.in_flight > 0 {
+        if self.in_flight.count > 0 {
             // NOTES: unregistering memory a provider may still read is undefined behaviour on
             // its side; keeping the registration (a bounded leak) is the safe failure.
             std::mem::forget(self.send.clone());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn in_flight_slots_are_reused_and_account_packets() {
+        let mut f = InFlight::default();
+        let a = f.insert(Op { dst: 3, ring: 1, packets: 5 }).unwrap();
+        let b = f.insert(Op { dst: 4, ring: 0, packets: 2 }).unwrap();
+        assert!(a != 0 && b != 0 && a != b, "contexts are nonzero and distinct");
+        assert_eq!((f.count, f.packets), (2, 7));
+        let op = f.take(a).unwrap();
+        assert_eq!((op.dst, op.ring), (3, 1));
+        assert!(f.take(a).is_none(), "a context completes once");
+        assert!(f.take(0).is_none() && f.take(99).is_none(), "unknown contexts name nothing");
+        assert_eq!((f.count, f.packets), (1, 2));
+        let c = f.insert(Op { dst: 5, ring: 2, packets: 1 }).unwrap();
+        assert_eq!(c, a, "a freed slot is reused");
+        f.cancel(b);
+        assert_eq!((f.count, f.packets), (1, 1));
+    }
+
+    #[test]
+    fn a_burst_limit_counts_a_header_packet_and_segments() {
+        let b = BurstLimit { packets: 256, packet_payload: 1000 };
+        assert_eq!(b.packets_of(0), 1);
+        assert_eq!(b.packets_of(999), 1);
+        assert_eq!(b.packets_of(1000), 2);
+        assert_eq!(b.packets_of(40_000), 41);
     }
 }

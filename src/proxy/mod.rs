@@ -55,10 +55,15 @@ fn owed_list(owed: &[(u32, u64)], what: &str) -> String {
     format!("; waiting for {} ({what})", parts.join(", "))
 }
 
-/// "writing to rank 3", or what an endpoint-wide failure is.
-fn fabric_peer(peer: Option<u32>) -> String {
+/// "writing to rank 3"; for a completion error naming no peer (the target side of a peer's
+/// write: libfabric's error entries carry no source address) "peer unknown (...)"; else what
+/// an endpoint-wide failure is.
+fn fabric_peer(peer: Option<u32>, source: &crate::fabric::FabricError) -> String {
     match peer {
         Some(p) => format!("writing to rank {p}"),
+        None if matches!(source, crate::fabric::FabricError::Completion { .. }) => {
+            "with peer unknown (no source address in the completion)".into()
+        }
         None => "on the endpoint (not tied to one peer's write)".into(),
     }
 }
@@ -148,8 +153,9 @@ pub enum ProxyError {
     /// The transport cannot reach a peer (it left, or its endpoint failed).
     #[error("rank {rank}: peer {peer} is unreachable: {msg}")]
     PeerUnreachable { rank: u32, peer: u32, msg: String },
-    /// A libfabric call or completion failed (`peer` when the operation names one).
-    #[error("rank {rank}: libfabric failure {}: {source}", fabric_peer(*.peer))]
+    /// A libfabric call or completion failed. `peer`: the destination of the failed write (its
+    /// op context), `None` where nothing names one (a target-side completion error).
+    #[error("rank {rank}: libfabric failure {}: {source}", fabric_peer(*.peer, .source))]
     Fabric { rank: u32, peer: Option<u32>, source: crate::fabric::FabricError },
     /// Any other transport failure.
     #[error("rank {rank}: transport failure: {msg}")]
@@ -187,4 +193,38 @@ pub enum ProxyError {
     /// A worker thread panicked (a bug: library code does not panic).
     #[error("proxy worker {worker} panicked")]
     WorkerPanicked { worker: String },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fabric::FabricError;
+
+    fn completion(op_context: u64, flags: u64) -> FabricError {
+        FabricError::Completion {
+            err: 265,
+            prov_errno: 0,
+            text: "Truncation error".into(),
+            op_context,
+            len: 20432,
+            flags,
+        }
+    }
+
+    #[test]
+    fn a_fabric_error_names_its_peer_or_says_why_it_cannot() {
+        let remote = crate::fabric::sys::FI_REMOTE_WRITE as u64;
+        let e = ProxyError::Fabric { rank: 3, peer: None, source: completion(0, remote) };
+        let msg = e.to_string();
+        assert!(msg.contains("peer unknown (no source address in the completion)"), "{msg}");
+        assert!(msg.contains("target side of a peer's operation"), "{msg}");
+        assert!(!msg.contains("None"), "{msg}");
+        let e = ProxyError::Fabric { rank: 3, peer: Some(5), source: completion(7, 0) };
+        let msg = e.to_string();
+        assert!(msg.contains("writing to rank 5"), "{msg}");
+        assert!(!msg.contains("target side"), "{msg}");
+        let call = FabricError::Timeout { what: "x".into(), waited: Duration::from_secs(1) };
+        let e = ProxyError::Fabric { rank: 3, peer: None, source: call };
+        assert!(e.to_string().contains("on the endpoint"), "{e}");
+    }
 }

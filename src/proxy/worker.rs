@@ -16,6 +16,44 @@ use crate::abi;
 use crate::trace::host_event;
 use crate::util::Backoff;
 
+/// How long a worker failure that names no peer waits for the bootstrap's news of a rank that
+/// left ([`Proxy::blame_dead_peer`]).
+const BLAME_WAIT: Duration = Duration::from_secs(2);
+
+/// How a host-side wait backs off: spins, then yields, then sleeps 1/64 of the time it has
+/// waited so far (20 us to 1 ms). The added latency stays under 2% of the wait, and a wait of
+/// seconds (a slow provider, a peer that is late) wakes about a thousand times a second instead
+/// of tens of thousands: on a host with more busy threads than cores those wake-ups took the CPU
+/// from the proxy threads whose progress the wait is for.
+struct WaitBackoff {
+    inner: Backoff,
+    rounds: u32,
+    start: Instant,
+}
+
+impl WaitBackoff {
+    const SPINS: u32 = 128;
+    const YIELDS: u32 = 4096;
+
+    fn new() -> Self {
+        WaitBackoff {
+            inner: Backoff::new(Self::SPINS, Self::YIELDS),
+            rounds: 0,
+            start: Instant::now(),
+        }
+    }
+
+    fn snooze(&mut self) {
+        if self.rounds < Self::YIELDS {
+            self.rounds += 1;
+            self.inner.snooze();
+        } else {
+            let s = self.start.elapsed() / 64;
+            std::thread::sleep(s.clamp(Duration::from_micros(20), Duration::from_millis(1)));
+        }
+    }
+}
+
 /// Settings for [`Proxy::start`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProxyConfig {
@@ -32,6 +70,12 @@ pub struct ProxyConfig {
     /// Sleep per idle pass in the sleeping regime: the wake-up latency a long-idle worker adds
     /// (benches/proxy.rs measures it).
     pub idle_sleep: Duration,
+    /// The sleep grows with the idle stretch (1/64 of it) up to this: a worker idle for long
+    /// wakes less often (each wake is a CQ poll, a syscall on most providers, which on a host
+    /// with more busy threads than cores takes the CPU from the threads doing the work), at a
+    /// wake-up latency of at most 1/64 of the time it was idle. Equal to `idle_sleep`: a fixed
+    /// sleep.
+    pub idle_sleep_max: Duration,
     /// How long `start` waits for each worker's ready handshake.
     pub start_timeout: Duration,
     /// On shutdown, how long a worker keeps polling for completions of writes it posted.
@@ -52,6 +96,7 @@ impl Default for ProxyConfig {
             idle_spin: Duration::from_micros(100),
             idle_yield: Duration::from_millis(2),
             idle_sleep: Duration::from_micros(20),
+            idle_sleep_max: Duration::from_micros(20),
             start_timeout: Duration::from_secs(10),
             drain_timeout: Duration::from_secs(1),
             stripe_rings: false,
@@ -251,6 +296,7 @@ impl Proxy {
                 idle_spin: config.idle_spin,
                 idle_yield: config.idle_yield,
                 idle_sleep: config.idle_sleep,
+                idle_sleep_max: config.idle_sleep_max.max(config.idle_sleep),
                 drain_timeout: config.drain_timeout,
                 num_slots: counters.layout().num_slots,
                 num_rings,
@@ -335,16 +381,26 @@ impl Proxy {
     }
 
     /// A worker's failure that names no peer (a target-side completion error: this libfabric's
-    /// error entries carry no source address) is often a peer's death seen by the fabric a few
-    /// milliseconds before the bootstrap reports it: wait up to 250 ms for that report, and
-    /// then name the rank that left instead.
+    /// error entries carry no source address) is usually a peer's death that the fabric saw
+    /// before the bootstrap: wait up to [`BLAME_WAIT`] for the bootstrap's report, and then name
+    /// the rank that left instead.
+    ///
+    /// NOTES: a killed process's memory goes before its sockets close (the kernel unmaps it
+    /// first): a peer writing into it (shm's cross-memory copies) fails at once, while the
+    /// bootstrap hears of it only when the unmapping of a large buffer is done, hundreds of
+    /// milliseconds later on a busy host. The fault matrix saw 250 ms run out.
     fn blame_dead_peer(&self, e: ProxyError) -> ProxyError {
         let Some(w) = self.peer_watch.get() else { return e };
-        if !matches!(e, ProxyError::Fabric { peer: None, .. }) {
+        let unnamed = |e: &ProxyError| matches!(e, ProxyError::Fabric { peer: None, .. });
+        let names_none = match &e {
+            ProxyError::WorkerFailed { source, .. } => unnamed(source),
+            e => unnamed(e),
+        };
+        if !names_none {
             return e;
         }
         let start = Instant::now();
-        while start.elapsed() < Duration::from_millis(250) {
+        while start.elapsed() < BLAME_WAIT {
             if let Some(&peer) = w().first() {
                 return ProxyError::PeerDead {
                     rank: self.rank,
@@ -409,7 +465,7 @@ impl Proxy {
         // NOTES (deadline): `timeout` bounds the time without progress (an arrival), not the
         // whole wait: slow but live peers on a busy machine never time out, a silent one does.
         let mut idle_since = Instant::now();
-        let mut backoff = Backoff::new(128, 4096);
+        let mut backoff = WaitBackoff::new();
         let mut first_pending = 0;
         let mut seen = self.arrivals_seen(waits);
         let mut passes = 0u32;
@@ -449,7 +505,6 @@ impl Proxy {
                 let now = self.arrivals_seen(waits);
                 if now != seen {
                     (seen, idle_since) = (now, Instant::now());
-                    backoff.reset();
                 }
             }
             if idle_since.elapsed() >= timeout {
@@ -486,7 +541,7 @@ impl Proxy {
         self.counters.sends_completed(ring)?;
         // As in `wait_all`: `timeout` bounds the time without a send completing.
         let mut idle_since = Instant::now();
-        let mut backoff = Backoff::new(128, 4096);
+        let mut backoff = WaitBackoff::new();
         let mut last = self.counters.sends_atomic(ring).load(Ordering::Acquire);
         loop {
             let observed = self.counters.sends_atomic(ring).load(Ordering::Acquire);
@@ -582,6 +637,7 @@ struct Worker<T> {
     idle_spin: Duration,
     idle_yield: Duration,
     idle_sleep: Duration,
+    idle_sleep_max: Duration,
     drain_timeout: Duration,
     num_slots: u32,
     num_rings: u32,
@@ -677,7 +733,9 @@ impl<T: Transport> Worker<T> {
             match regime {
                 Idle::Spin => std::hint::spin_loop(),
                 Idle::Yield => std::thread::yield_now(),
-                Idle::Sleep => std::thread::sleep(self.idle_sleep),
+                Idle::Sleep => std::thread::sleep(
+                    (idle_since.elapsed() / 64).clamp(self.idle_sleep, self.idle_sleep_max),
+                ),
             }
         }
         Ok(())
@@ -858,6 +916,53 @@ mod tests {
             events.append(&mut self.done);
             Ok(())
         }
+    }
+
+    /// Fails its first poll with a target-side completion error (no peer named).
+    struct TargetSideError;
+
+    impl Transport for TargetSideError {
+        fn post_write(&mut self, _: &WriteOp) -> Result<bool, ProxyError> {
+            Ok(true)
+        }
+        fn poll(&mut self, _: &mut Vec<TransportEvent>) -> Result<(), ProxyError> {
+            Err(ProxyError::Fabric {
+                rank: 0,
+                peer: None,
+                source: crate::fabric::FabricError::Completion {
+                    err: 5,
+                    prov_errno: -5,
+                    text: "Input/output error".into(),
+                    op_context: 0,
+                    len: 0,
+                    flags: 0,
+                },
+            })
+        }
+    }
+
+    #[test]
+    fn a_failure_naming_no_peer_names_the_rank_the_bootstrap_reports_late() {
+        let rings = RingMemory::new_host(RingLayout::new(1, 16).unwrap()).unwrap();
+        let counters =
+            CounterMemory::new_host(CounterLayout { num_slots: 4, num_rings: 1 }).unwrap();
+        let proxy =
+            Proxy::start(ProxyConfig::default(), rings, counters, vec![TargetSideError]).unwrap();
+        // The bootstrap hears of rank 2's death 600 ms after the fabric failed.
+        let t = Instant::now();
+        proxy.watch_peers(Arc::new(move || {
+            if t.elapsed() > Duration::from_millis(600) {
+                vec![2]
+            } else {
+                Vec::new()
+            }
+        }));
+        let waits = [ArrivalWait { slot: 1, expected: 1, peer: 2 }];
+        match proxy.wait_all(&waits, Duration::from_secs(10)) {
+            Err(ProxyError::PeerDead { peer: 2, waiting, .. }) => assert_eq!(waiting, vec![2]),
+            other => panic!("expected rank 2 named, got {other:?}"),
+        }
+        assert!(t.elapsed() < BLAME_WAIT + Duration::from_secs(1), "{:?}", t.elapsed());
     }
 
     #[test]
