@@ -309,7 +309,7 @@ mod tests {
         // Rank 0 leaves: rank 2 names it too.
         boots[0] = None;
         let b = boots[2].as_ref().unwrap();
-        wait_for("rank 2 names rank 0", || b.dead_ranks() == vec![0, 1]);
+        wait_for("rank 2 names rank 0", || b.dead_ranks() == vec![1, 0]);
     }
 
     #[test]

@@ -355,11 +355,14 @@ impl Server {
                 target: "fabric_ep::bootstrap",
                 "liveness: rank {rank}'s connection to rank 0 closed; telling the other ranks"
             );
-            self.dead.mark(rank);
+            // Told before it is marked here: this rank's own waits fail once it is marked, and
+            // a rank that exits on that error before the news went out would leave the others
+            // naming rank 0 instead of `rank`.
             for o in self.conns.iter_mut().filter(|o| o.rank.is_some() && !o.closed) {
                 o.output.extend_from_slice(&frame(K_LEFT, rank as u64));
                 flush(o);
             }
+            self.dead.mark(rank);
         }
     }
 }
@@ -567,7 +570,7 @@ mod tests {
         // Rank 0 leaves: the others name it.
         drop(server);
         for r in [1, 3] {
-            wait_for(&format!("rank {r} names rank 0"), || sets[r].list() == vec![0, 2]);
+            wait_for(&format!("rank {r} names rank 0"), || sets[r].list() == vec![2, 0]);
         }
         drop(joiners);
     }

@@ -20,7 +20,7 @@
 //! this module exists to prevent.
 
 use std::io;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 mod auth;
@@ -67,8 +67,9 @@ pub trait Bootstrap: Send + Sync {
     fn barrier(&self) -> Result<(), BootstrapError> {
         self.all_gather(&[]).map(|_| ())
     }
-    /// Ranks this bootstrap has seen leave while it was open, ascending: their connection closed
-    /// (killed, crashed, or closed their bootstrap early). A rank never leaves this list, and any
+    /// Ranks this bootstrap has seen leave while it was open, in the order it heard of them:
+    /// their connection closed (killed, crashed, or closed their bootstrap early). The first is
+    /// the one to blame: a rank that fails because another died may leave right after it. A rank never leaves this list, and any
     /// collective that needs it fails naming it. Default: none known (a bootstrap that cannot watch
     /// its peers).
     fn dead_ranks(&self) -> Vec<usize> {
@@ -82,33 +83,50 @@ pub trait Bootstrap: Send + Sync {
 }
 
 /// Ranks known gone, written by whoever observes a death and read lock-free by the data path.
+///
+/// NOTES: each rank keeps the order in which it was reported. A death often brings a second
+/// one: rank 0, failing because rank r died, exits, and a rank that heard of both must name r,
+/// not the lower rank 0.
 pub(crate) struct DeadSet {
-    flags: Box<[AtomicBool]>,
-    any: AtomicBool,
+    /// 0: alive; n: the n-th death reported.
+    order: Box<[AtomicU64]>,
+    reported: AtomicU64,
 }
 
 impl DeadSet {
     pub(crate) fn new(world: usize) -> Self {
-        DeadSet { flags: (0..world).map(|_| AtomicBool::new(false)).collect(), any: false.into() }
+        DeadSet { order: (0..world).map(|_| AtomicU64::new(0)).collect(), reported: 0.into() }
     }
 
-    /// Records `rank` (out-of-range ranks from the wire are ignored: they name no peer).
+    /// Records `rank` (out-of-range ranks from the wire are ignored: they name no peer); a rank
+    /// already recorded keeps its place.
     pub(crate) fn mark(&self, rank: usize) {
-        if let Some(f) = self.flags.get(rank) {
-            f.store(true, Ordering::Release);
-            self.any.store(true, Ordering::Release);
+        if let Some(f) = self.order.get(rank) {
+            if f.load(Ordering::Acquire) != 0 {
+                return;
+            }
+            let n = self.reported.fetch_add(1, Ordering::AcqRel) + 1;
+            let _ = f.compare_exchange(0, n, Ordering::AcqRel, Ordering::Acquire);
         }
     }
 
     pub(crate) fn is_dead(&self, rank: usize) -> bool {
-        self.flags.get(rank).is_some_and(|f| f.load(Ordering::Acquire))
+        self.order.get(rank).is_some_and(|f| f.load(Ordering::Acquire) != 0)
     }
 
+    /// The ranks recorded, first reported first.
     pub(crate) fn list(&self) -> Vec<usize> {
-        if !self.any.load(Ordering::Acquire) {
+        if self.reported.load(Ordering::Acquire) == 0 {
             return Vec::new();
         }
-        (0..self.flags.len()).filter(|&r| self.is_dead(r)).collect()
+        let mut dead: Vec<(u64, usize)> = (0..self.order.len())
+            .filter_map(|r| match self.order[r].load(Ordering::Acquire) {
+                0 => None,
+                n => Some((n, r)),
+            })
+            .collect();
+        dead.sort_unstable();
+        dead.into_iter().map(|(_, r)| r).collect()
     }
 }
 
@@ -293,6 +311,18 @@ mod tests {
         assert_eq!(node_local_world(4, 6, 4), 2);
         assert_eq!(node_local_world(5, 6, 4), 2);
         assert_eq!(node_local_world(7, 8, 8), 8);
+    }
+
+    #[test]
+    fn dead_set_lists_ranks_in_the_order_they_were_reported() {
+        let d = DeadSet::new(4);
+        assert!(d.list().is_empty());
+        d.mark(3);
+        d.mark(0);
+        d.mark(3); // keeps its place
+        d.mark(9); // out of range: names no peer
+        assert_eq!(d.list(), vec![3, 0]);
+        assert!(d.is_dead(0) && d.is_dead(3) && !d.is_dead(1) && !d.is_dead(9));
     }
 
     #[test]

@@ -1410,7 +1410,7 @@ mod tests {
         while !s1.is_dead(0) && t2.elapsed() < Duration::from_secs(2) {
             thread::sleep(Duration::from_millis(1));
         }
-        assert_eq!(s1.dead_ranks(), vec![0, 2]);
+        assert_eq!(s1.dead_ranks(), vec![2, 0]);
     }
 
     #[test]

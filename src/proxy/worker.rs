@@ -208,7 +208,7 @@ pub struct Proxy {
     peer_watch: std::sync::OnceLock<PeerWatch>,
 }
 
-/// Tells which ranks are known dead (ascending; empty: none). Asked on every pass of a wait, so
+/// Tells which ranks are known dead (first reported first; empty: none). Asked on every pass of a wait, so
 /// it must be cheap when nobody died (the TCP store's and in-process groups' answer is one
 /// atomic load then).
 pub type PeerWatch = Arc<dyn Fn() -> Vec<usize> + Send + Sync>;
