@@ -18,7 +18,7 @@ use fabric_ep::ep::layout::{random_topk_idx, LayoutShape};
 use fabric_ep::ep::normal_gpu::harness::{
     launch_combine, launch_dispatch, step, RankBuffers, RankInput, StepOptions,
 };
-use fabric_ep::ep::normal_gpu::{NormalGpuRank, NormalGpuSettings, NotifySource};
+use fabric_ep::ep::normal_gpu::{NormalGpuRank, NormalGpuSettings};
 use fabric_ep::ep::quant::{f32_to_bf16, quantize_bf16};
 use fabric_ep::ep::reference::{normal_dispatch, NormalParams, NormalRankInput, Tokens, TokensRef};
 use fabric_ep::util::SplitMix64;
@@ -250,7 +250,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             for (rk, (stream, lg, lb, topk, handle, n)) in ranks.iter_mut().zip(parts.iter_mut()) {
                 unsafe {
                     lg.launch(stream, topk, *n, k, lb, None, rk.rank() as u32, Default::default())?;
-                    rk.notify(stream, NotifySource::Layout(lb), *n, handle, 1, cap)?;
+                    rk.notify(stream, lb, *n, handle, 1, cap)?;
                 }
             }
             Ok(())

@@ -58,43 +58,15 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_NOTIFY_THREADS)
     __shared__ bool ok;
     if (threadIdx.x == 0) ok = !fep::error_raised(p.comm.dev_error);
 
-    // 1. Send plan towards b. From top-k ids (p.topk_idx): the token goes to b if one of its
-    // entries is one of b's experts, and b's per-expert counts are a shared-memory histogram of
-    // the entries (the layout kernel's definitions, src/ep/layout.rs). Else from the layout's
-    // is_token_in_rank column and num_tokens_per_expert.
+    // 1. Send plan towards b.
     const uint8_t* in_rank = reinterpret_cast<const uint8_t*>(p.is_token_in_rank);
-    const long long* topk = reinterpret_cast<const long long*>(p.topk_idx);
-    const int K = p.num_topk;
-    const long long lo = static_cast<long long>(b) * L, hi = lo + L;
-    const long long num_experts = static_cast<long long>(L) * num_ranks;
-    __shared__ int s_hist[FEP_NORMAL_NOTIFY_MAX_LOCAL];
-    if (topk != nullptr) {
-        for (int e = threadIdx.x; e < L; e += kNotifyThreads) s_hist[e] = 0;
-        __syncthreads();
-    }
     int32_t* send_ids = reinterpret_cast<int32_t*>(p.handle.send_token_ids) +
                         static_cast<int64_t>(b) * num_tokens;
     int32_t* send_pos = reinterpret_cast<int32_t*>(p.handle.send_pos);
     int count = 0;
     for (int t0 = 0; t0 < num_tokens; t0 += kNotifyThreads) {
         const int t = t0 + threadIdx.x;
-        bool hit = false;
-        if (topk == nullptr) {
-            hit = t < num_tokens && in_rank[static_cast<int64_t>(t) * num_ranks + b] != 0;
-        } else if (t < num_tokens) {
-            const long long* row = topk + static_cast<int64_t>(t) * K;
-            for (int k = 0; k < K; ++k) {
-                const long long e = __ldg(row + k);
-                if (e >= lo && e < hi) {
-                    hit = true;
-                    atomicAdd(&s_hist[e - lo], 1);
-                } else if (e != -1 && (e < 0 || e >= num_experts) && b == 0) {
-                    fep::report_error(p.comm.dev_error, FEP_DEV_BAD_INPUT, me, 0, UINT32_MAX,
-                                      static_cast<uint64_t>(num_experts),
-                                      static_cast<uint64_t>(e));
-                }
-            }
-        }
+        const bool hit = t < num_tokens && in_rank[static_cast<int64_t>(t) * num_ranks + b] != 0;
         int tile_total;
         const int off = notify_block_scan(hit, warp_sums, &tile_total);
         if (t < num_tokens) {
@@ -120,14 +92,10 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_NOTIFY_THREADS)
     }
     __syncthreads();
     const int32_t* per_expert_in = reinterpret_cast<const int32_t*>(p.num_tokens_per_expert);
-    // b's count of local expert e (the histogram is complete: the scan's barriers passed).
-    auto expert_count = [&](int e) -> int32_t {
-        return topk != nullptr ? s_hist[e] : per_expert_in[b * L + e];
-    };
     if (px) {
         uint32_t* words = reinterpret_cast<uint32_t*>(comm.px_send(comm.px_notify_off(b, seq)));
         if (ok) {
-            for (int e = threadIdx.x; e < L; e += kNotifyThreads) words[2 + e] = expert_count(e);
+            for (int e = threadIdx.x; e < L; e += kNotifyThreads) words[2 + e] = per_expert_in[b * L + e];
             if (threadIdx.x == 0) {
                 words[0] = static_cast<uint32_t>(seq);
                 words[1] = static_cast<uint32_t>(count);
@@ -146,7 +114,7 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_NOTIFY_THREADS)
         uint8_t* out_rec = comm.notify_ptr(b, me);
         if (ok) {
             uint32_t* words = reinterpret_cast<uint32_t*>(out_rec + 16);
-            for (int e = threadIdx.x; e < L; e += kNotifyThreads) words[e] = expert_count(e);
+            for (int e = threadIdx.x; e < L; e += kNotifyThreads) words[e] = per_expert_in[b * L + e];
             if (threadIdx.x == 0) reinterpret_cast<uint32_t*>(out_rec + 8)[0] = count;
         }
         __syncthreads();

@@ -36,7 +36,7 @@ const _: () = assert!(offset_of!(fep_ll_combine_params, record_bytes) == 120);
 const _: () = assert!(size_of::<fep_ll_proxy>() == 64);
 const _: () = assert!(size_of::<fep_normal_comm>() == 256);
 const _: () = assert!(size_of::<fep_normal_handle>() == 48);
-const _: () = assert!(size_of::<fep_normal_notify_params>() == 360);
+const _: () = assert!(size_of::<fep_normal_notify_params>() == 344);
 const _: () = assert!(size_of::<fep_normal_dispatch_params>() == 416);
 const _: () = assert!(size_of::<fep_normal_combine_params>() == 352);
 const _: () = assert!(offset_of!(fep_normal_comm, dev_error) == 128);

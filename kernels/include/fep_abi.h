@@ -379,7 +379,6 @@ typedef struct fep_ll_combine_params {
  * flag was observed; a slot is never rewritten before its credit came back. */
 #define FEP_NORMAL_MAX_RANKS 8
 #define FEP_NORMAL_THREADS 512         /* threads per block of dispatch / combine */
-#define FEP_NORMAL_NOTIFY_MAX_LOCAL 1024 /* local experts a notify derives counts for itself */
 #define FEP_NORMAL_NOTIFY_THREADS 1024 /* threads per block of notify (one block per rank) */
 #define FEP_NORMAL_PHASE_NOTIFY 1u
 #define FEP_NORMAL_PHASE_DISPATCH_SEND 2u
@@ -461,14 +460,7 @@ typedef struct fep_normal_notify_params {
      * read without a stream synchronisation: int32 rank_prefix[R + 1] at byte 8, then int32
      * per-local-expert counts[L]; then the u64 at byte 0 is release-stored to `epoch`. */
     uint64_t host_counts;
-    /* int64 [num_tokens][num_topk] global expert ids (-1 = none), or 0. Set: each block derives
-     * its rank's is_token_in_rank column and per-local-expert counts from these itself (no layout
-     * launch before notify; is_token_in_rank and num_tokens_per_expert are then unused); needs
-     * num_local_experts <= FEP_NORMAL_NOTIFY_MAX_LOCAL. */
-    uint64_t topk_idx;
-    int32_t num_topk;
-    int32_t pad0;
-} fep_normal_notify_params; /* 360 bytes */
+} fep_normal_notify_params; /* 344 bytes */
 
 typedef struct fep_normal_dispatch_params {
     fep_normal_comm comm;
@@ -536,7 +528,7 @@ static_assert(FEP_COUNTER_PACKED_OFFSET % 8 == 0 &&
               "the packed counter word sits inside its slot's line");
 static_assert(sizeof(fep_normal_comm) == 256, "fep_normal_comm layout");
 static_assert(sizeof(fep_normal_handle) == 48, "fep_normal_handle layout");
-static_assert(sizeof(fep_normal_notify_params) == 360, "fep_normal_notify_params layout");
+static_assert(sizeof(fep_normal_notify_params) == 344, "fep_normal_notify_params layout");
 static_assert(sizeof(fep_normal_dispatch_params) == 416, "fep_normal_dispatch_params layout");
 static_assert(sizeof(fep_normal_combine_params) == 352, "fep_normal_combine_params layout");
 static_assert(offsetof(fep_normal_comm, dev_error) == 128, "fep_normal_comm fields");

@@ -266,17 +266,6 @@ pub struct CombineArgs<'a> {
     pub combined_weights: Option<&'a DeviceBuffer>,
 }
 
-/// What a notify derives the send plan from.
-#[derive(Clone, Copy)]
-pub enum NotifySource<'a> {
-    /// The layout kernel's outputs (is_token_in_rank, num_tokens_per_expert).
-    Layout(&'a LayoutBuffers),
-    /// The top-k ids (int64 `[num_tokens][num_topk]`) themselves: each notify block counts its
-    /// rank's tokens and experts (no layout launch first; at most
-    /// `FEP_NORMAL_NOTIFY_MAX_LOCAL` local experts).
-    TopK { buffer: &'a DeviceBuffer, num_topk: usize },
-}
-
 /// One rank of a normal-mode GPU group.
 pub struct NormalGpuRank {
     rank: usize,
@@ -540,7 +529,7 @@ impl NormalGpuRank {
     pub unsafe fn notify(
         &mut self,
         stream: &Stream,
-        layout: NotifySource<'_>,
+        layout: &LayoutBuffers,
         num_tokens: usize,
         handle: &mut NormalHandle,
         expert_alignment: usize,
@@ -557,38 +546,11 @@ impl NormalGpuRank {
         if handle.num_ranks != r {
             return Err(Error::arg("handle", "made for another group"));
         }
-        let (in_rank, per_expert, topk, num_topk) = match layout {
-            NotifySource::Layout(l) => {
-                if l.is_token_in_rank.len() < num_tokens * r
-                    || l.num_tokens_per_expert.len() < 4 * self.settings.num_experts
-                {
-                    return Err(Error::arg(
-                        "layout",
-                        "buffers smaller than num_tokens x num_ranks",
-                    ));
-                }
-                (l.is_token_in_rank.device_ptr(), l.num_tokens_per_expert.device_ptr(), 0, 0)
-            }
-            NotifySource::TopK { buffer, num_topk } => {
-                if buffer.len() < num_tokens * num_topk * 8 || num_topk == 0 || num_topk > 1024 {
-                    return Err(Error::arg(
-                        "topk_idx",
-                        format!("{} bytes, needs {num_tokens} x {num_topk} int64", buffer.len()),
-                    ));
-                }
-                if self.settings.num_experts / r > abi::FEP_NORMAL_NOTIFY_MAX_LOCAL as usize {
-                    return Err(Error::arg(
-                        "num_experts",
-                        format!(
-                            "{} local experts: a notify from top-k ids counts at most {}",
-                            self.settings.num_experts / r,
-                            abi::FEP_NORMAL_NOTIFY_MAX_LOCAL
-                        ),
-                    ));
-                }
-                (0, 0, buffer.device_ptr(), num_topk as i32)
-            }
-        };
+        if layout.is_token_in_rank.len() < num_tokens * r
+            || layout.num_tokens_per_expert.len() < 4 * self.settings.num_experts
+        {
+            return Err(Error::arg("layout", "buffers smaller than num_tokens x num_ranks"));
+        }
         if expert_alignment == 0 || expert_alignment > i32::MAX as usize {
             return Err(Error::arg(
                 "expert_alignment",
@@ -601,15 +563,12 @@ impl NormalGpuRank {
         let p = abi::fep_normal_notify_params {
             comm: self.comm(),
             handle: handle.as_abi(),
-            is_token_in_rank: in_rank,
-            num_tokens_per_expert: per_expert,
+            is_token_in_rank: layout.is_token_in_rank.device_ptr(),
+            num_tokens_per_expert: layout.num_tokens_per_expert.device_ptr(),
             epoch: self.epoch,
             expert_alignment: expert_alignment as i32,
             out_capacity: out_capacity.min(i32::MAX as usize) as i32,
             host_counts: self.readback.device_ptr(),
-            topk_idx: topk,
-            num_topk,
-            pad0: 0,
         };
         launch::normal_notify(stream, p).map_err(Error::from)
     }
@@ -1008,7 +967,7 @@ pub mod harness {
         )?;
         rank.notify(
             &b.stream,
-            NotifySource::Layout(&b.layout),
+            &b.layout,
             b.num_tokens,
             &mut b.handle,
             expert_alignment,

@@ -80,7 +80,7 @@ use super::layout::{DispatchLayoutGpu, LayoutBuffers, LayoutTuning};
 use super::ll_gpu::{self, LlDispatchOut, LlGpuConfig, LlGpuRank, LlTicket};
 use super::normal_gpu::{
     CombineArgs, DispatchInputs, DispatchOutputs, NormalGpuRank, NormalGpuSettings, NormalHandle,
-    NotifySource, RecvInfo,
+    RecvInfo,
 };
 use crate::abi;
 use crate::bootstrap::Bootstrap;
@@ -979,32 +979,20 @@ impl GpuBuffer {
                 ),
             ));
         }
-        let local = self.cfg.num_experts / self.cfg.num_ranks.max(1);
         let n = self.normal()?;
         handle.out_rows = None;
         handle.info = None;
-        // The notify counts from the top-k ids itself (one launch fewer before the host's
-        // count read); the layout kernel first only where its per-block histogram would not fit.
-        // NOTES: opt-in (FEP_NOTIFY_FROM_TOPK=1): ep-bench and the GPU verify matrix pass with
-        // it, but the Python package's process tests met an illegal address with it on, not
-        // yet explained; the default stays the layout kernel first.
-        let fused = std::env::var("FEP_NOTIFY_FROM_TOPK").is_ok_and(|v| v == "1");
-        let source = if fused && local <= abi::FEP_NORMAL_NOTIFY_MAX_LOCAL as usize {
-            NotifySource::TopK { buffer: &topk, num_topk: k }
-        } else {
-            n.layout_gpu.launch(
-                a.stream,
-                &topk,
-                t,
-                k,
-                &n.layout,
-                None,
-                rank,
-                LayoutTuning::default(),
-            )?;
-            NotifySource::Layout(&n.layout)
-        };
-        n.rank.notify(a.stream, source, t, &mut handle.inner, a.expert_alignment, cap)?;
+        n.layout_gpu.launch(
+            a.stream,
+            &topk,
+            t,
+            k,
+            &n.layout,
+            None,
+            rank,
+            LayoutTuning::default(),
+        )?;
+        n.rank.notify(a.stream, &n.layout, t, &mut handle.inner, a.expert_alignment, cap)?;
         match a.num_worst_tokens {
             Some(w) => {
                 handle.out_rows = Some(w);
