@@ -34,17 +34,16 @@ import fabric_ep  # noqa: E402
 from fabric_ep import Buffer, EventOverlap, LowLatencyHandle  # noqa: E402
 from _gpu_threads import bits, host, run_ranks, to_bf16  # noqa: E402
 from plain_runner import raises  # noqa: E402  (pytest.raises without pytest)
+from _rank import (  # noqa: E402
+    H, K, L, MAX_LL, bf2f, dest_ranks, e4m3_to_f32, f2bf, inputs, ll_combine_want, ll_reference,
+    reference_recv,
+)
 
 
 def call_raises(exc, match, fn, *args, **kwargs):
     """`fn(*args, **kwargs)` raises `exc` with a message matching `match`."""
     with raises(exc, match=match):
         fn(*args, **kwargs)
-
-from _rank import (  # noqa: E402
-    H, K, L, MAX_LL, bf2f, dest_ranks, e4m3_to_f32, f2bf, inputs, ll_combine_want, ll_reference,
-    reference_recv,
-)
 
 
 DEV = 0
@@ -457,7 +456,7 @@ def ll_deepep_args(group, r, world):
     e_all = L * world
     ref_x, ref_cnt, *_ = ll_reference(r, world, all_in)
     call_raises(ValueError, "^enable_shrink=True with CUDA tensors", Buffer, group,
-           enable_shrink=True, backend="gpu")
+                enable_shrink=True, backend="gpu")
     buf = make_buffer(group, world, low_latency_mode=True,
                       num_max_dispatch_tokens_per_rank=MAX_LL)
     try:
@@ -469,11 +468,11 @@ def ll_deepep_args(group, r, world):
         buf.sync()
         ds, cs = torch.zeros(world, **i64), torch.zeros(world, **i64)
         call_raises(ValueError, "^dispatch_wait_recv_cost_stats: shape", buf.low_latency_dispatch, xt,
-               it, MAX_LL, e_all, use_fp8=False,
-               dispatch_wait_recv_cost_stats=torch.zeros(world + 1, **i64))
+                    it, MAX_LL, e_all, use_fp8=False,
+                    dispatch_wait_recv_cost_stats=torch.zeros(world + 1, **i64))
         call_raises(TypeError, "^dispatch_wait_recv_cost_stats: dtype", buf.low_latency_dispatch, xt,
-               it, MAX_LL, e_all, use_fp8=False,
-               dispatch_wait_recv_cost_stats=torch.zeros(world, dtype=torch.int32, device=DEV))
+                    it, MAX_LL, e_all, use_fp8=False,
+                    dispatch_wait_recv_cost_stats=torch.zeros(world, dtype=torch.int32, device=DEV))
         if r == late:
             time.sleep(delay)
         rx, cnt, handle, _, hook = buf.low_latency_dispatch(
@@ -516,7 +515,7 @@ def ll_deepep_args(group, r, world):
                                             use_rdma_buffer=True)
         assert tuple(words.shape) == (2, 3) and words.data_ptr() == region.data_ptr() + 64
         call_raises(ValueError, "^size: ", buf.get_local_buffer_tensor, torch.uint8,
-               (region.numel() + 1,), 0, True)
+                    (region.numel() + 1,), 0, True)
         call_raises(ValueError, "^offset: ", buf.get_local_buffer_tensor, torch.int32, None, 2, True)
         call_raises(TypeError, "^dtype: ", buf.get_local_buffer_tensor, np.uint8, None, 0, True)
         buf.sync()
