@@ -9,7 +9,8 @@
 #                                 control daemon, runs tests/test_gpu_procs.py (DeepEP's sequence
 #                                 as torchrun-style processes sharing the GPU), `ep-bench verify
 #                                 --backend gpu` (FEP_VERIFY_CASES, default 150; FEP_VERIFY_SEED,
-#                                 FEP_VERIFY_LAUNCH procs|threads|auto) and the Python
+#                                 FEP_VERIFY_LAUNCH procs|threads|auto, FEP_VERIFY_JOBS cases
+#                                 at once, FEP_VERIFY_REPEAT passes) and the Python
 #                                 call-overhead bench; logs and a summary under $OUT.
 #                                 call-overhead bench; "epbench" (not default): ep-bench's GPU
 #                                 figures at DeepEP's setting.
@@ -79,7 +80,8 @@ run() {
     env "${threads_env[@]}" CUDA_MODULE_LOADING=EAGER LD_LIBRARY_PATH=$bundle/lib \
       timeout "${FEP_VERIFY_TIMEOUT:-300}" "$bundle/bin/ep-bench" verify --backend gpu \
       --launch "${FEP_VERIFY_LAUNCH:-procs}" --cases "${FEP_VERIFY_CASES:-150}" \
-      --seed "${FEP_VERIFY_SEED:-1}" 2>&1 | tee "$out/verify.log"
+      --seed "${FEP_VERIFY_SEED:-1}" --jobs "${FEP_VERIFY_JOBS:-1}" \
+      --repeat "${FEP_VERIFY_REPEAT:-1}" 2>&1 | tee "$out/verify.log"
     rc=${PIPESTATUS[0]}
     set -e
     [ "$rc" -eq 0 ] || fail=1

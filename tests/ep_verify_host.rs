@@ -21,6 +21,7 @@ fn opts() -> VerifyOptions {
         launch: Launch::Threads,
         timeout: Duration::from_secs(20),
         verbose: false,
+        jobs: 1,
         exe: env!("CARGO_BIN_EXE_ep-bench").into(),
     }
 }
@@ -240,6 +241,12 @@ fn the_draw_covers_the_matrix() {
     assert!(any(&|c| c.shapes.len() > 1));
     let topk_max = cases.iter().flat_map(|c| c.shapes.iter().map(|s| s.topk)).max().unwrap();
     assert!(topk_max > 9, "top-k up to {topk_max}");
+    // The GPU backend's draw (ranks as processes) reaches its hierarchy and forced nodes too.
+    let gpu: Vec<CaseSpec> =
+        (0..300).map(|i| draw_case(1, i, VerifyBackend::Gpu, Launch::Procs)).collect();
+    let hier = gpu.iter().filter(|c| c.shapes.iter().any(|s| s.hier)).count();
+    let split = gpu.iter().filter(|c| c.split()).count();
+    assert!(hier >= 15 && split > hier, "GPU: {hier} hierarchy cases, {split} split");
 }
 
 fn ep_bench() -> Command {
@@ -325,4 +332,39 @@ fn verify_reports_mismatches_and_hangs() {
     assert!(stdout.contains("timed out"), "the peer's bounded wait is reported: {stdout}");
     assert_eq!(stdout.lines().last(), Some("verify: 1 cases, 0 mismatches, 1 hangs"), "{stdout}");
     assert!(t.elapsed() < Duration::from_secs(90), "{:?}", t.elapsed());
+}
+
+/// `--jobs 2` runs process cases two at a time: same cases, same verdicts and the same output
+/// digest as one after another, and its passes agree with each other; `--jobs` with ranks as
+/// threads is refused by name.
+#[test]
+fn verify_jobs_run_cases_at_once_with_the_same_outputs() {
+    let run = |extra: &[&str]| {
+        let out = ep_bench()
+            .args(["verify", "--backend", "host", "--seed", "5", "--cases", "3"])
+            .args(["--launch", "procs"])
+            .args(extra)
+            .output()
+            .expect("run ep-bench");
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+        let digest = stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("output digest "))
+            .map(|l| l.split(' ').next().unwrap_or("").to_string())
+            .unwrap_or_else(|| panic!("no digest line: {stdout}"));
+        (stdout, digest)
+    };
+    let (_, one) = run(&[]);
+    let (stdout, two) = run(&["--jobs", "2", "--repeat", "2"]);
+    assert_eq!(one, two, "{stdout}");
+    assert!(stdout.contains("(all 2 passes bit-identical)"), "{stdout}");
+    assert_eq!(stdout.lines().last(), Some("verify: 6 cases, 0 mismatches, 0 hangs"), "{stdout}");
+    let out = ep_bench()
+        .args(["verify", "--backend", "host", "--cases", "1", "--jobs", "2", "--launch", "threads"])
+        .output()
+        .expect("run ep-bench");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("invalid argument --jobs"), "{stderr}");
 }

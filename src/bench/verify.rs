@@ -528,11 +528,7 @@ fn draw_shape(
     // The hierarchy's node stage holds the experts of one node: `experts / nodes` of them.
     // Its stages are Buffers whose configs need top-k within their experts (a limit of
     // `ep::hier`: `num_topk <= num_experts / nodes`).
-    let hier = backend == VerifyBackend::Host
-        && mode == Mode::Normal
-        && rpn < r
-        && topk <= experts / (r / rpn)
-        && chance(rng, 0.4);
+    let hier = mode == Mode::Normal && rpn < r && topk <= experts / (r / rpn) && chance(rng, 0.4);
     ShapeSpec { hidden, topk, experts, fp8, chunk_tokens, slots_per_peer, max_tokens, hier, calls }
 }
 
@@ -1728,6 +1724,9 @@ pub struct VerifyOptions {
     pub timeout: Duration,
     /// Print every case as it ends.
     pub verbose: bool,
+    /// Cases run at once (ranks as processes only: each case is its own job with its own store,
+    /// so cases share nothing but the machine). 1 runs them one after another.
+    pub jobs: usize,
     /// This binary (to launch ranks as processes).
     pub exe: std::path::PathBuf,
 }
@@ -1761,6 +1760,7 @@ fn test_stall(rank: usize, spec: &CaseSpec, timeout: Duration) {
             launch: Launch::Auto,
             timeout,
             verbose: false,
+            jobs: 1,
             exe: Default::default(),
         };
         std::thread::sleep(o.deadline(spec) + Duration::from_secs(2));
@@ -1970,14 +1970,17 @@ pub fn run_case_procs(opts: &VerifyOptions, spec: &CaseSpec) -> CaseOutcome {
     if opts.launch != Launch::Auto {
         args.extend(["--launch".to_string(), opts.launch.name().to_string()]);
     }
-    // The rank processes inherit it.
-    apply_mr_env(spec);
+    // Given to this job's ranks alone (cases may run at once): an empty value reads as unset.
+    let mr = (
+        "FEP_MR_MAX_BYTES".to_string(),
+        spec.mr_max_bytes.map(|b| b.to_string()).unwrap_or_default(),
+    );
     let mut job = match crate::bootstrap::LocalJob::spawn(
         &opts.exe,
         &args,
         spec.num_ranks,
         spec.ranks_per_node,
-        &[],
+        &[mr, (crate::bench::verify_gpu::JOBS_ENV.to_string(), opts.jobs.to_string())],
     ) {
         Ok(j) => j,
         Err(e) => return CaseOutcome::Mismatch(format!("launch: {e}")),
@@ -2102,61 +2105,88 @@ pub fn run_matrix(opts: &VerifyOptions, rank_fn: RankFn) -> (usize, usize, usize
     let (mut combines, mut exact) = (0, 0);
     // Per pass: the digest of every case's combine outputs (see `Checks::digest`).
     let mut pass_digests: Vec<u64> = Vec::new();
-    for pass in 0..opts.repeat.max(1) {
-        pass_digests.push(0);
-        for &i in &indices {
-            let spec = draw_case(opts.seed, i, opts.backend, opts.launch);
-            if opts.case.is_some() || opts.verbose {
-                println!("{}", spec.describe());
+    let passes = opts.repeat.max(1);
+    pass_digests.resize(passes, 0);
+    let work: Vec<(usize, usize)> =
+        (0..passes).flat_map(|p| indices.iter().map(move |&i| (p, i))).collect();
+    let mut record = |pass: usize, i: usize, spec: &CaseSpec, out: CaseOutcome, dt: Duration| {
+        let row = table.entry((spec.mode, spec.provider, spec.split(), spec.procs)).or_default();
+        row.cases += 1;
+        row.wall += dt;
+        n += 1;
+        let pass_s = if passes > 1 { format!(" (pass {})", pass + 1) } else { String::new() };
+        match &out {
+            CaseOutcome::Ok { combines: c, exact_combines: e, digest: d } => {
+                combines += c;
+                exact += e;
+                // Keyed by the case so two cases' digests cannot cancel; a sum, so the order
+                // cases finish in (several at once) does not matter.
+                pass_digests[pass] = pass_digests[pass]
+                    .wrapping_add(fnv1a(&[&(i as u64).to_le_bytes(), &d.to_le_bytes()]));
+                if opts.verbose || opts.case.is_some() {
+                    println!("case {i}{pass_s}: ok in {:.2} s", dt.as_secs_f64());
+                }
             }
-            let t = Instant::now();
-            let out = if spec.procs {
-                run_case_procs(opts, &spec)
-            } else {
-                run_case_threads(opts, &spec, rank_fn)
-            };
-            let dt = t.elapsed();
-            let row =
-                table.entry((spec.mode, spec.provider, spec.split(), spec.procs)).or_default();
-            row.cases += 1;
-            row.wall += dt;
-            n += 1;
-            let pass_s =
-                if opts.repeat > 1 { format!(" (pass {})", pass + 1) } else { String::new() };
-            match &out {
-                CaseOutcome::Ok { combines: c, exact_combines: e, digest: d } => {
-                    combines += c;
-                    exact += e;
-                    if let Some(pd) = pass_digests.last_mut() {
-                        // Keyed by the case so two cases' digests cannot cancel.
-                        *pd =
-                            pd.wrapping_add(fnv1a(&[&(i as u64).to_le_bytes(), &d.to_le_bytes()]));
-                    }
-                    if opts.verbose || opts.case.is_some() {
-                        println!("case {i}{pass_s}: ok in {:.2} s", dt.as_secs_f64());
-                    }
+            CaseOutcome::Mismatch(why) | CaseOutcome::Hang(why) => {
+                let hang = matches!(out, CaseOutcome::Hang(_));
+                if hang {
+                    h += 1;
+                    row.hangs += 1;
+                } else {
+                    m += 1;
+                    row.mismatches += 1;
                 }
-                CaseOutcome::Mismatch(why) | CaseOutcome::Hang(why) => {
-                    let hang = matches!(out, CaseOutcome::Hang(_));
-                    if hang {
-                        h += 1;
-                        row.hangs += 1;
-                    } else {
-                        m += 1;
-                        row.mismatches += 1;
-                    }
-                    if opts.case.is_none() && !opts.verbose {
-                        println!("{}", spec.describe());
-                    }
-                    println!(
-                        "case {i}{pass_s}: {} after {:.2} s: {why}\n  replay: {}",
-                        if hang { "HANG" } else { "MISMATCH" },
-                        dt.as_secs_f64(),
-                        opts.replay(i)
-                    );
+                if opts.case.is_none() && !opts.verbose {
+                    println!("{}", spec.describe());
                 }
+                println!(
+                    "case {i}{pass_s}: {} after {:.2} s: {why}\n  replay: {}",
+                    if hang { "HANG" } else { "MISMATCH" },
+                    dt.as_secs_f64(),
+                    opts.replay(i)
+                );
             }
         }
+    };
+    let run_one = |i: usize| {
+        let spec = draw_case(opts.seed, i, opts.backend, opts.launch);
+        if opts.case.is_some() || opts.verbose {
+            println!("{}", spec.describe());
+        }
+        let t = Instant::now();
+        let out = if spec.procs {
+            run_case_procs(opts, &spec)
+        } else {
+            run_case_threads(opts, &spec, rank_fn)
+        };
+        (spec, out, t.elapsed())
+    };
+    if opts.jobs <= 1 || opts.launch != Launch::Procs {
+        for &(pass, i) in &work {
+            let (spec, out, dt) = run_one(i);
+            record(pass, i, &spec, out, dt);
+        }
+    } else {
+        // Workers take the next case in turn; results are recorded here as they end.
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let (tx, rx) = mpsc::channel();
+        std::thread::scope(|s| {
+            for _ in 0..opts.jobs.min(work.len()) {
+                let (tx, next, work, run_one) = (tx.clone(), &next, &work, &run_one);
+                s.spawn(move || loop {
+                    let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some(&(pass, i)) = work.get(k) else { break };
+                    let (spec, out, dt) = run_one(i);
+                    if tx.send((pass, i, spec, out, dt)).is_err() {
+                        break;
+                    }
+                });
+            }
+            drop(tx);
+            for (pass, i, spec, out, dt) in rx {
+                record(pass, i, &spec, out, dt);
+            }
+        });
     }
     println!(
         "{:<12} {:<12} {:<10} {:<9} {:>6} {:>10} {:>6} {:>9}",

@@ -30,6 +30,7 @@ use crate::ep::gpu::{
     DevSlice, GpuBuffer, GpuCombineArgs, GpuDispatchArgs, GpuDispatchBuffers, GpuHandle,
     GpuLlCombineArgs, GpuLlDispatchArgs, GpuNotifyArgs, GpuOptions,
 };
+use crate::ep::hier_gpu::{GpuHierBuffer, GpuHierDispatchArgs, GpuHierHandle};
 use crate::ep::ll_gpu::{LlDispatchHost, LlDispatchOut};
 use crate::{Error, Result};
 
@@ -75,6 +76,14 @@ fn gpu_rank_inner(
             o.chunk_tokens = c;
         }
         o.slots_per_peer = sh.slots_per_peer;
+        o.num_sms = shared_sm_budget(dev, spec, sh);
+        if sh.hier {
+            let mut hb = GpuHierBuffer::new(cfg, boot.clone(), BufferOptions::gpu(o))?;
+            // As below: a failed step leaves no collective teardown.
+            gpu_hier_shape(dev, &mut hb, &*boot, sh, si, refs, rank, checks)?;
+            hb.destroy()?;
+            continue;
+        }
         let mut buf = Buffer::new(cfg, boot.clone(), BufferOptions::gpu(o))?;
         let res = match spec.mode {
             Mode::Normal => gpu_normal_shape(dev, &mut buf, &*boot, sh, si, refs, rank, checks),
@@ -85,6 +94,26 @@ fn gpu_rank_inner(
         buf.destroy()?;
     }
     Ok(())
+}
+
+/// Set by the matrix for its rank processes when it runs several cases at once (`--jobs`):
+/// how many cases share the GPU.
+pub const JOBS_ENV: &str = "FEP_VERIFY_GPU_JOBS";
+
+/// With several cases sharing the GPU, each rank's SM budget is its share of the GPU (every
+/// rank's kernels of every case must be resident at once), but never below what the shape
+/// needs (normal mode: two blocks per peer; the hierarchy: that for each of its two stages).
+/// `None` (one case at a time): the buffer's own default.
+fn shared_sm_budget(dev: &Device, spec: &CaseSpec, sh: &ShapeSpec) -> Option<usize> {
+    let jobs: usize = std::env::var(JOBS_ENV).ok()?.parse().ok().filter(|&j| j > 1)?;
+    let r = spec.num_ranks;
+    let share = (dev.sm_count() as usize / (jobs * r)) & !1;
+    let need = match (spec.mode, sh.hier) {
+        (Mode::LowLatency, _) => 2,
+        (Mode::Normal, false) => 2 * r,
+        (Mode::Normal, true) => 4 * (r / spec.ranks_per_node).max(spec.ranks_per_node),
+    };
+    Some(share.max(need))
 }
 
 fn normal_ref(refs: &CaseRefs, si: usize, ci: usize) -> Result<&NormalCallRef> {
@@ -235,6 +264,162 @@ fn gpu_normal_shape(
     Ok(())
 }
 
+/// A normal shape through DeepEP's hierarchy (`GpuHierBuffer`: rail stage across nodes, node
+/// stage within), against the same references as the direct path (the combine's gateways round
+/// each node's partial sum to bf16, as the reference's grouping does).
+#[allow(clippy::too_many_arguments)]
+fn gpu_hier_shape(
+    dev: &Device,
+    hb: &mut GpuHierBuffer,
+    boot: &dyn Bootstrap,
+    sh: &ShapeSpec,
+    si: usize,
+    refs: &CaseRefs,
+    rank: usize,
+    checks: &mut Checks,
+) -> Result<()> {
+    let (h, k) = (sh.hidden, sh.topk);
+    let cfg = hb.config().clone();
+    let mut steps: Vec<(NormalDevIn, Option<NormalDevIn>)> = Vec::new();
+    let (mut cap_tokens, mut cap_rows) = (1, 1);
+    for ci in 0..sh.calls.len() {
+        let r = normal_ref(refs, si, ci)?;
+        let f = &r.fresh;
+        let fresh = NormalDevIn::new(dev, &f.inputs[rank], &f.y[rank], f.yw[rank].as_deref())?;
+        let cached = match &r.cached {
+            Some(c) => {
+                Some(NormalDevIn::new(dev, &c.inputs[rank], &c.y[rank], c.yw[rank].as_deref())?)
+            }
+            None => None,
+        };
+        cap_tokens = cap_tokens.max(f.inputs[rank].topk_idx.len() / k);
+        let all: usize = f.inputs.iter().map(|i| i.topk_idx.len() / k).sum();
+        cap_rows = cap_rows.max(all).max(f.want_d[rank].recv_topk_idx.len() / k);
+        steps.push((fresh, cached));
+    }
+    // Handles are made for the case's largest tokens per rank on every rank alike (a gateway
+    // receives what its peers send).
+    let mut most = cap_tokens;
+    for ci in 0..sh.calls.len() {
+        let f = &normal_ref(refs, si, ci)?.fresh;
+        most = most.max(f.inputs.iter().map(|i| i.topk_idx.len() / k).max().unwrap_or(1));
+    }
+    let mut handle = hb.new_handle(most)?;
+    let o = GpuDispatchBuffers::for_config(dev, &cfg, cap_rows)?;
+    let out_c = DeviceBuffer::new(dev, (cap_tokens * h * 2).max(16))?;
+    let out_cw = DeviceBuffer::new(dev, (cap_tokens * k * 4).max(16))?;
+    let stream = Stream::new(dev)?;
+    boot.barrier()?;
+    for (ci, call) in sh.calls.iter().enumerate() {
+        let CallKind::Normal(n) = &call.kind else {
+            return Err(Error::Other("call of the wrong mode (bug)".into()));
+        };
+        let r = normal_ref(refs, si, ci)?;
+        let at = |w: &str| format!("rank {rank} shape {si} call {ci} hierarchy {w}");
+        let (fresh, cached) = &steps[ci];
+        for _ in 0..n.repeat.max(1) {
+            boot.barrier()?;
+            let got = hier_step(
+                hb,
+                &o,
+                &out_c,
+                &out_cw,
+                &stream,
+                fresh,
+                &mut handle,
+                None,
+                n,
+                r.worst,
+                h,
+                k,
+            )?;
+            compare_normal(checks, &at(""), &got, &r.fresh, rank, h, k);
+            if let (Some(c), Some(cr)) = (cached, &r.cached) {
+                boot.barrier()?;
+                let got = hier_step(
+                    hb,
+                    &o,
+                    &out_c,
+                    &out_cw,
+                    &stream,
+                    c,
+                    &mut handle,
+                    Some(()),
+                    n,
+                    r.worst,
+                    h,
+                    k,
+                )?;
+                compare_normal(checks, &at("cached "), &got, cr, rank, h, k);
+            }
+            refs.step_done();
+        }
+    }
+    boot.barrier()?;
+    Ok(())
+}
+
+/// One hierarchical step: dispatch (fresh, or on the handle's routing when `cached`), combine,
+/// sync, read back.
+#[allow(clippy::too_many_arguments)]
+fn hier_step(
+    hb: &mut GpuHierBuffer,
+    o: &GpuDispatchBuffers,
+    out_c: &DeviceBuffer,
+    out_cw: &DeviceBuffer,
+    stream: &Stream,
+    d: &NormalDevIn,
+    handle: &mut GpuHierHandle,
+    cached: Option<()>,
+    n: &super::verify::NormalCall,
+    worst: Option<usize>,
+    h: usize,
+    k: usize,
+) -> Result<NormalHost> {
+    for b in [&o.recv_x, &o.recv_topk_idx, &o.recv_topk_weights, &o.recv_src_idx, out_c, out_cw] {
+        b.memset_async(0xAB, stream)?;
+    }
+    if let Some(b) = &o.recv_x_scales {
+        b.memset_async(0xAB, stream)?;
+    }
+    let t = d.tokens / k;
+    let args = GpuHierDispatchArgs {
+        x: DevSlice::of(&d.x),
+        x_scales: d.xs.as_ref().map(DevSlice::of),
+        topk_idx: DevSlice::of(&d.ti),
+        topk_weights: DevSlice::of(&d.tw),
+        num_tokens: t,
+        expert_alignment: n.alignment,
+        num_worst_tokens: worst,
+        cached: cached.is_some(),
+        stream,
+    };
+    // SAFETY: every buffer lives until sync_gpu below; all ranks make the same calls.
+    unsafe {
+        let rows = hb.prepare(&args, handle)?;
+        if rows > o.rows {
+            return Err(Error::Other(format!(
+                "{rows} rows, more than all ranks' tokens ({})",
+                o.rows
+            )));
+        }
+        hb.finish(handle, &o.out(), stream)?;
+        let ca = GpuCombineArgs {
+            x: DevSlice::of(&d.y),
+            topk_weights: d.yw.as_ref().map(DevSlice::of),
+            combined_x: DevSlice::of(out_c),
+            combined_topk_weights: d.yw.as_ref().map(|_| DevSlice::of(out_cw)),
+            stream,
+        };
+        hb.combine_gpu(&ca, handle)?;
+    }
+    hb.sync_gpu(stream)?;
+    let prefix = handle.rank_prefix().to_vec();
+    let per_expert =
+        handle.num_recv_tokens_per_expert().iter().map(|&v| v.max(0) as usize).collect();
+    read_normal(o, out_c, out_cw, d, handle.num_out_rows(), prefix, per_expert, t, h, k)
+}
+
 /// One normal step: notify (fresh: `align` is `Some`) or the handle as it is (cached),
 /// dispatch, combine, sync, read back.
 #[allow(clippy::too_many_arguments)]
@@ -295,14 +480,6 @@ fn normal_step(
     }
     gpu.sync_gpu(stream)?;
     let rows = handle.num_out_rows().unwrap_or(0);
-    let fp8 = o.recv_x_scales.is_some();
-    let payload = if fp8 { h } else { 2 * h };
-    let take = |v: Vec<u8>, n: usize| -> Vec<u8> { v.into_iter().take(n).collect() };
-    let recv_x = take(o.recv_x.to_vec()?, rows * payload);
-    let scales: Vec<f32> = match &o.recv_x_scales {
-        Some(b) => b.to_vec::<f32>()?.into_iter().take(rows * (h / 128)).collect(),
-        None => Vec::new(),
-    };
     let prefix: Vec<u64> =
         handle.device().rank_prefix.to_vec::<i32>()?.into_iter().map(|v| v as u64).collect();
     let per_expert: Vec<usize> = handle
@@ -312,6 +489,32 @@ fn normal_step(
         .into_iter()
         .map(|v| v.max(0) as usize)
         .collect();
+    read_normal(o, out_c, out_cw, d, rows, prefix, per_expert, t, h, k)
+}
+
+/// A normal step's outputs read back (the stream has synchronised): `rows` output rows of
+/// `o`, `t` combined tokens.
+#[allow(clippy::too_many_arguments)]
+fn read_normal(
+    o: &GpuDispatchBuffers,
+    out_c: &DeviceBuffer,
+    out_cw: &DeviceBuffer,
+    d: &NormalDevIn,
+    rows: usize,
+    prefix: Vec<u64>,
+    per_expert: Vec<usize>,
+    t: usize,
+    h: usize,
+    k: usize,
+) -> Result<NormalHost> {
+    let fp8 = o.recv_x_scales.is_some();
+    let payload = if fp8 { h } else { 2 * h };
+    let take = |v: Vec<u8>, n: usize| -> Vec<u8> { v.into_iter().take(n).collect() };
+    let recv_x = take(o.recv_x.to_vec()?, rows * payload);
+    let scales: Vec<f32> = match &o.recv_x_scales {
+        Some(b) => b.to_vec::<f32>()?.into_iter().take(rows * (h / 128)).collect(),
+        None => Vec::new(),
+    };
     let combined_w = match &d.yw {
         Some(_) => Some(out_cw.to_vec::<f32>()?.into_iter().take(t * k).collect()),
         None => None,

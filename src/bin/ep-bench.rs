@@ -215,6 +215,10 @@ enum Cmd {
         /// Print every case as it ends.
         #[arg(long)]
         verbose: bool,
+        /// Cases run at once, each its own job of processes (needs ranks as processes:
+        /// --launch procs; on one GPU, MPS).
+        #[arg(long, default_value_t = 1)]
+        jobs: usize,
     },
     /// All-to-all of RMA writes with immediate data between all ranks, every byte checked.
     Selftest {
@@ -390,7 +394,7 @@ type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
 fn verify(cli: &Cli) -> ExitCode {
     use fabric_ep::bench::verify::{self as v, Launch, VerifyBackend, VerifyOptions};
     let c = &cli.common;
-    let Some(Cmd::Verify { cases, seed, case, repeat, launch, verbose }) = &cli.cmd else {
+    let Some(Cmd::Verify { cases, seed, case, repeat, launch, verbose, jobs }) = &cli.cmd else {
         return ExitCode::FAILURE;
     };
     let backend = match c.backend {
@@ -420,8 +424,16 @@ fn verify(cli: &Cli) -> ExitCode {
         launch,
         timeout: Duration::from_secs(c.timeout.unwrap_or(v::DEFAULT_TIMEOUT_S).max(1)),
         verbose: *verbose,
+        jobs: *jobs,
         exe,
     };
+    if *jobs == 0 || (*jobs > 1 && launch != Launch::Procs) {
+        eprintln!(
+            "ep-bench: error: invalid argument --jobs: {jobs}; expected 1, or more with ranks as \
+             processes (--launch procs), whose cases share nothing but the machine"
+        );
+        return ExitCode::FAILURE;
+    }
     let rank_fn: v::RankFn = match backend {
         VerifyBackend::Host => v::host_rank,
         VerifyBackend::Gpu => fabric_ep::bench::verify_gpu::gpu_rank,
