@@ -55,7 +55,7 @@ def zombie(pid: int) -> bool:
 
 def names(section: str, peer: int) -> bool:
     pats = [rf"ranks \[[^\]]*\b{peer}\b", rf"rank {peer} has left", rf"to rank {peer}\b",
-            rf"peer {peer}\b", rf"from rank {peer}\b", rf"rank {peer}\b.*(died|dead|left|closed)"]
+            rf"peer {peer}\b", rf"from rank {peer}\b", rf"rank {peer}\b.*(died|dead|left|closed|stopped responding)"]
     return any(re.search(p, section) for p in pats)
 
 
@@ -68,7 +68,12 @@ def one(binary: str, provider: str, mode: str, fault: str, at: float) -> tuple:
     p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                          start_new_session=True)
     pids = {}
-    while time.monotonic() - t0 < at and p.poll() is None:
+    # The moment counts from the job's start, but never before every rank process exists: on a
+    # loaded host the launcher may take longer than `at` to start them (then the fault comes as
+    # soon as they do, still before or at the store).
+    while (time.monotonic() - t0 < at or len(pids) < WORLD) and p.poll() is None:
+        if time.monotonic() - t0 > at + 10:
+            break
         time.sleep(0.02)
         pids.update(rank_pids(p.pid))
     pids.update(rank_pids(p.pid))

@@ -61,6 +61,21 @@ impl Error {
         }
     }
 
+    /// The ranks this error says stopped responding: the peers a bounded wait ran out on
+    /// ([`Error::Timeout`]'s, a proxy wait's lagging or owed peers), ascending, each once. Empty
+    /// for every other error (a rank the bootstrap already knows gone is not one of these).
+    pub fn unresponsive_peers(&self) -> Vec<usize> {
+        let mut v: Vec<usize> = match self {
+            Error::Timeout { peers, .. } => peers.clone(),
+            Error::Proxy(e) => proxy_unresponsive(e),
+            _ => Vec::new(),
+        };
+        v.retain(|&p| p != u32::MAX as usize);
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
     /// A CUDA-layer error as the crate's: a wait a kernel recorded as timed out
     /// (`FEP_DEV_WAIT_TIMEOUT`) becomes [`Error::Timeout`] naming the rank, the phase (named by
     /// `phase_name`) and the peer, `waited` being the configured timeout, and keeping what the
@@ -84,6 +99,18 @@ impl Error {
             },
             e => e.into(),
         }
+    }
+}
+
+fn proxy_unresponsive(e: &crate::proxy::ProxyError) -> Vec<usize> {
+    use crate::proxy::ProxyError as P;
+    match e {
+        P::ArrivalTimeout { lagging, .. } => lagging.iter().map(|l| l.peer as usize).collect(),
+        P::SendTimeout { owed, queued, .. } => {
+            owed.iter().chain(queued).map(|&(p, _)| p as usize).collect()
+        }
+        P::WorkerFailed { source, .. } => proxy_unresponsive(source),
+        _ => Vec::new(),
     }
 }
 

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::liveness::{Beacon, Liveness, BEACON_BYTES};
+use super::liveness::{Beacon, Liveness, Reports, BEACON_BYTES};
 use super::{check_ranks, Bootstrap, BootstrapError, DeadSet, MAX_BLOB};
 
 /// The liveness channel's state: started by the first all-gather.
@@ -42,6 +42,8 @@ pub struct CallbackBootstrap {
     /// channel, which the first all-gather starts.
     call: Mutex<Live>,
     dead: Arc<DeadSet>,
+    /// The running channel's reports (outside `call`, which a collective holds).
+    reports: std::sync::OnceLock<Arc<Reports>>,
 }
 
 impl CallbackBootstrap {
@@ -62,6 +64,7 @@ impl CallbackBootstrap {
             all_gather,
             call: Mutex::new(if world_size > 1 { Live::NotStarted } else { Live::Off }),
             dead: Arc::new(DeadSet::new(world_size)),
+            reports: std::sync::OnceLock::new(),
         })
     }
 
@@ -79,6 +82,7 @@ impl CallbackBootstrap {
                     beacon.port,
                     beacon.addrs
                 );
+                let _ = self.reports.set(l.reports());
                 *live = Live::Running(l);
                 beacon.encode()
             }
@@ -102,7 +106,10 @@ impl CallbackBootstrap {
         *live = match Beacon::decode(rank0_slot) {
             None => Live::Off,
             Some(b) => match Liveness::join(self.rank, self.world_size, b, self.dead.clone()) {
-                Ok(l) => Live::Running(l),
+                Ok(l) => {
+                    let _ = self.reports.set(l.reports());
+                    Live::Running(l)
+                }
                 Err(e) => {
                     crate::fep_warn!(
                         target: "fabric_ep::bootstrap",
@@ -219,6 +226,22 @@ impl Bootstrap for CallbackBootstrap {
     fn is_dead(&self, rank: usize) -> bool {
         self.dead.is_dead(rank)
     }
+
+    fn dead_peers(&self) -> Vec<super::DeadPeer> {
+        self.dead.peers()
+    }
+
+    fn report_unresponsive(&self, peers: &[usize]) {
+        let Some(r) = self.reports.get() else { return };
+        let mut named: Vec<usize> = peers
+            .iter()
+            .copied()
+            .filter(|&p| p != self.rank && p < self.world_size && !self.dead.is_dead(p))
+            .collect();
+        named.sort_unstable();
+        named.dedup();
+        r.report(&named, std::time::Duration::from_secs(1));
+    }
 }
 
 #[cfg(test)]
@@ -310,6 +333,46 @@ mod tests {
         boots[0] = None;
         let b = boots[2].as_ref().unwrap();
         wait_for("rank 2 names rank 0", || b.dead_ranks() == vec![1, 0]);
+    }
+
+    /// A joiner's report and rank 0's own reach every other rank as "unresponsive, reported by"
+    /// (each returns once rank 0 relayed it, after its grace); a peer is relayed once.
+    #[test]
+    fn unresponsive_peers_reported_by_any_rank_reach_the_others() {
+        use crate::bootstrap::DeadPeer;
+        let n = 4;
+        let boots: Vec<Arc<CallbackBootstrap>> = group(n)
+            .into_iter()
+            .enumerate()
+            .map(|(r, f)| Arc::new(CallbackBootstrap::new(r, n, r, n, f).expect("new")))
+            .collect();
+        let threads: Vec<_> = boots
+            .iter()
+            .map(|b| {
+                let b = b.clone();
+                std::thread::spawn(move || b.barrier().expect("barrier"))
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        // Rank 2 timed out on rank 1 (and names itself and a rank out of range: ignored).
+        boots[2].report_unresponsive(&[1, 2, 9]);
+        let stalled = DeadPeer { rank: 1, reported_by: Some(2) };
+        for r in [0, 3] {
+            wait_for(&format!("rank {r} hears of rank 1"), || {
+                boots[r].dead_peers() == vec![stalled]
+            });
+        }
+        // Rank 0 reports rank 3 (and rank 1 again: relayed once); rank 3 is told too, and keeps
+        // waiting on its own peers, as rank 1 does.
+        boots[0].report_unresponsive(&[3, 1]);
+        let three = DeadPeer { rank: 3, reported_by: Some(0) };
+        wait_for("rank 2 hears of rank 3", || boots[2].dead_peers() == vec![stalled, three]);
+        assert_eq!(boots[0].dead_peers(), vec![stalled, three]);
+        assert_eq!(boots[3].dead_peers(), vec![stalled]);
+        assert_eq!(boots[1].dead_peers(), vec![three]);
     }
 
     #[test]

@@ -7,7 +7,13 @@
 //! "rank r left" to every connected rank when r's connection closes (killed, crashed, or it
 //! closed its bootstrap) or TCP keepalive gives up on its host; when rank 0 itself dies, every
 //! connection closes and the others name rank 0. What they learn goes into the bootstrap's
-//! [`DeadSet`], the same list the TCP store feeds, which every data-path wait asks.
+//! [`DeadSet`], the same list the TCP store feeds, which every data-path wait asks. A rank that
+//! is failing because a peer stopped responding (a stopped process keeps its connection open)
+//! sends `REPORT { peer }` on its connection (rank 0: to its own relay). Rank 0 holds each
+//! report for a grace (a named rank that reports too meanwhile is alive, and is dropped), then
+//! relays `STALLED { peer | by << 32 }` to every rank once per peer and answers the reporter
+//! `REPORTED`, which it waits for before failing: the others name the stalled rank, not the
+//! reporter, when it leaves.
 //!
 //! NOTES: bounded and fallible. Connecting, the handshake and every write have deadlines; a rank
 //! that cannot reach rank 0 (an address it cannot route to, a firewall) logs a warning and goes
@@ -26,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use super::auth::random_bytes;
 use super::wire::keepalive;
-use super::DeadSet;
+use super::{later, DeadSet};
 
 /// Bytes of the beacon slot in the first all-gather (every rank sends this many; only rank 0's
 /// holds a beacon).
@@ -46,6 +52,16 @@ const HELLO_BYTES: usize = 4 + 1 + 16 + 8 + 8;
 const K_WELCOME: u8 = 1;
 /// Rank 0 -> every joiner: `rank u64` left the job.
 const K_LEFT: u8 = 2;
+/// A joiner -> rank 0: `peer u64` stopped responding (this rank is failing because of it).
+const K_REPORT: u8 = 3;
+/// Rank 0 -> every joiner: `peer | by << 32` (u64): rank `by` reported `peer` unresponsive.
+const K_STALLED: u8 = 4;
+/// Rank 0 -> a joiner: one of its reports was dealt with (relayed, or dropped as alive).
+const K_REPORTED: u8 = 5;
+/// How long rank 0 holds a report for the named ranks to show they are alive.
+const REPORT_GRACE: Duration = Duration::from_millis(300);
+/// Input a proven connection may hold unparsed (a rank reports at most every other rank).
+const MAX_INPUT: usize = 64 << 10;
 const FRAME_BYTES: usize = 9;
 
 /// How long a new connection may take to prove the token.
@@ -56,6 +72,8 @@ const MAX_PENDING: usize = 64;
 const CONNECT_WAIT: Duration = Duration::from_secs(2);
 /// How often the threads look at their stop flag.
 const TICK: Duration = Duration::from_millis(100);
+/// How often a joiner looks for reports to send.
+const REPORT_TICK: Duration = Duration::from_millis(5);
 
 /// Where rank 0 listens and the token a joiner proves.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -168,6 +186,51 @@ fn host_addrs(v6: bool) -> Vec<IpAddr> {
 pub(crate) struct Liveness {
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
+    reports: Arc<Reports>,
+}
+
+/// Peers this rank reports unresponsive, handed to the channel's thread, which sends them
+/// (a joiner) or relays them (rank 0).
+#[derive(Default)]
+pub(crate) struct Reports {
+    queue: parking_lot::Mutex<Vec<usize>>,
+    /// Reports queued so far, and those the thread has sent on.
+    queued: std::sync::atomic::AtomicU64,
+    sent: std::sync::atomic::AtomicU64,
+}
+
+impl Reports {
+    /// Queues `peers` and waits (at most `wait`) until the channel's thread has sent them on:
+    /// the caller is about to fail, perhaps to exit.
+    pub fn report(&self, peers: &[usize], wait: Duration) {
+        if peers.is_empty() {
+            return;
+        }
+        let ticket = {
+            let mut q = self.queue.lock();
+            q.extend_from_slice(peers);
+            self.queued.fetch_add(peers.len() as u64, Ordering::AcqRel) + peers.len() as u64
+        };
+        let start = Instant::now();
+        while self.sent.load(Ordering::Acquire) < ticket && start.elapsed() < wait {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    fn take(&self) -> Vec<usize> {
+        std::mem::take(&mut *self.queue.lock())
+    }
+
+    fn done(&self, n: usize) {
+        self.sent.fetch_add(n as u64, Ordering::AcqRel);
+    }
+}
+
+impl Liveness {
+    /// Where this rank's reports of unresponsive peers go.
+    pub fn reports(&self) -> Arc<Reports> {
+        self.reports.clone()
+    }
 }
 
 impl Drop for Liveness {
@@ -193,10 +256,25 @@ impl Liveness {
         let stop = Arc::new(AtomicBool::new(false));
         let token = beacon.token;
         let flag = stop.clone();
-        let thread = std::thread::Builder::new()
-            .name("fep-liveness-0".into())
-            .spawn(move || Server { listener, token, world, dead, conns: Vec::new() }.run(&flag))?;
-        Ok((Liveness { stop, thread: Some(thread) }, beacon))
+        let reports = Arc::new(Reports::default());
+        let mine = reports.clone();
+        let thread =
+            std::thread::Builder::new().name("fep-liveness-0".into()).spawn(move || {
+                let conns = Vec::new();
+                Server {
+                    listener,
+                    token,
+                    world,
+                    dead,
+                    conns,
+                    reports: mine,
+                    relayed: Vec::new(),
+                    reporters: Vec::new(),
+                    held: Vec::new(),
+                }
+                .run(&flag)
+            })?;
+        Ok((Liveness { stop, thread: Some(thread), reports }, beacon))
     }
 
     /// Rank `rank` (not 0): connects to rank 0 in the background and marks what it relays.
@@ -208,10 +286,12 @@ impl Liveness {
     ) -> io::Result<Liveness> {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
+        let reports = Arc::new(Reports::default());
+        let mine = reports.clone();
         let thread = std::thread::Builder::new()
             .name(format!("fep-liveness-{rank}"))
-            .spawn(move || joiner(rank, world, &beacon, &dead, &flag))?;
-        Ok(Liveness { stop, thread: Some(thread) })
+            .spawn(move || joiner(rank, world, &beacon, &dead, &mine, &flag))?;
+        Ok(Liveness { stop, thread: Some(thread), reports })
     }
 }
 
@@ -231,6 +311,13 @@ struct Server {
     world: usize,
     dead: Arc<DeadSet>,
     conns: Vec<Conn>,
+    /// Rank 0's own reports.
+    reports: Arc<Reports>,
+    /// Peers already relayed as unresponsive.
+    relayed: Vec<usize>,
+    /// Ranks that reported (alive), and reports held for their grace: (peer, by, relay time).
+    reporters: Vec<usize>,
+    held: Vec<(usize, usize, Instant)>,
 }
 
 impl Server {
@@ -252,7 +339,8 @@ impl Server {
             }
             // SAFETY: `fds` is a live array of `fds.len()` pollfd entries for open sockets.
             let n = unsafe {
-                libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, TICK.as_millis() as i32)
+                let ms = self.poll_wait().as_millis().max(1) as i32;
+                libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms)
             };
             if n < 0 {
                 if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
@@ -277,8 +365,81 @@ impl Server {
                 }
             }
             self.admit();
+            self.take_reports();
             self.reap();
         }
+    }
+
+    /// Holds the reports that arrived on proven connections, and rank 0's own, for their
+    /// grace; relays those whose grace ended (a reporter leaving ends its own at once).
+    fn take_reports(&mut self) {
+        let until = later(Instant::now(), REPORT_GRACE);
+        for c in self.conns.iter_mut().filter(|c| !c.closed) {
+            let Some(by) = c.rank else { continue };
+            let whole = c.input.len() / FRAME_BYTES * FRAME_BYTES;
+            for f in c.input[..whole].chunks_exact(FRAME_BYTES) {
+                let peer = u64::from_le_bytes(f[1..].try_into().unwrap_or([0xff; 8]));
+                if f[0] != K_REPORT || peer >= self.world as u64 {
+                    // Not this protocol: the connection goes (its rank is reported gone).
+                    c.closed = true;
+                    break;
+                }
+                if !self.reporters.contains(&by) {
+                    self.reporters.push(by);
+                }
+                self.held.push((peer as usize, by, until));
+            }
+            c.input.drain(..whole);
+        }
+        let own = self.reports.take();
+        if !own.is_empty() && !self.reporters.contains(&0) {
+            self.reporters.push(0);
+        }
+        // An out-of-range peer of rank 0's own is dropped when relayed (counted, never named).
+        self.held.extend(own.into_iter().map(|p| (p.min(self.world), 0, until)));
+        let leaving: Vec<usize> =
+            self.conns.iter().filter(|c| c.closed).filter_map(|c| c.rank).collect();
+        let now = Instant::now();
+        let (due, keep): (Vec<_>, Vec<_>) =
+            self.held.drain(..).partition(|&(_, by, at)| at <= now || leaving.contains(&by));
+        self.held = keep;
+        for (peer, by, _) in due {
+            let relay = peer < self.world
+                && peer != by
+                && !self.relayed.contains(&peer)
+                && !self.reporters.contains(&peer)
+                && !self.dead.is_dead(peer);
+            if relay {
+                self.relayed.push(peer);
+                crate::fep_info!(
+                    target: "fabric_ep::bootstrap",
+                    "liveness: rank {by} reports rank {peer} unresponsive; telling the other ranks"
+                );
+                let note = frame(K_STALLED, peer as u64 | (by as u64) << 32);
+                for o in self.conns.iter_mut().filter(|o| o.rank.is_some() && !o.closed) {
+                    if o.rank != Some(peer) {
+                        o.output.extend_from_slice(&note);
+                        flush(o);
+                    }
+                }
+                if peer != 0 {
+                    self.dead.mark_unresponsive(peer, by);
+                }
+            }
+            if by == 0 {
+                self.reports.done(1);
+            } else if let Some(o) = self.conns.iter_mut().find(|o| o.rank == Some(by) && !o.closed)
+            {
+                o.output.extend_from_slice(&frame(K_REPORTED, 0));
+                flush(o);
+            }
+        }
+    }
+
+    /// When the poll must wake next: the earliest held report's grace, at most a tick.
+    fn poll_wait(&self) -> Duration {
+        let now = Instant::now();
+        self.held.iter().map(|h| h.2.saturating_duration_since(now)).fold(TICK, Duration::min)
     }
 
     fn accept(&mut self) {
@@ -374,8 +535,8 @@ fn frame(kind: u8, rank: u64) -> [u8; FRAME_BYTES] {
     f
 }
 
-/// Reads what a non-blocking connection has; EOF or an error closes it. A proven joiner sends
-/// nothing after its hello, so its input stays bounded.
+/// Reads what a non-blocking connection has; EOF or an error closes it. After its hello a proven
+/// joiner sends only reports (parsed each turn); more than [`MAX_INPUT`] unparsed closes it.
 fn read_some(c: &mut Conn) {
     let mut buf = [0u8; 256];
     loop {
@@ -385,9 +546,11 @@ fn read_some(c: &mut Conn) {
                 return;
             }
             Ok(n) => {
-                if c.input.len() < HELLO_BYTES {
-                    c.input.extend_from_slice(&buf[..n]);
+                if c.input.len() + n > MAX_INPUT {
+                    c.closed = true;
+                    return;
                 }
+                c.input.extend_from_slice(&buf[..n]);
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -450,8 +613,17 @@ fn connect(rank: usize, world: usize, beacon: &Beacon, stop: &AtomicBool) -> Opt
     None
 }
 
-fn joiner(rank: usize, world: usize, beacon: &Beacon, dead: &DeadSet, stop: &AtomicBool) {
+fn joiner(
+    rank: usize,
+    world: usize,
+    beacon: &Beacon,
+    dead: &DeadSet,
+    reports: &Reports,
+    stop: &AtomicBool,
+) {
     let Some(mut s) = connect(rank, world, beacon, stop) else {
+        // Nothing to send reports on: a reporter does not wait for this thread.
+        reports.sent.store(u64::MAX, Ordering::Release);
         if !stop.load(Ordering::Acquire) {
             crate::fep_warn!(
                 target: "fabric_ep::bootstrap",
@@ -463,12 +635,26 @@ fn joiner(rank: usize, world: usize, beacon: &Beacon, dead: &DeadSet, stop: &Ato
         }
         return;
     };
-    if s.set_read_timeout(Some(TICK)).is_err() {
+    // Short reads: a rank reporting a stalled peer is about to fail and waits for the send.
+    if s.set_read_timeout(Some(REPORT_TICK)).is_err() {
+        reports.sent.store(u64::MAX, Ordering::Release);
         return;
     }
     let mut pending = Vec::new();
     let mut buf = [0u8; 256];
     while !stop.load(Ordering::Acquire) {
+        let out = reports.take();
+        if !out.is_empty() {
+            let mut w = Vec::with_capacity(out.len() * FRAME_BYTES);
+            for &p in &out {
+                w.extend_from_slice(&frame(K_REPORT, p as u64));
+            }
+            // Blocking, bounded by the connection's write timeout (set at connect); each
+            // report counts as sent when rank 0 answers it (REPORTED).
+            if s.write_all(&w).is_err() {
+                reports.done(out.len());
+            }
+        }
         match s.read(&mut buf) {
             Ok(0) => {
                 if !stop.load(Ordering::Acquire) {
@@ -478,6 +664,7 @@ fn joiner(rank: usize, world: usize, beacon: &Beacon, dead: &DeadSet, stop: &Ato
                     );
                     dead.mark(0);
                 }
+                reports.sent.store(u64::MAX, Ordering::Release);
                 return;
             }
             Ok(n) => {
@@ -488,6 +675,14 @@ fn joiner(rank: usize, world: usize, beacon: &Beacon, dead: &DeadSet, stop: &Ato
                     if f[0] == K_LEFT {
                         // Out-of-range ranks name no peer: DeadSet ignores them.
                         dead.mark(usize::try_from(r).unwrap_or(usize::MAX));
+                    } else if f[0] == K_STALLED {
+                        let peer = (r & 0xffff_ffff) as usize;
+                        // Of itself: it keeps waiting on its own peers (their waits name it).
+                        if peer != rank {
+                            dead.mark_unresponsive(peer, (r >> 32) as usize);
+                        }
+                    } else if f[0] == K_REPORTED {
+                        reports.done(1);
                     }
                 }
                 pending.drain(..whole);
@@ -507,6 +702,7 @@ fn joiner(rank: usize, world: usize, beacon: &Beacon, dead: &DeadSet, stop: &Ato
                     );
                     dead.mark(0);
                 }
+                reports.sent.store(u64::MAX, Ordering::Release);
                 return;
             }
         }

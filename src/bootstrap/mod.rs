@@ -80,6 +80,25 @@ pub trait Bootstrap: Send + Sync {
     fn is_dead(&self, rank: usize) -> bool {
         self.dead_ranks().contains(&rank)
     }
+    /// [`dead_ranks`](Self::dead_ranks) with how each was learnt: `reported_by: None` it left
+    /// (its connection closed), `Some(r)` rank `r` reported it unresponsive before leaving (see
+    /// [`report_unresponsive`](Self::report_unresponsive)).
+    fn dead_peers(&self) -> Vec<DeadPeer> {
+        self.dead_ranks().into_iter().map(|rank| DeadPeer { rank, reported_by: None }).collect()
+    }
+    /// This rank is failing because `peers` stopped responding (a bounded wait on them ran
+    /// out): tell every other rank, so that their waits end naming the stalled rank rather than
+    /// this one when it leaves. Best effort and bounded (a second at most); a bootstrap that
+    /// cannot tell its peers ignores it.
+    fn report_unresponsive(&self, _peers: &[usize]) {}
+}
+
+/// A rank the bootstrap knows gone, and how it learnt it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeadPeer {
+    pub rank: usize,
+    /// `None`: its connection closed. `Some(r)`: rank `r` timed out waiting for it and said so.
+    pub reported_by: Option<usize>,
 }
 
 /// Ranks known gone, written by whoever observes a death and read lock-free by the data path.
@@ -90,12 +109,47 @@ pub trait Bootstrap: Send + Sync {
 pub(crate) struct DeadSet {
     /// 0: alive; n: the n-th death reported.
     order: Box<[AtomicU64]>,
+    /// 0: the rank left; r + 1: rank r reported it unresponsive (written before `order`).
+    by: Box<[AtomicU64]>,
     reported: AtomicU64,
 }
 
 impl DeadSet {
     pub(crate) fn new(world: usize) -> Self {
-        DeadSet { order: (0..world).map(|_| AtomicU64::new(0)).collect(), reported: 0.into() }
+        DeadSet {
+            order: (0..world).map(|_| AtomicU64::new(0)).collect(),
+            by: (0..world).map(|_| AtomicU64::new(0)).collect(),
+            reported: 0.into(),
+        }
+    }
+
+    /// Records `rank` as reported unresponsive by rank `by` (ranks out of range, or a rank
+    /// naming itself, are ignored); a rank already recorded keeps its place and its cause.
+    pub(crate) fn mark_unresponsive(&self, rank: usize, by: usize) {
+        if rank == by || by >= self.order.len() {
+            return;
+        }
+        let (Some(f), Some(b)) = (self.order.get(rank), self.by.get(rank)) else { return };
+        if f.load(Ordering::Acquire) != 0 {
+            return;
+        }
+        // Only while still unrecorded: a cause never changes once a reader may have seen it.
+        let _ = b.compare_exchange(0, by as u64 + 1, Ordering::AcqRel, Ordering::Acquire);
+        self.mark(rank);
+    }
+
+    /// [`Self::list`] with each rank's cause.
+    pub(crate) fn peers(&self) -> Vec<DeadPeer> {
+        self.list()
+            .into_iter()
+            .map(|rank| DeadPeer {
+                rank,
+                reported_by: match self.by[rank].load(Ordering::Acquire) {
+                    0 => None,
+                    n => Some(n as usize - 1),
+                },
+            })
+            .collect()
     }
 
     /// Records `rank` (out-of-range ranks from the wire are ignored: they name no peer); a rank
@@ -253,6 +307,7 @@ pub(crate) fn check_ranks(
 #[doc(hidden)]
 pub mod fuzz {
     use super::wire::{self, Fields};
+    use super::DeadSet;
 
     /// Splits `bytes` into frames of at most `max_body` bytes; the number of whole frames.
     pub fn frames(bytes: &[u8], max_body: usize) -> Result<usize, String> {
@@ -266,6 +321,7 @@ pub mod fuzz {
             wire::K_HELLO => wire::parse_hello(payload).map(drop).map_err(|e| format!("{e:?}")),
             wire::K_PROOF => wire::parse_proof(payload).map(drop),
             wire::K_CONTRIBUTE => wire::parse_contribute(payload).map(drop),
+            wire::K_UNRESPONSIVE => wire::parse_unresponsive(payload, super::MAX_WORLD).map(drop),
             k => Err(format!("kind {k} is not sent to the store")),
         }
     }
@@ -295,6 +351,11 @@ pub mod fuzz {
                 }
             }
             wire::K_PEER_GONE => f.usize().map(drop),
+            wire::K_PEER_UNRESPONSIVE => {
+                let set = DeadSet::new(world);
+                set.mark_unresponsive(f.usize()?, f.usize()?);
+                Ok(())
+            }
             k => Err(format!("kind {k} is not sent to a rank")),
         }
     }

@@ -353,6 +353,12 @@ struct Space {
     failed: Option<Arc<Vec<u8>>>,
     /// Ranks whose connection closed, in order; told to every rank that joins later too.
     gone: Vec<usize>,
+    /// Ranks another rank reported unresponsive, each relayed once.
+    unresponsive: Vec<usize>,
+    /// Ranks that reported others (alive, whatever they were reported as).
+    reporters: Vec<usize>,
+    /// Reports held for their grace: (reporter, named ranks, relay time).
+    held: Vec<(usize, Vec<usize>, Instant)>,
     /// Refused claims of a rank, for the timeout message that names it missing.
     notes: Vec<(usize, String)>,
 }
@@ -409,6 +415,9 @@ impl Store {
             for s in self.spaces.values() {
                 if let Some(d) = s.round_deadline {
                     next = next.min(d);
+                }
+                for (_, _, at) in &s.held {
+                    next = next.min(*at);
                 }
             }
             for c in self.conns.iter().flatten() {
@@ -670,6 +679,18 @@ impl Store {
                 (&Phase::Joined { ns, rank }, K_CONTRIBUTE) => {
                     self.on_contribute(id, ns, rank, &payload)
                 }
+                (&Phase::Joined { ns, rank }, K_UNRESPONSIVE) => {
+                    let Some(space) = self.spaces.get_mut(&ns) else { continue };
+                    match parse_unresponsive(&payload, space.world) {
+                        Ok(peers) => space.on_unresponsive(rank, &peers),
+                        Err(m) => {
+                            let msg = format!("rank {rank}: {m}");
+                            space.fail(&mut self.conns, Failure::Protocol(msg));
+                            self.kill(id);
+                            return;
+                        }
+                    }
+                }
                 (Phase::Done, _) => return,
                 (&Phase::Joined { ns, rank }, kind) => {
                     if let Some(space) = self.spaces.get_mut(&ns) {
@@ -818,6 +839,7 @@ impl Store {
 
     fn expire(&mut self, now: Instant) {
         for space in self.spaces.values_mut() {
+            space.relay_held(&mut self.conns, Some(now));
             if space.round_deadline.is_some_and(|d| d <= now) {
                 let missing = (0..space.world).filter(|&r| space.slots[r].is_none()).collect();
                 space.fail(&mut self.conns, Failure::Timeout { missing });
@@ -910,6 +932,9 @@ impl Space {
             round_deadline: None,
             failed: None,
             gone: Vec::new(),
+            unresponsive: Vec::new(),
+            reporters: Vec::new(),
+            held: Vec::new(),
             notes: Vec::new(),
         }
     }
@@ -973,9 +998,53 @@ impl Space {
     }
 
     /// A joined rank's connection closed: every rank hears it now, and the instance fails.
+    /// Rank `by` timed out on `peers` and is about to fail: held for [`REPORT_GRACE`] (see
+    /// [`Self::relay_held`]). `by` itself is alive: no report names it from now on.
+    fn on_unresponsive(&mut self, by: usize, peers: &[usize]) {
+        if !self.reporters.contains(&by) {
+            self.reporters.push(by);
+        }
+        self.held.push((by, peers.to_vec(), later(Instant::now(), REPORT_GRACE)));
+    }
+
+    /// Relays the reports whose grace ended by `now` (all of them with `now` = None): every rank
+    /// hears once of each named rank not gone, not already relayed and not a reporter itself;
+    /// then the reporter gets its `REPORTED`. The instance stays up.
+    fn relay_held(&mut self, conns: &mut Conns, now: Option<Instant>) {
+        let (due, keep): (Vec<_>, Vec<_>) =
+            self.held.drain(..).partition(|(_, _, at)| now.is_none_or(|n| *at <= n));
+        self.held = keep;
+        for (by, peers, _) in due {
+            for p in peers {
+                if p == by
+                    || self.gone.contains(&p)
+                    || self.unresponsive.contains(&p)
+                    || self.reporters.contains(&p)
+                {
+                    continue;
+                }
+                self.unresponsive.push(p);
+                let note = Arc::new(frame(
+                    K_PEER_UNRESPONSIVE,
+                    &[&(p as u64).to_le_bytes(), &(by as u64).to_le_bytes()],
+                ));
+                for id in self.rank_conn.iter().flatten() {
+                    send(conns, *id, Arc::clone(&note));
+                }
+            }
+            if let Some(id) = self.rank_conn[by] {
+                send(conns, id, Arc::new(frame(K_REPORTED, &[])));
+            }
+        }
+    }
+
     fn on_gone(&mut self, conns: &mut Conns, rank: usize) {
         if self.gone.contains(&rank) {
             return;
+        }
+        // A reporter that leaves before its grace ended: what it reported goes out first.
+        if self.held.iter().any(|(by, _, _)| *by == rank) {
+            self.relay_held(conns, None);
         }
         self.gone.push(rank);
         let note = Arc::new(gone_frame(rank));

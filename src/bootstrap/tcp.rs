@@ -19,7 +19,9 @@ use super::auth::{
 };
 use super::server::{self, Instance, ServerConfig};
 use super::wire::*;
-use super::{check_ranks, later, Bootstrap, BootstrapError, DeadSet, MAX_BLOB, MAX_WORLD};
+use super::{
+    check_ranks, later, Bootstrap, BootstrapError, DeadPeer, DeadSet, MAX_BLOB, MAX_WORLD,
+};
 
 /// Extra time a client gives the store beyond its own deadline to deliver the store's verdict
 /// (the store's round deadline is never later than this client's, so normally it answers first).
@@ -388,7 +390,30 @@ impl Bootstrap for TcpStore {
     fn is_dead(&self, rank: usize) -> bool {
         self.dead.is_dead(rank)
     }
+    fn dead_peers(&self) -> Vec<DeadPeer> {
+        self.dead.peers()
+    }
+    fn report_unresponsive(&self, peers: &[usize]) {
+        let me = self.opts.rank;
+        let mut named: Vec<u64> = peers
+            .iter()
+            .filter(|&&p| p != me && p < self.opts.world_size && !self.dead.is_dead(p))
+            .map(|&p| p as u64)
+            .collect();
+        named.sort_unstable();
+        named.dedup();
+        if named.is_empty() {
+            return;
+        }
+        // A collective of another thread holds the connection for its whole round: then the
+        // report is dropped rather than waited for (the caller is on its way to an error).
+        let Some(mut client) = self.client.try_lock_for(REPORT_WAIT) else { return };
+        client.report_unresponsive(&named);
+    }
 }
+
+/// The longest a rank spends telling the store which peers stopped responding.
+const REPORT_WAIT: Duration = Duration::from_secs(1);
 
 // ---------------------------------------------------------------------------------------------
 // Client side
@@ -418,6 +443,8 @@ struct Client {
     /// for rank 0's death.
     closing: Arc<AtomicBool>,
     dead: Arc<DeadSet>,
+    /// `REPORTED` answers the reader has seen.
+    reported: Arc<std::sync::atomic::AtomicU64>,
     next_round: u64,
     /// Set once the stream may be out of step with the store (an I/O error mid-frame, a missed
     /// answer); every later call reports it instead of reading garbage.
@@ -479,12 +506,13 @@ impl Client {
         let rx_stream = stream.try_clone().map_err(io_err("duplicate the connection to"))?;
         let (tx, rx) = mpsc::channel();
         let closing = Arc::new(AtomicBool::new(false));
+        let reported = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let reader = {
-            let (dead, closing) = (Arc::clone(dead), Arc::clone(&closing));
+            let (dead, closing, acks) = (Arc::clone(dead), Arc::clone(&closing), reported.clone());
             let rank = opts.rank;
             thread::Builder::new()
                 .name("fep-bootstrap-rx".into())
-                .spawn(move || read_loop(rx_stream, tx, dead, closing, rank))
+                .spawn(move || read_loop(rx_stream, tx, dead, closing, acks, rank))
                 .map_err(io_err("spawn the reader thread for the connection to"))?
         };
         Ok(Client {
@@ -493,6 +521,7 @@ impl Client {
             reader: Some(reader),
             closing,
             dead: Arc::clone(dead),
+            reported,
             next_round: 0,
             broken: None,
         })
@@ -527,6 +556,30 @@ impl Client {
         };
         self.broken = Some(detail.clone());
         BootstrapError::StoreLost { addr: addr.to_string(), op, detail }
+    }
+
+    /// Sends `UNRESPONSIVE` (bounded by [`REPORT_WAIT`]); a write that fails or runs out
+    /// leaves the connection marked broken, as a collective's would.
+    /// Then waits (same bound) for the store's `REPORTED`: what it relays reaches the others
+    /// before this rank's leaving does.
+    fn report_unresponsive(&mut self, ranks: &[u64]) {
+        if self.broken.is_some() {
+            return;
+        }
+        let mut payload = (ranks.len() as u64).to_le_bytes().to_vec();
+        for r in ranks {
+            payload.extend_from_slice(&r.to_le_bytes());
+        }
+        let msg = frame(K_UNRESPONSIVE, &[&payload]);
+        let by = later(Instant::now(), REPORT_WAIT);
+        let before = self.reported.load(Ordering::Acquire);
+        if write_all_by(&self.stream, &msg, by).is_err() {
+            self.broken = Some("reporting unresponsive ranks did not finish".into());
+            return;
+        }
+        while self.reported.load(Ordering::Acquire) == before && Instant::now() < by {
+            thread::sleep(Duration::from_millis(1));
+        }
     }
 
     fn gather(
@@ -649,6 +702,7 @@ fn read_loop(
     tx: mpsc::Sender<Incoming>,
     dead: Arc<DeadSet>,
     closing: Arc<AtomicBool>,
+    reported: Arc<std::sync::atomic::AtomicU64>,
     rank: usize,
 ) {
     loop {
@@ -660,6 +714,22 @@ fn read_loop(
                     return;
                 }
             },
+            Ok((K_REPORTED, _)) => {
+                reported.fetch_add(1, Ordering::AcqRel);
+            }
+            Ok((K_PEER_UNRESPONSIVE, payload)) => {
+                let mut f = Fields::new(&payload, "peer unresponsive");
+                match (f.usize(), f.usize()) {
+                    // A rank reported of itself is alive as far as it can tell: it keeps
+                    // waiting on its own peers (their waits name it).
+                    (Ok(r), Ok(_)) if r == rank => {}
+                    (Ok(r), Ok(by)) => dead.mark_unresponsive(r, by),
+                    (Err(m), _) | (_, Err(m)) => {
+                        let _ = tx.send(Incoming::Bad(m));
+                        return;
+                    }
+                }
+            }
             Ok((kind, payload)) => {
                 if tx.send(Incoming::Frame(kind, payload)).is_err() {
                     return;
@@ -1411,6 +1481,94 @@ mod tests {
             thread::sleep(Duration::from_millis(1));
         }
         assert_eq!(s1.dead_ranks(), vec![2, 0]);
+    }
+
+    /// A rank that timed out on a stopped peer says so before it leaves: every rank then names
+    /// the stopped rank first (reported by whom), and the reporter's leaving second. Reports of
+    /// itself, of a rank already named, or out of range name no one; the store stays up.
+    #[test]
+    fn an_unresponsive_peer_reported_by_one_rank_reaches_every_rank_first() {
+        let port = free_port();
+        let world = 4;
+        let stores: Vec<TcpStore> = {
+            let hs: Vec<_> = (0..world)
+                .map(|r| {
+                    thread::spawn(move || TcpStore::new(opts(port, r, world, "stall", 10_000)))
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("thread").expect("join")).collect()
+        };
+        let mut it = stores.into_iter();
+        let (s0, s1, s2, s3) =
+            (it.next().unwrap(), it.next().unwrap(), it.next().unwrap(), it.next().unwrap());
+        let hs: Vec<_> = [s1, s2, s3]
+            .into_iter()
+            .map(|s| thread::spawn(move || s.barrier().map(|()| s)))
+            .collect();
+        s0.barrier().expect("barrier");
+        let mut it = hs.into_iter().map(|h| h.join().expect("thread").expect("barrier"));
+        let (s1, s2, s3) = (it.next().unwrap(), it.next().unwrap(), it.next().unwrap());
+        s2.report_unresponsive(&[2, 1, 1, 99]);
+        let t0 = Instant::now();
+        let wait = |s: &TcpStore, n: usize| {
+            while s.dead_peers().len() < n && t0.elapsed() < Duration::from_secs(2) {
+                thread::sleep(Duration::from_millis(1));
+            }
+        };
+        let stalled = DeadPeer { rank: 1, reported_by: Some(2) };
+        // The report returns once the store relayed it (after its grace).
+        for s in [&s0, &s3] {
+            wait(s, 1);
+            assert_eq!(s.dead_peers(), vec![stalled], "rank {}", s.rank());
+        }
+        // Rank 1 hears it of itself and keeps waiting on its own peers.
+        assert!(s1.dead_peers().is_empty());
+        // A second report of the same rank by another is not relayed again.
+        s3.report_unresponsive(&[1]);
+        drop(s2);
+        for s in [&s0, &s3] {
+            wait(s, 2);
+            assert_eq!(s.dead_peers(), vec![stalled, DeadPeer { rank: 2, reported_by: None }]);
+        }
+        assert_eq!(s0.dead_ranks(), vec![1, 2]);
+    }
+
+    /// In a cascade (rank 3 times out on ranks 0 and 1, rank 0 on rank 1 a moment later), the
+    /// rank that reports within the grace is alive and is not relayed: only the stopped rank is.
+    #[test]
+    fn a_rank_that_reports_within_the_grace_is_not_relayed() {
+        let port = free_port();
+        let world = 4;
+        let stores: Vec<TcpStore> = {
+            let hs: Vec<_> = (0..world)
+                .map(|r| thread::spawn(move || TcpStore::new(opts(port, r, world, "casc", 10_000))))
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("thread").expect("join")).collect()
+        };
+        let stores: Vec<Arc<TcpStore>> = stores.into_iter().map(Arc::new).collect();
+        let hs: Vec<_> = stores[1..]
+            .iter()
+            .map(|s| {
+                let s = s.clone();
+                thread::spawn(move || s.barrier())
+            })
+            .collect();
+        stores[0].barrier().expect("barrier");
+        for h in hs {
+            h.join().expect("thread").expect("barrier");
+        }
+        let s3 = stores[3].clone();
+        let late = thread::spawn(move || s3.report_unresponsive(&[0, 1]));
+        thread::sleep(Duration::from_millis(50));
+        stores[0].report_unresponsive(&[1]);
+        late.join().expect("thread");
+        let t0 = Instant::now();
+        while stores[2].dead_peers().is_empty() && t0.elapsed() < Duration::from_secs(2) {
+            thread::sleep(Duration::from_millis(1));
+        }
+        thread::sleep(Duration::from_millis(100));
+        assert_eq!(stores[2].dead_peers(), vec![DeadPeer { rank: 1, reported_by: Some(3) }]);
+        assert_eq!(stores[0].dead_peers(), vec![DeadPeer { rank: 1, reported_by: Some(3) }]);
     }
 
     #[test]

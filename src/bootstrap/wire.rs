@@ -16,6 +16,15 @@
 //!   and the instance stays failed: later rounds get the same answer.
 //! - store -> every joined rank, at any time: `PEER_GONE { rank u64 }` when a rank's connection
 //!   closed, so ranks not inside a collective learn it too.
+//! - rank -> store, at any time after joining: `UNRESPONSIVE { count u64, ranks [u64] }`: this
+//!   rank is failing because those ranks stopped responding (a bounded wait on them ran out), sent
+//!   before it leaves. A stopped process keeps its connection open, so without this the others
+//!   would hear only that the reporting rank left. The store holds a report for a short grace
+//!   (`REPORT_GRACE`): a named rank that reports too in that time is alive (it waits on someone
+//!   else itself) and is dropped from it. Then store -> every joined rank, once per remaining
+//!   rank: `PEER_UNRESPONSIVE { rank u64, by u64 }`, and store -> the reporter `REPORTED {}`
+//!   (it waits for that before failing, so its own leaving is heard after). The instance is not
+//!   failed by it; ranks' waits on the named rank end naming it.
 
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
@@ -43,6 +52,13 @@ pub(super) const K_FAILED: u8 = 7;
 pub(super) const K_CHALLENGE: u8 = 8;
 pub(super) const K_PROOF: u8 = 9;
 pub(super) const K_PEER_GONE: u8 = 10;
+pub(super) const K_UNRESPONSIVE: u8 = 11;
+pub(super) const K_PEER_UNRESPONSIVE: u8 = 12;
+pub(super) const K_REPORTED: u8 = 13;
+
+/// How long the store holds a report of unresponsive ranks for the named ranks to show they
+/// are alive (by reporting themselves).
+pub(super) const REPORT_GRACE: std::time::Duration = std::time::Duration::from_millis(300);
 
 pub(super) const REFUSE_JOB: u8 = 1;
 pub(super) const REFUSE_WORLD: u8 = 2;
@@ -180,6 +196,27 @@ pub(super) fn parse_contribute(payload: &[u8]) -> Result<(u64, u64, &[u8]), Stri
     let mut f = Fields::new(payload, "contribute");
     let (round, timeout_ms) = (f.u64()?, f.u64()?);
     Ok((round, timeout_ms, f.rest()))
+}
+
+/// `UNRESPONSIVE`'s ranks: at most `world` of them, each a rank of the job.
+pub(super) fn parse_unresponsive(payload: &[u8], world: usize) -> Result<Vec<usize>, String> {
+    let mut f = Fields::new(payload, "unresponsive");
+    let n = f.usize()?;
+    if n > world {
+        return Err(format!("unresponsive frame: {n} ranks named in a job of {world}"));
+    }
+    let mut ranks = Vec::with_capacity(n);
+    for _ in 0..n {
+        let r = f.usize()?;
+        if r >= world {
+            return Err(format!("unresponsive frame: rank {r} in a job of {world}"));
+        }
+        ranks.push(r);
+    }
+    if !f.is_empty() {
+        return Err("unresponsive frame: bytes after its ranks".into());
+    }
+    Ok(ranks)
 }
 
 /// Splits complete frames off the front of `buf`; leaves a partial one in place.

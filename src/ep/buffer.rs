@@ -335,7 +335,7 @@ fn read_u64(b: &[u8], at: usize) -> Option<u64> {
 /// every rank at once), so a step waiting on a dead peer ends within milliseconds, naming it.
 pub(crate) fn peer_watch(boot: &Arc<dyn Bootstrap>) -> crate::proxy::PeerWatch {
     let b = boot.clone();
-    Arc::new(move || b.dead_ranks())
+    Arc::new(move || b.dead_peers())
 }
 
 /// The bootstrap's rank and size must be the config's (an argument error naming `boot`).
@@ -722,6 +722,11 @@ impl Buffer {
     /// A fresh dispatch (no `handle`) runs the notify step first; a cached one reuses the
     /// handle's counts. Collective: every rank calls it, all fresh or all cached.
     pub fn dispatch(&mut self, args: &DispatchArgs<'_>) -> Result<DispatchOutput> {
+        let r = self.dispatch_unreported(args);
+        self.reported(r)
+    }
+
+    fn dispatch_unreported(&mut self, args: &DispatchArgs<'_>) -> Result<DispatchOutput> {
         let cfg = self.cfg.clone();
         let (r, k, h) = (cfg.num_ranks, cfg.num_topk, cfg.hidden);
         let l = cfg.num_local_experts();
@@ -1009,9 +1014,14 @@ impl Buffer {
 
     /// Normal combine (DeepEP V1): every rank returns its rows of `x` to the ranks they came
     /// from; per original token the fp32 sum over the ranks it went to, in bf16. Collective.
+    pub fn combine(&mut self, args: &CombineArgs<'_>) -> Result<CombineOutput> {
+        let r = self.combine_unreported(args);
+        self.reported(r)
+    }
+
     // Index loops over ranks read closest to the reference's summation order.
     #[allow(clippy::needless_range_loop)]
-    pub fn combine(&mut self, args: &CombineArgs<'_>) -> Result<CombineOutput> {
+    fn combine_unreported(&mut self, args: &CombineArgs<'_>) -> Result<CombineOutput> {
         let cfg = self.cfg.clone();
         let (r, k, h) = (cfg.num_ranks, cfg.num_topk, cfg.hidden);
         let hd = args.handle;
@@ -1114,6 +1124,19 @@ impl Buffer {
         })
     }
 
+    /// A call's result as returned: a timeout on peers is first reported to the bootstrap
+    /// ([`Bootstrap::report_unresponsive`]), so the other ranks' waits end naming the stalled
+    /// rank rather than this one when it leaves.
+    pub(crate) fn reported<T>(&self, r: Result<T>) -> Result<T> {
+        if let Err(e) = &r {
+            let peers = e.unresponsive_peers();
+            if !peers.is_empty() {
+                self.boot.report_unresponsive(&peers);
+            }
+        }
+        r
+    }
+
     /// Marks the buffer unusable after a failure mid-protocol (peers' writes may still be in
     /// flight, counters are out of step) and returns the error.
     fn poison(&mut self, e: Error) -> Error {
@@ -1206,7 +1229,8 @@ impl LlDispatchHook {
     /// equal to what the same dispatch without a hook returns.
     pub fn complete(self, buf: &mut Buffer) -> Result<LlDispatchOutput> {
         buf.ll_take_pending(self.buffer_id, self.generation, self.set, self.call)?;
-        buf.ll_dispatch_recv(self.set, self.use_fp8, self.handle)
+        let r = buf.ll_dispatch_recv(self.set, self.use_fp8, self.handle);
+        buf.reported(r)
     }
 }
 
@@ -1274,7 +1298,8 @@ impl LlCombineHook {
     /// Completes the receive and the weighted sum.
     pub fn complete(self, buf: &mut Buffer) -> Result<LlCombineOutput> {
         buf.ll_take_pending(self.buffer_id, self.generation, self.set, self.call)?;
-        buf.ll_combine_recv(&self)
+        let r = buf.ll_combine_recv(&self);
+        buf.reported(r)
     }
 }
 
@@ -1505,6 +1530,14 @@ impl Buffer {
     /// rank starts call N + 2; violations are reported (`hook` argument, or
     /// [`Error::Protocol`] naming the peer that overran the set) where they can be seen.
     pub fn low_latency_dispatch(&mut self, args: &LlDispatchArgs<'_>) -> Result<LlDispatchOutcome> {
+        let r = self.low_latency_dispatch_unreported(args);
+        self.reported(r)
+    }
+
+    fn low_latency_dispatch_unreported(
+        &mut self,
+        args: &LlDispatchArgs<'_>,
+    ) -> Result<LlDispatchOutcome> {
         let cfg = self.cfg.clone();
         let (h, k, m) = (cfg.hidden, cfg.num_topk, cfg.max_tokens_per_rank);
         if args.x.len() % h != 0 {
@@ -1730,6 +1763,14 @@ impl Buffer {
     /// `w_k * y_k` over its top-k in `k` order (fp32, fma), rounded to bf16 once. Collective.
     /// Same hook and buffer-set contract as [`Buffer::low_latency_dispatch`].
     pub fn low_latency_combine(&mut self, args: &LlCombineArgs<'_>) -> Result<LlCombineOutcome> {
+        let r = self.low_latency_combine_unreported(args);
+        self.reported(r)
+    }
+
+    fn low_latency_combine_unreported(
+        &mut self,
+        args: &LlCombineArgs<'_>,
+    ) -> Result<LlCombineOutcome> {
         let cfg = self.cfg.clone();
         let (h, k, m, r, l) = (
             cfg.hidden,

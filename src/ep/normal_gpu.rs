@@ -602,11 +602,12 @@ impl NormalGpuRank {
             ended = stream.query()?;
             Ok(ended)
         })?;
-        if let Some(peer) = dead {
+        if let Some(d) = dead {
             return Err(Error::Proxy(crate::proxy::ProxyError::PeerDead {
                 rank: self.rank as u32,
-                peer: peer as u32,
+                peer: d.rank as u32,
                 waiting: Vec::new(),
+                reported_by: d.reported_by.map(|b| b as u32),
             }));
         }
         if ended && !arrived()? {

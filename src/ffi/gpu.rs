@@ -270,6 +270,23 @@ pub(crate) fn options(c: &fep_config, local_rank: usize) -> Result<(GpuOptions, 
     Ok((o, dev))
 }
 
+/// [`guard`] for a call on `buf` that may wait on peers: a timeout naming peers is reported to
+/// the bootstrap before it is returned (`Buffer::reported`), so the other ranks name the
+/// stalled rank rather than this one when it leaves.
+///
+/// # Safety
+/// As [`parts`]: `buf` from `fep_buffer_create` (or NULL, refused).
+unsafe fn guard_peers(buf: *mut fep_buffer, f: impl FnOnce() -> Result<(), Error>) -> fep_status {
+    guard(|| {
+        let r = f();
+        // `f`'s borrows of the buffer have ended.
+        match (&r, parts(buf)) {
+            (Err(_), Ok((b, _))) => b.reported(r),
+            _ => r,
+        }
+    })
+}
+
 fn parts<'a>(buf: *mut fep_buffer) -> Result<(&'a mut Buffer, &'a mut GpuState), Error> {
     // SAFETY: the caller passes a pointer from fep_buffer_create (checked for NULL).
     let b = unsafe { super::live::get(buf, "buf") }?;
@@ -423,7 +440,7 @@ pub unsafe extern "C" fn fep_gpu_notify(
     num_recv_tokens: *mut i64,
     num_recv_tokens_per_expert: *mut i32,
 ) -> fep_status {
-    guard(|| {
+    guard_peers(buf, || {
         let step = Step1 { expert_alignment, num_worst_tokens, order };
         let out = Step1Out { out_handle, num_recv_tokens, num_recv_tokens_per_expert };
         notify(buf, None, topk_idx, step, out)
@@ -456,7 +473,7 @@ pub unsafe extern "C" fn fep_gpu_notify_inputs(
     num_recv_tokens: *mut i64,
     num_recv_tokens_per_expert: *mut i32,
 ) -> fep_status {
-    guard(|| {
+    guard_peers(buf, || {
         let step = Step1 { expert_alignment, num_worst_tokens, order };
         let out = Step1Out { out_handle, num_recv_tokens, num_recv_tokens_per_expert };
         notify(buf, Some((x, x_scales, topk_weights)), topk_idx, step, out)
@@ -672,7 +689,7 @@ pub unsafe extern "C" fn fep_gpu_dispatch(
     recv_src_idx: *const fep_tensor,
     order: *const fep_gpu_order,
 ) -> fep_status {
-    guard(|| {
+    guard_peers(buf, || {
         let (b, st) = parts(buf)?;
         let hh = hier_handle(handle)?;
         let (t, rows) = match &hh {
@@ -758,7 +775,7 @@ pub unsafe extern "C" fn fep_gpu_combine(
     combined_topk_weights: *const fep_tensor,
     order: *const fep_gpu_order,
 ) -> fep_status {
-    guard(|| {
+    guard_peers(buf, || {
         let (b, st) = parts(buf)?;
         let hh = hier_handle(handle)?;
         let (t, rows) = match &hh {
@@ -944,7 +961,7 @@ pub unsafe extern "C" fn fep_gpu_ll_dispatch_ex(
     order: *const fep_gpu_order,
     out_op: *mut *mut fep_gpu_ll_op,
 ) -> fep_status {
-    guard(|| {
+    guard_peers(buf, || {
         let out_op = out_op.as_mut().ok_or_else(|| Error::arg("out_op", "NULL pointer"))?;
         *out_op = std::ptr::null_mut();
         let (b, st) = parts(buf)?;
@@ -995,7 +1012,7 @@ pub unsafe extern "C" fn fep_gpu_ll_complete(
     op: *mut fep_gpu_ll_op,
     order: *const fep_gpu_order,
 ) -> fep_status {
-    guard(|| {
+    guard_peers(buf, || {
         let (b, st) = parts(buf)?;
         let op = super::live::get(op, "op")?;
         match &mut op.state {
@@ -1081,7 +1098,7 @@ pub unsafe extern "C" fn fep_gpu_ll_combine_ex(
     order: *const fep_gpu_order,
     out_op: *mut *mut fep_gpu_ll_op,
 ) -> fep_status {
-    guard(|| {
+    guard_peers(buf, || {
         let out_op = out_op.as_mut().ok_or_else(|| Error::arg("out_op", "NULL pointer"))?;
         *out_op = std::ptr::null_mut();
         let (b, st) = parts(buf)?;
@@ -1152,7 +1169,7 @@ pub unsafe extern "C" fn fep_gpu_ll_op_destroy(op: *mut fep_gpu_ll_op) {
 /// `buf` must be valid; `stream` a stream of the buffer's device (NULL: the legacy default).
 #[no_mangle]
 pub unsafe extern "C" fn fep_gpu_sync(buf: *mut fep_buffer, stream: *mut c_void) -> fep_status {
-    guard(|| {
+    guard_peers(buf, || {
         let (b, st) = parts(buf)?;
         let s = Stream::borrowed(&st.dev, stream as CUstream);
         if let Some(hp) = st.hier.as_mut() {

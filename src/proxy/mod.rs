@@ -68,6 +68,15 @@ fn fabric_peer(peer: Option<u32>, source: &crate::fabric::FabricError) -> String
     }
 }
 
+fn gone_how(by: Option<u32>) -> String {
+    match by {
+        None => "has left the job (the bootstrap saw its connection close)".into(),
+        Some(b) => format!(
+            "stopped responding (rank {b} timed out waiting for it and reported it before failing)"
+        ),
+    }
+}
+
 fn waiting_list(w: &[u32]) -> String {
     if w.is_empty() {
         String::new()
@@ -142,14 +151,13 @@ pub enum ProxyError {
     #[error("rank {rank}: completion for ring {ring}, but there are {num_rings} rings")]
     BadCompletion { rank: u32, ring: u32, num_rings: u32 },
     /// The bootstrap saw a rank leave (its connection closed: killed, crashed, or it closed its
-    /// bootstrap): every wait of the job ends at once naming it.
+    /// bootstrap), or heard from rank `reported_by` that it stopped responding (that rank's
+    /// bounded wait on it ran out; a stopped process keeps its connection open): every wait of
+    /// the job ends at once naming it.
     /// `waiting`: the ranks the interrupted wait still needed (the rank that left may have
     /// done so because of one of them: a survivor that timed out on a stalled rank leaves too).
-    #[error(
-        "rank {rank}: rank {peer} has left the job (the bootstrap saw its connection close){}",
-        waiting_list(.waiting)
-    )]
-    PeerDead { rank: u32, peer: u32, waiting: Vec<u32> },
+    #[error("rank {rank}: rank {peer} {}{}", gone_how(*.reported_by), waiting_list(.waiting))]
+    PeerDead { rank: u32, peer: u32, waiting: Vec<u32>, reported_by: Option<u32> },
     /// The transport cannot reach a peer (it left, or its endpoint failed).
     #[error("rank {rank}: peer {peer} is unreachable: {msg}")]
     PeerUnreachable { rank: u32, peer: u32, msg: String },

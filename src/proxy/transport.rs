@@ -43,6 +43,10 @@ pub trait Transport: Send + 'static {
 
     /// Appends completions and arrivals to `events` (does not clear it) and makes progress.
     fn poll(&mut self, events: &mut Vec<TransportEvent>) -> Result<(), ProxyError>;
+
+    /// The stopping worker's news that these ranks died: writes in flight to them will never
+    /// complete, so dropping the transport need not wait for them. Default: nothing to do.
+    fn abandon_writes_to(&mut self, _dead: &[usize]) {}
 }
 
 /// Two transports behind one: writes to the peers `near[dst]` marks go to `near_t` (this
@@ -73,6 +77,11 @@ impl<A: Transport, B: Transport> Transport for SplitTransport<A, B> {
     fn poll(&mut self, events: &mut Vec<TransportEvent>) -> Result<(), ProxyError> {
         self.near_t.poll(events)?;
         self.far_t.poll(events)
+    }
+
+    fn abandon_writes_to(&mut self, dead: &[usize]) {
+        self.near_t.abandon_writes_to(dead);
+        self.far_t.abandon_writes_to(dead);
     }
 }
 
@@ -193,5 +202,9 @@ impl<T: Transport> Transport for Throttled<T> {
 
     fn poll(&mut self, events: &mut Vec<TransportEvent>) -> Result<(), ProxyError> {
         self.inner.poll(events)
+    }
+
+    fn abandon_writes_to(&mut self, dead: &[usize]) {
+        self.inner.abandon_writes_to(dead);
     }
 }

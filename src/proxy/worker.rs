@@ -168,6 +168,9 @@ struct Shared {
     /// `wait_sends`); each worker answers once per bump into `owed`.
     owed_request: AtomicU64,
     owed: Mutex<OwedReport>,
+    /// Ranks known dead (the bootstrap's news: [`Proxy::watch_peers`]), asked by every wait
+    /// and by a stopping worker (writes to a dead rank never complete).
+    peer_watch: std::sync::OnceLock<PeerWatch>,
 }
 
 /// Workers' answers to one `owed_request`: writes posted and not completed, per (ring, rank).
@@ -204,14 +207,12 @@ pub struct Proxy {
     counters: CounterMemory,
     shared: Arc<Shared>,
     workers: Vec<WorkerHandle>,
-    /// Ranks known dead (the bootstrap's news: [`Proxy::watch_peers`]), asked by every wait.
-    peer_watch: std::sync::OnceLock<PeerWatch>,
 }
 
 /// Tells which ranks are known dead (first reported first; empty: none). Asked on every pass of a wait, so
 /// it must be cheap when nobody died (the TCP store's and in-process groups' answer is one
 /// atomic load then).
-pub type PeerWatch = Arc<dyn Fn() -> Vec<usize> + Send + Sync>;
+pub type PeerWatch = Arc<dyn Fn() -> Vec<crate::bootstrap::DeadPeer> + Send + Sync>;
 
 impl std::fmt::Debug for Proxy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -270,9 +271,9 @@ impl Proxy {
                 error: Mutex::new(None),
                 owed_request: AtomicU64::new(0),
                 owed: Mutex::new(OwedReport::default()),
+                peer_watch: std::sync::OnceLock::new(),
             }),
             workers: Vec::with_capacity(num_workers),
-            peer_watch: std::sync::OnceLock::new(),
         };
         // Claims happen here, on the caller's thread, so a claim error is a start error.
         let mut consumers: Vec<Vec<_>> = (0..num_workers).map(|_| Vec::new()).collect();
@@ -390,7 +391,7 @@ impl Proxy {
     /// bootstrap hears of it only when the unmapping of a large buffer is done, hundreds of
     /// milliseconds later on a busy host. The fault matrix saw 250 ms run out.
     fn blame_dead_peer(&self, e: ProxyError) -> ProxyError {
-        let Some(w) = self.peer_watch.get() else { return e };
+        let Some(w) = self.shared.peer_watch.get() else { return e };
         let unnamed = |e: &ProxyError| matches!(e, ProxyError::Fabric { peer: None, .. });
         let names_none = match &e {
             ProxyError::WorkerFailed { source, .. } => unnamed(source),
@@ -401,11 +402,12 @@ impl Proxy {
         }
         let start = Instant::now();
         while start.elapsed() < BLAME_WAIT {
-            if let Some(&peer) = w().first() {
+            if let Some(d) = w().first() {
                 return ProxyError::PeerDead {
                     rank: self.rank,
-                    peer: peer as u32,
+                    peer: d.rank as u32,
                     waiting: Vec::new(),
+                    reported_by: d.reported_by.map(|b| b as u32),
                 };
             }
             std::thread::sleep(Duration::from_millis(2));
@@ -417,7 +419,7 @@ impl Proxy {
     /// rank (the bootstrap store sees a rank's connection close within milliseconds; without
     /// this a wait on it would last its whole timeout). Set once; later calls are ignored.
     pub fn watch_peers(&self, watch: PeerWatch) {
-        let _ = self.peer_watch.set(watch);
+        let _ = self.shared.peer_watch.set(watch);
     }
 
     /// A worker's error, a stop, or a rank the bootstrap saw die (see [`Self::watch_peers`]).
@@ -425,12 +427,13 @@ impl Proxy {
         if let Err(e) = self.check() {
             return Err(self.blame_dead_peer(e));
         }
-        if let Some(w) = self.peer_watch.get() {
-            if let Some(&peer) = w().first() {
+        if let Some(w) = self.shared.peer_watch.get() {
+            if let Some(d) = w().first() {
                 return Err(ProxyError::PeerDead {
                     rank: self.rank,
-                    peer: peer as u32,
+                    peer: d.rank as u32,
                     waiting: Vec::new(),
+                    reported_by: d.reported_by.map(|b| b as u32),
                 });
             }
         }
@@ -482,7 +485,7 @@ impl Proxy {
             }
             if let Err(e) = self.check_running() {
                 return Err(match e {
-                    ProxyError::PeerDead { rank, peer, .. } => {
+                    ProxyError::PeerDead { rank, peer, reported_by, .. } => {
                         let mut waiting: Vec<u32> = waits
                             .iter()
                             .filter(|w| {
@@ -494,7 +497,7 @@ impl Proxy {
                             .collect();
                         waiting.sort_unstable();
                         waiting.dedup();
-                        ProxyError::PeerDead { rank, peer, waiting }
+                        ProxyError::PeerDead { rank, peer, waiting, reported_by }
                     }
                     e => e,
                 });
@@ -678,14 +681,42 @@ impl<T: Transport> Worker<T> {
         // Best effort after an error (it is already recorded): writes that were posted still
         // complete, so the counters say what really went out.
         let _ = self.drain();
+        // Writes to a rank that died never complete: the transport need not wait for them
+        // when it is dropped (it keeps its send registration instead, a bounded leak).
+        let dead = self.dead_ranks();
+        if !dead.is_empty() {
+            self.transport.abandon_writes_to(&dead);
+        }
     }
 
-    /// Bounded: polls until every write this worker posted has completed, or `drain_timeout`.
+    /// Ranks the bootstrap reports dead (none without a watch).
+    fn dead_ranks(&self) -> Vec<usize> {
+        self.shared
+            .peer_watch
+            .get()
+            .map(|w| w().iter().map(|d| d.rank).collect())
+            .unwrap_or_default()
+    }
+
+    /// Writes are still in flight to some rank not in `dead`.
+    fn owes_live(&self, dead: &[usize]) -> bool {
+        self.inflight
+            .iter()
+            .any(|ring| ring.iter().enumerate().any(|(dst, &n)| n > 0 && !dead.contains(&dst)))
+    }
+
+    /// Bounded: polls until every write this worker posted has completed, or only writes to
+    /// ranks the bootstrap reports dead are left, or `drain_timeout`.
     fn drain(&mut self) -> Result<(), ProxyError> {
         let start = Instant::now();
+        let mut passes = 0u32;
         while self.completed < self.posted && start.elapsed() < self.drain_timeout {
             if self.poll_transport()? == 0 {
                 std::thread::yield_now();
+            }
+            passes = passes.wrapping_add(1);
+            if passes % 64 == 0 && !self.owes_live(&self.dead_ranks()) {
+                break;
             }
         }
         Ok(())
@@ -952,7 +983,7 @@ mod tests {
         let t = Instant::now();
         proxy.watch_peers(Arc::new(move || {
             if t.elapsed() > Duration::from_millis(600) {
-                vec![2]
+                vec![crate::bootstrap::DeadPeer { rank: 2, reported_by: None }]
             } else {
                 Vec::new()
             }

@@ -888,11 +888,12 @@ impl GpuBuffer {
             Ok(dead.is_some() || stream.query()?)
         })
         .map_err(Error::from);
-        if let Some(peer) = dead {
+        if let Some(d) = dead {
             res = Err(Error::Proxy(crate::proxy::ProxyError::PeerDead {
                 rank: self.cfg.rank as u32,
-                peer: peer as u32,
+                peer: d.rank as u32,
                 waiting: Vec::new(),
+                reported_by: d.reported_by.map(|b| b as u32),
             }));
         }
         if res.is_ok() {

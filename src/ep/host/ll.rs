@@ -390,12 +390,12 @@ impl LlComm {
                 }
             } else if let Err(e) = self.proxy.check_running() {
                 let e = match e {
-                    ProxyError::PeerDead { rank, peer, .. } => {
+                    ProxyError::PeerDead { rank, peer, reported_by, .. } => {
                         let mut waiting: Vec<u32> =
                             pending.iter().map(|&i| waits[i].peer).collect();
                         waiting.sort_unstable();
                         waiting.dedup();
-                        ProxyError::PeerDead { rank, peer, waiting }
+                        ProxyError::PeerDead { rank, peer, waiting, reported_by }
                     }
                     e => e,
                 };
