@@ -1322,7 +1322,6 @@ pub fn copy_ceiling(dev: &Device, bytes: u64, sms: usize, iters: usize) -> Resul
             times.push(elapsed_s(&a, &b)? * 1e6);
         }
     }
-    times.sort_by(f64::total_cmp);
-    let med = times[times.len() / 2];
+    let med = crate::bench::stats::percentile(&times, 50.0);
     Ok((med, (vecs * 16) as f64 / (med * 1e-6) / 1e9))
 }
