@@ -25,7 +25,7 @@
 //! Every RMA write carries a `u32`: `slot_id = imm >> 14` (18 bits), `value = imm & 0x3fff`.
 //! See [`NormalImm`] and [`LlImm`] for the id spaces.
 
-use super::config::DispatchDtype;
+use super::dtype::DispatchDtype;
 use crate::{Error, Result};
 
 /// Records are padded to this many bytes.

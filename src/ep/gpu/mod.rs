@@ -747,7 +747,7 @@ impl GpuBuffer {
         };
         let ipc_world = peers.world_uses_ipc();
         let paths = peers.paths().to_vec();
-        let peer_watch = super::buffer::peer_watch(boot);
+        let peer_watch = super::connect::peer_watch(boot);
         let mut normal = normal;
         if let Some(n) = normal.as_mut() {
             n.rank.watch_peers(peer_watch.clone());
