@@ -5,6 +5,9 @@
 //! in-process bootstrap); [`run_normal_gpu_rank`] / [`run_ll_gpu_rank`] run one rank of a job
 //! whose ranks are processes (any bootstrap: `TcpStore` under `LocalJob` or torchrun), each
 //! process building the same inputs and reference from the seed.
+//!
+//! One file: the normal, hierarchical and low-latency GPU runners all take `GpuBenchParams` and
+//! share its upload, thread, timing and checking helpers.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -1,5 +1,9 @@
 //! `Buffer`: the EP communication buffer of one rank (DeepEP V1's `deep_ep.Buffer`), normal mode.
 //!
+//! One file: it is `Buffer`'s whole host-side API (DeepEP's `deep_ep.Buffer`) for both modes, whose
+//! `impl Buffer` blocks share the private state and helpers defined here; moving each mode into a
+//! submodule would be a later pure move.
+//!
 //! ```no_run
 //! # use std::sync::Arc;
 //! # use fabric_ep::ep::buffer::*;

@@ -3,6 +3,10 @@
 //! process: plain device pointers, several ranks may share one GPU; other processes: IPC
 //! mappings, see [`PeerMemory`](crate::cuda::PeerMemory)).
 //!
+//! One file: `NormalGpuRank` owns the normal-mode buffers and launches notify, dispatch and combine
+//! over them; its settings and byte map are already in normal_comm.rs, and `harness` sits beside
+//! the rank it drives.
+//!
 //! Per step, each rank runs on its own stream:
 //! 1. `get_dispatch_layout` ([`DispatchLayoutGpu`](super::layout::DispatchLayoutGpu)),
 //! 2. [`NormalGpuRank::notify`]: send plan, count exchange; then either [`NormalGpuRank::recv_info`]

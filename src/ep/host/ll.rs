@@ -2,6 +2,9 @@
 //! thread, through its own command ring, proxy and transport (separate from normal mode's, so the
 //! two immediate id spaces never share counters).
 //!
+//! One file: `LlComm` is one protocol (geometry, phases, fabric hold, lanes) over the state defined
+//! here; the normal-mode host lane is mod.rs.
+//!
 //! One call = stage every message into the send area of its buffer set, push one command per
 //! (destination rank, destination local expert) with the row count in the immediate (a
 //! zero-length write when the count is 0), then (now, or later through a hook) wait until every
