@@ -19,13 +19,13 @@
 use std::ops::Deref;
 use std::time::Duration;
 
-// Defined beside the layouts that size with it (plan.rs uses it; config.rs uses plan.rs).
+// Defined beside the layouts that size with it (plan/ uses it; config.rs uses plan/).
 pub use super::dtype::DispatchDtype;
 use super::plan::{self, LlLayout, NormalLayout};
 use crate::{Error, Result};
 
 /// Version of the wire protocol and buffer layouts; part of [`EpConfig::hash`], so ranks built
-/// from incompatible sources fail at connect. Bump on any change to plan.rs's layouts.
+/// from incompatible sources fail at connect. Bump on any change to plan/'s layouts.
 pub const PROTOCOL_VERSION: u64 = 1;
 
 /// Every setting, as plain fields. Validate with [`EpConfig::new`].

@@ -1,5 +1,5 @@
 //! The dispatch format ([`DispatchDtype`]): a leaf type of its own because both the layouts
-//! (plan.rs) and the configuration built on them (config.rs, which re-exports it as
+//! (plan/) and the configuration built on them (config.rs, which re-exports it as
 //! `ep::config::DispatchDtype`) need it.
 
 /// Format of `x` in dispatch. Combine is always bf16.

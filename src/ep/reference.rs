@@ -1,5 +1,5 @@
 //! Single-process reference of both modes, computed from ALL ranks' inputs: the oracle every
-//! backend is tested against. Deliberately plain loops, independent of plan.rs's math, so the
+//! backend is tested against. Deliberately plain loops, independent of plan/'s math, so the
 //! two can check each other.
 //!
 //! One file: the oracle is deliberately plain and kept in one place, both modes beside the input

@@ -1,4 +1,4 @@
-//! Host backend of low-latency mode: the protocol of plan.rs's `LlLayout` run by the calling CPU
+//! Host backend of low-latency mode: the protocol of plan/ll.rs's `LlLayout` run by the calling CPU
 //! thread, through its own command ring, proxy and transport (separate from normal mode's, so the
 //! two immediate id spaces never share counters).
 //!
