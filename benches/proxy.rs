@@ -7,6 +7,7 @@
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput};
+use fabric_ep::bench::stats::percentile;
 use fabric_ep::proxy::{
     Command, CounterLayout, CounterMemory, ImmCodec, LoopbackGroup, LoopbackOptions, Proxy,
     ProxyConfig, RingLayout, RingMemory, RingProducer,
@@ -133,7 +134,7 @@ fn wake_latency() {
     println!("proxy_wake_latency: push -> arrival counter, one worker, loopback");
     for (name, config, gap, samples) in cases {
         let mut s = setup(0, config);
-        let mut lat: Vec<Duration> = (0..samples)
+        let lat: Vec<Duration> = (0..samples)
             .map(|_| {
                 let t = Instant::now();
                 while t.elapsed() < gap {
@@ -148,9 +149,9 @@ fn wake_latency() {
                 t.elapsed()
             })
             .collect();
-        lat.sort();
-        let p = |q: f64| lat[((lat.len() - 1) as f64 * q) as usize];
-        println!("  {name:32} p50 {:>10.2?}  p90 {:>10.2?}", p(0.5), p(0.9));
+        let secs: Vec<f64> = lat.iter().map(Duration::as_secs_f64).collect();
+        let p = |q: f64| Duration::from_secs_f64(percentile(&secs, q));
+        println!("  {name:32} p50 {:>10.2?}  p90 {:>10.2?}", p(50.0), p(90.0));
         s.proxy.shutdown().unwrap();
     }
 }

@@ -6,6 +6,7 @@
 //! `gpu_layout_bench [--tokens 4096 --topk 8 --experts 256 --ranks 64 --rpn 8] [--tiles 16,32,64]`
 
 use clap::Parser;
+use fabric_ep::bench::stats::percentile;
 use fabric_ep::cuda::{gpu_available, Device, DeviceBuffer, Event, Stream};
 use fabric_ep::ep::layout::{
     dispatch_layout, random_topk_idx, DispatchLayoutGpu, LayoutBuffers, LayoutShape, LayoutTuning,
@@ -44,11 +45,6 @@ struct Args {
     /// Write inputs/outputs here for scripts/bench_layout_torch.py.
     #[arg(long)]
     dump: Option<std::path::PathBuf>,
-}
-
-fn pct(sorted: &[f64], p: f64) -> f64 {
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -126,7 +122,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         stream.synchronize_within(Duration::from_secs(60))?;
         let b2b = starts[0].elapsed_ms(&ends[0])? as f64 * 1e3 / a.iters as f64;
         us.sort_by(|x, y| x.total_cmp(y));
-        let (med, p99, min) = (pct(&us, 0.5), pct(&us, 0.99), us[0]);
+        let (med, p99, min) = (percentile(&us, 50.0), percentile(&us, 99.0), percentile(&us, 0.0));
         println!(
             "layout {:<7} tile={:<4} grid={:<3} block={:<4} smem={:<6} median {med:7.2} us  p99 {p99:7.2} us  min {min:7.2} us  back-to-back {b2b:7.2} us/launch",
             format!("{:?}", plan.variant), plan.tile, plan.cfg.grid, plan.cfg.block, plan.cfg.shared_bytes

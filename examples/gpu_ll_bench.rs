@@ -11,6 +11,7 @@
 
 use clap::Parser;
 use fabric_ep::abi;
+use fabric_ep::bench::stats::percentile;
 use fabric_ep::cuda::launch::wait_test;
 use fabric_ep::cuda::{gpu_available, Device, DeviceBuffer, Event, HostMapped};
 use fabric_ep::ep::ll_gpu::{LlDispatchOut, LlGpuConfig, LlGpuGroup};
@@ -56,11 +57,6 @@ struct Args {
     /// what `Buffer` does without the hook).
     #[arg(long)]
     no_pull: bool,
-}
-
-fn pct(sorted: &[f64], p: f64) -> f64 {
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
 }
 
 struct Set {
@@ -256,8 +252,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             println!(
                 "LL_SPLIT ranks={nr} dispatch_send_median_us={:.2} combine_send_median_us={:.2} \
                  (rank 0's send kernel from the phase start; the rest is the receive)",
-                pct(&sd, 0.5),
-                pct(&sc, 0.5)
+                percentile(&sd, 50.0),
+                percentile(&sc, 50.0)
             );
         }
         println!(
@@ -270,10 +266,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             a.topk,
             a.experts,
             if a.bf16 { "bf16" } else { "fp8" },
-            pct(&td, 0.5),
-            pct(&td, 0.99),
-            pct(&tc, 0.5),
-            pct(&tc, 0.99),
+            percentile(&td, 50.0),
+            percentile(&td, 99.0),
+            percentile(&tc, 50.0),
+            percentile(&tc, 99.0),
             a.iters,
             fabric_ep::cuda::launch::ll_pdl(),
             !a.no_pull

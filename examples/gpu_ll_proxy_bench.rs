@@ -29,6 +29,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
+use fabric_ep::bench::ep::median_p99_us;
 use fabric_ep::bench::ep_gpu::{run_ll_gpu_rank, GpuBenchParams, LlCase, LlRunOptions};
 use fabric_ep::bench::fabric::fi_pingpong;
 use fabric_ep::bootstrap::{Bootstrap, LocalJob, TcpStore};
@@ -126,20 +127,6 @@ fn params(case: &str, a: &Args) -> Option<GpuBenchParams> {
     })
 }
 
-fn pct(sorted: &[f64], p: f64) -> f64 {
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
-}
-
-fn stats(v: &[f64]) -> (f64, f64) {
-    let mut s: Vec<f64> = v.iter().map(|x| x * 1e6).collect();
-    s.sort_by(f64::total_cmp);
-    if s.is_empty() {
-        return (f64::NAN, f64::NAN);
-    }
-    (pct(&s, 0.5), pct(&s, 0.99))
-}
-
 /// Mean bytes per message rank `src` writes rank `dst` in each phase (dispatch: its tokens'
 /// rows; combine: the answers to `dst`'s tokens), and the message count per phase.
 fn msg_bytes(p: &GpuBenchParams, case: &LlCase, src: usize, dst: usize) -> (f64, f64, usize) {
@@ -201,11 +188,11 @@ fn child(a: &Args) {
         for r in &rep.trace {
             println!("TRACEREC {name} {} {} {} {}", r.rank, r.t_ns, r.kind, r.arg);
         }
-        let (dm, dp) = stats(&rep.report.dispatch_s);
-        let (cm, cp) = stats(&rep.report.combine_s);
-        let (ds, _) = stats(&rep.dispatch_send_s);
-        let (cs, _) = stats(&rep.combine_send_s);
-        let (pm, pp) = stats(&rep.pair_s);
+        let (dm, dp) = median_p99_us(&rep.report.dispatch_s);
+        let (cm, cp) = median_p99_us(&rep.report.combine_s);
+        let (ds, _) = median_p99_us(&rep.dispatch_send_s);
+        let (cs, _) = median_p99_us(&rep.combine_send_s);
+        let (pm, pp) = median_p99_us(&rep.pair_s);
         println!(
             "PHASES {name} {rank} {dm:.3} {dp:.3} {cm:.3} {cp:.3} {ds:.3} {cs:.3} {pm:.3} {pp:.3}"
         );
@@ -222,9 +209,9 @@ fn child(a: &Args) {
                 LlRunOptions { ranks_per_node: 2, provider: None, trace_pairs: 0, ..o.clone() };
             let rep = run_ll_gpu_rank(&dev, &p, &io, &case, rank, boot.clone())
                 .unwrap_or_else(|e| panic!("rank {rank} case {name} (IPC baseline): {e}"));
-            let (dm, _) = stats(&rep.report.dispatch_s);
-            let (cm, _) = stats(&rep.report.combine_s);
-            let (pm, _) = stats(&rep.pair_s);
+            let (dm, _) = median_p99_us(&rep.report.dispatch_s);
+            let (cm, _) = median_p99_us(&rep.report.combine_s);
+            let (pm, _) = median_p99_us(&rep.pair_s);
             println!("IPCBASE {name} {rank} {dm:.3} {cm:.3} {pm:.3}");
         }
     }
@@ -457,8 +444,8 @@ fn threads(a: &Args) {
         let reps = fabric_ep::bench::ep_gpu::run_ll_gpu_threads(&dev, &p, &o)
             .unwrap_or_else(|e| panic!("case {name}: {e}"));
         for (rank, rep) in reps.iter().enumerate() {
-            let (dm, dp) = stats(&rep.report.dispatch_s);
-            let (cm, cp) = stats(&rep.report.combine_s);
+            let (dm, dp) = median_p99_us(&rep.report.dispatch_s);
+            let (cm, cp) = median_p99_us(&rep.report.combine_s);
             println!(
                 "THREADS {name} rank {rank}: dispatch {dm:.2} us (p99 {dp:.2}), combine {cm:.2} us \
                  (p99 {cp:.2}), host enqueue {:.2} us per pair",

@@ -12,6 +12,7 @@
 //! `gpu_normal_bench [--tokens 4096 --hidden 7168 --topk 8 --experts 256 --ranks 4 --sms 32]`
 
 use clap::Parser;
+use fabric_ep::bench::stats::percentile;
 use fabric_ep::cuda::{gpu_available, Device, DeviceBuffer, Event, Stream};
 use fabric_ep::ep::config::DispatchDtype;
 use fabric_ep::ep::layout::{random_topk_idx, LayoutShape};
@@ -57,11 +58,6 @@ struct Args {
     no_check: bool,
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
-
 /// Times `launch` (all ranks) `iters` times after `warmup`; returns the median ms.
 fn time_all(
     dev: &Device,
@@ -92,7 +88,7 @@ fn time_all(
             ms.push(start.elapsed_ms(&stop)? as f64);
         }
     }
-    Ok(median(&mut ms))
+    Ok(percentile(&ms, 50.0))
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -128,7 +124,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         dev.synchronize()?;
         cms.push(t0.elapsed().as_secs_f64());
     }
-    let ceiling = 2.0 * copy_bytes as f64 / median(&mut cms) / 1e9;
+    let ceiling = 2.0 * copy_bytes as f64 / percentile(&cms, 50.0) / 1e9;
     println!("copy ceiling: cuMemcpyDtoD 2 GiB: {ceiling:.0} GB/s (read + write)");
     drop(dst);
     drop(src);

@@ -48,9 +48,11 @@ use fabric_ep::proxy::{
     RingMemory,
 };
 
-#[path = "../tests/gpu_proxy_common/mod.rs"]
-mod gpu_proxy_common;
-use gpu_proxy_common::{cycles, gpu_proxy_config, mapped_region, GpuRank, RankSetup};
+// Shared with tests/gpu_proxy.rs; this example uses only part of it.
+#[allow(dead_code)]
+#[path = "../tests/common/gpu_proxy.rs"]
+mod gpu_proxy;
+use gpu_proxy::{cycles, gpu_proxy_config, mapped_region, GpuRank, RankSetup};
 
 const ROLE: &str = "FEP_GPU_PROXY_BENCH_ROLE";
 const CAPACITY: u32 = 64;

@@ -29,11 +29,11 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     pdl_enter();  // before any read (fep_ll.cuh)
     // NOTES: dynamic shared memory = tail (record_bytes - scales_offset, a multiple of 16) +
     // K * 8 (destination rows) + (T * K + E) * 4; src/ep/ll_gpu.rs send_smem sizes it the same.
-    // NOTES (whole lines): records are 128-byte aligned (plan.rs LL_DISPATCH_RECORD_ALIGN) and
+    // NOTES (whole lines): records are 128-byte aligned (plan/base.rs LL_DISPATCH_RECORD_ALIGN) and
     // every store below writes whole lines: each warp 512 payload bytes, and one warp per
     // destination the record's tail (scales, source index, zero padding) from shared memory,
     // 16 bytes per lane (no lone 4-byte scale stores). Measured: ~1 us less per dispatch on the
-    // H200; the proxy lane's staging into host memory was not faster (src/ep/plan.rs
+    // H200; the proxy lane's staging into host memory was not faster (src/ep/plan/base.rs
     // LL_DISPATCH_RECORD_ALIGN).
     extern __shared__ __align__(16) unsigned char smem[];
     const int T = p.num_tokens, K = p.num_topk, E = p.num_experts, R = p.num_ranks;

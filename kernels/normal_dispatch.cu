@@ -5,7 +5,7 @@
 // second half receive; block j of a half serves peer j % R (chunks j / R, j / R + n, ...), so each
 // peer's queue has its own senders and receivers and no block ever waits on two peers.
 //   sender   (towards d): per chunk, wait for the slot's credit, pack C records (payload, fp8
-//            scales, local top-k ids and weights, source index: plan.rs's normal-dispatch record)
+//            scales, local top-k ids and weights, source index: plan/record.rs's normal-dispatch record)
 //            with one warp per row and 16-byte stores into d's recv slot, barrier, publish the flag;
 //   receiver (from s):    per chunk, acquire the flag (a peer on another node: wait for the
 //            arrival, then copy the chunk from the receive region into the device slot in one

@@ -7,7 +7,7 @@
 
 namespace fep_proxy_test {
 
-// NOTES: the Rust side (tests/gpu_proxy_common/mod.rs: msg_len, msg_byte) computes the same
+// NOTES: the Rust side (tests/common/gpu_proxy.rs: msg_len, msg_byte) computes the same
 // functions; change both together.
 __device__ __forceinline__ uint32_t mix32(uint32_t x) {
     x ^= x >> 16;

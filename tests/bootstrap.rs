@@ -6,7 +6,6 @@
 
 use std::fs::File;
 use std::net::TcpStream;
-use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Arc;
 use std::thread;
@@ -17,6 +16,8 @@ use fabric_ep::bootstrap::{
     TcpStore, TcpStoreOptions,
 };
 use fabric_ep::util::SplitMix64;
+
+mod common;
 
 const ROLE: &str = "FEP_TEST_ROLE";
 const TIMEOUT_MS: &str = "FEP_TEST_TIMEOUT_MS";
@@ -361,14 +362,9 @@ fn child_rank() {
 // Multi-process harness
 
 fn child_args() -> Vec<String> {
-    ["--exact", "child_rank", "--nocapture", "--include-ignored", "--test-threads=1"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect()
-}
-
-fn exe() -> PathBuf {
-    std::env::current_exe().expect("current_exe")
+    let mut args = common::child_args();
+    args.push("--include-ignored".to_string());
+    args
 }
 
 fn kv(k: &str, v: impl ToString) -> (String, String) {
@@ -383,26 +379,22 @@ fn start(
     rank_env: &dyn Fn(usize) -> Vec<(String, String)>,
 ) -> LocalJob {
     let extra = [kv(TIMEOUT_MS, timeout_ms)];
-    LocalJob::spawn_with(&exe(), &child_args(), world, local, &extra, rank_env)
+    LocalJob::spawn_with(&common::exe(), &child_args(), world, local, &extra, rank_env)
         .expect("spawn ranks")
-}
-
-fn report(out: &[RankOutcome]) -> String {
-    out.iter().map(|o| o.to_string()).collect()
 }
 
 /// Every rank in `ranks` exited 0 after printing `CHILD_OK`.
 /// `FEP_TEST_SHOW=1` prints every rank's output even when the test passes (to read the messages).
 fn assert_ok(out: &[RankOutcome], ranks: impl IntoIterator<Item = usize>) {
     if std::env::var_os("FEP_TEST_SHOW").is_some() {
-        eprintln!("{}", report(out));
+        eprintln!("{}", common::report(out));
     }
     for r in ranks {
         let o = &out[r];
         assert!(
             o.success() && o.stdout.contains(CHILD_OK),
             "rank {r} did not pass its role\n{}",
-            report(out)
+            common::report(out)
         );
     }
 }
@@ -440,7 +432,7 @@ fn tcp_wrong_job_id_is_refused_by_name() {
     });
     let out = job.wait(JOB_WALL).expect("wait");
     assert_ok(&out, 0..2);
-    assert!(out[1].stdout.contains("'intruder-job'"), "{}", report(&out));
+    assert!(out[1].stdout.contains("'intruder-job'"), "{}", common::report(&out));
 }
 
 #[test]
@@ -464,7 +456,7 @@ fn tcp_world_size_mismatch_is_refused_alone() {
     });
     let out = job.wait(JOB_WALL).expect("wait");
     assert_ok(&out, 0..2);
-    assert!(out[0].stdout.contains("WORLD_SIZE=3"), "{}", report(&out));
+    assert!(out[0].stdout.contains("WORLD_SIZE=3"), "{}", common::report(&out));
     assert!(t0.elapsed() >= Duration::from_secs(3), "the job failed early: {:?}", t0.elapsed());
 }
 
@@ -475,7 +467,7 @@ fn detected_ms(out: &[RankOutcome], rank: usize) -> u128 {
         .lines()
         .find_map(|l| l.split_once("DETECTED_MS=").map(|(_, v)| v))
         .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("rank {rank} printed no detection time\n{}", report(out)))
+        .unwrap_or_else(|| panic!("rank {rank} printed no detection time\n{}", common::report(out)))
 }
 
 #[test]
@@ -538,7 +530,7 @@ fn tcp_stores_created_and_destroyed_10_times_in_turn() {
     let out = job.wait(JOB_WALL).expect("wait");
     assert_ok(&out, 0..3);
     for o in &out {
-        assert!(o.stdout.contains("SEQUENTIAL_OK=10/10"), "{}", report(&out));
+        assert!(o.stdout.contains("SEQUENTIAL_OK=10/10"), "{}", common::report(&out));
     }
 }
 
@@ -610,7 +602,7 @@ fn tcp_missing_or_bad_env_var_is_named() {
     ];
     let mut children = Vec::new();
     for (var, set, remove) in cases {
-        let mut cmd = Command::new(exe());
+        let mut cmd = Command::new(common::exe());
         cmd.args(child_args()).env(ROLE, format!("expect_env:{var}")).env(TIMEOUT_MS, "1000");
         for k in ["FEP_MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"].iter().chain(remove) {
             cmd.env_remove(k);

@@ -9,21 +9,12 @@ use std::time::Duration;
 
 use fabric_ep::bootstrap::LocalJob;
 
+mod common;
+
 fn ep_bench() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_ep-bench"));
-    // Never join an outer job by accident, nor inherit a provider or timeout.
-    for v in [
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "FI_PROVIDER",
-        "FEP_TIMEOUT_S",
-    ] {
-        c.env_remove(v);
-    }
+    let mut c = common::ep_bench();
+    // Nor inherit a provider or timeout.
+    c.env_remove("FI_PROVIDER").env_remove("FEP_TIMEOUT_S");
     c
 }
 

@@ -2,18 +2,10 @@
 //! every rank checks every dispatch and combine, with and without the recv hook, against the
 //! reference built from all ranks' inputs), node splits forcing the libfabric path.
 
-use std::process::Command;
 use std::time::Instant;
 
-fn ep_bench() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_ep-bench"));
-    // Never join an outer job by accident.
-    for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
-    {
-        c.env_remove(v);
-    }
-    c
-}
+mod common;
+use common::ep_bench;
 
 fn low_latency(provider: &str, ranks: usize, per_node: usize, fp8: bool) {
     let t = Instant::now();

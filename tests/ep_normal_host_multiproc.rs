@@ -3,18 +3,10 @@
 //! node splits forcing the libfabric path, over shm, tcp;ofi_rxm and udp;ofi_rxd (unordered).
 //! Plus a peer that dies before dispatching: the others name it within the timeout.
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
-fn ep_bench() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_ep-bench"));
-    // Never join an outer job by accident.
-    for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
-    {
-        c.env_remove(v);
-    }
-    c
-}
+mod common;
+use common::ep_bench;
 
 fn normal(provider: &str, ranks: usize, per_node: usize, fp8: bool) {
     let t = Instant::now();

@@ -3,13 +3,15 @@
 //! (ranks as threads, every output against the reference), plus the matrix's command line:
 //! its replay line, its last line and its exit status.
 
-use std::process::Command;
 use std::time::Duration;
 
 use fabric_ep::bench::verify::{
     draw_case, host_rank, run_case_threads, CallKind, CallSpec, CaseOutcome, CaseSpec, Launch,
     LlCall, Mode, NormalCall, Routing, ShapeSpec, VerifyBackend, VerifyOptions,
 };
+
+mod common;
+use common::ep_bench;
 
 fn opts() -> VerifyOptions {
     VerifyOptions {
@@ -247,15 +249,6 @@ fn the_draw_covers_the_matrix() {
     let hier = gpu.iter().filter(|c| c.shapes.iter().any(|s| s.hier)).count();
     let split = gpu.iter().filter(|c| c.split()).count();
     assert!(hier >= 15 && split > hier, "GPU: {hier} hierarchy cases, {split} split");
-}
-
-fn ep_bench() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_ep-bench"));
-    for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
-    {
-        c.env_remove(v);
-    }
-    c
 }
 
 /// `ep-bench verify --case I` replays one case (its description first, ranks as processes

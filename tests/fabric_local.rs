@@ -7,13 +7,9 @@ use std::time::Duration;
 use fabric_ep::fabric::{Completion, InfoQuery, MemKind, Stack};
 use fabric_ep::util::Deadline;
 
-fn providers() -> Vec<String> {
-    std::env::var("FEP_TEST_PROVIDERS")
-        .map(|v| v.split(',').map(str::to_string).collect())
-        .unwrap_or_else(|_| vec!["shm".into(), "tcp;ofi_rxm".into(), "udp;ofi_rxd".into()])
-}
-
 /// Reads completions until `pred` has accepted `n` of them, bounded by a deadline.
+mod common;
+
 fn drain(stack: &Stack, n: usize, mut pred: impl FnMut(&Completion) -> bool) -> Vec<Completion> {
     let deadline = Deadline::after(Duration::from_secs(10));
     let mut got = Vec::new();
@@ -28,7 +24,7 @@ fn drain(stack: &Stack, n: usize, mut pred: impl FnMut(&Completion) -> bool) -> 
 
 #[test]
 fn write_with_immediate_between_two_endpoints() {
-    for prov in providers() {
+    for prov in common::providers(common::ALL_PROVIDERS) {
         let a =
             Stack::open(&InfoQuery::provider(&prov), 2).unwrap_or_else(|e| panic!("{prov}: {e}"));
         let b = Stack::open(&InfoQuery::provider(&prov), 2).unwrap();

@@ -3,18 +3,10 @@
 //! (every byte and every completion count checked) over shm, tcp;ofi_rxm and udp;ofi_rxd (the
 //! last delivers out of order, as EFA's SRD does). Plus the failure paths.
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
-fn ep_bench() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_ep-bench"));
-    // Never join an outer job by accident.
-    for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
-    {
-        c.env_remove(v);
-    }
-    c
-}
+mod common;
+use common::ep_bench;
 
 fn selftest(provider: &str, ranks: usize, bytes: usize, msgs: usize) {
     let t = Instant::now();

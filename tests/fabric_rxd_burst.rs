@@ -8,17 +8,18 @@
 //! it keeps in flight on rxd (`Info::burst_limit`); `FEP_RXD_MAX_PACKETS=0` turns that off and
 //! brings the failure back within seconds (what this test was checked against).
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fabric_ep::bootstrap::{Bootstrap, LocalJob, RankOutcome, TcpStore};
+use fabric_ep::bootstrap::{Bootstrap, RankOutcome, TcpStore};
 use fabric_ep::fabric::{InfoQuery, MemKind, RemoteRegion, Stack};
 use fabric_ep::proxy::{
     ArrivalWait, Command, CounterLayout, CounterMemory, FabricPeer, FabricTransport, ImmCodec,
     Proxy, ProxyConfig, RingLayout, RingMemory, SharedRegion,
 };
 use fabric_ep::util::SplitMix64;
+
+mod common;
 
 const ROLE: &str = "FEP_RXD_BURST_ROLE";
 const CHILD_OK: &str = "CHILD_OK";
@@ -150,19 +151,10 @@ fn child_rank() {
     println!("{CHILD_OK}");
 }
 
-fn exe() -> PathBuf {
-    std::env::current_exe().expect("current_exe")
-}
-
 fn run_job(extra: &[(&str, &str)]) -> Vec<RankOutcome> {
-    let args: Vec<String> = ["--exact", "child_rank", "--nocapture", "--test-threads=1"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
     let mut env = vec![(ROLE.to_string(), "1".to_string())];
     env.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
-    let mut job = LocalJob::spawn(&exe(), &args, RANKS, RANKS, &env).expect("spawn ranks");
-    job.wait(JOB_WALL).expect("wait for ranks")
+    common::run_child_ranks(RANKS, &env, JOB_WALL)
 }
 
 /// rxd's window at 1024 packets per peer: without the transport's bound one endpoint's burst is

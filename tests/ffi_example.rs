@@ -36,7 +36,8 @@ fn stdout(cmd: &mut Command) -> String {
 }
 
 /// `make install PREFIX=<tmp>` once per test binary, with the profile `cargo test` built (its
-/// `lib` step is `cargo build --lib` of that profile: a no-op when fresh).
+/// `lib` step is `cargo build --lib --no-default-features` of that profile: the shipped library,
+/// without the bench kernels, a build of its own the first time).
 fn prefix() -> &'static Path {
     static PREFIX: OnceLock<PathBuf> = OnceLock::new();
     PREFIX.get_or_init(|| {

@@ -15,8 +15,8 @@ use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::ep::gpu::{DevSlice, GpuLlDispatchArgs, GpuOptions};
 use fabric_ep::Error;
 
-mod gpu_common;
-use gpu_common::{gpu, small};
+mod common;
+use common::gpu::{gpu, small};
 
 #[test]
 #[ignore = "needs a GPU: scripts/gpu-check.sh runs it"]

@@ -1,9 +1,9 @@
 //! GPU: the CUDA layer itself (buffers, mapped host memory, events, IPC between processes).
 //! Ignored without `--include-ignored`; scripts/gpu-check.sh runs them.
 
-mod gpu_common;
+mod common;
+use common::gpu::gpu;
 use fabric_ep::cuda::{DeviceBuffer, Event, HostMapped, IpcHandle, IpcMapping, PeerMemory, Stream};
-use gpu_common::gpu;
 use std::sync::Arc;
 use std::time::Duration;
 

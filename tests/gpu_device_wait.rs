@@ -3,10 +3,10 @@
 //! proxy. Ignored without `--include-ignored`; scripts/gpu-check.sh runs
 //! them.
 
-mod gpu_common;
+mod common;
+use common::gpu::gpu;
 use fabric_ep::abi::{self, fep_cmd, fep_ring_push_test_params, fep_wait_test_params};
 use fabric_ep::cuda::{launch, CudaError, DevErrorRecord, HostMapped, Stream};
-use gpu_common::gpu;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 

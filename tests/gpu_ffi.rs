@@ -9,8 +9,8 @@
 //! barriers between steps (ranks drift apart, as with Python threads). Ignored without
 //! `--include-ignored` (CI has no GPU); scripts/gpu-check.sh runs it.
 
-mod gpu_common;
-use gpu_common::gpu;
+mod common;
+use common::gpu::gpu;
 use std::os::raw::{c_int, c_void};
 use std::time::Duration;
 

@@ -9,8 +9,8 @@
 //!
 //! Ignored without `--include-ignored` (CI has no GPU); without a GPU they say SKIP.
 
-mod gpu_common;
-use gpu_common::gpu;
+mod common;
+use common::gpu::gpu;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -28,7 +28,7 @@ fn params(ranks: usize, tokens: usize, hidden: usize, fp8: bool) -> GpuBenchPara
         iters: 3,
         seed: 0x41e7 + (ranks * 7 + hidden) as u64 + fp8 as u64,
         timeout: Duration::from_secs(20),
-        ..gpu_common::small(ranks, tokens, hidden, fp8)
+        ..common::gpu::small(ranks, tokens, hidden, fp8)
     }
 }
 

@@ -14,20 +14,19 @@
 //! and a wait longer than the timeout fails naming a peer). Ignored without `--include-ignored`
 //! (CI has no GPU).
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fabric_ep::bench::ep_gpu::{run_ll_gpu_process, run_normal_gpu_rank, GpuBenchParams, GpuSplit};
-use fabric_ep::bootstrap::{Bootstrap, LocalJob, RankOutcome, TcpStore};
+use fabric_ep::bootstrap::{Bootstrap, RankOutcome, TcpStore};
 use fabric_ep::cuda::{device_count, gpu_available, Device, DeviceBuffer, Stream};
 use fabric_ep::ep::buffer::{Buffer, BufferOptions};
 use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::ep::gpu::{DevSlice, GpuLlDispatchArgs, GpuNotifyArgs, GpuOptions, PeerPath};
 use fabric_ep::Error;
 
-mod gpu_common;
-use gpu_common::small;
+mod common;
+use common::gpu::small;
 
 const ROLE: &str = "FEP_GPU_IPC_ROLE";
 const CHILD_OK: &str = "CHILD_OK";
@@ -216,18 +215,8 @@ fn child_rank() {
     println!("{CHILD_OK}");
 }
 
-fn exe() -> PathBuf {
-    std::env::current_exe().expect("current_exe")
-}
-
 fn run_job(n: usize, role: &str) -> Vec<RankOutcome> {
-    let args: Vec<String> = ["--exact", "child_rank", "--nocapture", "--test-threads=1"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    let env = [(ROLE.to_string(), role.to_string())];
-    let mut job = LocalJob::spawn(&exe(), &args, n, n, &env).expect("spawn ranks");
-    job.wait(JOB_WALL).expect("wait for ranks")
+    common::run_child_ranks(n, &[(ROLE.to_string(), role.to_string())], JOB_WALL)
 }
 
 /// Every rank in `ok` exited cleanly and printed `CHILD_OK`; their "ok:" / "timeout path" lines

@@ -1,14 +1,14 @@
 //! GPU: the layout kernel against the Rust reference (src/ep/layout.rs).
 //! Ignored without `--include-ignored` (CI has no GPU); scripts/gpu-check.sh runs them.
 
-mod gpu_common;
+mod common;
+use common::gpu::gpu;
 use fabric_ep::cuda::{CudaError, DevErrorRecord, Device, DeviceBuffer, Stream};
 use fabric_ep::ep::layout::{
     dispatch_layout, random_topk_idx, DispatchLayoutGpu, Layout, LayoutBuffers, LayoutShape,
     LayoutTuning, LayoutVariant,
 };
 use fabric_ep::util::SplitMix64;
-use gpu_common::gpu;
 use std::time::Duration;
 
 const POISON: u8 = 0xAB;

@@ -5,14 +5,14 @@
 //! Exactness claims checked here: bf16 dispatch rows bit-exact; fp8 rows and scales bit-exact
 //! (same e4m3 bytes, same f32 scales); combine bit-exact (same fma order, same RNE rounding).
 
-mod gpu_common;
+mod common;
+use common::gpu::gpu;
 use fabric_ep::cuda::{Device, DeviceBuffer};
 use fabric_ep::ep::ll_gpu::{LlDispatchHost, LlDispatchOut, LlGpuConfig, LlGpuGroup};
 use fabric_ep::ep::quant::f32_to_bf16;
 use fabric_ep::ep::reference::{self, LlCombineInput, LlParams, LlRankInput, Tokens};
 use fabric_ep::util::SplitMix64;
 use fabric_ep::Error;
-use gpu_common::gpu;
 use std::time::Duration;
 
 const POISON: u8 = 0xAB;

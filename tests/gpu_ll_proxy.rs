@@ -21,9 +21,8 @@
 //! Ignored without `--include-ignored` (CI has no GPU); without a GPU they say SKIP.
 //! Providers from `FEP_TEST_PROVIDERS` (comma list), default `shm,tcp;ofi_rxm`.
 
-mod gpu_common;
-use gpu_common::gpu;
-use std::path::PathBuf;
+mod common;
+use common::gpu::gpu;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -39,12 +38,6 @@ use fabric_ep::Error;
 
 const ROLE: &str = "FEP_GPU_LL_PROXY_ROLE";
 const CHILD_OK: &str = "CHILD_OK";
-
-fn providers() -> Vec<String> {
-    std::env::var("FEP_TEST_PROVIDERS")
-        .map(|v| v.split(',').map(str::to_string).collect())
-        .unwrap_or_else(|_| vec!["shm".into(), "tcp;ofi_rxm".into()])
-}
 
 fn small(ranks: usize, fp8: bool, hook: bool) -> GpuBenchParams {
     GpuBenchParams {
@@ -85,7 +78,7 @@ fn proxy_matches_reference_across_node_splits() {
     let Some(dev) = gpu() else { return };
     // Every case runs (a failure is reported with the others at the end).
     let mut failed = Vec::new();
-    for provider in providers() {
+    for provider in common::providers(common::GPU_PROVIDERS) {
         for (ranks, per_node) in [(2, 1), (4, 2)] {
             for fp8 in [true, false] {
                 for hook in [false, true] {
@@ -291,7 +284,7 @@ fn child_rank() {
 #[test]
 #[ignore = "needs a GPU and MPS: scripts/gpu-check.sh's llproxy section runs it"]
 fn two_processes_one_rank_per_node_under_mps() {
-    two_processes(&providers(), "");
+    two_processes(&common::providers(common::GPU_PROVIDERS), "");
 }
 
 /// The step is capturable: each process captures one dispatch + combine pair (hook and not)
@@ -339,15 +332,12 @@ fn two_processes_with(
         "two processes' kernels need MPS to overlap: start nvidia-cuda-mps-control -d and set \
          CUDA_MPS_PIPE_DIRECTORY, or --skip two_processes --skip different_proxy_worker_counts"
     );
-    let exe: PathBuf = std::env::current_exe().expect("current_exe");
     for provider in providers {
         let t0 = Instant::now();
-        let args: Vec<String> = ["--exact", "child_rank", "--nocapture", "--test-threads=1"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
         let env = [(ROLE.to_string(), format!("{provider}{suffix}"))];
-        let mut job = LocalJob::spawn_with(&exe, &args, 2, 2, &env, rank_env).expect("spawn ranks");
+        let mut job =
+            LocalJob::spawn_with(&common::exe(), &common::child_args(), 2, 2, &env, rank_env)
+                .expect("spawn ranks");
         let out = job.wait(Duration::from_secs(150)).expect("wait for ranks");
         let all = out.iter().map(|o| o.to_string()).collect::<String>();
         for line in

@@ -2,7 +2,8 @@
 //! process on one GPU, against the single-process reference (src/ep/reference.rs).
 //! Ignored without `--include-ignored` (CI has no GPU); scripts/gpu-check.sh runs them.
 
-mod gpu_common;
+mod common;
+use common::gpu::gpu;
 use fabric_ep::cuda::{CudaError, Device};
 use fabric_ep::ep::config::DispatchDtype;
 use fabric_ep::ep::layout::{random_topk_idx, LayoutShape};
@@ -15,7 +16,6 @@ use fabric_ep::ep::reference::{
 };
 use fabric_ep::util::SplitMix64;
 use fabric_ep::Error;
-use gpu_common::gpu;
 use std::time::Duration;
 
 const POISON: u8 = 0xAB;

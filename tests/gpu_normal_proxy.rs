@@ -14,9 +14,8 @@
 //!
 //! Ignored without `--include-ignored` (CI has no GPU); without a GPU they say SKIP.
 
-mod gpu_common;
-use gpu_common::gpu;
-use std::path::PathBuf;
+mod common;
+use common::gpu::gpu;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -33,12 +32,6 @@ use fabric_ep::Error;
 
 const ROLE: &str = "FEP_GPU_NORMAL_PROXY_ROLE";
 const CHILD_OK: &str = "CHILD_OK";
-
-fn providers() -> Vec<String> {
-    std::env::var("FEP_TEST_PROVIDERS")
-        .map(|v| v.split(',').map(str::to_string).collect())
-        .unwrap_or_else(|_| vec!["shm".into(), "tcp;ofi_rxm".into()])
-}
 
 fn params(ranks: usize, tokens: usize, hidden: usize, fp8: bool) -> GpuBenchParams {
     GpuBenchParams {
@@ -76,7 +69,7 @@ fn split(rpn: usize, provider: &str, chunk: usize, spp: usize, cached: bool) -> 
 #[ignore = "needs a GPU: scripts/gpu-check.sh runs it"]
 fn forced_internode_threads_match_reference() {
     let Some(dev) = gpu() else { return };
-    for provider in providers() {
+    for provider in common::providers(common::GPU_PROVIDERS) {
         // (ranks, per node, hidden, fp8, worst, cached, chunk, spp): a cheap cover of the matrix.
         let cases = [
             (2, 1, 2048, false, false, false, 16, 8),
@@ -255,10 +248,6 @@ fn child_rank() {
     println!("{CHILD_OK}");
 }
 
-fn exe() -> PathBuf {
-    std::env::current_exe().expect("current_exe")
-}
-
 #[test]
 #[ignore = "needs a GPU and MPS (FEP_GPU_MPS=1): scripts/gpu-check.sh's nproxy section runs it"]
 fn two_processes_one_per_node_over_shm() {
@@ -274,13 +263,10 @@ fn two_processes_one_per_node_over_shm() {
         "two processes on one GPU need MPS: start nvidia-cuda-mps-control -d and set \
          CUDA_MPS_PIPE_DIRECTORY (or FEP_GPU_MPS=1), or --skip two_processes"
     );
-    let args: Vec<String> = ["--exact", "child_rank", "--nocapture", "--test-threads=1"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
     let env = [(ROLE.to_string(), "shm".to_string())];
     let t = Instant::now();
-    let mut job = LocalJob::spawn(&exe(), &args, 2, 2, &env).expect("spawn ranks");
+    let mut job =
+        LocalJob::spawn(&common::exe(), &common::child_args(), 2, 2, &env).expect("spawn ranks");
     let out = job.wait(Duration::from_secs(150)).expect("wait for ranks");
     let all = out.iter().map(|o| o.to_string()).collect::<String>();
     for line in all.lines().filter(|l| l.contains("steps checked")) {

@@ -10,16 +10,15 @@
 //! SKIP. The test binary re-executes itself as the ranks (`LocalJob` + `TcpStore`). Providers from
 //! `FEP_TEST_PROVIDERS` (comma list), default `shm,tcp;ofi_rxm`.
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use fabric_ep::abi::fep_proxy_exchange_params;
-use fabric_ep::bootstrap::{Bootstrap, LocalJob, RankOutcome, TcpStore};
+use fabric_ep::bootstrap::{Bootstrap, RankOutcome, TcpStore};
 use fabric_ep::cuda::{gpu_available, launch, CudaError, DeviceBuffer};
 use fabric_ep::proxy::{ArrivalWait, ImmCodec};
 
-mod gpu_proxy_common;
-use gpu_proxy_common::{cycles, gpu_proxy_config, msg_byte, msg_len, GpuRank, RankSetup};
+mod common;
+use common::gpu_proxy::{cycles, gpu_proxy_config, msg_byte, msg_len, GpuRank, RankSetup};
 
 const ROLE: &str = "FEP_GPU_PROXY_ROLE";
 const CHILD_OK: &str = "CHILD_OK";
@@ -35,12 +34,6 @@ const LONG_BUDGET: Duration = Duration::from_secs(20);
 /// Budget of the wait that must time out (~0.25 s at 2 GHz, longer at idle clocks).
 const SHORT_BUDGET: Duration = Duration::from_millis(250);
 const ASSUMED_GHZ: f64 = 2.0;
-
-fn providers() -> Vec<String> {
-    std::env::var("FEP_TEST_PROVIDERS")
-        .map(|v| v.split(',').map(str::to_string).collect())
-        .unwrap_or_else(|_| vec!["shm".into(), "tcp;ofi_rxm".into()])
-}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Mode {
@@ -182,18 +175,8 @@ fn child_rank() {
     child(provider, mode);
 }
 
-fn exe() -> PathBuf {
-    std::env::current_exe().expect("current_exe")
-}
-
 fn run_job(provider: &str, mode: &str) -> Vec<RankOutcome> {
-    let args: Vec<String> = ["--exact", "child_rank", "--nocapture", "--test-threads=1"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    let env = [(ROLE.to_string(), format!("{provider}|{mode}"))];
-    let mut job = LocalJob::spawn(&exe(), &args, 2, 2, &env).expect("spawn ranks");
-    job.wait(JOB_WALL).expect("wait for ranks")
+    common::run_child_ranks(2, &[(ROLE.to_string(), format!("{provider}|{mode}"))], JOB_WALL)
 }
 
 fn assert_ok(provider: &str, out: &[RankOutcome]) {
@@ -223,7 +206,7 @@ fn gpu_kernels_exchange_through_proxies_between_processes() {
     if !gpu() {
         return;
     }
-    for provider in providers() {
+    for provider in common::providers(common::GPU_PROVIDERS) {
         let t = Instant::now();
         let out = run_job(&provider, "all");
         assert_ok(&provider, &out);
@@ -237,7 +220,7 @@ fn gpu_peer_never_writes_is_a_typed_error_naming_the_peer() {
     if !gpu() {
         return;
     }
-    for provider in providers() {
+    for provider in common::providers(common::GPU_PROVIDERS) {
         let t = Instant::now();
         let out = run_job(&provider, "silent:1");
         assert_ok(&provider, &out);

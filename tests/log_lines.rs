@@ -2,14 +2,12 @@
 //! nodes) logs its set-up decisions at info, each line prefixed with its rank; the default
 //! (warn) prints none of them; a bad FEP_LOG is named in a warning and the run goes on.
 
-use std::process::{Command, Output};
+use std::process::Output;
+
+mod common;
 
 fn ep_bench(log: Option<&str>) -> Output {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_ep-bench"));
-    for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
-    {
-        c.env_remove(v);
-    }
+    let mut c = common::ep_bench();
     for v in ["FEP_LOG", "RUST_LOG", "FI_PROVIDER", "FEP_TIMEOUT_S", "FEP_NICS", "FEP_SYSFS_ROOT"] {
         c.env_remove(v);
     }

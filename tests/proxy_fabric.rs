@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use fabric_ep::proxy::ProxyError;
 use parking_lot::Mutex;
 
-mod proxy_common;
-use proxy_common::{providers, run_rank, Mode};
+mod common;
+use common::proxy::{run_rank, Mode};
 
 /// Threads as ranks: a barrier-based all-gather.
 struct Gather {
@@ -56,7 +56,7 @@ fn run_group(provider: &str, n: u32, mode: Mode) -> Vec<Result<(), ProxyError>> 
 
 #[test]
 fn all_to_all_over_libfabric_2_and_4_ranks() {
-    for provider in providers() {
+    for provider in common::providers(common::ALL_PROVIDERS) {
         for n in [2, 4] {
             let t = Instant::now();
             for (rank, r) in run_group(&provider, n, Mode::All).into_iter().enumerate() {
@@ -69,7 +69,7 @@ fn all_to_all_over_libfabric_2_and_4_ranks() {
 
 #[test]
 fn silent_peer_is_named_by_every_wait() {
-    for provider in providers() {
+    for provider in common::providers(common::ALL_PROVIDERS) {
         let t = Instant::now();
         let results = run_group(&provider, 3, Mode::Silent(2));
         assert!(t.elapsed() < Duration::from_secs(20), "{provider}: {:?}", t.elapsed());

@@ -3,14 +3,13 @@
 //! rank; all bytes and counters checked; a rank killed mid-run is named by the others' waits.
 //! Providers from `FEP_TEST_PROVIDERS` (comma list), default shm, tcp;ofi_rxm, udp;ofi_rxd.
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use fabric_ep::bootstrap::{Bootstrap, LocalJob, RankOutcome, TcpStore};
+use fabric_ep::bootstrap::{Bootstrap, RankOutcome, TcpStore};
 use fabric_ep::proxy::ProxyError;
 
-mod proxy_common;
-use proxy_common::{providers, run_rank, Mode, RINGS};
+mod common;
+use common::proxy::{run_rank, Mode, RINGS};
 
 const ROLE: &str = "FEP_PROXY_TEST_ROLE";
 const CHILD_OK: &str = "CHILD_OK";
@@ -44,7 +43,7 @@ fn child_rank() {
                 ProxyError::ArrivalTimeout { lagging, .. } => {
                     lagging.len() == 1
                         && lagging[0].peer == dead
-                        && lagging[0].observed < u64::from(RINGS * proxy_common::MSGS)
+                        && lagging[0].observed < u64::from(RINGS * common::proxy::MSGS)
                 }
                 ProxyError::WorkerFailed { source, .. } => matches!(
                     **source,
@@ -62,18 +61,8 @@ fn child_rank() {
     println!("{CHILD_OK}");
 }
 
-fn exe() -> PathBuf {
-    std::env::current_exe().expect("current_exe")
-}
-
 fn run_job(provider: &str, n: usize, mode: &str) -> Vec<RankOutcome> {
-    let args: Vec<String> = ["--exact", "child_rank", "--nocapture", "--test-threads=1"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    let env = [(ROLE.to_string(), format!("{provider}|{mode}"))];
-    let mut job = LocalJob::spawn(&exe(), &args, n, n, &env).expect("spawn ranks");
-    job.wait(JOB_WALL).expect("wait for ranks")
+    common::run_child_ranks(n, &[(ROLE.to_string(), format!("{provider}|{mode}"))], JOB_WALL)
 }
 
 /// `FEP_TEST_SHOW=1` prints every rank's output even when the test passes.
@@ -93,7 +82,7 @@ fn assert_ok(provider: &str, out: &[RankOutcome], ranks: impl IntoIterator<Item 
 
 #[test]
 fn all_to_all_between_processes_2_and_4_ranks() {
-    for provider in providers() {
+    for provider in common::providers(common::ALL_PROVIDERS) {
         for n in [2, 4] {
             let t = Instant::now();
             let out = run_job(&provider, n, "all");
@@ -105,7 +94,7 @@ fn all_to_all_between_processes_2_and_4_ranks() {
 
 #[test]
 fn killed_rank_is_named_by_every_other_rank() {
-    for provider in providers() {
+    for provider in common::providers(common::ALL_PROVIDERS) {
         let n = 3;
         let t = Instant::now();
         let out = run_job(&provider, n, &format!("dies:{}", n - 1));

@@ -165,7 +165,7 @@ typedef struct fep_proxy_pingpong_params {
     uint32_t phase;
 } fep_proxy_pingpong_params; /* 120 bytes */
 /* ---- low-latency dispatch / combine (kernels/ll_dispatch.cu, kernels/ll_combine.cu) ----------
- * Buffer: src/ep/plan.rs LlLayout (two sets x {send, recv} x E units of unit_bytes):
+ * Buffer: src/ep/plan/ll.rs LlLayout (two sets x {send, recv} x E units of unit_bytes):
  *   unit_offset(set, area, unit) = ((set * 2 + area) * E + unit) * unit_bytes (with a proxy lane:
  *   placed by fep_ll_proxy's units_per_region / region_stride)
  *   dispatch recv: unit e * R + src, row i = the i-th token of src that selected local expert e
@@ -181,7 +181,7 @@ typedef struct fep_proxy_pingpong_params {
  *   THIS rank's send area (area 0 of the set; dispatch unit = global expert g, combine unit =
  *   e * R + dst) and the send's last block pushes one fep_cmd per (peer, expert) through the CPU
  *   proxy (fep_ll_proxy below): an RMA write of all rows into the peer's receive unit with
- *   imm = slot << value_bits | count (an empty write when count is 0). Slots are src/ep/plan.rs
+ *   imm = slot << value_bits | count (an empty write when count is 0). Slots are src/ep/plan/imm.rs
  *   LlImm's, as the receiver sees them: dispatch set * E + (e * R + src), combine
  *   (2 + set) * E + (src * L + e) - i.e. (phase * 2 + set) * E + the receive unit. For a PROXY
  *   entry `buf` and `flags` are unused and `proxy` is the peer's index among the proxy peers
@@ -363,7 +363,7 @@ typedef struct fep_ll_combine_params {
 /* ---- normal mode, intranode (kernels/normal_*.cu; Rust: src/ep/normal_gpu.rs) ----------------
  * Every rank owns one comm buffer (device memory, zeroed once). Peers write into it through
  * peer pointers (same process: plain device pointers; other processes: IPC mappings). Offsets
- * are the same on every rank (computed once in Rust from plan.rs's NormalLayout):
+ * are the same on every rank (computed once in Rust from plan/normal.rs's NormalLayout):
  *   recv    [src R][slot spp] slot_bytes   chunks of records written by `src`
  *   flag    u64 [src R][slot spp]          written by `src`: cumulative chunk index + 1 (release)
  *   credit  u64 [dst R][slot spp]          written by `dst`: cumulative chunk index + 1 consumed
@@ -413,7 +413,7 @@ typedef struct fep_normal_proxy {
     uint32_t value_bits;  /* immediate split (14) */
     uint32_t data_per_region;   /* data slots per MR chunk */
     uint32_t notify_per_region; /* notify records per MR chunk */
-    uint32_t notify_bytes;      /* one record, plan.rs NotifyRecord wire form [seq, tokens, L] */
+    uint32_t notify_bytes;      /* one record, plan/normal.rs NotifyRecord wire form [seq, tokens, L] */
 } fep_normal_proxy; /* 80 bytes */
 
 typedef struct fep_normal_comm {
@@ -476,7 +476,7 @@ typedef struct fep_normal_dispatch_params {
     uint64_t recv_src_idx;      /* int32 [out_rows] */
     int32_t out_rows;           /* rows of the outputs; rows past the received are padding */
     int32_t num_topk;
-    uint32_t record_bytes;      /* plan.rs RecordLayout::normal_dispatch */
+    uint32_t record_bytes;      /* plan/record.rs RecordLayout::normal_dispatch */
     uint32_t payload_bytes;
     uint32_t num_scales;        /* 0 for bf16 */
     uint32_t scales_offset;
@@ -495,7 +495,7 @@ typedef struct fep_normal_combine_params {
     uint64_t combined_weights;  /* f32 [T][K] or 0 */
     int32_t hidden;
     int32_t num_topk;
-    uint32_t record_bytes;      /* plan.rs RecordLayout::normal_combine */
+    uint32_t record_bytes;      /* plan/record.rs RecordLayout::normal_combine */
     uint32_t topk_weights_offset;
 } fep_normal_combine_params; /* 352 bytes */
 

@@ -1,5 +1,5 @@
 // fep_ll.cuh: helpers shared by the low-latency kernels (kernels/ll_dispatch.cu,
-// kernels/ll_combine.cu): buffer/flag addressing (src/ep/plan.rs LlLayout), bf16 bit tricks,
+// kernels/ll_combine.cu): buffer/flag addressing (src/ep/plan/ll.rs LlLayout), bf16 bit tricks,
 // fp8 group scales bit-identical to src/ep/quant.rs, and the "last block publishes" ticket.
 #pragma once
 

@@ -4,6 +4,7 @@
 
 use std::time::Instant;
 
+use crate::bench::stats::percentile;
 use crate::ep::buffer::{Buffer, CombineArgs, CombineOutput, DispatchArgs, DispatchOutput, Tokens};
 use crate::ep::config::{DispatchDtype, EpConfig};
 use crate::ep::hier::{HierBuffer, HierDispatchArgs, HierDispatchOutput, META_CHANNELS};
@@ -246,16 +247,9 @@ pub struct NormalBenchReport {
     pub combine_bytes: u64,
 }
 
-/// `(median, p99)` of `v` in microseconds.
+/// `(median, p99)` of `v` (seconds) in microseconds ([`percentile`]; NaN when empty).
 pub fn median_p99_us(v: &[f64]) -> (f64, f64) {
-    if v.is_empty() {
-        return (f64::NAN, f64::NAN);
-    }
-    let mut s: Vec<f64> = v.to_vec();
-    s.sort_by(|a, b| a.total_cmp(b));
-    let med = s[s.len() / 2];
-    let p99 = s[((s.len() as f64 * 0.99).ceil() as usize).clamp(1, s.len()) - 1];
-    (med * 1e6, p99 * 1e6)
+    (percentile(v, 50.0) * 1e6, percentile(v, 99.0) * 1e6)
 }
 
 impl NormalBenchReport {

@@ -5,6 +5,9 @@
 //! in-process bootstrap); [`run_normal_gpu_rank`] / [`run_ll_gpu_rank`] run one rank of a job
 //! whose ranks are processes (any bootstrap: `TcpStore` under `LocalJob` or torchrun), each
 //! process building the same inputs and reference from the seed.
+//!
+//! One file: the normal, hierarchical and low-latency GPU runners all take `GpuBenchParams` and
+//! share its upload, thread, timing and checking helpers.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -1322,7 +1325,6 @@ pub fn copy_ceiling(dev: &Device, bytes: u64, sms: usize, iters: usize) -> Resul
             times.push(elapsed_s(&a, &b)? * 1e6);
         }
     }
-    times.sort_by(f64::total_cmp);
-    let med = times[times.len() / 2];
+    let med = crate::bench::stats::percentile(&times, 50.0);
     Ok((med, (vecs * 16) as f64 / (med * 1e-6) / 1e9))
 }

@@ -10,7 +10,7 @@
 
 use std::collections::BTreeMap;
 
-use super::stats::Summary;
+use super::stats::{percentile, Summary};
 use crate::abi;
 use crate::trace::TraceRecord;
 
@@ -203,15 +203,12 @@ pub fn span_table(spans: &[(String, Vec<f64>)]) -> String {
             s.push_str(&format!("| {name} | 0 | - | - | - |\n"));
             continue;
         }
-        let mut w = v.clone();
-        w.sort_by(|a, b| a.total_cmp(b));
-        let at = |q: f64| w[((w.len() - 1) as f64 * q).round() as usize];
-        let total: f64 = w.iter().sum();
+        let total: f64 = v.iter().sum();
         s.push_str(&format!(
             "| {name} | {} | {:.2} | {:.2} | {:.1} |\n",
-            w.len(),
-            at(0.5),
-            at(0.9),
+            v.len(),
+            percentile(v, 50.0),
+            percentile(v, 90.0),
             total
         ));
     }

@@ -1947,6 +1947,10 @@ pub fn run_case_threads(opts: &VerifyOptions, spec: &CaseSpec, rank_fn: RankFn) 
     fold_verdicts(got)
 }
 
+/// Set by the matrix for its rank processes when it runs several cases at once (`--jobs`):
+/// how many cases share the GPU (the GPU side sizes each rank's SM budget from it).
+pub const JOBS_ENV: &str = "FEP_VERIFY_GPU_JOBS";
+
 /// The line a rank process prints last, read back by [`run_case_procs`].
 const RANK_LINE: &str = "verify-rank";
 
@@ -1980,7 +1984,7 @@ pub fn run_case_procs(opts: &VerifyOptions, spec: &CaseSpec) -> CaseOutcome {
         &args,
         spec.num_ranks,
         spec.ranks_per_node,
-        &[mr, (crate::bench::verify_gpu::JOBS_ENV.to_string(), opts.jobs.to_string())],
+        &[mr, (JOBS_ENV.to_string(), opts.jobs.to_string())],
     ) {
         Ok(j) => j,
         Err(e) => return CaseOutcome::Mismatch(format!("launch: {e}")),

@@ -96,16 +96,13 @@ fn gpu_rank_inner(
     Ok(())
 }
 
-/// Set by the matrix for its rank processes when it runs several cases at once (`--jobs`):
-/// how many cases share the GPU.
-pub const JOBS_ENV: &str = "FEP_VERIFY_GPU_JOBS";
-
 /// With several cases sharing the GPU, each rank's SM budget is its share of the GPU (every
 /// rank's kernels of every case must be resident at once), but never below what the shape
 /// needs (normal mode: two blocks per peer; the hierarchy: that for each of its two stages).
 /// `None` (one case at a time): the buffer's own default.
 fn shared_sm_budget(dev: &Device, spec: &CaseSpec, sh: &ShapeSpec) -> Option<usize> {
-    let jobs: usize = std::env::var(JOBS_ENV).ok()?.parse().ok().filter(|&j| j > 1)?;
+    let jobs: usize =
+        std::env::var(super::verify::JOBS_ENV).ok()?.parse().ok().filter(|&j| j > 1)?;
     let r = spec.num_ranks;
     let share = (dev.sm_count() as usize / (jobs * r)) & !1;
     let need = match (spec.mode, sh.hier) {

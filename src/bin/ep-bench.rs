@@ -1,5 +1,8 @@
 //! ep-bench: the benchmark runner (the project's main job).
 //!
+//! One file: it is the binary's glue (the clap `Cli`/`Common`, launching or joining the ranks,
+//! printing and writing rows) around src/bench, where the reusable work lives.
+//!
 //! With no arguments it launches its ranks itself as local processes; when the torchrun /
 //! PyTorchJob variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...) or Open MPI's are set
 //! it joins that job as one rank instead.

@@ -1,6 +1,9 @@
 //! The store server on rank 0: one thread per port per process, serving every [`TcpStore`]
 //! instance that this process opens as rank 0 on that port.
 //!
+//! One file: the server is one `poll(2)` loop, and its connections, claims and namespaces (`Conn`,
+//! `Claim`, `Space`, `Store`) are that loop's private state.
+//!
 //! NOTES: DeepEP-style users keep several Buffers alive at once (normal and low latency), each with
 //! its own bootstrap from the same `MASTER_ADDR`/`MASTER_PORT`. A listener per instance would
 //! collide on the port, so instances share one server, each in its own namespace: the k-th store a

@@ -1,5 +1,8 @@
 //! The TCP store: rank 0 serves (`server.rs`), every rank (rank 0 included) is a client.
 //!
+//! One file: `TcpStore` and its client side (handshake, reader thread, reconnects) share the one
+//! connection state (`Client`) defined here; the server is already in server.rs.
+//!
 //! The wire format is in `wire.rs`, the handshake's proofs and the threat model in `auth.rs`.
 //! Clients use blocking sockets whose timeouts are re-armed from the deadline before every write;
 //! after the handshake a reader thread per store takes every frame off the socket, so that the

@@ -154,6 +154,7 @@ pub unsafe fn dispatch_layout_cluster(
     launch(stream, Kernel::DispatchLayoutCluster, cfg, &p)
 }
 
+#[cfg(feature = "bench-kernels")]
 /// `fep_wait_test`: one thread waits (bounded) for `*counter >= expected`.
 ///
 /// # Safety
@@ -162,6 +163,7 @@ pub unsafe fn wait_test(stream: &Stream, p: abi::fep_wait_test_params) -> CudaRe
     launch(stream, Kernel::WaitTest, LaunchConfig { grid: 1, block: 32, shared_bytes: 0 }, &p)
 }
 
+#[cfg(feature = "bench-kernels")]
 /// `fep_wait_packed_test`: one thread waits (bounded) until the high half of `*counter` equals
 /// `expected as u32` modulo 2^32 (a counter line's `packed` word, fep_device.cuh
 /// `wait_packed_eq`); a high half ahead of it is recorded as `FEP_DEV_BAD_COUNT`. On success it
@@ -173,6 +175,7 @@ pub unsafe fn wait_packed_test(stream: &Stream, p: abi::fep_wait_test_params) ->
     launch(stream, Kernel::WaitPackedTest, LaunchConfig { grid: 1, block: 32, shared_bytes: 0 }, &p)
 }
 
+#[cfg(feature = "bench-kernels")]
 /// `fep_ring_push_test`: one thread pushes `num_cmds` commands into the ring, then waits
 /// (bounded) for the arrival counter.
 ///
@@ -186,9 +189,11 @@ pub unsafe fn ring_push_test(stream: &Stream, p: abi::fep_ring_push_test_params)
     launch(stream, Kernel::RingPushTest, LaunchConfig { grid: 1, block: 32, shared_bytes: 0 }, &p)
 }
 
+#[cfg(feature = "bench-kernels")]
 /// Threads per block of `fep_proxy_exchange_test`.
 pub const PROXY_EXCHANGE_THREADS: u32 = 256;
 
+#[cfg(feature = "bench-kernels")]
 /// `fep_proxy_exchange_test` (kernels/proxy_test.cu): one block writes `num_msgs` payloads into
 /// the send region and pushes their commands to the proxy ring, waits (bounded) for the peer's
 /// arrivals, then counts received bytes that differ from the pattern into `p.mismatches`.
@@ -211,6 +216,7 @@ pub unsafe fn proxy_exchange_test(
     launch(stream, Kernel::ProxyExchangeTest, cfg, &p)
 }
 
+#[cfg(feature = "bench-kernels")]
 /// `fep_proxy_pingpong` (kernels/proxy_test.cu): one thread, `iters` rounds through the proxy,
 /// clock64 stamped into `p.timestamps[0..=iters]`, globaltimer into `p.globaltimer[0..2]`.
 ///
@@ -376,6 +382,7 @@ fn check_normal_grid(grid: u32, num_ranks: u32) -> CudaResult<()> {
     Ok(())
 }
 
+#[cfg(feature = "bench-kernels")]
 /// `fep_copy_bytes` (kernels/baseline.cu): `grid` blocks of `FEP_COPY_THREADS`.
 ///
 /// # Safety
@@ -389,6 +396,7 @@ pub unsafe fn copy_bytes(stream: &Stream, grid: u32, p: abi::fep_copy_params) ->
     launch(stream, Kernel::CopyBytes, cfg, &p)
 }
 
+#[cfg(feature = "bench-kernels")]
 /// `fep_gather_rows` (kernels/baseline.cu): `grid` blocks of `FEP_BASELINE_THREADS`.
 ///
 /// # Safety
@@ -412,6 +420,7 @@ pub unsafe fn gather_rows(
     launch(stream, Kernel::GatherRows, cfg, &p)
 }
 
+#[cfg(feature = "bench-kernels")]
 /// `fep_segment_sum` (kernels/baseline.cu): `grid` blocks of `FEP_BASELINE_THREADS`.
 ///
 /// # Safety

@@ -15,15 +15,22 @@ static FATBIN_ALIGNED: &Aligned<[u8]> =
 /// The embedded fatbin (sm_90 SASS + PTX by default; see build.rs).
 pub static FATBIN: &[u8] = &FATBIN_ALIGNED.0;
 
-/// Every kernel in the fatbin. Each has a typed launcher in [`super::launch`].
+/// Every kernel in the fatbin. Each has a typed launcher in [`super::launch`]. The test kernels
+/// and the bench's baselines exist only with the `bench-kernels` feature (build.rs compiles
+/// their kernels/*.cu only then).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kernel {
     DispatchLayout,
     DispatchLayoutCluster,
+    #[cfg(feature = "bench-kernels")]
     WaitTest,
+    #[cfg(feature = "bench-kernels")]
     WaitPackedTest,
+    #[cfg(feature = "bench-kernels")]
     RingPushTest,
+    #[cfg(feature = "bench-kernels")]
     ProxyExchangeTest,
+    #[cfg(feature = "bench-kernels")]
     ProxyPingpong,
     LlDispatchSend,
     LlDispatchRecv,
@@ -36,20 +43,28 @@ pub enum Kernel {
     NormalCombine2,
     /// `fep_normal_combine` built for 1 rank.
     NormalCombine1,
+    #[cfg(feature = "bench-kernels")]
     GatherRows,
+    #[cfg(feature = "bench-kernels")]
     SegmentSum,
     TraceClock,
+    #[cfg(feature = "bench-kernels")]
     CopyBytes,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 20] = [
+    pub const ALL: &'static [Kernel] = &[
         Kernel::DispatchLayout,
         Kernel::DispatchLayoutCluster,
+        #[cfg(feature = "bench-kernels")]
         Kernel::WaitTest,
+        #[cfg(feature = "bench-kernels")]
         Kernel::WaitPackedTest,
+        #[cfg(feature = "bench-kernels")]
         Kernel::RingPushTest,
+        #[cfg(feature = "bench-kernels")]
         Kernel::ProxyExchangeTest,
+        #[cfg(feature = "bench-kernels")]
         Kernel::ProxyPingpong,
         Kernel::LlDispatchSend,
         Kernel::LlDispatchRecv,
@@ -60,9 +75,12 @@ impl Kernel {
         Kernel::NormalCombine,
         Kernel::NormalCombine2,
         Kernel::NormalCombine1,
+        #[cfg(feature = "bench-kernels")]
         Kernel::GatherRows,
+        #[cfg(feature = "bench-kernels")]
         Kernel::SegmentSum,
         Kernel::TraceClock,
+        #[cfg(feature = "bench-kernels")]
         Kernel::CopyBytes,
     ];
 
@@ -71,10 +89,15 @@ impl Kernel {
         match self {
             Kernel::DispatchLayout => "fep_dispatch_layout",
             Kernel::DispatchLayoutCluster => "fep_dispatch_layout_cluster",
+            #[cfg(feature = "bench-kernels")]
             Kernel::WaitTest => "fep_wait_test",
+            #[cfg(feature = "bench-kernels")]
             Kernel::WaitPackedTest => "fep_wait_packed_test",
+            #[cfg(feature = "bench-kernels")]
             Kernel::RingPushTest => "fep_ring_push_test",
+            #[cfg(feature = "bench-kernels")]
             Kernel::ProxyExchangeTest => "fep_proxy_exchange_test",
+            #[cfg(feature = "bench-kernels")]
             Kernel::ProxyPingpong => "fep_proxy_pingpong",
             Kernel::LlDispatchSend => "fep_ll_dispatch_send",
             Kernel::LlDispatchRecv => "fep_ll_dispatch_recv",
@@ -85,9 +108,12 @@ impl Kernel {
             Kernel::NormalCombine => "fep_normal_combine",
             Kernel::NormalCombine2 => "fep_normal_combine_2",
             Kernel::NormalCombine1 => "fep_normal_combine_1",
+            #[cfg(feature = "bench-kernels")]
             Kernel::GatherRows => "fep_gather_rows",
+            #[cfg(feature = "bench-kernels")]
             Kernel::SegmentSum => "fep_segment_sum",
             Kernel::TraceClock => "fep_trace_clock",
+            #[cfg(feature = "bench-kernels")]
             Kernel::CopyBytes => "fep_copy_bytes",
         }
     }

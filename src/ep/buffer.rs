@@ -1,5 +1,9 @@
 //! `Buffer`: the EP communication buffer of one rank (DeepEP V1's `deep_ep.Buffer`), normal mode.
 //!
+//! One file: it is `Buffer`'s whole host-side API (DeepEP's `deep_ep.Buffer`) for both modes, whose
+//! `impl Buffer` blocks share the private state and helpers defined here; moving each mode into a
+//! submodule would be a later pure move.
+//!
 //! ```no_run
 //! # use std::sync::Arc;
 //! # use fabric_ep::ep::buffer::*;
@@ -34,6 +38,7 @@ use std::time::Duration;
 const HOST_IDLE_SLEEP_MAX: Duration = Duration::from_millis(1);
 
 use super::config::{DispatchDtype, EpConfig};
+use super::connect::peer_watch;
 use super::gpu::{GpuBuffer, GpuOptions};
 use super::handle::{DispatchHandle, LlHandle};
 use super::host::ll::{LlComm, LlFabricHold, LlGeometry, LlLane, LlPhase};
@@ -329,13 +334,6 @@ pub(crate) fn announced_vec<T: Clone>(
 
 fn read_u64(b: &[u8], at: usize) -> Option<u64> {
     Some(u64::from_le_bytes(b.get(at..at + 8)?.try_into().ok()?))
-}
-
-/// The proxy's view of dead ranks: the bootstrap's (the TCP store pushes a rank's death to
-/// every rank at once), so a step waiting on a dead peer ends within milliseconds, naming it.
-pub(crate) fn peer_watch(boot: &Arc<dyn Bootstrap>) -> crate::proxy::PeerWatch {
-    let b = boot.clone();
-    Arc::new(move || b.dead_peers())
 }
 
 /// The bootstrap's rank and size must be the config's (an argument error naming `boot`).

@@ -19,32 +19,14 @@
 use std::ops::Deref;
 use std::time::Duration;
 
+// Defined beside the layouts that size with it (plan/ uses it; config.rs uses plan/).
+pub use super::dtype::DispatchDtype;
 use super::plan::{self, LlLayout, NormalLayout};
 use crate::{Error, Result};
 
 /// Version of the wire protocol and buffer layouts; part of [`EpConfig::hash`], so ranks built
-/// from incompatible sources fail at connect. Bump on any change to plan.rs's layouts.
+/// from incompatible sources fail at connect. Bump on any change to plan/'s layouts.
 pub const PROTOCOL_VERSION: u64 = 1;
-
-/// Format of `x` in dispatch. Combine is always bf16.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum DispatchDtype {
-    /// `x [tokens, hidden]` bf16.
-    Bf16 = 0,
-    /// `x [tokens, hidden]` e4m3fn plus `scales [tokens, hidden / 128]` f32.
-    Fp8E4m3 = 1,
-}
-
-impl DispatchDtype {
-    /// Bytes of one token's data, scales included.
-    pub fn token_bytes(self, hidden: u64) -> u64 {
-        match self {
-            DispatchDtype::Bf16 => hidden * 2,
-            DispatchDtype::Fp8E4m3 => hidden + hidden / 128 * 4,
-        }
-    }
-}
 
 /// Every setting, as plain fields. Validate with [`EpConfig::new`].
 #[derive(Clone, Debug, PartialEq, Eq)]

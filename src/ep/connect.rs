@@ -3,6 +3,8 @@
 //! checked, the addresses inserted into the AV. Shared by the normal and low-latency lanes and
 //! the fabric benchmarks.
 
+use std::sync::Arc;
+
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
 use crate::fabric::{FiAddr, RemoteRegion, Stack};
@@ -102,4 +104,11 @@ pub fn parse_blob(rank: usize, peer: usize, b: &[u8], min_region: u64) -> Result
         )));
     }
     Ok(ConnectBlob { header, name, region })
+}
+
+/// The proxy's view of dead ranks: the bootstrap's (the TCP store pushes a rank's death to
+/// every rank at once), so a step waiting on a dead peer ends within milliseconds, naming it.
+pub(crate) fn peer_watch(boot: &Arc<dyn Bootstrap>) -> crate::proxy::PeerWatch {
+    let b = boot.clone();
+    Arc::new(move || b.dead_peers())
 }

@@ -3,6 +3,9 @@
 //! inside its node), each stage a GPU [`Buffer`] running the direct path's kernels, proxy and
 //! transport unchanged. Between the stages only stream-ordered copies run (no new kernels):
 //!
+//! One file: `GpuHierBuffer` composes the two stages over scratch buffers (`RailScratch`,
+//! `NodeScratch`) private to it; the host hierarchy it mirrors is hier.rs.
+//!
 //! * **widen**: the rail stage's rows are copied into rows of hidden + 128 (a strided copy) and
 //!   the metadata lane's first 8 bytes are set: the source node (one 2-D memset per source
 //!   node, whose rows are contiguous) and the token's index on its source (a strided copy of

@@ -3,6 +3,9 @@
 //! ([`LlGpuGroup`]) that runs N ranks in one process on one GPU, each with its own buffers and
 //! stream, peers' buffers addressed through plain device pointers.
 //!
+//! One file: `LlGpuRank` (one rank's low-latency buffers and launches), its config and tickets, and
+//! the `LlGpuGroup` harness all work on the same private buffer fields.
+//!
 //! Per rank and call (DeepEP V1 LL semantics, oracle: [`crate::ep::reference`]):
 //! - `dispatch_send`: `x [T, hidden]` bf16 + `topk_idx [T, K]` int64 -> for each global expert
 //!   `g`, the rows of the tokens that chose it, written straight into the receive block

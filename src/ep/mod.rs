@@ -4,6 +4,7 @@
 pub mod buffer;
 pub mod config;
 pub mod connect;
+pub mod dtype;
 pub mod gpu;
 pub mod handle;
 pub mod hier;
@@ -11,6 +12,7 @@ pub mod hier_gpu;
 pub mod host;
 pub mod layout;
 pub mod ll_gpu;
+pub mod normal_comm;
 pub mod normal_gpu;
 pub mod plan;
 pub mod quant;

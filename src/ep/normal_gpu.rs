@@ -3,6 +3,10 @@
 //! process: plain device pointers, several ranks may share one GPU; other processes: IPC
 //! mappings, see [`PeerMemory`](crate::cuda::PeerMemory)).
 //!
+//! One file: `NormalGpuRank` owns the normal-mode buffers and launches notify, dispatch and combine
+//! over them; its settings and byte map are already in normal_comm.rs, and `harness` sits beside
+//! the rank it drives.
+//!
 //! Per step, each rank runs on its own stream:
 //! 1. `get_dispatch_layout` ([`DispatchLayoutGpu`](super::layout::DispatchLayoutGpu)),
 //! 2. [`NormalGpuRank::notify`]: send plan, count exchange; then either [`NormalGpuRank::recv_info`]
@@ -34,8 +38,11 @@ use std::time::Duration;
 
 use super::config::DispatchDtype;
 use super::gpu::normal_proxy::NormalProxyLane;
+// In a module of their own: the proxy lane (gpu::normal_proxy) needs them too, and this file
+// needs the lane.
 use super::layout::LayoutBuffers;
-use super::plan::NormalLayout;
+use super::normal_comm::MAX_RANKS;
+pub use super::normal_comm::{CommMap, NormalGpuSettings};
 use crate::abi;
 use crate::cuda::launch;
 use crate::cuda::{DevErrorRecord, Device, DeviceBuffer, HostMapped, Stream};
@@ -48,121 +55,6 @@ pub enum PeerTransport {
     PeerStore,
     /// Kernels push proxy commands; the proxy writes over libfabric (peers on other nodes).
     Proxy,
-}
-
-/// Settings of one normal-mode GPU group (the same on every rank).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct NormalGpuSettings {
-    pub num_ranks: usize,
-    pub num_experts: usize,
-    pub hidden: usize,
-    pub num_topk: usize,
-    pub dtype: DispatchDtype,
-    /// Records per queue chunk.
-    pub chunk_tokens: usize,
-    /// Chunks in flight per (sender, receiver) pair.
-    pub slots_per_peer: usize,
-    /// Blocks per kernel (one block per SM at most): the rank's SM budget; even, `>= 2 x ranks`.
-    pub num_sms: usize,
-    /// Bound of every device-side wait.
-    pub timeout: Duration,
-}
-
-impl NormalGpuSettings {
-    /// Defaults: 16-token chunks, 8 slots per peer, 32 SMs, 10 s timeout.
-    pub fn new(
-        num_ranks: usize,
-        num_experts: usize,
-        hidden: usize,
-        num_topk: usize,
-        dtype: DispatchDtype,
-    ) -> Self {
-        NormalGpuSettings {
-            num_ranks,
-            num_experts,
-            hidden,
-            num_topk,
-            dtype,
-            chunk_tokens: 16,
-            slots_per_peer: 16,
-            num_sms: 32,
-            timeout: Duration::from_secs(10),
-        }
-    }
-}
-
-/// Byte map of a comm buffer (identical on every rank; mirrors `fep_abi.h` and the state area of
-/// `kernels/include/fep_normal.cuh`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CommMap {
-    pub layout: NormalLayout,
-    pub recv_offset: u64,
-    pub flag_offset: u64,
-    pub credit_offset: u64,
-    pub notify_offset: u64,
-    pub notify_bytes: u64,
-    pub ack_offset: u64,
-    pub state_offset: u64,
-    pub total_bytes: u64,
-}
-
-const MAX_RANKS: usize = abi::FEP_NORMAL_MAX_RANKS as usize;
-
-fn align(x: u64, a: u64) -> u64 {
-    x.div_ceil(a) * a
-}
-
-impl CommMap {
-    pub fn new(s: &NormalGpuSettings) -> Result<Self> {
-        if s.num_ranks == 0 || s.num_ranks > MAX_RANKS {
-            return Err(Error::arg(
-                "num_ranks",
-                format!("{}: the intranode kernels take 1..={MAX_RANKS}", s.num_ranks),
-            ));
-        }
-        if s.num_topk == 0 || s.num_topk > 32 {
-            return Err(Error::arg("num_topk", format!("{}: must be in 1..=32", s.num_topk)));
-        }
-        if s.slots_per_peer == 0 || s.slots_per_peer > 1024 {
-            return Err(Error::arg(
-                "slots_per_peer",
-                format!("{} not in 1..=1024", s.slots_per_peer),
-            ));
-        }
-        let layout = NormalLayout::from_parts(
-            s.num_ranks as u64,
-            s.num_experts as u64,
-            s.hidden as u64,
-            s.num_topk as u64,
-            s.dtype,
-            s.chunk_tokens as u64,
-            s.slots_per_peer as u64,
-        )?;
-        let r = s.num_ranks as u64;
-        let spp = s.slots_per_peer as u64;
-        let l = layout.num_local_experts;
-        let recv_offset = 0;
-        let flag_offset = align(recv_offset + layout.recv_bytes(), 256);
-        let credit_offset = align(flag_offset + r * spp * 8, 256);
-        let notify_offset = align(credit_offset + r * spp * 8, 256);
-        let notify_bytes = align(16 + 4 * l, 16);
-        let ack_offset = align(notify_offset + r * notify_bytes, 256);
-        let state_offset = align(ack_offset + r * 8, 256);
-        // fep_normal.cuh: 176 bytes of counters, then u32 consumed [8][spp], u32 experts [8][L].
-        let state_bytes = 176 + 4 * MAX_RANKS as u64 * (spp + l);
-        let total_bytes = align(state_offset + state_bytes, 256);
-        Ok(CommMap {
-            layout,
-            recv_offset,
-            flag_offset,
-            credit_offset,
-            notify_offset,
-            notify_bytes,
-            ack_offset,
-            state_offset,
-            total_bytes,
-        })
-    }
 }
 
 /// What a dispatch leaves for combine and for a cached dispatch (device memory).

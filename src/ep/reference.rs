@@ -1,6 +1,9 @@
 //! Single-process reference of both modes, computed from ALL ranks' inputs: the oracle every
-//! backend is tested against. Deliberately plain loops, independent of plan.rs's math, so the
+//! backend is tested against. Deliberately plain loops, independent of plan/'s math, so the
 //! two can check each other.
+//!
+//! One file: the oracle is deliberately plain and kept in one place, both modes beside the input
+//! checks they share, so it can be read and audited as a whole.
 //!
 //! Conventions: rank `r` holds global experts `r * L .. (r + 1) * L`, `L = num_experts /
 //! num_ranks`; `topk_idx` entries are global expert ids (i64), `-1` = no expert; bf16 travels as

@@ -1,6 +1,10 @@
 //! The Buffer part of the C ABI: config, size hints, create/destroy, normal dispatch (two-step
 //! and `num_worst_tokens` forms) and combine.
 //!
+//! One file: it defines the C structs the whole ABI passes (`fep_config`, `fep_tensor`,
+//! `fep_buffer`, `fep_handle`) and their checks, which ffi/gpu.rs reuses, next to the entry points
+//! that create and destroy them.
+//!
 //! Ownership: `fep_buffer_create` returns a buffer the caller frees with `fep_buffer_destroy`;
 //! `fep_dispatch` returns a handle the caller frees with `fep_handle_destroy` (after its last
 //! use as a cached handle or by `fep_combine`). Tensors are borrowed for the call only.

@@ -3,6 +3,9 @@
 //! every call is ordered on CUDA streams the caller names in a [`fep_gpu_order`] (borrowed, never
 //! destroyed by the library).
 //!
+//! One file: every `fep_gpu_*` entry point goes through the per-buffer `GpuState` defined here (the
+//! handle pool, stream ordering in `begin`/`finish`, the device-tensor checks).
+//!
 //! Normal mode has the two forms DeepEP callers need:
 //! - two-step: [`fep_gpu_notify`] (layout + count exchange, one bounded host synchronisation of
 //!   the stream) returns the received row count; the caller allocates outputs of that many rows

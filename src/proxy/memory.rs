@@ -1,5 +1,9 @@
 //! Shared regions, the command rings and the counters, over raw memory the GPU can also see.
 //!
+//! One file: the three structures the kernels and the proxy share (`SharedRegion`, the command
+//! rings, the counters) share its region ownership (`Owner`) and concurrency rules (the NOTES
+//! below).
+//!
 //! NOTES: every field another agent (GPU, other thread) writes concurrently is accessed through
 //! atomics (head, tail, counters) or volatile copies of whole entries after an Acquire of head.
 //! Plain `&mut` references into these regions are never formed.

@@ -3,6 +3,9 @@
 //! threads of one process, processes sharing one GPU (under MPS), or processes on several GPUs
 //! that can access each other.
 //!
+//! One file: what is left here is `GpuBuffer` and the argument types of its calls (its API);
+//! connection (ipc.rs) and the proxy lanes (ll_proxy.rs, normal_proxy.rs) are submodules already.
+//!
 //! ```no_run
 //! # use std::sync::Arc;
 //! # use fabric_ep::cuda::{Device, DeviceBuffer, Stream};
@@ -747,7 +750,7 @@ impl GpuBuffer {
         };
         let ipc_world = peers.world_uses_ipc();
         let paths = peers.paths().to_vec();
-        let peer_watch = super::buffer::peer_watch(boot);
+        let peer_watch = super::connect::peer_watch(boot);
         let mut normal = normal;
         if let Some(n) = normal.as_mut() {
             n.rank.watch_peers(peer_watch.clone());

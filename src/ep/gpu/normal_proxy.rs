@@ -33,7 +33,7 @@ use std::time::Duration;
 
 use super::super::connect::exchange_fabric;
 use super::super::host::Geometry;
-use super::super::normal_gpu::{CommMap, NormalGpuSettings};
+use super::super::normal_comm::{CommMap, NormalGpuSettings};
 use crate::abi;
 use crate::bootstrap::Bootstrap;
 use crate::cuda::{Device, DeviceBuffer, HostMapped};

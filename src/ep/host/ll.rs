@@ -1,6 +1,9 @@
-//! Host backend of low-latency mode: the protocol of plan.rs's `LlLayout` run by the calling CPU
+//! Host backend of low-latency mode: the protocol of plan/ll.rs's `LlLayout` run by the calling CPU
 //! thread, through its own command ring, proxy and transport (separate from normal mode's, so the
 //! two immediate id spaces never share counters).
+//!
+//! One file: `LlComm` is one protocol (geometry, phases, fabric hold, lanes) over the state defined
+//! here; the normal-mode host lane is mod.rs.
 //!
 //! One call = stage every message into the send area of its buffer set, push one command per
 //! (destination rank, destination local expert) with the row count in the immediate (a

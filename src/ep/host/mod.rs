@@ -1,4 +1,4 @@
-//! Host backend of normal mode: the protocol of plan.rs run by the calling CPU thread, through the
+//! Host backend of normal mode: the protocol of plan/ run by the calling CPU thread, through the
 //! same command ring, proxy and transport the GPU kernels use.
 //!
 //! One call = one event loop on the caller's thread: it stages chunks into free send slots and
@@ -223,7 +223,7 @@ impl HostComm {
             let off = self.geo.notify_offset(src, seq) as usize;
             let mut b = vec![0u8; rec_bytes as usize];
             // SAFETY: the record arrived (counter Acquired above) and src writes this slot
-            // again only at seq + 2, after this rank's notify seq + 1 (plan.rs NOTES).
+            // again only at seq + 2, after this rank's notify seq + 1 (plan/normal.rs NOTES).
             unsafe { self.recv.read(off, &mut b) }.map_err(Error::Proxy)?;
             let rec = NotifyRecord::decode(&b, l)?;
             if rec.seq != seq as u32 {

@@ -1,8 +1,6 @@
 //! Shared by the GPU tests (`gpu()`, the gate every tests/gpu_*.rs uses) and the `Buffer` ones
 //! (tests/gpu_buffer.rs, tests/gpu_ipc.rs: the small run shapes checked against the reference).
 
-#![allow(dead_code)]
-
 use std::time::Duration;
 
 use fabric_ep::bench::ep_gpu::GpuBenchParams;

@@ -1,8 +1,6 @@
 //! Shared by the proxy-over-libfabric tests (threads as ranks, and processes as ranks): one
 //! rank's whole life, producing into its rings writes for every rank and checking what arrives.
 
-#![allow(dead_code)]
-
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,12 +10,6 @@ use fabric_ep::proxy::{
     Proxy, ProxyConfig, ProxyError, RingLayout, RingMemory, SharedRegion,
 };
 use fabric_ep::util::SplitMix64;
-
-pub fn providers() -> Vec<String> {
-    std::env::var("FEP_TEST_PROVIDERS")
-        .map(|v| v.split(',').map(str::to_string).collect())
-        .unwrap_or_else(|_| vec!["shm".into(), "tcp;ofi_rxm".into(), "udp;ofi_rxd".into()])
-}
 
 /// Which rank, if any, fails to take part.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

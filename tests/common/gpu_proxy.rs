@@ -3,8 +3,6 @@
 //! Rings, counters, send and receive regions all live in pinned host memory mapped into the GPU
 //! (`HostMapped`); the send and receive regions are registered with libfabric as host memory.
 
-#![allow(dead_code)]
-
 use std::sync::Arc;
 use std::time::Duration;
 
