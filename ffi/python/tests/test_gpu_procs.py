@@ -42,9 +42,29 @@ def _port():
         return s.getsockname()[1]
 
 
+def _wait_gpu_ready(limit=60):
+    """After a client process was killed (the failed-peer cases kill one), MPS refuses new
+    clients for a while (CUDA error 807, "MPS server is not ready to accept new MPS client
+    requests"): wait until a fresh process starts CUDA, so that the next case's ranks do not
+    fail in torch.cuda.set_device before fabric_ep is reached (the others would then wait in
+    the group's rendezvous)."""
+    t0 = time.monotonic()
+    probe = "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()"
+    while True:
+        r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+        if r.returncode == 0:
+            return
+        if time.monotonic() - t0 > limit:
+            raise RuntimeError(f"CUDA did not start in a fresh process within {limit} s:\n"
+                               + r.stderr[-2000:])
+        time.sleep(0.5)
+
+
 def launch(world, group, case="deepep", timeout=200):
     """Runs ``world`` rank processes; returns [(rc, output)]. With ``case="stalled_peer"`` the
     last rank (stopped by itself) is killed once the others are done."""
+    if os.environ.get("FEP_TEST_DEVICE") != "cpu" and case != "no_mps" and _mps_running():
+        _wait_gpu_ready()
     port, store = _port(), _port()
     procs = []
     for r in range(world):
