@@ -38,7 +38,7 @@ use super::buffer::{
 use super::config::{EpConfig, EpSettings};
 use super::handle::DispatchHandle;
 use super::quant::FP8_GROUP;
-use crate::bootstrap::{Bootstrap, BootstrapError};
+use crate::bootstrap::{Bootstrap, BootstrapError, DeadPeer};
 use crate::proxy::{Lagging, ProxyError};
 use crate::{Error, Result};
 
@@ -83,6 +83,28 @@ impl Bootstrap for SubGroup {
     fn all_gather(&self, data: &[u8]) -> std::result::Result<Vec<Vec<u8>>, BootstrapError> {
         let mut all = self.parent.all_gather(data)?;
         Ok(self.members.iter().map(|&m| std::mem::take(&mut all[m])).collect())
+    }
+    // The parent's news of its members, in stage indices (a stage's errors are mapped back to
+    // job ranks by `world_err`; `reported_by` stays a job rank).
+    fn dead_ranks(&self) -> Vec<usize> {
+        self.dead_peers().into_iter().map(|d| d.rank).collect()
+    }
+    fn is_dead(&self, rank: usize) -> bool {
+        self.members.get(rank).is_some_and(|&m| self.parent.is_dead(m))
+    }
+    fn dead_peers(&self) -> Vec<DeadPeer> {
+        self.parent
+            .dead_peers()
+            .into_iter()
+            .filter_map(|d| {
+                let i = self.members.iter().position(|&m| m == d.rank)?;
+                Some(DeadPeer { rank: i, reported_by: d.reported_by })
+            })
+            .collect()
+    }
+    fn report_unresponsive(&self, peers: &[usize]) {
+        let job: Vec<usize> = peers.iter().filter_map(|&p| self.members.get(p).copied()).collect();
+        self.parent.report_unresponsive(&job);
     }
 }
 
@@ -613,6 +635,13 @@ fn proxy_world_err(p: ProxyError, stage: &str, to_world: &impl Fn(usize) -> usiz
         ProxyError::Fabric { rank, peer, source } => {
             ProxyError::Fabric { rank: w(rank), peer: peer.map(w), source }
         }
+        // `reported_by` comes from the job's bootstrap: a job rank already.
+        ProxyError::PeerDead { rank, peer, waiting, reported_by } => ProxyError::PeerDead {
+            rank: w(rank),
+            peer: w(peer),
+            waiting: waiting.into_iter().map(w).collect(),
+            reported_by,
+        },
         ProxyError::Transport { rank, msg } => ProxyError::Transport {
             rank: w(rank),
             msg: format!("{msg} (the hierarchy's {stage} stage)"),
