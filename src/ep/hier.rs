@@ -38,7 +38,7 @@ use super::buffer::{
 use super::config::{EpConfig, EpSettings};
 use super::handle::DispatchHandle;
 use super::quant::FP8_GROUP;
-use crate::bootstrap::{Bootstrap, BootstrapError, DeadPeer};
+use crate::bootstrap::{Bootstrap, BootstrapError};
 use crate::proxy::{Lagging, ProxyError};
 use crate::{Error, Result};
 
@@ -84,24 +84,10 @@ impl Bootstrap for SubGroup {
         let mut all = self.parent.all_gather(data)?;
         Ok(self.members.iter().map(|&m| std::mem::take(&mut all[m])).collect())
     }
-    // The parent's news of its members, in stage indices (a stage's errors are mapped back to
-    // job ranks by `world_err`; `reported_by` stays a job rank).
-    fn dead_ranks(&self) -> Vec<usize> {
-        self.dead_peers().into_iter().map(|d| d.rank).collect()
-    }
-    fn is_dead(&self, rank: usize) -> bool {
-        self.members.get(rank).is_some_and(|&m| self.parent.is_dead(m))
-    }
-    fn dead_peers(&self) -> Vec<DeadPeer> {
-        self.parent
-            .dead_peers()
-            .into_iter()
-            .filter_map(|d| {
-                let i = self.members.iter().position(|&m| m == d.rank)?;
-                Some(DeadPeer { rank: i, reported_by: d.reported_by })
-            })
-            .collect()
-    }
+    // Deaths are not mapped into the stages: a stage sees only its members, and a rank
+    // blocked on a member that left because of a rank outside the stage would name the
+    // member, not the cause; the stages' bounded waits name job ranks instead (`world_err`).
+    // A stage's own timeout is still reported to the job, in job ranks.
     fn report_unresponsive(&self, peers: &[usize]) {
         let job: Vec<usize> = peers.iter().filter_map(|&p| self.members.get(p).copied()).collect();
         self.parent.report_unresponsive(&job);
