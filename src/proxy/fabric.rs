@@ -258,12 +258,8 @@ impl Transport for FabricTransport {
         Ok(())
     }
 
-    fn abandon_writes_to(&mut self, dead: &[usize]) {
-        let all_dead =
-            self.in_flight.slots.iter().flatten().all(|op| dead.contains(&(op.dst as usize)));
-        if all_dead {
-            self.drop_timeout = Duration::ZERO;
-        }
+    fn abandon_in_flight(&mut self) {
+        self.drop_timeout = Duration::ZERO;
     }
 }
 

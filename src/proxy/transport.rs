@@ -44,9 +44,9 @@ pub trait Transport: Send + 'static {
     /// Appends completions and arrivals to `events` (does not clear it) and makes progress.
     fn poll(&mut self, events: &mut Vec<TransportEvent>) -> Result<(), ProxyError>;
 
-    /// The stopping worker's news that these ranks died: writes in flight to them will never
-    /// complete, so dropping the transport need not wait for them. Default: nothing to do.
-    fn abandon_writes_to(&mut self, _dead: &[usize]) {}
+    /// The stopping worker's news that a rank died: writes in flight may never complete, so
+    /// dropping the transport need not wait for them. Default: nothing to do.
+    fn abandon_in_flight(&mut self) {}
 }
 
 /// Two transports behind one: writes to the peers `near[dst]` marks go to `near_t` (this
@@ -79,9 +79,9 @@ impl<A: Transport, B: Transport> Transport for SplitTransport<A, B> {
         self.far_t.poll(events)
     }
 
-    fn abandon_writes_to(&mut self, dead: &[usize]) {
-        self.near_t.abandon_writes_to(dead);
-        self.far_t.abandon_writes_to(dead);
+    fn abandon_in_flight(&mut self) {
+        self.near_t.abandon_in_flight();
+        self.far_t.abandon_in_flight();
     }
 }
 
@@ -204,7 +204,7 @@ impl<T: Transport> Transport for Throttled<T> {
         self.inner.poll(events)
     }
 
-    fn abandon_writes_to(&mut self, dead: &[usize]) {
-        self.inner.abandon_writes_to(dead);
+    fn abandon_in_flight(&mut self) {
+        self.inner.abandon_in_flight();
     }
 }

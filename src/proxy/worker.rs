@@ -681,11 +681,12 @@ impl<T: Transport> Worker<T> {
         // Best effort after an error (it is already recorded): writes that were posted still
         // complete, so the counters say what really went out.
         let _ = self.drain();
-        // Writes to a rank that died never complete: the transport need not wait for them
-        // when it is dropped (it keeps its send registration instead, a bounded leak).
-        let dead = self.dead_ranks();
-        if !dead.is_empty() {
-            self.transport.abandon_writes_to(&dead);
+        // Once a rank is known dead, writes in flight may never complete: those to it, and
+        // (on providers that progress an endpoint's operations in order, as shm may) those
+        // queued behind them. The transport need not wait for them when it is dropped; it keeps
+        // its send registration instead (a bounded leak, on a job that is failing anyway).
+        if !self.dead_ranks().is_empty() {
+            self.transport.abandon_in_flight();
         }
     }
 
@@ -698,15 +699,8 @@ impl<T: Transport> Worker<T> {
             .unwrap_or_default()
     }
 
-    /// Writes are still in flight to some rank not in `dead`.
-    fn owes_live(&self, dead: &[usize]) -> bool {
-        self.inflight
-            .iter()
-            .any(|ring| ring.iter().enumerate().any(|(dst, &n)| n > 0 && !dead.contains(&dst)))
-    }
-
-    /// Bounded: polls until every write this worker posted has completed, or only writes to
-    /// ranks the bootstrap reports dead are left, or `drain_timeout`.
+    /// Bounded: polls until every write this worker posted has completed, or a rank is known
+    /// dead (see `run`), or `drain_timeout`.
     fn drain(&mut self) -> Result<(), ProxyError> {
         let start = Instant::now();
         let mut passes = 0u32;
@@ -715,7 +709,7 @@ impl<T: Transport> Worker<T> {
                 std::thread::yield_now();
             }
             passes = passes.wrapping_add(1);
-            if passes % 64 == 0 && !self.owes_live(&self.dead_ranks()) {
+            if passes % 64 == 0 && !self.dead_ranks().is_empty() {
                 break;
             }
         }
