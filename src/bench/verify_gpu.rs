@@ -185,26 +185,7 @@ fn gpu_normal_shape(
     let (h, k) = (sh.hidden, sh.topk);
     let gpu = buf.gpu()?;
     // Every allocation first (module NOTES).
-    let mut steps: Vec<(NormalDevIn, Option<NormalDevIn>)> = Vec::new();
-    let mut cap_tokens = 1;
-    let mut cap_rows = 1;
-    for ci in 0..sh.calls.len() {
-        let r = normal_ref(refs, si, ci)?;
-        let f = &r.fresh;
-        let fresh = NormalDevIn::new(dev, &f.inputs[rank], &f.y[rank], f.yw[rank].as_deref())?;
-        let cached = match &r.cached {
-            Some(c) => {
-                Some(NormalDevIn::new(dev, &c.inputs[rank], &c.y[rank], c.yw[rank].as_deref())?)
-            }
-            None => None,
-        };
-        cap_tokens = cap_tokens.max(f.inputs[rank].topk_idx.len() / k);
-        // Room for whatever arrives (all tokens of all ranks), so a wrong count is reported as
-        // a mismatch rather than refused.
-        let all: usize = f.inputs.iter().map(|i| i.topk_idx.len() / k).sum();
-        cap_rows = cap_rows.max(all).max(f.want_d[rank].recv_topk_idx.len() / k);
-        steps.push((fresh, cached));
-    }
+    let NormalSteps { steps, cap_tokens, cap_rows, .. } = normal_steps(dev, sh, si, refs, rank)?;
     let mut handle = gpu.new_handle(cap_tokens)?;
     let o = GpuDispatchBuffers::new(gpu, cap_rows)?;
     let out_c = DeviceBuffer::new(dev, (cap_tokens * h * 2).max(16))?;
@@ -261,6 +242,48 @@ fn gpu_normal_shape(
     Ok(())
 }
 
+/// A normal shape's inputs on the device, one (fresh, cached) pair per call, and the sizes its
+/// outputs need.
+struct NormalSteps {
+    steps: Vec<(NormalDevIn, Option<NormalDevIn>)>,
+    /// This rank's most input tokens in a call.
+    cap_tokens: usize,
+    /// Room for whatever arrives (all tokens of all ranks), so a wrong count is reported as a
+    /// mismatch rather than refused.
+    cap_rows: usize,
+    /// Any rank's most input tokens in a call.
+    most_tokens: usize,
+}
+
+fn normal_steps(
+    dev: &Device,
+    sh: &ShapeSpec,
+    si: usize,
+    refs: &CaseRefs,
+    rank: usize,
+) -> Result<NormalSteps> {
+    let k = sh.topk;
+    let mut out = NormalSteps { steps: Vec::new(), cap_tokens: 1, cap_rows: 1, most_tokens: 1 };
+    for ci in 0..sh.calls.len() {
+        let r = normal_ref(refs, si, ci)?;
+        let f = &r.fresh;
+        let fresh = NormalDevIn::new(dev, &f.inputs[rank], &f.y[rank], f.yw[rank].as_deref())?;
+        let cached = match &r.cached {
+            Some(c) => {
+                Some(NormalDevIn::new(dev, &c.inputs[rank], &c.y[rank], c.yw[rank].as_deref())?)
+            }
+            None => None,
+        };
+        let tokens: Vec<usize> = f.inputs.iter().map(|i| i.topk_idx.len() / k).collect();
+        out.cap_tokens = out.cap_tokens.max(tokens[rank]);
+        out.most_tokens = out.most_tokens.max(tokens.iter().copied().max().unwrap_or(1));
+        let all: usize = tokens.iter().sum();
+        out.cap_rows = out.cap_rows.max(all).max(f.want_d[rank].recv_topk_idx.len() / k);
+        out.steps.push((fresh, cached));
+    }
+    Ok(out)
+}
+
 /// A normal shape through DeepEP's hierarchy (`GpuHierBuffer`: rail stage across nodes, node
 /// stage within), against the same references as the direct path (the combine's gateways round
 /// each node's partial sum to bf16, as the reference's grouping does).
@@ -277,31 +300,11 @@ fn gpu_hier_shape(
 ) -> Result<()> {
     let (h, k) = (sh.hidden, sh.topk);
     let cfg = hb.config().clone();
-    let mut steps: Vec<(NormalDevIn, Option<NormalDevIn>)> = Vec::new();
-    let (mut cap_tokens, mut cap_rows) = (1, 1);
-    for ci in 0..sh.calls.len() {
-        let r = normal_ref(refs, si, ci)?;
-        let f = &r.fresh;
-        let fresh = NormalDevIn::new(dev, &f.inputs[rank], &f.y[rank], f.yw[rank].as_deref())?;
-        let cached = match &r.cached {
-            Some(c) => {
-                Some(NormalDevIn::new(dev, &c.inputs[rank], &c.y[rank], c.yw[rank].as_deref())?)
-            }
-            None => None,
-        };
-        cap_tokens = cap_tokens.max(f.inputs[rank].topk_idx.len() / k);
-        let all: usize = f.inputs.iter().map(|i| i.topk_idx.len() / k).sum();
-        cap_rows = cap_rows.max(all).max(f.want_d[rank].recv_topk_idx.len() / k);
-        steps.push((fresh, cached));
-    }
+    let NormalSteps { steps, cap_tokens, cap_rows, most_tokens } =
+        normal_steps(dev, sh, si, refs, rank)?;
     // Handles are made for the case's largest tokens per rank on every rank alike (a gateway
     // receives what its peers send).
-    let mut most = cap_tokens;
-    for ci in 0..sh.calls.len() {
-        let f = &normal_ref(refs, si, ci)?.fresh;
-        most = most.max(f.inputs.iter().map(|i| i.topk_idx.len() / k).max().unwrap_or(1));
-    }
-    let mut handle = hb.new_handle(most)?;
+    let mut handle = hb.new_handle(most_tokens)?;
     let o = GpuDispatchBuffers::for_config(dev, &cfg, cap_rows)?;
     let out_c = DeviceBuffer::new(dev, (cap_tokens * h * 2).max(16))?;
     let out_cw = DeviceBuffer::new(dev, (cap_tokens * k * 4).max(16))?;
