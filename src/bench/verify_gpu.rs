@@ -156,6 +156,24 @@ impl NormalDevIn {
     }
 }
 
+impl NormalDevIn {
+    /// The combine of this step's expert outputs into `out_c` (and `out_cw` with weights).
+    fn combine_args<'a>(
+        &self,
+        out_c: &DeviceBuffer,
+        out_cw: &DeviceBuffer,
+        stream: &'a Stream,
+    ) -> GpuCombineArgs<'a> {
+        GpuCombineArgs {
+            x: DevSlice::of(&self.y),
+            topk_weights: self.yw.as_ref().map(DevSlice::of),
+            combined_x: DevSlice::of(out_c),
+            combined_topk_weights: self.yw.as_ref().map(|_| DevSlice::of(out_cw)),
+            stream,
+        }
+    }
+}
+
 /// The outputs of a normal step read back.
 struct NormalHost {
     rows: usize,
@@ -239,6 +257,30 @@ fn gpu_normal_shape(
         }
     }
     boot.barrier()?;
+    Ok(())
+}
+
+/// Fills a step's outputs with a pattern no step writes, so a row left unwritten shows.
+fn poison(
+    o: &GpuDispatchBuffers,
+    out_c: &DeviceBuffer,
+    out_cw: &DeviceBuffer,
+    stream: &Stream,
+) -> Result<()> {
+    for b in [&o.recv_x, &o.recv_topk_idx, &o.recv_topk_weights, &o.recv_src_idx, out_c, out_cw] {
+        b.memset_async(0xAB, stream)?;
+    }
+    if let Some(b) = &o.recv_x_scales {
+        b.memset_async(0xAB, stream)?;
+    }
+    Ok(())
+}
+
+/// The output rows a step announced fit the outputs made for it.
+fn fits(rows: usize, o: &GpuDispatchBuffers) -> Result<()> {
+    if rows > o.rows {
+        return Err(Error::Other(format!("{rows} rows, more than all ranks' tokens ({})", o.rows)));
+    }
     Ok(())
 }
 
@@ -327,7 +369,7 @@ fn gpu_hier_shape(
                 &stream,
                 fresh,
                 &mut handle,
-                None,
+                false,
                 n,
                 r.worst,
                 h,
@@ -344,7 +386,7 @@ fn gpu_hier_shape(
                     &stream,
                     c,
                     &mut handle,
-                    Some(()),
+                    true,
                     n,
                     r.worst,
                     h,
@@ -370,18 +412,13 @@ fn hier_step(
     stream: &Stream,
     d: &NormalDevIn,
     handle: &mut GpuHierHandle,
-    cached: Option<()>,
+    cached: bool,
     n: &super::verify::NormalCall,
     worst: Option<usize>,
     h: usize,
     k: usize,
 ) -> Result<NormalHost> {
-    for b in [&o.recv_x, &o.recv_topk_idx, &o.recv_topk_weights, &o.recv_src_idx, out_c, out_cw] {
-        b.memset_async(0xAB, stream)?;
-    }
-    if let Some(b) = &o.recv_x_scales {
-        b.memset_async(0xAB, stream)?;
-    }
+    poison(o, out_c, out_cw, stream)?;
     let t = d.tokens / k;
     let args = GpuHierDispatchArgs {
         x: DevSlice::of(&d.x),
@@ -391,26 +428,15 @@ fn hier_step(
         num_tokens: t,
         expert_alignment: n.alignment,
         num_worst_tokens: worst,
-        cached: cached.is_some(),
+        cached,
         stream,
     };
     // SAFETY: every buffer lives until sync_gpu below; all ranks make the same calls.
     unsafe {
         let rows = hb.prepare(&args, handle)?;
-        if rows > o.rows {
-            return Err(Error::Other(format!(
-                "{rows} rows, more than all ranks' tokens ({})",
-                o.rows
-            )));
-        }
+        fits(rows, o)?;
         hb.finish(handle, &o.out(), stream)?;
-        let ca = GpuCombineArgs {
-            x: DevSlice::of(&d.y),
-            topk_weights: d.yw.as_ref().map(DevSlice::of),
-            combined_x: DevSlice::of(out_c),
-            combined_topk_weights: d.yw.as_ref().map(|_| DevSlice::of(out_cw)),
-            stream,
-        };
+        let ca = d.combine_args(out_c, out_cw, stream);
         hb.combine_gpu(&ca, handle)?;
     }
     hb.sync_gpu(stream)?;
@@ -437,13 +463,7 @@ fn normal_step(
     h: usize,
     k: usize,
 ) -> Result<NormalHost> {
-    // Outputs hold a pattern no step writes, so a row left unwritten shows.
-    for b in [&o.recv_x, &o.recv_topk_idx, &o.recv_topk_weights, &o.recv_src_idx, out_c, out_cw] {
-        b.memset_async(0xAB, stream)?;
-    }
-    if let Some(b) = &o.recv_x_scales {
-        b.memset_async(0xAB, stream)?;
-    }
+    poison(o, out_c, out_cw, stream)?;
     // SAFETY: every buffer lives until sync_gpu below; all ranks make the same calls.
     unsafe {
         if let Some(a) = align {
@@ -455,12 +475,7 @@ fn normal_step(
             gpu.notify_gpu(&notify, handle)?;
         }
         let rows = handle.num_out_rows().unwrap_or(0);
-        if rows > o.rows {
-            return Err(Error::Other(format!(
-                "{rows} rows, more than all ranks' tokens ({})",
-                o.rows
-            )));
-        }
+        fits(rows, o)?;
         let da = GpuDispatchArgs {
             x: DevSlice::of(&d.x),
             x_scales: d.xs.as_ref().map(DevSlice::of),
@@ -469,13 +484,7 @@ fn normal_step(
             stream,
         };
         gpu.dispatch_gpu(&da, handle, &o.out())?;
-        let ca = GpuCombineArgs {
-            x: DevSlice::of(&d.y),
-            topk_weights: d.yw.as_ref().map(DevSlice::of),
-            combined_x: DevSlice::of(out_c),
-            combined_topk_weights: d.yw.as_ref().map(|_| DevSlice::of(out_cw)),
-            stream,
-        };
+        let ca = d.combine_args(out_c, out_cw, stream);
         gpu.combine_gpu(&ca, handle)?;
     }
     gpu.sync_gpu(stream)?;

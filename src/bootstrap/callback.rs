@@ -292,6 +292,15 @@ mod tests {
             .collect()
     }
 
+    /// `n` callback bootstraps over [`group`], one node.
+    fn bootstraps(n: usize) -> Vec<Arc<CallbackBootstrap>> {
+        group(n)
+            .into_iter()
+            .enumerate()
+            .map(|(r, f)| Arc::new(CallbackBootstrap::new(r, n, r, n, f).expect("new")))
+            .collect()
+    }
+
     fn wait_for(what: &str, f: impl Fn() -> bool) {
         let t = std::time::Instant::now();
         while !f() {
@@ -303,11 +312,7 @@ mod tests {
     #[test]
     fn a_rank_that_leaves_is_named_by_the_others_and_fails_later_collectives() {
         let n = 3;
-        let boots: Vec<Arc<CallbackBootstrap>> = group(n)
-            .into_iter()
-            .enumerate()
-            .map(|(r, f)| Arc::new(CallbackBootstrap::new(r, n, r, n, f).expect("new")))
-            .collect();
+        let boots = bootstraps(n);
         let threads: Vec<_> = boots
             .iter()
             .map(|b| {
@@ -341,11 +346,7 @@ mod tests {
     fn unresponsive_peers_reported_by_any_rank_reach_the_others() {
         use crate::bootstrap::DeadPeer;
         let n = 4;
-        let boots: Vec<Arc<CallbackBootstrap>> = group(n)
-            .into_iter()
-            .enumerate()
-            .map(|(r, f)| Arc::new(CallbackBootstrap::new(r, n, r, n, f).expect("new")))
-            .collect();
+        let boots = bootstraps(n);
         let threads: Vec<_> = boots
             .iter()
             .map(|b| {

@@ -1486,31 +1486,31 @@ mod tests {
         assert_eq!(s1.dead_ranks(), vec![2, 0]);
     }
 
+    /// `world` stores of one job on a fresh port, every rank joined (one barrier done).
+    fn joined(world: usize, job: &'static str) -> Vec<TcpStore> {
+        let port = free_port();
+        let hs: Vec<_> = (0..world)
+            .map(|r| thread::spawn(move || TcpStore::new(opts(port, r, world, job, 10_000))))
+            .collect();
+        let stores: Vec<TcpStore> =
+            hs.into_iter().map(|h| h.join().expect("thread").expect("join")).collect();
+        thread::scope(|sc| {
+            let hs: Vec<_> = stores.iter().map(|st| sc.spawn(move || st.barrier())).collect();
+            for h in hs {
+                h.join().expect("thread").expect("barrier");
+            }
+        });
+        stores
+    }
+
     /// A rank that timed out on a stopped peer says so before it leaves: every rank then names
     /// the stopped rank first (reported by whom), and the reporter's leaving second. Reports of
     /// itself, of a rank already named, or out of range name no one; the store stays up.
     #[test]
     fn an_unresponsive_peer_reported_by_one_rank_reaches_every_rank_first() {
-        let port = free_port();
-        let world = 4;
-        let stores: Vec<TcpStore> = {
-            let hs: Vec<_> = (0..world)
-                .map(|r| {
-                    thread::spawn(move || TcpStore::new(opts(port, r, world, "stall", 10_000)))
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().expect("thread").expect("join")).collect()
-        };
-        let mut it = stores.into_iter();
+        let mut it = joined(4, "stall").into_iter();
         let (s0, s1, s2, s3) =
             (it.next().unwrap(), it.next().unwrap(), it.next().unwrap(), it.next().unwrap());
-        let hs: Vec<_> = [s1, s2, s3]
-            .into_iter()
-            .map(|s| thread::spawn(move || s.barrier().map(|()| s)))
-            .collect();
-        s0.barrier().expect("barrier");
-        let mut it = hs.into_iter().map(|h| h.join().expect("thread").expect("barrier"));
-        let (s1, s2, s3) = (it.next().unwrap(), it.next().unwrap(), it.next().unwrap());
         s2.report_unresponsive(&[2, 1, 1, 99]);
         let t0 = Instant::now();
         let wait = |s: &TcpStore, n: usize| {
@@ -1540,26 +1540,7 @@ mod tests {
     /// rank that reports within the grace is alive and is not relayed: only the stopped rank is.
     #[test]
     fn a_rank_that_reports_within_the_grace_is_not_relayed() {
-        let port = free_port();
-        let world = 4;
-        let stores: Vec<TcpStore> = {
-            let hs: Vec<_> = (0..world)
-                .map(|r| thread::spawn(move || TcpStore::new(opts(port, r, world, "casc", 10_000))))
-                .collect();
-            hs.into_iter().map(|h| h.join().expect("thread").expect("join")).collect()
-        };
-        let stores: Vec<Arc<TcpStore>> = stores.into_iter().map(Arc::new).collect();
-        let hs: Vec<_> = stores[1..]
-            .iter()
-            .map(|s| {
-                let s = s.clone();
-                thread::spawn(move || s.barrier())
-            })
-            .collect();
-        stores[0].barrier().expect("barrier");
-        for h in hs {
-            h.join().expect("thread").expect("barrier");
-        }
+        let stores: Vec<Arc<TcpStore>> = joined(4, "casc").into_iter().map(Arc::new).collect();
         let s3 = stores[3].clone();
         let late = thread::spawn(move || s3.report_unresponsive(&[0, 1]));
         thread::sleep(Duration::from_millis(50));
