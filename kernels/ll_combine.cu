@@ -16,6 +16,9 @@
 //   and pushed as one command per (peer, local expert); the receive waits on the packed counter
 //   word of unit g (arrival and count in one read, fep_ll.cuh px_count) and checks the count
 //   against its own top-k, as it does a flag's.
+// Shrink mode (fep_abi.h shrink_mask; same-node peers): the send writes nothing to a masked
+//   rank; the receive leaves a masked expert rank's rows out of every sum (as -1 entries of
+//   topk_idx), and masks one whose wait runs out (fep_ll.cuh shrink_wait).
 #include "fep_abi.h"
 #include "fep_device.cuh"
 #include "fep_ll.cuh"
@@ -25,13 +28,15 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     fep_ll_combine_send(const fep_ll_combine_params p) {
     using namespace fep::ll;
     pdl_enter();  // before any read (fep_ll.cuh)
-    // NOTES: dynamic shared memory = (2 * E + 1) * 4, as the dispatch receive (same unit order).
+    // NOTES: dynamic shared memory = (2 * E + 1 + R) * 4, as the dispatch receive (same unit
+    // order); the last R ints: this block's snapshot of the shrink mask (fep_ll.cuh NOTES).
     extern __shared__ __align__(16) unsigned char smem[];
     const int E = p.num_experts, R = p.num_ranks, L = E / R, M = p.max_tokens;
     const int H = p.hidden;
     const size_t S = static_cast<size_t>(R) * M;
     int32_t* s_cnt = reinterpret_cast<int32_t*>(smem);
     int32_t* s_start = s_cnt + E;
+    int32_t* s_mask = s_start + E + 1;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int32_t* range = reinterpret_cast<const int32_t*>(p.layout_range);
     const fep_ll_peer* peers = reinterpret_cast<const fep_ll_peer*>(p.peers);
@@ -52,6 +57,7 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     for (int u = tid; u < E; u += kThreads) {
         s_cnt[u] = (p.self_pull != 0 && u % R == p.rank) ? 0 : unit_count(u);
     }
+    for (int r = tid; r < R; r += kThreads) s_mask[r] = rank_masked(p.shrink_mask, r) ? 1 : 0;
     __syncthreads();
     block_exclusive_scan(s_cnt, s_start, E);
 
@@ -70,6 +76,8 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
         const int u = find_unit(s_start, E, n);
         const int i = n - s_start[u];
         const int e = u / R, dst = u % R;
+        if (s_mask[dst]) continue;  // a masked destination gets no rows (s_cnt keeps them: the
+                                    // item numbering is the same in every block)
         const size_t in_row = static_cast<size_t>(e) * S + range[2 * u] + i;
         const uint64_t out =
             (is_proxy(peers, dst) ? p.local_buf + unit_offset(p.set, 0, E, u, p.unit_bytes, p.proxy)
@@ -106,6 +114,7 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     for (int u = tid; u < E; u += kThreads) {
         const int e = u / R, dst = u % R;
         if (is_proxy(peers, dst)) continue;
+        if (rank_masked(p.shrink_mask, dst)) continue;  // read again: fep_ll.cuh NOTES (shrink)
         const int c = (p.self_pull != 0 && dst == p.rank) ? unit_count(u) : s_cnt[u];
         fep::st_release_sys(flag_ptr(peers[dst].flags, p.set, 1, E, p.rank * L + e),
                             flag_value(s_tag, static_cast<uint32_t>(c)));
@@ -160,7 +169,23 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
         const fep::WaitCtx ctx{p.dev_error, p.budget_cycles, static_cast<uint32_t>(p.rank),
                                FEP_PHASE_LL_COMBINE_RECV, static_cast<uint32_t>(g / L)};
         const uint64_t* f = flag_ptr(p.local_flags, p.set, 1, E, g);
-        if (p.proxy.ring != 0 && is_proxy(peers, g / L)) {
+        if (p.shrink_mask != 0 && g / L != p.rank) {
+            // Shrink mode: a masked expert rank (or one whose wait runs out) answers nothing;
+            // its experts count as -1 entries (s_hist[g] = -1 tells the sum below).
+            uint64_t v = 0;
+            const int st = shrink_wait(f, flag_value(tag, 0), decide_ptr(p.shrink_decide, 1, p.set, E, g),
+                                       tag, p.shrink_mask, g / L, ctx, &v);
+            if (st == kShrinkFailed) {
+                s_fail = 1;
+            } else if (st == kShrinkMasked) {
+                s_hist[g] = -1;
+            } else if ((v >> 32) != (flag_value(tag, 0) >> 32) ||
+                       (v & 0xffffffffull) < static_cast<uint64_t>(s_hist[g])) {
+                fep::report_error(p.dev_error, FEP_DEV_BAD_COUNT, p.rank, FEP_PHASE_LL_COMBINE_RECV,
+                                  g / L, flag_value(tag, s_hist[g]), v);
+                s_fail = 1;
+            }
+        } else if (p.proxy.ring != 0 && is_proxy(peers, g / L)) {
             if (blockIdx.x != 0) continue;  // only block 0 polls the proxy's counters (handoff)
             uint64_t n = 0;
             if (!px_count(p.proxy, 1, p.set, px_slot(1, p.set, E, g), 4u * E, ctx, &n)) {
@@ -219,7 +244,7 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
                     row = p.x + (static_cast<size_t>(e) * S + static_cast<size_t>(at)) *
                                     static_cast<uint64_t>(2 * H);
                 }
-            } else if (g >= 0 && g < E) {
+            } else if (g >= 0 && g < E && s_hist[g] >= 0) {  // s_hist < 0: masked (shrink)
                 row = base + unit_offset(p.set, 1, E, static_cast<int>(g), p.unit_bytes, p.proxy) +
                       static_cast<uint64_t>(pos[t * K + k]) * p.record_bytes;
             }

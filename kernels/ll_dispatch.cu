@@ -17,6 +17,9 @@
 //   with the count in the immediate; instead of the unit's flag, the receive's leader polls the
 //   unit's packed counter word (arrival and count in one read, fep_ll.cuh px_count). Rows land
 //   in the same receive unit either way, so the copy is shared.
+// Shrink mode (fep_abi.h shrink_mask; same-node peers): no rows or flag go to a masked rank; the
+//   receive counts a masked source as empty, and masks one whose wait runs out (fep_ll.cuh
+//   shrink_wait: one decision per unit for every block).
 #include "fep_abi.h"
 #include "fep_device.cuh"
 #include "fep_ll.cuh"
@@ -28,7 +31,8 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     using namespace fep::ll;
     pdl_enter();  // before any read (fep_ll.cuh)
     // NOTES: dynamic shared memory = tail (record_bytes - scales_offset, a multiple of 16) +
-    // K * 8 (destination rows) + (T * K + E) * 4; src/ep/ll_gpu.rs send_smem sizes it the same.
+    // K * 8 (destination rows) + (T * K + E + R) * 4; src/ep/ll_gpu.rs send_smem sizes it the
+    // same. The last R ints: this block's snapshot of the shrink mask (fep_ll.cuh NOTES).
     // NOTES (whole lines): records are 128-byte aligned (plan/base.rs LL_DISPATCH_RECORD_ALIGN) and
     // every store below writes whole lines: each warp 512 payload bytes, and one warp per
     // destination the record's tail (scales, source index, zero padding) from shared memory,
@@ -46,6 +50,7 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     uint64_t* s_dst = reinterpret_cast<uint64_t*>(smem_rest);
     int32_t* s_topk = reinterpret_cast<int32_t*>(smem_rest + static_cast<size_t>(K) * 8);
     int32_t* s_count = s_topk + TK;
+    int32_t* s_mask = s_count + E;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const bool marker = blockIdx.x == 0 && tid == 0;  // the thread that marks trace points
     if (marker) fep::trace(FEP_TRACE_LL_SEND_BEGIN, p.rank, p.set);
@@ -62,6 +67,7 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     }
     // The tail's padding stays zero; scales and the source index are rewritten per token.
     for (int j = tid; j < tail16; j += kThreads) s_tail[j] = make_uint4(0, 0, 0, 0);
+    for (int r = tid; r < R; r += kThreads) s_mask[r] = rank_masked(p.shrink_mask, r) ? 1 : 0;
     __syncthreads();
 
     const fep_ll_peer* peers = reinterpret_cast<const fep_ll_peer*>(p.peers);
@@ -83,7 +89,7 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
             c = warp_sum(c);
             if (lane == 0) {
                 uint64_t addr = 0;
-                if (g >= 0) {
+                if (g >= 0 && !s_mask[g / L]) {  // a masked destination gets no rows
                     const int dst = g / L, e = g % L;
                     addr = is_proxy(peers, dst)
                                ? p.local_buf + unit_offset(p.set, 0, E, g, p.unit_bytes, p.proxy)
@@ -203,6 +209,7 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     for (int g = tid; g < E; g += kThreads) {
         const int dst = g / L, e = g % L;
         if (is_proxy(peers, dst)) continue;
+        if (rank_masked(p.shrink_mask, dst)) continue;  // read again: fep_ll.cuh NOTES (shrink)
         fep::st_release_sys(flag_ptr(peers[dst].flags, p.set, 0, E, e * R + p.rank),
                             flag_value(s_tag, static_cast<uint32_t>(s_count[g])));
     }
@@ -248,7 +255,24 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
                                FEP_PHASE_LL_DISPATCH_RECV, static_cast<uint32_t>(u % R)};
         const uint64_t* f = flag_ptr(p.local_flags, p.set, 0, E, u);
         int c = 0;
-        if (p.proxy.ring != 0 && is_proxy(peers, u % R)) {
+        if (p.shrink_mask != 0 && u % R != p.rank) {
+            // Shrink mode (IPC peers only: the host refuses it with proxy peers): a masked
+            // source, or one whose wait runs out, counts as empty.
+            uint64_t v = 0;
+            const int st = shrink_wait(f, flag_value(tag, 0), decide_ptr(p.shrink_decide, 0, p.set, E, u),
+                                       tag, p.shrink_mask, u % R, ctx, &v);
+            if (st == kShrinkFailed) {
+                s_fail = 1;
+            } else if (st == kShrinkArrived) {
+                c = static_cast<int>(v & 0xffffffffu);
+                if ((v >> 32) != tag || c > M) {
+                    fep::report_error(p.dev_error, FEP_DEV_BAD_COUNT, p.rank,
+                                      FEP_PHASE_LL_DISPATCH_RECV, u % R, flag_value(tag, M), v);
+                    s_fail = 1;
+                    c = 0;
+                }
+            }
+        } else if (p.proxy.ring != 0 && is_proxy(peers, u % R)) {
             if (blockIdx.x != 0) continue;  // counted after the handoff below
             uint64_t n = 0;
             if (!px_count(p.proxy, 0, p.set, px_slot(0, p.set, E, u), 4u * E, ctx, &n)) {

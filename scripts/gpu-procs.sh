@@ -16,7 +16,9 @@
 #                                 figures at DeepEP's setting.
 #                                 "nomps": two processes without MPS must be refused; "step":
 #                                 the MoE-layer step bench (benches/moe_step.py).
-#                                 FEP_PROCS_SECTIONS (default "procs,verify,overhead") picks.
+#                                 FEP_PROCS_SECTIONS (default "procs,verify,overhead") picks;
+#                                 FEP_PROCS_CASES (e.g. 4/gloo/shrink_masked,2/env/deepep) runs
+#                                 those process cases only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bundle=gpu-bundle-procs
@@ -64,8 +66,10 @@ run() {
   export PYTHONUNBUFFERED=1
   if has procs; then
     set +e
-    (cd /tmp && PYTHONPATH=$site timeout 430 python3 "$OLDPWD/ffi/python/tests/test_gpu_procs.py") 2>&1 \
-      | tee "$out/procs.log"
+    local pick=()
+    [ -z "${FEP_PROCS_CASES:-}" ] || pick=(--cases "$FEP_PROCS_CASES")
+    (cd /tmp && PYTHONPATH=$site timeout "${FEP_PROCS_TIMEOUT:-500}" python3 \
+      "$OLDPWD/ffi/python/tests/test_gpu_procs.py" "${pick[@]}") 2>&1 | tee "$out/procs.log"
     rc=${PIPESTATUS[0]}
     set -e
     [ "$rc" -eq 0 ] || fail=1

@@ -454,9 +454,12 @@ const CONFIG_EDITS: &[(&str, &[&str], Edit)] = &[
     ("version_0", &["cfg"], |c| c.version = 0),
     ("enable_shrink_2", &["enable_shrink"], |c| c.enable_shrink = 2),
     ("enable_shrink_neg", &["enable_shrink"], |c| c.enable_shrink = -1),
-    ("enable_shrink_gpu", &["enable_shrink"], |c| {
+    // The GPU backend's shrink mode needs every rank on one node.
+    ("enable_shrink_gpu_nodes", &["enable_shrink"], |c| {
         c.enable_shrink = 1;
         c.backend = FEP_BACKEND_GPU;
+        c.num_ranks = 2;
+        c.ranks_per_node = 1;
     }),
 ];
 

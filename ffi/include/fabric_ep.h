@@ -228,10 +228,10 @@ typedef struct fep_config {
    */
   int32_t modes;
   /**
-   * Low-latency mode, host backend: 1 = DeepEP's `enable_shrink` (a rank that stalls for the
-   * timeout is masked instead of failing the call; `fep_ll_update_mask` /
-   * `fep_ll_query_mask` / `fep_ll_clean_mask`), 0 = off (the default). Refused with
-   * `FEP_BACKEND_GPU`: its kernels do not skip masked ranks.
+   * Low-latency mode: 1 = DeepEP's `enable_shrink` (a rank that stalls for the timeout is
+   * masked instead of failing the call; `fep_ll_update_mask` / `fep_ll_query_mask` /
+   * `fep_ll_clean_mask`), 0 = off (the default). `FEP_BACKEND_GPU` takes it with every rank
+   * on one node (`ranks_per_node == num_ranks`); a rank cannot mask itself there.
    */
   int32_t enable_shrink;
   int32_t reserved2;

@@ -326,7 +326,18 @@ typedef struct fep_ll_dispatch_params {
                                source rank, the %globaltimer nanoseconds from the start of its
                                wait until each of that rank's flags (or counts) was seen (DeepEP's
                                dispatch_wait_recv_cost_stats) */
-} fep_ll_dispatch_params;   /* 272 bytes */
+    uint64_t shrink_mask;   /* shrink mode (DeepEP's enable_shrink), else 0: uint32 [num_ranks] in
+                               mapped host memory, 1 = masked. The sends write nothing to a masked
+                               rank, the receives do not wait for it (its messages count as
+                               empty, its experts as -1 in combine); a receive wait on a rank
+                               that runs out of budget masks the rank (stores 1) instead of
+                               failing. The host masks ranks too (the caller's update, a rank the
+                               bootstrap saw die), also while a kernel runs. */
+    uint64_t shrink_decide; /* shrink mode: uint64 [2 phases][2 sets][num_experts] device memory,
+                               zero after a clean: per receive unit (tag << 2) | 1 (arrived) or
+                               | 2 (masked), set once per call by compare-and-swap, so that every
+                               block of a receive takes a unit whose wait ran out the same way */
+} fep_ll_dispatch_params;   /* 288 bytes */
 
 typedef struct fep_ll_combine_params {
     uint64_t x;             /* const bf16 [L, R * M, hidden]: expert outputs, rows as dispatched */
@@ -358,7 +369,9 @@ typedef struct fep_ll_combine_params {
     fep_ll_proxy proxy;     /* as in fep_ll_dispatch_params */
     uint64_t wait_stats;    /* as in fep_ll_dispatch_params, per rank that answers (DeepEP's
                                combine_wait_recv_cost_stats) */
-} fep_ll_combine_params;    /* 232 bytes */
+    uint64_t shrink_mask;   /* as in fep_ll_dispatch_params */
+    uint64_t shrink_decide; /* as in fep_ll_dispatch_params */
+} fep_ll_combine_params;    /* 248 bytes */
 
 /* ---- normal mode, intranode (kernels/normal_*.cu; Rust: src/ep/normal_gpu.rs) ----------------
  * Every rank owns one comm buffer (device memory, zeroed once). Peers write into it through
@@ -518,8 +531,8 @@ static_assert(offsetof(fep_proxy_exchange_params, capacity) == 88, "fep_proxy_ex
 static_assert(offsetof(fep_proxy_pingpong_params, cmd) == 64, "fep_proxy_pingpong_params fields");
 static_assert(sizeof(fep_ll_peer) == 32, "fep_ll_peer layout");
 static_assert(sizeof(fep_trace_clock_params) == 16, "fep_trace_clock_params layout");
-static_assert(sizeof(fep_ll_dispatch_params) == 272, "fep_ll_dispatch_params layout");
-static_assert(sizeof(fep_ll_combine_params) == 232, "fep_ll_combine_params layout");
+static_assert(sizeof(fep_ll_dispatch_params) == 288, "fep_ll_dispatch_params layout");
+static_assert(sizeof(fep_ll_combine_params) == 248, "fep_ll_combine_params layout");
 static_assert(offsetof(fep_ll_dispatch_params, epoch) == 120, "fep_ll_dispatch_params fields");
 static_assert(offsetof(fep_ll_combine_params, record_bytes) == 120, "fep_ll_combine_params fields");
 static_assert(sizeof(fep_ll_proxy) == 64, "fep_ll_proxy layout");

@@ -193,6 +193,83 @@ __device__ __forceinline__ void copy_seg(const uint4* src, uint4* dst, int n16, 
     }
 }
 
+// ---- shrink mode (fep_abi.h shrink_mask / shrink_decide) -----------------------------------
+// NOTES: the mask only grows while a kernel runs (the host unmasks only between calls, and a
+// clean follows), so a send that snapshots it per block and re-reads it before publishing a
+// flag never publishes a count whose rows some block skipped: a flag goes out only when the
+// destination was unmasked at the end, hence all along.
+__device__ __forceinline__ bool rank_masked(uint64_t mask, int r) {
+    return mask != 0 && ld_volatile_u32(reinterpret_cast<const uint32_t*>(mask) + r) != 0u;
+}
+
+__device__ __forceinline__ void mask_rank(uint64_t mask, int r) {
+    asm volatile("st.volatile.global.u32 [%0], %1;" ::"l"(reinterpret_cast<uint32_t*>(mask) + r),
+                 "r"(1u)
+                 : "memory");
+    __threadfence_system();
+}
+
+__device__ __forceinline__ uint64_t ld_relaxed_gpu(const uint64_t* p) {
+    uint64_t v;
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// The decision word of receive unit `unit` of (phase, set).
+__device__ __forceinline__ unsigned long long* decide_ptr(uint64_t decide, int phase, int set,
+                                                          int num_experts, int unit) {
+    return reinterpret_cast<unsigned long long*>(decide) +
+           (static_cast<size_t>(phase * 2 + set) * num_experts + unit);
+}
+
+enum ShrinkWait { kShrinkFailed = -1, kShrinkMasked = 0, kShrinkArrived = 1 };
+
+// Shrink mode's bounded wait for *flag >= want from rank `src`: kShrinkArrived (*seen = the
+// flag) or kShrinkMasked (src masked, by the host or because the budget ran out here or in
+// another block, which then stored the mask); kShrinkFailed once another waiter raised an error.
+// The unit's decision word makes the outcome the same in every block of the launch.
+__device__ __forceinline__ int shrink_wait(const uint64_t* flag, uint64_t want,
+                                           unsigned long long* decide, uint64_t tag,
+                                           uint64_t mask, int src, const fep::WaitCtx& ctx,
+                                           uint64_t* seen) {
+    const unsigned long long arrived = (tag << 2) | 1ull, masked = (tag << 2) | 2ull;
+    const long long start = clock64();
+    for (uint32_t spin = 0;; ++spin) {
+        const unsigned long long d = ld_relaxed_gpu(reinterpret_cast<const uint64_t*>(decide));
+        if (d == masked) return kShrinkMasked;
+        if (d == arrived) {
+            *seen = fep::ld_acquire_sys(flag);
+            return kShrinkArrived;
+        }
+        // The host's mask lives in host memory: read on the first poll (a rank masked before
+        // the launch counts as empty even if its flag came) and every 256th (~20 us) after.
+        // Whatever is decided goes through the word: another block may read the mask before
+        // the host's store lands.
+        const bool host_masked = (spin & 255u) == 0u && rank_masked(mask, src);
+        const uint64_t v = host_masked ? 0 : fep::ld_acquire_sys(flag);
+        if (!host_masked && v >= want) {
+            const unsigned long long o = atomicCAS(decide, d, arrived);
+            if (o == d || o == arrived) {
+                *seen = v;
+                return kShrinkArrived;
+            }
+            continue;  // another block decided (masked): read it above
+        }
+        const bool out =
+            !host_masked && static_cast<uint64_t>(clock64() - start) > ctx.budget_cycles;
+        if (host_masked || out) {
+            const unsigned long long o = atomicCAS(decide, d, masked);
+            if (o == d || o == masked) {
+                if (out) mask_rank(mask, src);
+                return kShrinkMasked;
+            }
+            continue;  // it arrived meanwhile (another block saw it)
+        }
+        if (fep::error_raised(ctx.err)) return kShrinkFailed;
+        __nanosleep(64);
+    }
+}
+
 // ---- proxy transport (fep_abi.h fep_ll_proxy) ----------------------------------------------
 constexpr int kStHead = 0;        // ring head, the producer's copy
 constexpr int kStSetHead = 1;     // + set: head after the set's last push batch

@@ -271,6 +271,17 @@ impl DeviceBuffer {
         self.dev.blocking(|s| unsafe { call!(cuMemsetD8Async(self.ptr, byte, self.len, s)) })
     }
 
+    /// Sets the first `len` bytes (at most the buffer's); done when it returns, as
+    /// [`Self::memset`].
+    pub fn memset_prefix(&self, byte: u8, len: usize) -> CudaResult<()> {
+        let len = len.min(self.len);
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: range inside the allocation.
+        self.dev.blocking(|s| unsafe { call!(cuMemsetD8Async(self.ptr, byte, len, s)) })
+    }
+
     /// Sets every byte, ordered on `stream`.
     pub fn memset_async(&self, byte: u8, stream: &Stream) -> CudaResult<()> {
         if self.len == 0 {

@@ -107,10 +107,11 @@ pub struct BufferOptions {
     /// at this many GB/s (`proxy::Throttled`), to stand in for a NIC slower than the node's
     /// own link where both are memory copies (one machine). `None`: no cap.
     pub emulate_network_gbps: Option<f64>,
-    /// Host backend, low-latency mode: DeepEP's `enable_shrink`. A peer that stalls for the
-    /// timeout (or that the bootstrap saw leave) is masked instead of failing the call; masked
-    /// ranks get no writes and are not waited for ([`Buffer::ll_update_mask`]), and
-    /// [`Buffer::clean_low_latency_buffer`] runs among the unmasked ranks only.
+    /// Low-latency mode: DeepEP's `enable_shrink`. A peer that stalls for the timeout (or that
+    /// the bootstrap saw leave) is masked instead of failing the call; masked ranks get no
+    /// writes and are not waited for ([`Buffer::ll_update_mask`]), and
+    /// [`Buffer::clean_low_latency_buffer`] runs among the unmasked ranks only. The GPU
+    /// backend takes it with every rank on one node ([`GpuOptions::shrink`]).
     pub ll_shrink: bool,
 }
 
@@ -387,19 +388,13 @@ impl Buffer {
                 return Err(Error::arg("emulate_network_gbps", format!("{g} must be > 0 GB/s")));
             }
         }
-        if opts.backend == Backend::Gpu && opts.ll_shrink {
-            return Err(Error::arg(
-                "ll_shrink",
-                "the GPU backend's low-latency kernels do not skip masked ranks: shrink mode is \
-                 the host backend's",
-            ));
-        }
         if opts.backend == Backend::Gpu {
             let g = opts.gpu.as_ref().ok_or_else(|| {
                 Error::arg("backend", "Backend::Gpu needs GPU options: use BufferOptions::gpu")
             })?;
             let id = NEXT_BUFFER_ID.fetch_add(1, Ordering::Relaxed);
-            let gpu = Box::new(GpuBuffer::connect(cfg.clone(), &boot, g, id)?);
+            let g = GpuOptions { shrink: g.shrink || opts.ll_shrink, ..g.clone() };
+            let gpu = Box::new(GpuBuffer::connect(cfg.clone(), &boot, &g, id)?);
             let (comm, fabric, _mem) = (None, None, None);
             return Ok(Buffer {
                 cfg,
@@ -2029,6 +2024,9 @@ impl Buffer {
     /// every unmasked rank, it included): what was written while it was masked is out of step.
     pub fn ll_update_mask(&mut self, rank: usize, masked: bool) -> Result<()> {
         self.shrink_only("low_latency_update_mask_buffer")?;
+        if let Some(g) = self.gpu.as_deref_mut() {
+            return g.ll_update_mask(rank, masked);
+        }
         let r = self.cfg.num_ranks;
         if rank >= r {
             return Err(Error::arg("rank", format!("{rank} not in 0..{r}")));
@@ -2048,8 +2046,11 @@ impl Buffer {
 
     /// DeepEP's `low_latency_query_mask_buffer`: `[R]` which ranks this rank has masked (by
     /// [`Buffer::ll_update_mask`] or because they timed out).
-    pub fn ll_mask(&self) -> Result<Vec<bool>> {
+    pub fn ll_mask(&mut self) -> Result<Vec<bool>> {
         self.shrink_only("low_latency_query_mask_buffer")?;
+        if let Some(g) = self.gpu.as_deref_mut() {
+            return g.ll_mask();
+        }
         Ok(match self.ll.as_ref() {
             Some(lane) => lane.comm.mask.clone(),
             None => self.ll_mask.clone(),

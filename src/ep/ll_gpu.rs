@@ -166,7 +166,7 @@ impl LlGpuConfig {
     fn send_smem(&self, num_tokens: usize) -> usize {
         self.dispatch_tail_bytes()
             + self.num_topk * 8
-            + (num_tokens * self.num_topk + self.num_experts) * 4
+            + (num_tokens * self.num_topk + self.num_experts + self.num_ranks) * 4
     }
     /// Bytes of a dispatch record after its payload (`record_bytes - scales_offset`).
     fn dispatch_tail_bytes(&self) -> usize {
@@ -175,7 +175,13 @@ impl LlGpuConfig {
             .map_or(0, |r| (r.bytes - r.scales_offset) as usize)
     }
     fn scan_smem(&self) -> usize {
-        (2 * self.num_experts + 1) * 4
+        (2 * self.num_experts + 1 + self.num_ranks) * 4
+    }
+    /// Bytes of the flags (`u64 [2 sets][2 phases][E]`); the shrink clean's barrier words
+    /// (`u64 [R]`, one per writing rank) follow them in the same allocation, untouched by a
+    /// clean.
+    fn flag_bytes(&self) -> usize {
+        2 * 2 * self.num_experts * 8
     }
     fn combine_recv_smem(&self) -> usize {
         self.num_topk * 12 + self.num_experts * 4
@@ -361,6 +367,25 @@ pub struct LlGpuRank {
     err: DevErrorRecord,
     calls: u64,
     grid: u32,
+    /// Host copy of the peer table ([`Self::set_peers`]): the shrink clean writes its barrier
+    /// words through it.
+    peer_table: Vec<abi::fep_ll_peer>,
+    shrink: Option<Shrink>,
+}
+
+/// Shrink mode's state (DeepEP's `enable_shrink`; kernels/include/fep_ll.cuh NOTES).
+struct Shrink {
+    /// u32 `[R]` in mapped host memory, 1 = masked: the kernels read it, a receive whose wait
+    /// runs out stores 1, the host sets and clears it (fep_abi.h `shrink_mask`).
+    mask: HostMapped,
+    /// u64 `[2 phases][2 sets][E]`: the receives' per-unit decisions (`shrink_decide`).
+    decide: DeviceBuffer,
+    /// The mask as last seen by the host: a rank set since was masked by a kernel (warned).
+    seen: Vec<bool>,
+    /// Cleans run: the round of the clean's barrier words.
+    cleans: u64,
+    /// Set by an unmask: calls are refused until a clean.
+    needs_clean: Option<String>,
 }
 
 fn need(arg: &'static str, buf: &DeviceBuffer, bytes: usize) -> Result<()> {
@@ -411,7 +436,7 @@ impl LlGpuRank {
         }
         let total = usize::try_from(layout.total_bytes())
             .map_err(|_| Error::arg("max_tokens_per_rank", "LL buffer larger than memory"))?;
-        let flag_bytes = 2 * 2 * cfg.num_experts * 8;
+        let flag_bytes = cfg.flag_bytes() + cfg.num_ranks * 8;
         let buf = match mem {
             Some(m) if m.len() < total => {
                 return Err(Error::arg(
@@ -440,6 +465,8 @@ impl LlGpuRank {
             err: DevErrorRecord::new(dev)?,
             calls: 0,
             grid,
+            peer_table: Vec::new(),
+            shrink: None,
             cfg,
         };
         // The zeroing above is complete: DeviceBuffer's fills wait for themselves.
@@ -470,6 +497,7 @@ impl LlGpuRank {
             ));
         }
         self.peers.copy_from_host(table)?;
+        self.peer_table = table.to_vec();
         Ok(())
     }
 
@@ -505,11 +533,183 @@ impl LlGpuRank {
     /// rank must do it before the next call, with no kernel of the group running.
     pub fn clean(&mut self) -> Result<()> {
         self.wait_idle()?;
-        self.flags.memset(0)?;
+        self.reset()
+    }
+
+    /// Zeroes flags (not the shrink barrier words after them), tickets, epochs, the error
+    /// record and the shrink decisions; no kernel of this rank may run.
+    fn reset(&mut self) -> Result<()> {
+        self.flags.memset_prefix(0, self.cfg.flag_bytes())?;
         self.workspace.memset(0)?;
         self.err.reset()?;
+        if let Some(sh) = &mut self.shrink {
+            sh.decide.memset(0)?;
+            sh.needs_clean = None;
+        }
         self.calls = 0;
         Ok(())
+    }
+
+    /// Turns on shrink mode (DeepEP's `enable_shrink`): masked ranks get no writes and are not
+    /// waited for, and a receive wait that runs out masks its rank instead of failing
+    /// (kernels/include/fep_ll.cuh NOTES). Peers must all be on this node (flags and rows by
+    /// peer stores, no proxy lane). Before the first call.
+    pub fn enable_shrink(&mut self) -> Result<()> {
+        let (r, e) = (self.cfg.num_ranks, self.cfg.num_experts);
+        let dev = self.flags.device().clone();
+        self.shrink = Some(Shrink {
+            mask: HostMapped::new(&dev, r * 4)?,
+            decide: DeviceBuffer::zeroed(&dev, 2 * 2 * e * 8)?,
+            seen: vec![false; r],
+            cleans: 0,
+            needs_clean: None,
+        });
+        Ok(())
+    }
+
+    pub fn shrink_enabled(&self) -> bool {
+        self.shrink.is_some()
+    }
+
+    fn shrink_usable(&self) -> Result<()> {
+        match self.shrink.as_ref().and_then(|sh| sh.needs_clean.as_ref()) {
+            Some(why) => Err(Error::Other(format!(
+                "rank {}: low-latency calls are refused until clean_low_latency_buffer ({why};                  what was written while it was masked is out of step)",
+                self.rank
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    fn shrink_state(&self) -> Result<&Shrink> {
+        self.shrink.as_ref().ok_or_else(|| {
+            Error::arg("enable_shrink", "this low-latency buffer was built without shrink mode")
+        })
+    }
+
+    /// Shrink mode: `[R]` which ranks are masked (by [`Self::set_mask`], or by a receive whose
+    /// wait ran out). Ranks the kernels masked since the last look are warned about here.
+    pub fn mask(&mut self) -> Result<Vec<bool>> {
+        let rank = self.rank;
+        let sh = self.shrink.as_mut().ok_or_else(|| {
+            Error::arg("enable_shrink", "this low-latency buffer was built without shrink mode")
+        })?;
+        let mut out = Vec::with_capacity(sh.seen.len());
+        for p in 0..sh.seen.len() {
+            let m = sh.mask.read::<u32>(p * 4)? != 0;
+            if m && !sh.seen[p] {
+                crate::fep_warn!(
+                    "rank {rank}: low-latency receive: masking rank {p} (no data within the \
+                     timeout); later low-latency calls skip it"
+                );
+            }
+            sh.seen[p] = m;
+            out.push(m);
+        }
+        Ok(out)
+    }
+
+    /// Shrink mode: masks (`masked`) or unmasks `peer` on this rank only, also while a kernel
+    /// runs (a rank the bootstrap saw die: the receives stop waiting for it within ~20 us).
+    /// Unmasking a masked rank refuses calls until [`Self::clean_shrink`]. This rank itself
+    /// cannot be masked.
+    pub fn set_mask(&mut self, peer: usize, masked: bool, why: &str) -> Result<()> {
+        let rank = self.rank;
+        let r = self.cfg.num_ranks;
+        let sh = self.shrink.as_mut().ok_or_else(|| {
+            Error::arg("enable_shrink", "this low-latency buffer was built without shrink mode")
+        })?;
+        if peer >= r {
+            return Err(Error::arg("rank", format!("{peer} not in 0..{r}")));
+        }
+        if peer == rank {
+            if masked {
+                return Err(Error::arg(
+                    "rank",
+                    format!("{peer} is this rank (the GPU backend masks peers only)"),
+                ));
+            }
+            return Ok(());
+        }
+        let was = sh.mask.read::<u32>(peer * 4)? != 0;
+        sh.mask.write::<u32>(peer * 4, u32::from(masked))?;
+        if masked && !was && !why.is_empty() {
+            crate::fep_warn!(
+                "rank {rank}: low-latency: masking rank {peer} ({why}); later low-latency calls \
+                 skip it"
+            );
+        }
+        sh.seen[peer] = masked;
+        if was && !masked {
+            sh.needs_clean = Some(format!("rank {peer} was unmasked"));
+        }
+        Ok(())
+    }
+
+    /// Shrink mode's `clean_low_latency_buffer`, collective among the ranks this rank has not
+    /// masked (a masked rank does not take part, so the bootstrap cannot fence it): waits for
+    /// this rank's kernels, then an in-band barrier (every unmasked peer's kernels are done),
+    /// the reset of [`Self::clean`], and a second barrier (every unmasked peer is reset before
+    /// anyone's next call writes here). The barrier words sit after each rank's flags: this
+    /// rank writes its round into word `[me]` of every unmasked peer (a host copy through the
+    /// peer's mapping) and polls its own words, bounded by the timeout; a peer that does not
+    /// arrive in time is masked. `dead(p)`: the bootstrap saw rank `p` leave (masked first).
+    pub fn clean_shrink(&mut self, dead: &dyn Fn(usize) -> bool) -> Result<()> {
+        self.shrink_state()?;
+        self.wait_idle()?;
+        let me = self.rank;
+        for p in (0..self.cfg.num_ranks).filter(|&p| p != me && dead(p)) {
+            self.set_mask(p, true, "the bootstrap saw it leave")?;
+        }
+        let round = {
+            let sh = self.shrink.as_mut().expect("checked above");
+            sh.cleans += 1;
+            2 * sh.cleans
+        };
+        self.shrink_barrier(round - 1, dead)?;
+        self.reset()?;
+        self.shrink_barrier(round, dead)
+    }
+
+    fn shrink_barrier(&mut self, round: u64, dead: &dyn Fn(usize) -> bool) -> Result<()> {
+        let (r, me) = (self.cfg.num_ranks, self.rank);
+        let dev = self.flags.device().clone();
+        let board = self.cfg.flag_bytes() as u64;
+        let masked = self.mask()?;
+        for p in (0..r).filter(|&p| p != me && !masked[p]) {
+            let at = self.peer_table[p].flags + board + 8 * me as u64;
+            // SAFETY: word `me` of peer p's barrier words, inside its flags allocation (mapped
+            // in this context for the Buffer's life); no kernel reads it.
+            let mut w = unsafe { DeviceBuffer::view(&dev, at, 8) };
+            w.copy_from_host(&[round])?;
+        }
+        let deadline = std::time::Instant::now() + self.cfg.timeout;
+        let mut words = vec![0u64; r];
+        // SAFETY: this rank's own barrier words, inside its flags allocation.
+        let own = unsafe { DeviceBuffer::view(&dev, self.flags.device_ptr() + board, 8 * r) };
+        loop {
+            own.copy_to_host(&mut words)?;
+            let masked = self.mask()?;
+            let waiting: Vec<usize> =
+                (0..r).filter(|&p| p != me && !masked[p] && words[p] < round).collect();
+            if waiting.is_empty() {
+                return Ok(());
+            }
+            let now = std::time::Instant::now();
+            for &p in &waiting {
+                if dead(p) {
+                    self.set_mask(p, true, "the bootstrap saw it leave")?;
+                } else if now >= deadline {
+                    self.set_mask(
+                        p,
+                        true,
+                        "it did not take part in clean_low_latency_buffer \
+                                            within the timeout",
+                    )?;
+                }
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
     }
 
     pub fn rank(&self) -> usize {
@@ -675,6 +875,8 @@ impl LlGpuRank {
             _pad: 0,
             proxy: self.proxy,
             wait_stats: t.wait_stats,
+            shrink_mask: self.shrink.as_ref().map_or(0, |sh| sh.mask.device_ptr()),
+            shrink_decide: self.shrink.as_ref().map_or(0, |sh| sh.decide.device_ptr()),
         })
     }
 
@@ -714,7 +916,8 @@ impl LlGpuRank {
         }
         need("x", x, num_tokens * c.hidden * 2)?;
         need("topk_idx", topk_idx, num_tokens * c.num_topk * 8)?;
-        let smem = c.send_smem(num_tokens);
+        self.shrink_usable()?;
+        let smem = self.cfg.send_smem(num_tokens);
         let mut t = self.next_ticket(num_tokens);
         let mut p = match self.dispatch_params(t, out) {
             Ok(p) => p,
@@ -777,6 +980,8 @@ impl LlGpuRank {
             self_pull: (t.pull_x != 0) as i32,
             proxy: self.proxy,
             wait_stats: t.wait_stats,
+            shrink_mask: self.shrink.as_ref().map_or(0, |sh| sh.mask.device_ptr()),
+            shrink_decide: self.shrink.as_ref().map_or(0, |sh| sh.decide.device_ptr()),
         })
     }
 
@@ -823,6 +1028,7 @@ impl LlGpuRank {
             return Err(Error::arg("num_tokens", format!("{num_tokens} > max_tokens_per_rank")));
         }
         need("x", x, c.num_local_experts() * c.rows_per_expert() * c.hidden * 2)?;
+        self.shrink_usable()?;
         let mut t = self.next_ticket(num_tokens);
         if pull {
             t.pull_x = x.device_ptr();
@@ -924,10 +1130,7 @@ impl LlGpuGroup {
             r.stream.synchronize_within(r.cfg.timeout + Duration::from_secs(5))?;
         }
         for r in self.ranks.iter_mut() {
-            r.flags.memset(0)?;
-            r.workspace.memset(0)?;
-            r.err.reset()?;
-            r.calls = 0;
+            r.reset()?;
         }
         Ok(())
     }

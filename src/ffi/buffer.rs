@@ -114,10 +114,10 @@ pub struct fep_config {
     /// `FEP_MODE_LOW_LATENCY`; 0: both. A call of a mode not allocated is `FEP_ERR_INVALID_ARGUMENT`.
     /// The host backend always has both.
     pub modes: i32,
-    /// Low-latency mode, host backend: 1 = DeepEP's `enable_shrink` (a rank that stalls for the
-    /// timeout is masked instead of failing the call; `fep_ll_update_mask` /
-    /// `fep_ll_query_mask` / `fep_ll_clean_mask`), 0 = off (the default). Refused with
-    /// `FEP_BACKEND_GPU`: its kernels do not skip masked ranks.
+    /// Low-latency mode: 1 = DeepEP's `enable_shrink` (a rank that stalls for the timeout is
+    /// masked instead of failing the call; `fep_ll_update_mask` / `fep_ll_query_mask` /
+    /// `fep_ll_clean_mask`), 0 = off (the default). `FEP_BACKEND_GPU` takes it with every rank
+    /// on one node (`ranks_per_node == num_ranks`); a rank cannot mask itself there.
     pub enable_shrink: i32,
     pub reserved2: i32,
 }
@@ -310,13 +310,6 @@ pub(crate) unsafe fn resolve(cfg: *const fep_config) -> Result<Resolved, Error> 
     if !(0..=1).contains(&c.enable_shrink) {
         return Err(Error::arg("enable_shrink", format!("{}: 1 (on) or 0 (off)", c.enable_shrink)));
     }
-    if c.enable_shrink == 1 && c.backend == FEP_BACKEND_GPU {
-        return Err(Error::arg(
-            "enable_shrink",
-            "1 with FEP_BACKEND_GPU: the GPU low-latency kernels do not skip masked ranks \
-             (shrink mode is the host backend's)",
-        ));
-    }
     if !(0..=FEP_MODE_NORMAL | FEP_MODE_LOW_LATENCY).contains(&c.modes) {
         return Err(Error::arg(
             "modes",
@@ -430,6 +423,17 @@ pub(crate) unsafe fn resolve(cfg: *const fep_config) -> Result<Resolved, Error> 
             format!(
                 "{hier}: 1 (on) is for the GPU backend across nodes (ranks_per_node {} < \
                  num_ranks {}), 0 off",
+                s.ranks_per_node, s.num_ranks
+            ),
+        ));
+    }
+    if c.enable_shrink == 1 && backend == Backend::Gpu && s.ranks_per_node < s.num_ranks {
+        return Err(Error::arg(
+            "enable_shrink",
+            format!(
+                "1 with FEP_BACKEND_GPU needs every rank on one node (ranks_per_node {} < \
+                 num_ranks {}): peers on other nodes go through the proxy lane, which does not \
+                 skip masked ranks (the host backend's shrink mode does)",
                 s.ranks_per_node, s.num_ranks
             ),
         ));
@@ -602,7 +606,8 @@ fn create_on(r: Resolved, boot: Arc<dyn Bootstrap>) -> Result<*mut fep_buffer, E
             if h.is_some() {
                 o.normal = false;
             }
-            (BufferOptions::gpu(o), Some(dev), h)
+            o.shrink = r.raw.enable_shrink == 1;
+            (BufferOptions { ll_shrink: o.shrink, ..BufferOptions::gpu(o) }, Some(dev), h)
         }
     };
     let cfg = EpConfig::new(r.settings)?;

@@ -45,10 +45,6 @@ from .config import DEFAULT_NUM_SMS, Config, gpu_chunking, normal_buffer_bytes
 from .utils import EventOverlap
 
 _DTYPES = ("bf16", "fp8")
-_SHRINK_GPU = (
-    "enable_shrink=True with CUDA tensors (the GPU backend): its low-latency kernels do not skip "
-    "masked ranks yet; shrink mode is the host backend's (numpy arrays or CPU tensors)"
-)
 _BACKENDS = {True: "gpu", False: "host"}
 
 
@@ -165,13 +161,13 @@ class Buffer:
         num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric, comm:
             accepted and validated; they tune DeepEP's NVSHMEM/IBGDA transport, which fabric-ep
             does not have (libfabric endpoints; CUDA IPC inside a node).
-        enable_shrink: DeepEP's elastic low-latency mode (host backend): a rank that stalls for
+        enable_shrink: DeepEP's elastic low-latency mode: a rank that stalls for
             ``timeout_s`` (or that the bootstrap saw leave) is masked instead of failing the
             call; masked ranks get no low-latency writes and are not waited for
             (:meth:`low_latency_update_mask_buffer`, :meth:`low_latency_query_mask_buffer`,
             :meth:`low_latency_clean_mask_buffer`); ``clean_low_latency_buffer`` runs among the
-            unmasked ranks. Refused with CUDA tensors (the GPU kernels do not skip masked
-            ranks yet).
+            unmasked ranks. With CUDA tensors (the GPU backend) every rank must be on one node,
+            and a rank cannot mask itself.
         explicitly_destroy: when True, :meth:`destroy` must be called; otherwise the native
             buffers are also freed by ``__del__`` (a collective: every rank must drop its Buffer).
 
@@ -227,8 +223,6 @@ class Buffer:
                      ("internode_hierarchy", internode_hierarchy)):
             if not isinstance(v, (bool, np.bool_)):
                 raise TypeError(f"{n}: {v!r} must be a bool")
-        if enable_shrink and backend == "gpu":
-            raise ValueError(_SHRINK_GPU)
         if comm is not None and group is not None:
             raise ValueError("comm: pass either group or comm (an mpi4py communicator), not both")
         if comm is not None:
@@ -340,8 +334,6 @@ class Buffer:
         if kind == "l":
             _int_arg("num_max_dispatch_tokens_per_rank", max_tokens, 1)
         self._check_capacity(kind, backend, experts, hidden, topk, max_tokens, bool(fp8))
-        if self.enable_shrink and backend == "gpu" and kind == "l":
-            raise ValueError(_SHRINK_GPU)
         modes = FEP_MODE_NORMAL if kind == "n" else FEP_MODE_LOW_LATENCY
         comm = self._comm_ptr
         if backend == "gpu" and not comm and self._comm is not None:
@@ -358,7 +350,7 @@ class Buffer:
             gpu_reserve_tokens=o["gpu_reserve_tokens"] if kind == "n" else 0,
             internode_hierarchy=o["internode_hierarchy"] if kind == "n" else False,
             _boot=self._boot, _modes=modes, _comm_ptr=comm,
-            _shrink=self.enable_shrink and backend == "host",
+            _shrink=self.enable_shrink,
         )
         if e._shrink:
             for rank, m in enumerate(self._mask):

@@ -364,9 +364,6 @@ class _Engine:
                 if _public_buffer().num_sms == DEFAULT_NUM_SMS:
                     cfg["num_sms"] = 0
         cfg["modes"] = _modes if backend == "gpu" else 0
-        if _shrink and backend == "gpu":
-            raise ValueError("enable_shrink: the GPU backend's low-latency kernels do not skip "
-                             "masked ranks yet (shrink mode is the host backend's)")
         self._shrink = bool(_shrink)
         cfg["enable_shrink"] = int(self._shrink)
         cfg["timeout_s"] = float(timeout_s)
@@ -1001,6 +998,11 @@ class _Engine:
         if self._g is not None:
             # GPU: no kernel of the group may run while any rank resets (collective fence).
             self._g.quiesce()
+            if self._shrink:
+                # Among the unmasked ranks only, in band (a masked rank does not take part in
+                # the group's barrier): the native clean fences before and after its reset.
+                core.clean_low_latency_buffer(p)
+                return
             self._barrier()
         core.clean_low_latency_buffer(p)
         if self._g is not None:

@@ -448,15 +448,13 @@ def ll_deepep_args(group, r, world):
     (``[R]`` int64 on the device, ns; a rank that launches late shows up in the others'), the
     hook adding them only when it runs, ``use_logfmt`` (accepted: bf16, the same result),
     ``get_local_buffer_tensor`` (torch CUDA views of the normal comm buffer and the
-    low-latency buffer, holding the rows that arrived) and ``enable_shrink`` refused."""
+    low-latency buffer, holding the rows that arrived)."""
     late, delay = 1, 0.3
     all_in = [inputs(s, world, salt=6, tokens=TOKENS) for s in range(world)]
     x, idx, w = all_in[r]
     xt, it, wt = to_bf16(torch, x, DEV), tdev(idx), tdev(w)
     e_all = L * world
     ref_x, ref_cnt, *_ = ll_reference(r, world, all_in)
-    call_raises(ValueError, "^enable_shrink=True with CUDA tensors", Buffer, group,
-                enable_shrink=True, backend="gpu")
     buf = make_buffer(group, world, low_latency_mode=True,
                       num_max_dispatch_tokens_per_rank=MAX_LL)
     try:

@@ -8,8 +8,14 @@ GPU backend), ``nccl`` (an NCCL process group: its all-gather runs on CUDA tenso
 (``group=None``: the torchrun variables). ``FEP_TEST_CASE``: ``deepep`` (the sequence),
 ``dead_peer`` (the last rank exits after the first step; the others must raise naming it) or
 ``stalled_peer`` (the last rank stops itself, SIGSTOP, after the first step: alive to the
-store, silent on the data path; the others must raise naming it within their timeout). Prints
-``rank R/N: ok`` at the end; a traceback and exit status 1 otherwise."""
+store, silent on the data path; the others must raise naming it within their timeout). Shrink
+mode (``Buffer(..., enable_shrink=True)``, low latency): ``shrink_masked`` (ranks 0..N-2 mask
+the last rank and it masks them: two groups that go on apart, then one again after
+``low_latency_clean_mask_buffer`` and a clean), ``shrink_dead`` (the last rank exits after one
+step; the others mask it, the store having seen it leave, and go on without waiting) and
+``shrink_stall`` (the last rank stops itself: the others' receive waits run out, mask it and
+return the rest). Prints ``rank R/N: ok`` at the end; a traceback and exit status 1
+otherwise."""
 
 import os
 import signal
@@ -237,6 +243,111 @@ def ll_case(buf, case, h, k, experts, use_fp8, hooked, round_scale=False, ue8m0=
     eq(cx, want.to(torch.bfloat16), f"LL combine (fp8={use_fp8}, hook={hooked})")
 
 
+def ll_shrink_step(buf, case, masked, hooked, use_fp8=False):
+    """One low-latency dispatch + combine in shrink mode with ``masked`` ranks left out: the
+    rows of every other rank arrive as without shrink, and the combine sums only the experts of
+    unmasked ranks (DeepEP: masked ranks' experts count as -1)."""
+    h, k, lx = 512, 4, 3
+    experts = lx * WORLD
+    all_in = [inputs(s, min(tokens_of(s, case) + 3, MAX_LL), h, k, experts, 300 + case)
+              for s in range(WORLD)]
+    x, idx, w = all_in[RANK]
+    rx, cnt, handle, _, hook = buf.low_latency_dispatch(x, idx, MAX_LL, experts, use_fp8=use_fp8,
+                                                        return_recv_hook=hooked)
+    if hooked:
+        hook()
+    sync()
+    live = [a if s not in masked else (a[0][:0], a[1][:0], a[2][:0]) for s, a in enumerate(all_in)]
+    want_cnt = [sum(int((a[1] == RANK * lx + e).any(1).sum()) for a in live) for e in range(lx)]
+    assert cnt.tolist() == want_cnt, (cnt.tolist(), want_cnt, masked)
+    rows = (rx[0] if use_fp8 else rx).cpu()
+    src_rank, src_idx = handle.src_rank.cpu(), handle.src_idx.cpu()
+    host_in = [a[0].cpu() for a in live]
+    y = torch.zeros((lx, WORLD * MAX_LL, h), dtype=torch.bfloat16)
+    for e in range(lx):
+        for i in range(want_cnt[e]):
+            s, j = int(src_rank[e, i]), int(src_idx[e, i])
+            assert s not in masked, f"a row from masked rank {s}"
+            if not use_fp8:
+                eq(rows[e, i], host_in[s][j], f"shrink recv_x[{e}, {i}]")
+            y[e, i] = (host_in[s][j].float() * (e + 1)).to(torch.bfloat16)
+    cx, _, chook = buf.low_latency_combine(y.to(dev), idx, w, handle, return_recv_hook=hooked)
+    if hooked:
+        chook()
+    sync()
+    owner = torch.where(idx >= 0, idx // lx, torch.full_like(idx, -1))
+    keep = (idx >= 0) & ~torch.isin(owner, torch.tensor(sorted(masked), device=dev,
+                                                         dtype=torch.int64))
+    want = torch.zeros((x.shape[0], h), dtype=torch.float32, device=dev)
+    for kk in range(k):
+        mult = torch.where(keep[:, kk], (idx[:, kk] % lx) + 1, torch.zeros_like(idx[:, kk])).float()
+        want += x.float() * (mult * w[:, kk])[:, None]
+    if not use_fp8:
+        eq(cx, want.to(torch.bfloat16), f"shrink combine (masked {sorted(masked)}, hook {hooked})")
+
+
+def query_mask(buf):
+    m = torch.zeros(WORLD, dtype=torch.int32, device=dev)
+    buf.low_latency_query_mask_buffer(m)
+    return m.tolist()
+
+
+def run_shrink(group, case):
+    last = WORLD - 1
+    buf = Buffer(group, 0, 0, low_latency_mode=True, enable_shrink=True, explicitly_destroy=True,
+                 timeout_s=3.0, num_max_dispatch_tokens_per_rank=MAX_LL)
+    # Both token formats' native buffers are made while every rank is alive (making one is
+    # collective over the group).
+    ll_shrink_step(buf, 0, set(), False)
+    ll_shrink_step(buf, 0, set(), True, use_fp8=True)
+    if case == "shrink_masked":
+        others = {last} if RANK != last else set(range(last))
+        for s in others:
+            buf.low_latency_update_mask_buffer(s, True)
+        assert query_mask(buf) == [int(s in others) for s in range(WORLD)]
+        t0 = time.time()
+        for c, hooked in ((0, False), (1, True)):
+            ll_shrink_step(buf, c, others, hooked)
+        ll_shrink_step(buf, 1, others, False, use_fp8=True)
+        buf.clean_low_latency_buffer(MAX_LL, 512, 3 * WORLD)
+        ll_shrink_step(buf, 2, others, False)
+        assert time.time() - t0 < 2.5, f"a masked rank was waited for ({time.time() - t0:.1f} s)"
+        log("two groups apart: ok")
+        buf.low_latency_clean_mask_buffer()
+        buf.clean_low_latency_buffer(MAX_LL, 512, 3 * WORLD)
+        assert query_mask(buf) == [0] * WORLD
+        ll_shrink_step(buf, 3, set(), True)
+        log("one group again: ok")
+        buf.destroy()
+        return
+    if RANK == last:
+        if case == "shrink_stall":
+            log("stopping itself (SIGSTOP)")
+            os.kill(os.getpid(), signal.SIGSTOP)
+            time.sleep(600)
+        time.sleep(0.5)  # the others finished the first step (their syncs came back)
+        log("exiting without warning")
+        os._exit(0)
+    if case == "shrink_dead":
+        time.sleep(1.5)  # the store sees it leave: masked before the next call's writes
+    t0 = time.time()
+    ll_shrink_step(buf, 1, {last}, False)
+    took = time.time() - t0
+    if case == "shrink_dead":
+        assert took < 2.5, f"the dead rank was waited for ({took:.1f} s)"
+    else:
+        assert took >= 2.0, f"the stalled rank was not waited for its timeout ({took:.1f} s)"
+    assert query_mask(buf) == [int(s == last) for s in range(WORLD)], query_mask(buf)
+    log(f"masked rank {last} after {took:.1f} s")
+    t0 = time.time()
+    ll_shrink_step(buf, 2, {last}, True)
+    buf.clean_low_latency_buffer(MAX_LL, 512, 3 * WORLD)
+    ll_shrink_step(buf, 3, {last}, False)
+    ll_shrink_step(buf, 4, {last}, True, use_fp8=True)
+    assert time.time() - t0 < 2.5, f"later calls waited ({time.time() - t0:.1f} s)"
+    log("went on without it: ok")
+
+
 def run_deepep(group):
     # DeepEP's construction: byte counts from the size hints, no model shape.
     hidden_max = 7168
@@ -298,6 +409,8 @@ def main():
     log(f"fabric_ep from {os.path.dirname(fabric_ep.__file__)}, group {mode}, case {case}")
     if case == "deepep":
         run_deepep(group)
+    elif case.startswith("shrink_"):
+        run_shrink(group, case)
     else:
         run_dead_peer(group, stall=case == "stalled_peer")
     print(f"rank {RANK}/{WORLD}: ok", flush=True)

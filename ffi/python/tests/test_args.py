@@ -66,8 +66,6 @@ def test_constructor_argument_errors(env1):
     raises(ValueError, "^num_nvl_bytes: ", Buffer, None, -1)
     raises(ValueError, "^num_qps_per_rank: ", Buffer, None, 0, 0, False, 0)
     raises(TypeError, "^low_latency_mode: ", Buffer, None, 0, 0, "yes")
-    raises(ValueError, "^enable_shrink=True with CUDA tensors", Buffer, None, enable_shrink=True,
-           backend="gpu")
     raises(TypeError, "^enable_shrink: ", Buffer, None, enable_shrink=1)
     raises(ValueError, "^timeout_s: ", Buffer, None, timeout_s=float("nan"))
     raises(ValueError, "^timeout_s: ", Buffer, None, timeout_s=-1.0)

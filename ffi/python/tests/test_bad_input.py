@@ -163,8 +163,6 @@ for _n, _v in [("neg", -1), ("2e31", 2**31), ("bool", True), ("str", "16")]:
 for _n, _v in [("zero", 0), ("neg", -1), ("3", 3), ("bool", True), ("2e32p1", 2**32 + 1)]:
     case(f"ctor/ranks_per_node/{_n}", ["ranks_per_node"])(
         lambda c, v=_v: c.make(None, ranks_per_node=v))
-case("ctor/enable_shrink_gpu", ["enable_shrink"])(
-    lambda c: c.make(None, enable_shrink=True, backend="gpu"))
 case("ctor/enable_shrink_int", ["enable_shrink"])(lambda c: c.make(None, enable_shrink=1))
 case("ctor/group_and_comm", ["comm"])(lambda c: c.make(object(), comm=object()))
 for _n, _v in [("int", 42), ("str", "world")]:

@@ -78,7 +78,7 @@ def launch(world, group, case="deepep", timeout=200):
     deadline = time.monotonic() + timeout
     out = []
     for i, p in enumerate(procs):
-        if case == "stalled_peer" and i == world - 1:
+        if case in ("stalled_peer", "shrink_stall") and i == world - 1:
             p.kill()
         try:
             o, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
@@ -92,7 +92,8 @@ def launch(world, group, case="deepep", timeout=200):
 
 def check(world, group, case="deepep"):
     results = launch(world, group, case)
-    survivors = range(world - 1) if case in ("dead_peer", "stalled_peer") else range(world)
+    failing = ("dead_peer", "stalled_peer", "shrink_dead", "shrink_stall")
+    survivors = range(world - 1) if case in failing else range(world)
     bad = [(r, rc, o) for r, (rc, o) in enumerate(results) if r in survivors and
            (rc != 0 or f"rank {r}/{world}: ok" not in o)]
     assert not bad, "\n".join(f"--- rank {r} rc={rc}\n{o}" for r, rc, o in bad)
@@ -117,6 +118,13 @@ try:
         if _why_skip(3):
             pytest.skip(_why_skip(3))
         check(3, "gloo", case)
+
+    @pytest.mark.parametrize("case,world", [("shrink_masked", 4), ("shrink_dead", 3),
+                                            ("shrink_stall", 3)])
+    def test_shrink_mode(case, world):
+        if _why_skip(world):
+            pytest.skip(_why_skip(world))
+        check(world, "gloo", case)
 
     @pytest.mark.parametrize("world", [1, 2])
     def test_nccl_group(world):
@@ -186,7 +194,9 @@ if __name__ == "__main__":
     else:
         cases = [(2, "gloo", "deepep"), (4, "gloo", "deepep"), (2, "env", "deepep"),
                  (4, "env", "deepep"), (1, "nccl", "deepep"), (2, "nccl", "deepep"),
-                 (3, "gloo", "dead_peer"), (3, "gloo", "stalled_peer")]
+                 (3, "gloo", "dead_peer"), (3, "gloo", "stalled_peer"),
+                 (4, "gloo", "shrink_masked"), (3, "gloo", "shrink_dead"),
+                 (3, "gloo", "shrink_stall")]
     passed = failed = skipped = 0
     for world, group, case in cases:
         why = no_mps_skip() if case == "no_mps" else _why_skip(world)
@@ -206,7 +216,7 @@ if __name__ == "__main__":
             print(f"PASS {name} ({time.time() - t0:.1f} s)")
             for r, (_, o) in enumerate(res):
                 for line in o.splitlines():
-                    if "took" in line or "raised after" in line or (
+                    if "took" in line or "raised after" in line or "masked rank" in line or (
                             r == 0 and "fabric_ep from" in line):
                         print("   ", line)
             passed += 1

@@ -115,6 +115,10 @@ pub struct GpuOptions {
     /// Low-latency mode, peers on other nodes (`ranks_per_node < num_ranks`): the libfabric
     /// provider of the proxy path ([`ll_proxy`]); `None`: `FI_PROVIDER` or libfabric's first.
     pub ll_provider: Option<String>,
+    /// Low-latency mode: DeepEP's `enable_shrink` ([`LlGpuRank::enable_shrink`]): masked ranks
+    /// are skipped, a rank whose data does not come within the timeout is masked instead of
+    /// failing the call. Every peer must be on this node (refused with a proxy lane).
+    pub shrink: bool,
 }
 
 impl GpuOptions {
@@ -130,6 +134,7 @@ impl GpuOptions {
             low_latency: true,
             proxy_provider: "shm".to_string(),
             ll_provider: None,
+            shrink: false,
         }
     }
 }
@@ -616,8 +621,23 @@ impl GpuBuffer {
             } else {
                 None
             };
+            if opts.shrink && prep.is_some() {
+                return Err(Error::arg(
+                    "enable_shrink",
+                    format!(
+                        "the GPU backend's shrink mode needs every rank on one node ({} ranks \
+                         per node of {r}): its peers on other nodes go through the proxy lane, \
+                         which does not skip masked ranks (the host backend's shrink mode does)",
+                        cfg.ranks_per_node
+                    ),
+                ));
+            }
             let mem = prep.as_ref().map(|p| p.mem());
-            Some((LlGpuRank::new_unconnected_in(&dev, lcfg, rank, num_sms as u32, mem)?, prep))
+            let mut l = LlGpuRank::new_unconnected_in(&dev, lcfg, rank, num_sms as u32, mem)?;
+            if opts.shrink {
+                l.enable_shrink()?;
+            }
+            Some((l, prep))
         } else {
             None
         };
@@ -886,10 +906,22 @@ impl GpuBuffer {
         // The stream's end, or a rank the bootstrap saw die (its kernels' waits on that rank
         // would otherwise last their whole budget before this wait could tell).
         let mut dead = None;
-        let mut res = crate::cuda::poll_within(limit, "cuStreamQuery", || {
-            dead = (self.peer_watch)().first().copied();
-            Ok(dead.is_some() || stream.query()?)
-        })
+        let watch = &self.peer_watch;
+        let shrink = self.ll.as_mut().filter(|l| l.rank.shrink_enabled());
+        let mut res = match shrink {
+            // Shrink mode: a dead rank is masked (the kernels stop waiting for it), not an error.
+            Some(l) => crate::cuda::poll_within(limit, "cuStreamQuery", || {
+                for d in watch() {
+                    // Fails only for a rank out of range, which the bootstrap never reports.
+                    let _ = l.rank.set_mask(d.rank, true, "the bootstrap saw it leave");
+                }
+                stream.query()
+            }),
+            None => crate::cuda::poll_within(limit, "cuStreamQuery", || {
+                dead = watch().first().copied();
+                Ok(dead.is_some() || stream.query()?)
+            }),
+        }
         .map_err(Error::from);
         if let Some(d) = dead {
             res = Err(Error::Proxy(crate::proxy::ProxyError::PeerDead {
@@ -905,8 +937,11 @@ impl GpuBuffer {
             }
         }
         if res.is_ok() {
-            if let Some(l) = &self.ll {
+            if let Some(l) = &mut self.ll {
                 res = l.rank.finish();
+                if res.is_ok() && l.rank.shrink_enabled() {
+                    res = l.rank.mask().map(|_| ()); // warns of ranks the kernels masked
+                }
                 // A stopped proxy is the root cause of the kernel's timeout: report it instead.
                 if let Some(Err(e)) = l.lane.as_ref().map(|lane| lane.check()) {
                     res = Err(e);
@@ -1163,6 +1198,7 @@ impl GpuBuffer {
         out: &LlDispatchOut,
     ) -> Result<Option<LlDispatchHook>> {
         let ws = std::mem::take(&mut self.ll_wait_stats);
+        self.shrink_mask_dead();
         let fp8 = self.cfg.dispatch_dtype == DispatchDtype::Fp8E4m3;
         if a.use_fp8 != fp8 {
             return Err(Error::arg(
@@ -1241,6 +1277,7 @@ impl GpuBuffer {
         a: &GpuLlCombineArgs<'_>,
     ) -> Result<Option<LlCombineHook>> {
         let ws = std::mem::take(&mut self.ll_wait_stats);
+        self.shrink_mask_dead();
         let x = self.view("x", a.x)?;
         let id = self.id;
         if a.return_recv_hook {
@@ -1291,7 +1328,13 @@ impl GpuBuffer {
         let l = self.ll.as_mut().ok_or_else(|| {
             Error::arg("mode", "low-latency mode was not enabled (GpuOptions::low_latency)")
         })?;
-        l.rank.clean()?;
+        if l.rank.shrink_enabled() {
+            let watch = self.peer_watch.clone();
+            let dead = move |p: usize| watch().iter().any(|d| d.rank == p);
+            l.rank.clean_shrink(&dead)?;
+        } else {
+            l.rank.clean()?;
+        }
         if let Some(lane) = &l.lane {
             lane.fence(&mut l.rank)?;
         }
@@ -1302,6 +1345,39 @@ impl GpuBuffer {
         // device-wide synchronisation, which with ranks as threads would wait for peers.
         self.poisoned = None;
         Ok(())
+    }
+
+    fn shrink_part(&mut self) -> Result<&mut LlGpuRank> {
+        match self.ll.as_mut() {
+            Some(l) if l.rank.shrink_enabled() => Ok(&mut l.rank),
+            _ => Err(Error::arg(
+                "enable_shrink",
+                "this buffer was built without shrink mode (GpuOptions::shrink, \
+                 fep_config.enable_shrink)",
+            )),
+        }
+    }
+
+    /// Shrink mode (DeepEP's `low_latency_update_mask_buffer`; this rank only): masks or
+    /// unmasks `rank` ([`LlGpuRank::set_mask`]).
+    pub fn ll_update_mask(&mut self, rank: usize, masked: bool) -> Result<()> {
+        self.shrink_part()?.set_mask(rank, masked, "")
+    }
+
+    /// Shrink mode (DeepEP's `low_latency_query_mask_buffer`): `[R]` the masked ranks.
+    pub fn ll_mask(&mut self) -> Result<Vec<bool>> {
+        self.shrink_part()?.mask()
+    }
+
+    /// Shrink mode, before a call's writes: masks the ranks the bootstrap saw leave (a write
+    /// into a dead process's memory is never wanted; its data would not come either).
+    fn shrink_mask_dead(&mut self) {
+        let watch = self.peer_watch.clone();
+        if let Some(l) = self.ll.as_mut().filter(|l| l.rank.shrink_enabled()) {
+            for d in watch() {
+                let _ = l.rank.set_mask(d.rank, true, "the bootstrap saw it leave");
+            }
+        }
     }
 }
 
