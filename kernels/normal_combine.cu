@@ -219,15 +219,34 @@ __device__ __forceinline__ void combine_body(const fep_normal_combine_params& p)
             const float* own_w = reinterpret_cast<const float*>(p.topk_weights);
             const int64_t own_row0 = prefix[me];
             bool alive = true;
-            for (int64_t t = static_cast<int64_t>(j) * kWarps + warp; t < T && alive;
-                 t += num_warps) {
+            // NOTES (latency): a warp's tokens are a chain of dependent memory round trips
+            // (send_pos, then the rows, then the weights). With few ranks (kEarly: registers to
+            // spare) the next token's send_pos is loaded while this token's rows are, and the
+            // weights' loads are issued before the rows' and added after them, so only the
+            // rows' loads wait in line. R <= kNp (the host picks the variant by rank count).
+            constexpr bool kEarly = kNp <= 2;
+            const int64_t t0 = static_cast<int64_t>(j) * kWarps + warp;
+            int32_t pos_cur[kNp];
+#pragma unroll
+            for (int r = 0; r < kNp; ++r) {
+                pos_cur[r] = (kEarly && r < R && t0 < T) ? send_pos[t0 * R + r] : -1;
+            }
+            for (int64_t t = t0; t < T && alive; t += num_warps) {
+                int32_t pos_next[kNp];
+                const int64_t tn = t + num_warps;
+#pragma unroll
+                for (int r = 0; r < kNp; ++r) {
+                    if (!kEarly) pos_cur[r] = r < R ? send_pos[t * R + r] : -1;
+                    pos_next[r] = (kEarly && r < R && tn < T) ? send_pos[tn * R + r] : -1;
+                }
                 // rec[r]: the token's row in r's chunk, or null; indexed only by unrolled constants.
                 const uint8_t* rec[kMaxRanks];
 #pragma unroll
-                for (int r = 0; r < kMaxRanks; ++r) {
-                    rec[r] = nullptr;
+                for (int r = 0; r < kMaxRanks; ++r) rec[r] = nullptr;
+#pragma unroll
+                for (int r = 0; r < kNp; ++r) {
                     if (r >= R) continue;
-                    const int32_t pos = send_pos[t * R + r];
+                    const int32_t pos = pos_cur[r];
                     if (pos < 0) continue;
                     if (r == me) {  // this rank's own row, in place (x)
                         rec[r] = own_x + static_cast<uint64_t>(own_row0 + pos) * row16 * 16;
@@ -269,25 +288,43 @@ __device__ __forceinline__ void combine_body(const fep_normal_combine_params& p)
                             __shfl_sync(0xffffffffu, lane_ptr, r));
                     }
                 }
-                uint4* dst = out + t * row16;
-                combine_row<kNp, kU>(dst, rows, np, row16, lane);
-                if (out_w != nullptr && lane < K) {
-                    float a = 0.0f;
+                // The weights of the present ranks, q-th present rank in wq[q] (loaded now, summed
+                // after the rows in the same ascending order).
+                const bool want_w = out_w != nullptr && lane < K;
+                float wq[kNp];
+#pragma unroll
+                for (int q = 0; q < kNp; ++q) wq[q] = 0.0f;
+                auto load_weights = [&]() {
                     uint32_t m = present;
 #pragma unroll
-                    for (int q = 0; q < kMaxRanks; ++q) {
+                    for (int q = 0; q < kNp; ++q) {
                         if (m == 0u) break;
                         const int r = __ffs(m) - 1;
                         m &= m - 1u;
                         if (r == me) {
-                            const int64_t row = own_row0 + send_pos[t * R + r];
-                            a += own_w != nullptr ? own_w[row * K + lane] : 0.0f;
+                            int32_t pos_me = 0;
+#pragma unroll
+                            for (int rr = 0; rr < kNp; ++rr)
+                                if (rr == me) pos_me = pos_cur[rr];
+                            const int64_t row = own_row0 + pos_me;
+                            wq[q] = own_w != nullptr ? own_w[row * K + lane] : 0.0f;
                         } else {
-                            a += __ldcg(reinterpret_cast<const float*>(
-                                            reinterpret_cast<const uint8_t*>(rows[q]) +
-                                            p.topk_weights_offset) +
-                                        lane);
+                            wq[q] = __ldcg(reinterpret_cast<const float*>(
+                                               reinterpret_cast<const uint8_t*>(rows[q]) +
+                                               p.topk_weights_offset) +
+                                           lane);
                         }
+                    }
+                };
+                if (kEarly && want_w) load_weights();
+                uint4* dst = out + t * row16;
+                combine_row<kNp, kU>(dst, rows, np, row16, lane);
+                if (!kEarly && want_w) load_weights();
+                if (want_w) {
+                    float a = 0.0f;
+#pragma unroll
+                    for (int q = 0; q < kNp; ++q) {
+                        if (q < np) a += wq[q];
                     }
                     out_w[t * K + lane] = a;
                 }
@@ -299,9 +336,10 @@ __device__ __forceinline__ void combine_body(const fep_normal_combine_params& p)
                     // warp that brings a chunk's counter to its row count resets it and returns the
                     // credit (the slot's next chunk cannot arrive before that credit).
                     __threadfence();
-                    for (int r = 0; r < R; ++r) {
-                        const int32_t pos = send_pos[t * R + r];
-                        if (pos < 0 || r == me) continue;  // own rows: no chunk to credit
+#pragma unroll
+                    for (int r = 0; r < kNp; ++r) {
+                        const int32_t pos = pos_cur[r];
+                        if (r >= R || pos < 0 || r == me) continue;  // own rows: no chunk to credit
                         const uint32_t k = static_cast<uint32_t>(pos) / C;
                         const uint64_t cum = comm.recv_base()[r] + k;
                         const uint32_t slot = static_cast<uint32_t>(cum % spp);
@@ -329,6 +367,8 @@ __device__ __forceinline__ void combine_body(const fep_normal_combine_params& p)
                     }
                 }
                 __syncwarp();
+#pragma unroll
+                for (int r = 0; r < kNp; ++r) pos_cur[r] = pos_next[r];
             }
         }
     }
@@ -345,7 +385,7 @@ __device__ __forceinline__ void combine_body(const fep_normal_combine_params& p)
 
 // One kernel per row variant, chosen by the host from the number of ranks (src/cuda/launch.rs):
 // a token's rows come from at most num_ranks ranks, and fewer ranks leave registers for more
-// 16-byte loads in flight per lane (at one rank, 8: a plain copy's depth).
+// 16-byte loads in flight per lane (at one rank 14, two round trips for a 7168-wide row).
 extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
     fep_normal_combine(const fep_normal_combine_params p) {
     combine_body<fep::normal::kMaxRanks, 2>(p);
@@ -358,5 +398,5 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
 
 extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
     fep_normal_combine_1(const fep_normal_combine_params p) {
-    combine_body<1, 8>(p);
+    combine_body<1, 14>(p);
 }

@@ -15,7 +15,8 @@
 #                                 call-overhead bench; "epbench" (not default): ep-bench's GPU
 #                                 figures at DeepEP's setting.
 #                                 "nomps": two processes without MPS must be refused; "step":
-#                                 the MoE-layer step bench (benches/moe_step.py).
+#                                 the MoE-layer step bench (benches/moe_step.py); "overlap":
+#                                 dispatch / combine beside GEMMs (benches/overlap.py).
 #                                 FEP_PROCS_SECTIONS (default "procs,verify,overhead") picks;
 #                                 FEP_PROCS_CASES (e.g. 4/gloo/shrink_masked,2/env/deepep) runs
 #                                 those process cases only.
@@ -112,6 +113,14 @@ run() {
         | tee -a "$out/epbench.log"
       echo "epbench rc=${PIPESTATUS[0]} $args" >>"$out/summary.txt"
     done
+    set -e
+  fi
+  if has overlap; then
+    # Dispatch / combine on the communication stream beside a GEMM chain on the compute stream.
+    set +e
+    (cd /tmp && PYTHONPATH=$site timeout 200 python3 "$OLDPWD/benches/overlap.py" \
+      --json "$out/overlap.json") 2>&1 | tee "$out/overlap.log"
+    echo "overlap rc=${PIPESTATUS[0]} $(tail -n 2 "$out/overlap.log" | tr '\n' ' ')" >>"$out/summary.txt"
     set -e
   fi
   if has step; then

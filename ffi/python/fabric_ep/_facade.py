@@ -524,7 +524,8 @@ class Buffer:
         if self._comm is None and _torch_cuda():
             import torch
 
-            self._comm = torch.cuda.Stream()
+            # High priority, as the library's own communication streams (src/cuda/stream.rs).
+            self._comm = torch.cuda.Stream(priority=-1)
         return self._comm
 
     def sync(self) -> None:
@@ -712,9 +713,14 @@ class Buffer:
         tuple with float32 scales ``[L, R * M, H / 128]``), ``recv_count [L]`` int32, the handle,
         the event and the hook (with ``return_recv_hook``)."""
         m = num_max_dispatch_tokens_per_rank
-        for n, v in (("use_fp8", use_fp8), ("round_scale", round_scale), ("use_ue8m0", use_ue8m0),
-                     ("async_finish", async_finish), ("return_recv_hook", return_recv_hook)):
-            _bool_arg(n, v)
+        # NOTES (per-call cost): Python bools pass one chained test; anything else takes the
+        # loop that names the argument (or accepts a numpy bool).
+        if not (use_fp8.__class__ is round_scale.__class__ is use_ue8m0.__class__
+                is async_finish.__class__ is return_recv_hook.__class__ is bool):
+            for n, v in (("use_fp8", use_fp8), ("round_scale", round_scale),
+                         ("use_ue8m0", use_ue8m0), ("async_finish", async_finish),
+                         ("return_recv_hook", return_recv_hook)):
+                _bool_arg(n, v)
         if round_scale and not use_fp8:
             raise ValueError("round_scale=True: needs use_fp8=True (bf16 rows have no scales)")
         try:  # the common case in one lookup, as dispatch's
@@ -771,9 +777,11 @@ class Buffer:
         ``zero_copy``: the tensor :meth:`get_next_low_latency_combine_buffer` returned, already
         written), ``topk_idx``/``topk_weights [T, K]``. Returns ``combined_x [T, H]``, the event
         and the hook."""
-        for n, v in (("use_logfmt", use_logfmt), ("zero_copy", zero_copy),
-                     ("async_finish", async_finish), ("return_recv_hook", return_recv_hook)):
-            _bool_arg(n, v)
+        if not (use_logfmt.__class__ is zero_copy.__class__ is async_finish.__class__
+                is return_recv_hook.__class__ is bool):  # as in low_latency_dispatch
+            for n, v in (("use_logfmt", use_logfmt), ("zero_copy", zero_copy),
+                         ("async_finish", async_finish), ("return_recv_hook", return_recv_hook)):
+                _bool_arg(n, v)
         e = self._by_handle(handle, LowLatencyHandle)
         if zero_copy:
             zc = handle._zero_copy
