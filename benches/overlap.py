@@ -4,6 +4,7 @@ through the installed package (DeepEP's overlap form: ``previous_event``, ``asyn
 
     python3 benches/overlap.py                 # DeepEP's shape, 24-SM budget, 1 rank
     python3 benches/overlap.py --sms 32 --iters 40
+    python3 benches/overlap.py --gemm-carveout 24   # the GEMMs leave the library's 24 SMs free
 
 Per op (cached-handle dispatch of fp8 ``(x, scales)``, combine of bf16 rows) it times, with CUDA
 events recorded on the communication stream around each call:
@@ -41,6 +42,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--sms", type=int, default=24, help="the library's SM budget (default 24)")
     p.add_argument("--gemm", type=int, default=8192, help="GEMM size n (n x n x n, bf16)")
+    p.add_argument("--gemm-carveout", type=int, default=0,
+                   help="SMs the GEMMs leave free (torch's cuBLAS SM carve-out, as a deployment "
+                        "that sizes its GEMMs around the communication kernels does); 0: none")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--json", help="write the figures here")
     return p.parse_args()
@@ -76,6 +80,15 @@ def main() -> int:
         dist.init_process_group("gloo")
         group = dist.group.WORLD
     Buffer.set_num_sms(a.sms)
+    if a.gemm_carveout:
+        setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
+        if setter is None:
+            print("--gemm-carveout: this torch has no _set_sm_carveout_experimental",
+                  file=sys.stderr)
+            return 2
+        setter(a.gemm_carveout)
+        # The carve-out reaches cuBLASLt's matmuls (its SM-count target), not cuBLAS's.
+        torch.backends.cuda.preferred_blas_library("cublaslt")
     cfg = Buffer.get_dispatch_config(world)
     nvl = cfg.get_nvl_buffer_size_hint(a.hidden * 2, world)
     buf = Buffer(group, nvl, 0, explicitly_destroy=True)
@@ -168,7 +181,8 @@ def main() -> int:
     med["gemm_alone"] = statistics.median(g_alone)
     if rank == 0:
         print(f"fabric_ep from {os.path.dirname(fabric_ep.__file__)}: ranks {world}, SM budget {a.sms}, {a.tokens} tokens, hidden {a.hidden}, "
-              f"top-{a.topk} of {a.experts}; GEMM chain {chain} x {a.gemm}^3 bf16; "
+              f"top-{a.topk} of {a.experts}; GEMM chain {chain} x {a.gemm}^3 bf16, "
+              f"{a.gemm_carveout} SMs carved out of it; "
               f"medians of {a.iters * 2} (us)")
         ga_ = med["gemm_alone"]
         print(f"GEMM chain alone {ga_:.1f}")

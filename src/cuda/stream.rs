@@ -55,12 +55,33 @@ impl Stream {
         let raw = match reuse {
             Some(raw) => raw as CUstream,
             None => {
-                let mut s = Stream::new(dev)?;
+                let mut s = Stream::new_high_priority(dev)?;
                 s.owned = false;
                 s.raw
             }
         };
         Ok(Stream { dev: dev.clone(), raw, owned: false, kept: true })
+    }
+
+    /// A non-blocking stream at the context's greatest priority: as SMs free up, the block
+    /// scheduler places its kernels' blocks before pending blocks of lower-priority streams.
+    /// The communication stream is one (as DeepEP's). It does not preempt: beside a GEMM whose
+    /// blocks stay resident until it ends (cuBLAS's persistent Hopper kernels), a dispatch
+    /// still waits for that GEMM (docs/PERFORMANCE.md, "Overlap with a GEMM").
+    pub fn new_high_priority(dev: &Device) -> CudaResult<Stream> {
+        dev.bind()?;
+        let (mut least, mut greatest) = (0i32, 0i32);
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: context bound; out-pointers valid.
+        unsafe {
+            call!(cuCtxGetStreamPriorityRange(&mut least, &mut greatest))?;
+            call!(cuStreamCreateWithPriority(
+                &mut raw,
+                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+                greatest
+            ))?
+        };
+        Ok(Stream { dev: dev.clone(), raw, owned: true, kept: false })
     }
 
     /// Wraps a caller's stream without owning it: never destroyed by this object. NULL is the
