@@ -7,10 +7,10 @@
 //! destination node, then an NVLink fan-out), counted exactly on routings from the project's own
 //! generator.
 
-use crate::ep::config::DispatchDtype;
-use crate::ep::layout::{random_topk_idx, LayoutShape};
-use crate::error::{Error, Result};
-use crate::util::SplitMix64;
+use fabric_ep::ep::config::DispatchDtype;
+use fabric_ep::ep::layout::{random_topk_idx, LayoutShape};
+use fabric_ep::error::{Error, Result};
+use fabric_ep::util::SplitMix64;
 
 /// Token copies of a set of routings under the two internode strategies, summed over source
 /// ranks. Exact counts, no model: each token is counted from its own top-k row.
