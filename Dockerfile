@@ -69,7 +69,7 @@ ENV CARGO_HOME=/usr/local/cargo RUSTUP_HOME=/usr/local/rustup RUSTUP_TOOLCHAIN=$
 WORKDIR /src
 COPY . .
 RUN FEP_CUDA_ARCHS="${FEP_CUDA_ARCHS}" FEP_GIT_COMMIT="${FEP_GIT_COMMIT}" \
-      cargo build --release --locked --bin ep-bench --lib \
+      cargo build --release --locked -p ep-bench \
  && make install PREFIX=/opt/fabric-ep PROFILE=release \
  && install -D -m 755 target/release/ep-bench /opt/fabric-ep/bin/ep-bench
 

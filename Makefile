@@ -12,8 +12,10 @@ setup:
 	@bash scripts/setup.sh
 
 # Tests: unit, multi-process fabric/bootstrap, host backend; GPU tests report themselves skipped
-# on machines without a GPU. scripts/saturated.sh reruns the timing-sensitive ones with every core
-# busy.
+# on machines without a GPU (the workspace: fabric-ep's tests/ and ep-bench's ep-bench/tests/).
+# The usage examples run as a user would run them (Rust: examples/host_roundtrip.rs, built by
+# `cargo test`; Python: ffi/python/examples/). scripts/saturated.sh reruns the timing-sensitive
+# tests with every core busy.
 # The Python tests run the package from ffi/python over the debug build of its native module
 # (fabric_ep._core, crate ffi/python/native; FABRIC_EP_EXTENSION names the file).
 # FEP_TEST_CARGO_PATH: the PATH cargo built with here, for the wheel test's cargo call (build.rs
@@ -21,16 +23,18 @@ setup:
 PY_EXT = $${CARGO_TARGET_DIR:-$(ROOT)/target}/debug/libfabric_ep_python.so
 test: setup
 	$(CARGO) test --workspace --no-fail-fast
-	$(CARGO) run --release --bin ep-bench -- verify --backend host --cases 300 --seed 1
+	$(CARGO) run --example host_roundtrip
+	$(CARGO) run --release -p ep-bench -- verify --backend host --cases 300 --seed 1
 	CARGO="$(CARGO)" bash scripts/saturated.sh
 	$(CARGO) build --lib
 	$(CARGO) build -p fabric-ep-python --features extension-module
 	FEP_TEST_CARGO_PATH="$$PATH" FABRIC_EP_EXTENSION=$(PY_EXT) \
 	    python3 -m pytest -q tests/py ffi/python/tests
+	FABRIC_EP_EXTENSION=$(PY_EXT) python3 ffi/python/examples/host_roundtrip.py
 
-# The main job: ep-bench with its embedded defaults.
+# The main job: ep-bench (the workspace crate ep-bench/) with its embedded defaults.
 bench: setup
-	$(CARGO) run --release --bin ep-bench --
+	$(CARGO) run --release -p ep-bench --
 
 # The C example links the cdylib/staticlib: tests/ffi_example.rs builds them (`cargo build --lib`).
 # scripts/modgraph.py fails on an import cycle between modules of src/ep.

@@ -7,11 +7,10 @@
 //!    one module, no relocatable device code and device link step. Kernel files therefore keep
 //!    their helpers in anonymous namespaces and their entry points `extern "C"` with unique names.
 //!    The test kernels and the bench's baselines ([`BENCH_KERNEL_FILES`]) are compiled only with
-//!    the `bench-kernels` feature (default on; the C library, `make install` and the Python
-//!    module are built without it, so what ships holds only what the library launches).
+//!    the `bench-kernels` feature (off by default, so the C library, `make install` and the
+//!    Python module hold only what the library launches; ep-bench turns it on).
 //! 2. bindgen turns `kernels/include/fep_abi.h` into `OUT_DIR/abi.rs` (`src/abi.rs` includes it).
 //! 3. The C library's link arguments ([`c_library_link_args`]): SONAME and RUNPATH.
-//! 4. `FEP_GIT_COMMIT` for ep-bench's result rows ([`git_commit`]).
 //!
 //! Nothing links against libcuda or libcudart: cudarc loads libcuda at run time.
 
@@ -33,8 +32,8 @@ const ENV_VARS: &[&str] = &[
 
 /// kernels/*.cu compiled only with the `bench-kernels` feature: the device-wait and ring-push
 /// test kernels (tests/gpu_device_wait.rs, the GPU bench's start gate), the proxy exchange and
-/// ping-pong (tests/gpu_proxy.rs, examples/gpu_proxy_bench.rs), and the baselines ep-bench
-/// compares with (NCCL's permute and un-permute, the copy kernel of its "copy" rows).
+/// ping-pong (tests/gpu_proxy.rs, ep-bench/examples/gpu_proxy_bench.rs), and the baselines
+/// ep-bench compares with (NCCL's permute and un-permute, the copy kernel of its "copy" rows).
 /// src/cuda/module.rs and src/cuda/launch.rs gate their kernels the same way.
 const BENCH_KERNEL_FILES: &[&str] = &["baseline.cu", "proxy_test.cu", "test_kernels.cu"];
 
@@ -67,7 +66,6 @@ fn main() {
     build_fatbin(&root, &out, &files);
     build_abi(&kernels, &out);
     c_library_link_args();
-    git_commit(&root);
 }
 
 /// The cdylib is the C library `make install` ships as `libfabric_ep.so.0`:
@@ -89,37 +87,6 @@ fn c_library_link_args() {
     for arg in ["-Wl,-soname,libfabric_ep.so.0", "-Wl,-rpath,$ORIGIN", "-Wl,--enable-new-dtags"] {
         println!("cargo:rustc-cdylib-link-arg={arg}");
     }
-}
-
-/// `FEP_GIT_COMMIT` (ep-bench's rows carry it): the variable when set (builds from a tarball or a
-/// container context without `.git`), else `git rev-parse HEAD` of the source tree, else
-/// "unknown". The build script reruns when HEAD moves: HEAD and the branch it names are watched.
-fn git_commit(root: &Path) {
-    println!("cargo:rerun-if-env-changed=FEP_GIT_COMMIT");
-    let git = |args: &[&str]| -> Option<String> {
-        let o = Command::new("git").arg("-C").arg(root).args(args).output().ok()?;
-        let s = String::from_utf8(o.stdout).ok()?.trim().to_string();
-        (o.status.success() && !s.is_empty()).then_some(s)
-    };
-    let commit = env::var("FEP_GIT_COMMIT")
-        .ok()
-        .filter(|c| !c.trim().is_empty())
-        .or_else(|| git(&["rev-parse", "HEAD"]))
-        .unwrap_or_else(|| "unknown".to_string());
-    if env::var_os("FEP_GIT_COMMIT").is_none() {
-        let mut watch = vec!["HEAD".to_string(), "packed-refs".to_string()];
-        if let Some(branch) = git(&["symbolic-ref", "-q", "HEAD"]) {
-            watch.push(branch);
-        }
-        for w in watch {
-            if let Some(p) = git(&["rev-parse", "--path-format=absolute", "--git-path", &w]) {
-                if Path::new(&p).exists() {
-                    println!("cargo:rerun-if-changed={p}");
-                }
-            }
-        }
-    }
-    println!("cargo:rustc-env=FEP_GIT_COMMIT={}", commit.trim());
 }
 
 fn walk(dir: &Path, files: &mut Vec<PathBuf>) {

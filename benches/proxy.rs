@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput};
-use fabric_ep::bench::stats::percentile;
+use ep_bench::stats::percentile;
 use fabric_ep::proxy::{
     Command, CounterLayout, CounterMemory, ImmCodec, LoopbackGroup, LoopbackOptions, Proxy,
     ProxyConfig, RingLayout, RingMemory, RingProducer,

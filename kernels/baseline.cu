@@ -1,5 +1,5 @@
 // The standard stack's permute and un-permute around NCCL's all-to-all (ep-bench's comparison,
-// src/bench/nccl.rs): a row gather before the all-to-all, a per-token segmented sum after the
+// ep-bench/src/nccl.rs): a row gather before the all-to-all, a per-token segmented sum after the
 // return trip. Plain, vectorised (16-byte) memory-bound kernels: the baseline should be a fair one.
 
 #include "fep_abi.h"

@@ -1,5 +1,6 @@
 // Kernels that drive the real CPU proxy (src/proxy) through its command ring and arrival counters:
-// the GPU proxy tests (tests/gpu_proxy.rs) and the latency bench (examples/gpu_proxy_bench.rs).
+// the GPU proxy tests (tests/gpu_proxy.rs) and the latency bench
+// (ep-bench/examples/gpu_proxy_bench.rs).
 // Every wait is bounded (fep_device.cuh); a wait that runs out records the error and the kernel
 // leaves without touching the ring again.
 #include "fep_abi.h"

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""get_dispatch_layout with PyTorch ops, on the inputs examples/gpu_layout_bench.rs dumped.
+"""get_dispatch_layout with PyTorch ops, on the inputs ep-bench/examples/gpu_layout_bench.rs dumped.
 
 Checks that torch gives exactly the kernel's outputs (set 0), then times torch with CUDA events
 (warm-up, median/p99 over launches rotating through the same input sets), eagerly and replayed

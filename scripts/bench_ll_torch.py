@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""The PyTorch permute / weighted-unpermute sequence on the inputs examples/gpu_ll_bench.rs dumped.
+"""The PyTorch permute / weighted-unpermute sequence on the inputs
+ep-bench/examples/gpu_ll_bench.rs dumped.
 
 Dispatch baseline: argsort of the flattened top-k by expert (-1 last), index_select of the token
 rows into expert order, then (fp8, as the kernel) a per-128-channel e4m3 cast with fp32 scales.

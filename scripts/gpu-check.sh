@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # GPU check in two halves, so the GPU machine needs no Rust toolchain:
 #
-#   scripts/gpu-check.sh build     (here, no GPU) build the GPU test binaries (tests/gpu_*.rs) and
-#                                  examples (examples/gpu_*.rs) in release, and gather them with
-#                                  the scripts they need into the MAIN checkout's ignored
+#   scripts/gpu-check.sh build     (here, no GPU) build the GPU test binaries (tests/gpu_*.rs,
+#                                  ep-bench/tests/gpu_*.rs) and examples (ep-bench/examples/
+#                                  gpu_*.rs) in release, and gather them with the scripts
+#                                  they need into the MAIN checkout's ignored
 #                                  gpu-bundle/ (override: FEP_GPU_BUNDLE=dir), with the release
 #                                  libfabric_ep.so inside the Python package (python/fabric_ep/)
 #                                  and the Python tests (python/tests/). FEP_GPU_BUILD=python
@@ -50,14 +51,16 @@ build() {
   echo "gpu-check: building release GPU tests and examples (bundle: $bundle)"
   local json
   json=$(mktemp)
+  # The GPU tests are fabric-ep's (tests/) and ep-bench's (ep-bench/tests/).
+  local pkgs=(-p fabric-ep -p ep-bench)
   case "${FEP_GPU_BUILD:-all}" in
     python) : >"$json" ;;
-    tests) cargo test --release --no-run --message-format=json --test 'gpu_*' >"$json" ;;
+    tests) cargo test --release --no-run --message-format=json "${pkgs[@]}" --test 'gpu_*' >"$json" ;;
     all)
-      cargo test --release --no-run --message-format=json --test 'gpu_*' >"$json"
-      cargo build --release --message-format=json --example 'gpu_*' >>"$json"
+      cargo test --release --no-run --message-format=json "${pkgs[@]}" --test 'gpu_*' >"$json"
+      cargo build --release --message-format=json -p ep-bench --example 'gpu_*' >>"$json"
       cargo bench --no-run --message-format=json --bench proxy >>"$json"
-      cargo build --release --message-format=json --bin ep-bench >>"$json"
+      cargo build --release --message-format=json -p ep-bench --bin ep-bench >>"$json"
       ;;
     *) echo "gpu-check: FEP_GPU_BUILD=${FEP_GPU_BUILD} (expected all, tests or python)" >&2; exit 2 ;;
   esac
@@ -123,7 +126,8 @@ EOF
     # The diagnosis build of the normal proxy bench (trace points in the normal kernels' proxy
     # lanes, build.rs FEP_TRACE_NORMAL) in its own target folder, beside the plain one.
     echo "gpu-check: traced build of gpu_normal_proxy_bench (target/trace)"
-    CARGO_TARGET_DIR=target/trace FEP_TRACE_NORMAL=1 cargo build --release --example gpu_normal_proxy_bench
+    CARGO_TARGET_DIR=target/trace FEP_TRACE_NORMAL=1 cargo build --release -p ep-bench \
+      --example gpu_normal_proxy_bench
     mkdir -p "$bundle/traced"
     cp target/trace/release/examples/gpu_normal_proxy_bench "$bundle/traced/"
     strip "$bundle/traced/gpu_normal_proxy_bench"
@@ -151,9 +155,9 @@ EOF
 
 has_section() { case ",${FEP_GPU_SECTIONS:-tests,memcheck,memcheck-proxy,layout,proxy,normal,nproxy,epbench,python}," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 
-# GPU proxy latency (examples/gpu_proxy_bench.rs): first as the machine is (two processes on one
-# GPU time-slice it: few rounds), then under MPS if its control daemon is there (the daemon is
-# stopped again at the end); then the loopback proxy throughput (benches/proxy.rs).
+# GPU proxy latency (ep-bench/examples/gpu_proxy_bench.rs): first as the machine is (two
+# processes on one GPU time-slice it: few rounds), then under MPS if its control daemon is there
+# (the daemon is stopped again at the end); then the loopback proxy throughput (benches/proxy.rs).
 run_proxy_section() {
   local b=$1 out=$2 log=$2/proxy.log rc fail=0
   : >"$log"
@@ -322,8 +326,9 @@ PYEOF
 }
 
 # Low-latency mode through the proxy, forced internode on one GPU (tests/gpu_ll_proxy.rs,
-# examples/gpu_ll_proxy_bench.rs), all under MPS (two processes' kernels must be resident at once;
-# the daemon is stopped again at the end). FEP_LLPROXY_ITERS: timed pairs per bench case.
+# ep-bench/examples/gpu_ll_proxy_bench.rs), all under MPS (two processes' kernels must be
+# resident at once; the daemon is stopped again at the end). FEP_LLPROXY_ITERS: timed pairs per
+# bench case.
 run_llproxy_section() {
   local b=$1 out=$2 log=$2/llproxy.log rc fail=0
   : >"$log"
@@ -485,7 +490,7 @@ run() {
   export PATH="$b/bin:$PATH"
   # The tcp provider on loopback only: the GPU machine reaches nothing outside it.
   export FI_TCP_IFACE=${FI_TCP_IFACE:-lo}
-  # NCCL for ep-bench's baseline (src/bench/nccl.rs): the PyTorch wheel's copy.
+  # NCCL for ep-bench's baseline (ep-bench/src/nccl.rs): the PyTorch wheel's copy.
   if [ -z "${FEP_NCCL_LIB:-}" ]; then
     FEP_NCCL_LIB=$(python3 -c 'import nvidia.nccl as m, os; print(os.path.join(list(m.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null || true)
     export FEP_NCCL_LIB
@@ -617,7 +622,8 @@ run() {
   return $fail
 }
 
-# Low-latency mode only (tests/gpu_ll.rs, examples/gpu_ll_bench.rs, scripts/bench_ll_torch.py).
+# Low-latency mode only (tests/gpu_ll.rs, ep-bench/examples/gpu_ll_bench.rs,
+# scripts/bench_ll_torch.py).
 run_ll() {
   local b out
   b=$(cd "$(dirname "$0")" && pwd)

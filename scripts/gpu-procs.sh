@@ -26,7 +26,7 @@ bundle=gpu-bundle-procs
 
 build() {
   make wheel
-  cargo build --release --bin ep-bench
+  cargo build --release -p ep-bench
   rm -rf "$bundle"
   mkdir -p "$bundle/lib" "$bundle/bin"
   cp dist/fabric_ep-*.whl "$bundle/"

@@ -4,7 +4,6 @@
 //! `ffi` -> `ep` -> {`proxy`, `cuda`, `fabric`, `bootstrap`} -> `libfabric-sys` / cudarc.
 
 pub mod abi;
-pub mod bench;
 pub mod bootstrap;
 pub mod cuda;
 pub mod ep;
@@ -17,3 +16,7 @@ pub mod trace;
 pub mod util;
 
 pub use error::{Error, Result};
+
+/// This crate's version (Cargo.toml), for tools that report which build they ran (ep-bench's
+/// result rows).
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");

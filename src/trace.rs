@@ -10,7 +10,7 @@
 //!   clock with an offset measured by [`crate::cuda::DeviceTrace::calibrate`].
 //!
 //! Kinds are fep_abi.h's `FEP_TRACE_*` (device and host share them). `ep-bench`-style tools turn
-//! a merged list into per-interval figures ([`crate::bench::trace`]).
+//! a merged list into per-interval figures (ep-bench's `trace` module).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use fabric_ep::bench::ep::{
+use ep_bench::ep::{
     check_dispatch_view, combine_input, rank_inputs, reference_grouped, run_normal,
     run_normal_hier, DispatchView, InternodeBytes, NormalBenchParams, RankInputs,
 };

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fabric_ep::bench::ep::{
+use ep_bench::ep::{
     check_ll_dispatch, ll_combine_input, ll_rank_inputs, ll_reference, LlBenchParams, LlRankInputs,
 };
 use fabric_ep::bootstrap::{Bootstrap, InProcGroup};

@@ -6,9 +6,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fabric_ep::bench::ep::{
-    check_dispatch, combine_input, rank_inputs, NormalBenchParams, RankInputs,
-};
+use ep_bench::ep::{check_dispatch, combine_input, rank_inputs, NormalBenchParams, RankInputs};
 use fabric_ep::bootstrap::{Bootstrap, InProcGroup};
 use fabric_ep::ep::buffer::{
     Backend, Buffer, BufferOptions, CombineArgs, DispatchArgs, OwnedTokens, Tokens,

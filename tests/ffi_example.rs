@@ -14,9 +14,11 @@ fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// target/<profile>, where `cargo test` put ep-bench (and `cargo build --lib` the C libraries).
+/// target/<profile>, where `cargo build --lib` puts the C libraries: cargo runs this test from
+/// target/<profile>/deps.
 fn profile_dir() -> PathBuf {
-    Path::new(env!("CARGO_BIN_EXE_ep-bench")).parent().expect("profile dir").to_path_buf()
+    let exe = std::env::current_exe().expect("current_exe");
+    exe.parent().and_then(Path::parent).expect("profile dir").to_path_buf()
 }
 
 fn output(cmd: &mut Command) -> Output {

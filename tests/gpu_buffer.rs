@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fabric_ep::bench::ep_gpu::{run_ll_gpu, run_normal_gpu, GpuBenchParams};
+use ep_bench::ep_gpu::{run_ll_gpu, run_normal_gpu, GpuBenchParams};
 use fabric_ep::bootstrap::{Bootstrap, InProcGroup};
 use fabric_ep::cuda::{DeviceBuffer, Stream};
 use fabric_ep::ep::buffer::{Buffer, BufferOptions};

@@ -14,7 +14,7 @@ use common::gpu::gpu;
 use std::os::raw::{c_int, c_void};
 use std::time::Duration;
 
-use fabric_ep::bench::ep::{combine_input, rank_inputs, reference, NormalBenchParams, RankInputs};
+use ep_bench::ep::{combine_input, rank_inputs, reference, NormalBenchParams, RankInputs};
 use fabric_ep::bootstrap::{Bootstrap, InProcGroup};
 use fabric_ep::cuda::{Device, DeviceBuffer, Stream};
 use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};

@@ -14,7 +14,7 @@ use common::gpu::gpu;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fabric_ep::bench::ep_gpu::{run_normal_gpu_hier, GpuBenchParams, GpuSplit};
+use ep_bench::ep_gpu::{run_normal_gpu_hier, GpuBenchParams, GpuSplit};
 use fabric_ep::bootstrap::{Bootstrap, InProcGroup};
 use fabric_ep::cuda::Stream;
 use fabric_ep::ep::buffer::BufferOptions;

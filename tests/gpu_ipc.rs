@@ -17,7 +17,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fabric_ep::bench::ep_gpu::{run_ll_gpu_process, run_normal_gpu_rank, GpuBenchParams, GpuSplit};
+use ep_bench::ep_gpu::{run_ll_gpu_process, run_normal_gpu_rank, GpuBenchParams, GpuSplit};
 use fabric_ep::bootstrap::{Bootstrap, RankOutcome, TcpStore};
 use fabric_ep::cuda::{device_count, gpu_available, Device, DeviceBuffer, Stream};
 use fabric_ep::ep::buffer::{Buffer, BufferOptions};

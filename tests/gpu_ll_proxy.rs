@@ -1,8 +1,8 @@
 //! GPU: low-latency dispatch/combine to peers on other nodes through the CPU proxy
 //! (`ep::gpu::ll_proxy`, kernels/ll_*.cu's FEP_LL_TRANSPORT_PROXY), against the reference
-//! (src/ep/reference.rs, through `bench::ep_gpu`'s runner, the same one tests/gpu_buffer.rs uses).
-//! Every case is "forced internode" on one GPU: `ranks_per_node < num_ranks`, so peers of other
-//! "nodes" are reached by RMA writes through each rank's proxy, same-node peers by device
+//! (src/ep/reference.rs, through `ep_bench::ep_gpu`'s runner, the same one tests/gpu_buffer.rs
+//! uses). Every case is "forced internode" on one GPU: `ranks_per_node < num_ranks`, so peers of
+//! other "nodes" are reached by RMA writes through each rank's proxy, same-node peers by device
 //! pointers (mixed tables).
 //!
 //! - ranks as threads of one process: 2 ranks x 1 per node and 4 ranks x 2 per node, over `shm`
@@ -26,9 +26,7 @@ use common::gpu::gpu;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fabric_ep::bench::ep_gpu::{
-    run_ll_gpu_on, run_ll_gpu_rank, GpuBenchParams, LlCase, LlRunOptions,
-};
+use ep_bench::ep_gpu::{run_ll_gpu_on, run_ll_gpu_rank, GpuBenchParams, LlCase, LlRunOptions};
 use fabric_ep::bootstrap::{Bootstrap, InProcGroup, LocalJob, TcpStore};
 use fabric_ep::cuda::{Device, DeviceBuffer, Stream};
 use fabric_ep::ep::buffer::{Buffer, BufferOptions};

@@ -19,10 +19,8 @@ use common::gpu::gpu;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fabric_ep::bench::ep::run_normal;
-use fabric_ep::bench::ep_gpu::{
-    run_normal_gpu_rank, run_normal_gpu_split, GpuBenchParams, GpuSplit,
-};
+use ep_bench::ep::run_normal;
+use ep_bench::ep_gpu::{run_normal_gpu_rank, run_normal_gpu_split, GpuBenchParams, GpuSplit};
 use fabric_ep::bootstrap::{Bootstrap, InProcGroup, LocalJob, TcpStore};
 use fabric_ep::cuda::{Device, DeviceBuffer, Stream};
 use fabric_ep::ep::buffer::{Buffer, BufferOptions};
@@ -100,7 +98,7 @@ fn forced_internode_threads_match_reference() {
 }
 
 /// The host backend (CPU staging, same proxy, same wire protocol) on the same configs and the same
-/// deterministic inputs (`bench::ep::rank_inputs`) as the GPU runs: both are checked against the
+/// deterministic inputs (`ep_bench::ep::rank_inputs`) as the GPU runs: both are checked against the
 /// one reference those inputs give, so the two backends' outputs are equal.
 #[test]
 #[ignore = "needs a GPU: scripts/gpu-check.sh runs it"]

@@ -1,4 +1,4 @@
-/* Records of the baseline kernels (kernels/baseline.cu; Rust: src/bench/nccl.rs): the permute
+/* Records of the baseline kernels (kernels/baseline.cu; Rust: ep-bench/src/nccl.rs): the permute
  * and un-permute around NCCL's all-to-all that ep-bench times beside our dispatch/combine ("the
  * standard stack"). Included by fep_abi.h, so bindgen and the size checks see it. */
 #ifndef FEP_BASELINE_H

@@ -665,7 +665,7 @@ mod tests {
 }
 
 /// Threads-as-ranks harness on one GPU, shared by tests/gpu_normal.rs and
-/// examples/gpu_normal_bench.rs: per-rank device buffers and one full step
+/// ep-bench/examples/gpu_normal_bench.rs: per-rank device buffers and one full step
 /// (layout -> notify -> [recv_info] -> dispatch -> combine).
 pub mod harness {
     use super::*;

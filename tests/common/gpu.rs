@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use fabric_ep::bench::ep_gpu::GpuBenchParams;
+use ep_bench::ep_gpu::GpuBenchParams;
 use fabric_ep::cuda::{gpu_available, Device};
 
 /// This process's GPU (`LOCAL_RANK` modulo the visible GPUs), or `None` after a SKIP line.

@@ -1,7 +1,8 @@
 //! Shared by the GPU proxy tests (tests/gpu_proxy.rs) and the latency bench
-//! (examples/gpu_proxy_bench.rs): one rank of a GPU job whose kernels drive the real CPU proxy.
-//! Rings, counters, send and receive regions all live in pinned host memory mapped into the GPU
-//! (`HostMapped`); the send and receive regions are registered with libfabric as host memory.
+//! (ep-bench/examples/gpu_proxy_bench.rs): one rank of a GPU job whose kernels drive the real CPU
+//! proxy. Rings, counters, send and receive regions all live in pinned host memory mapped into
+//! the GPU (`HostMapped`); the send and receive regions are registered with libfabric as host
+//! memory.
 
 use std::sync::Arc;
 use std::time::Duration;

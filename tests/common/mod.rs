@@ -1,9 +1,12 @@
 //! Helpers shared by the integration tests (`mod common;` in each tests/*.rs):
 //! - [`gpu`]: the GPU gate every tests/gpu_*.rs uses and the small checked run shapes;
 //! - [`gpu_proxy`]: one rank of a GPU job whose kernels drive the real CPU proxy (also included
-//!   by examples/gpu_proxy_bench.rs through `#[path]`, so it uses nothing from this file);
+//!   by ep-bench/examples/gpu_proxy_bench.rs through `#[path]`, so it uses nothing from this
+//!   file);
 //! - [`proxy`]: one rank of the proxy-over-libfabric tests (threads or processes as ranks);
-//! - here: re-executing this test binary as the ranks of a job, the provider list, ep-bench.
+//! - here: re-executing this test binary as the ranks of a job, the provider list.
+//!
+//! The tests that run the ep-bench binary are ep-bench's (ep-bench/tests/).
 
 // Every tests/*.rs is its own crate and uses only some of these helpers.
 #![allow(dead_code)]
@@ -13,7 +16,6 @@ pub mod gpu_proxy;
 pub mod proxy;
 
 use std::path::PathBuf;
-use std::process::Command;
 use std::time::Duration;
 
 use fabric_ep::bootstrap::{LocalJob, RankOutcome};
@@ -52,15 +54,4 @@ pub fn run_child_ranks(n: usize, env: &[(String, String)], wall: Duration) -> Ve
 /// Every rank's output, in rank order.
 pub fn report(out: &[RankOutcome]) -> String {
     out.iter().map(|o| o.to_string()).collect()
-}
-
-/// The ep-bench binary of this build, which never joins an outer job by accident (the launcher's
-/// variables are removed).
-pub fn ep_bench() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_ep-bench"));
-    for v in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
-    {
-        c.env_remove(v);
-    }
-    c
 }

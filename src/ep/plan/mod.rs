@@ -27,7 +27,7 @@
 //!
 //! The parts, each a submodule re-exported here (paths such as `ep::plan::NormalLayout` are
 //! the API): constants and input checks (`base`), wire records, immediate data, memory
-//! regions, normal mode, low-latency mode, cluster sizing.
+//! regions, normal mode, low-latency mode, cluster sizing and its table.
 
 mod base;
 mod cluster;
@@ -36,6 +36,7 @@ mod ll;
 mod normal;
 mod record;
 mod region;
+mod table;
 
 pub use base::*;
 pub use cluster::*;
@@ -44,6 +45,7 @@ pub use ll::*;
 pub use normal::*;
 pub use record::*;
 pub use region::*;
+pub use table::*;
 
 // Index loops over ranks/tokens/channels read closest to the math they check.
 #[allow(clippy::needless_range_loop, clippy::type_complexity)]

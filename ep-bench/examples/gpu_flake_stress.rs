@@ -10,7 +10,7 @@
 //! `STRESS_RESULT mode=.. ranks=.. rounds=.. failed=..` line.
 
 use clap::Parser;
-use fabric_ep::bench::ep_gpu::{run_ll_gpu, run_normal_gpu, GpuBenchParams};
+use ep_bench::ep_gpu::{run_ll_gpu, run_normal_gpu, GpuBenchParams};
 use fabric_ep::cuda::{gpu_available, Device};
 use std::time::{Duration, Instant};
 

@@ -12,7 +12,7 @@
 //! `gpu_normal_bench [--tokens 4096 --hidden 7168 --topk 8 --experts 256 --ranks 4 --sms 32]`
 
 use clap::Parser;
-use fabric_ep::bench::stats::percentile;
+use ep_bench::stats::percentile;
 use fabric_ep::cuda::{gpu_available, Device, DeviceBuffer, Event, Stream};
 use fabric_ep::ep::config::DispatchDtype;
 use fabric_ep::ep::layout::{random_topk_idx, LayoutShape};
@@ -92,7 +92,7 @@ fn time_all(
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    fabric_ep::bench::ep_gpu::set_work_queues_for_threads();
+    ep_bench::ep_gpu::set_work_queues_for_threads();
     let a = Args::parse();
     if !gpu_available() {
         println!("SKIP: no GPU visible");

@@ -6,8 +6,8 @@ use std::fmt::Write;
 
 use serde::{Deserialize, Deserializer, Serialize};
 
-/// fabric-ep's version (Cargo.toml).
-pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+/// fabric-ep's version (its Cargo.toml).
+pub const VERSION: &str = fabric_ep::VERSION;
 
 /// The commit the binary was built from (build.rs: `FEP_GIT_COMMIT`, else `git rev-parse HEAD`,
 /// else "unknown").

@@ -5,10 +5,12 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::bootstrap::Bootstrap;
-use crate::error::{Error, Result};
-use crate::fabric::{Completion, FiAddr, InfoQuery, MemKind, MemoryRegion, RemoteRegion, Stack};
-use crate::util::Deadline;
+use fabric_ep::bootstrap::Bootstrap;
+use fabric_ep::error::{Error, Result};
+use fabric_ep::fabric::{
+    Completion, FiAddr, InfoQuery, MemKind, MemoryRegion, RemoteRegion, Stack,
+};
+use fabric_ep::util::Deadline;
 
 const EMPTY: Completion = Completion { context: 0, flags: 0, len: 0, data: 0 };
 
@@ -20,7 +22,7 @@ pub struct Peers {
 
 /// All-gathers endpoint names and one region descriptor per rank, and fills the AV.
 pub fn connect(boot: &dyn Bootstrap, stack: &Stack, region: &MemoryRegion) -> Result<Peers> {
-    let fp = crate::ep::connect::exchange_fabric(boot, stack, &region.remote(), &[], 0)?;
+    let fp = fabric_ep::ep::connect::exchange_fabric(boot, stack, &region.remote(), &[], 0)?;
     Ok(Peers { addrs: fp.addrs, regions: fp.regions })
 }
 
@@ -122,7 +124,7 @@ pub fn alltoall_selftest(
             }
         }
         let n = stack.cq.read(&mut buf).map_err(|e| match e {
-            crate::fabric::FabricError::Completion { op_context, .. } if op_context > 0 => {
+            fabric_ep::fabric::FabricError::Completion { op_context, .. } if op_context > 0 => {
                 Error::Other(format!("rank {rank}: write to rank {} failed: {e}", op_context - 1))
             }
             e => e.into(),

@@ -26,17 +26,17 @@ use std::sync::mpsc;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use crate::bootstrap::{Bootstrap, BootstrapError, InProcGroup};
-use crate::ep::buffer::{
+use fabric_ep::bootstrap::{Bootstrap, BootstrapError, InProcGroup};
+use fabric_ep::ep::buffer::{
     Buffer, BufferOptions, CombineArgs, CombineOutput, DispatchArgs, DispatchOutput, LlCombineArgs,
     LlDispatchArgs, LlDispatchOutput, OwnedTokens, Tokens,
 };
-use crate::ep::config::{DispatchDtype, EpConfig, EpSettings};
-use crate::ep::hier::{HierBuffer, HierDispatchArgs, HierDispatchOutput};
-use crate::ep::quant::{bf16_to_f32, dequantize_row, f32_to_bf16, quantize_bf16};
-use crate::ep::reference::{self as refm};
-use crate::util::SplitMix64;
-use crate::{Error, Result};
+use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
+use fabric_ep::ep::hier::{HierBuffer, HierDispatchArgs, HierDispatchOutput};
+use fabric_ep::ep::quant::{bf16_to_f32, dequantize_row, f32_to_bf16, quantize_bf16};
+use fabric_ep::ep::reference::{self as refm};
+use fabric_ep::util::SplitMix64;
+use fabric_ep::{Error, Result};
 
 /// The providers every matrix covers (those of this machine).
 pub const PROVIDERS: [&str; 3] = ["shm", "tcp;ofi_rxm", "udp;ofi_rxd"];
@@ -433,21 +433,21 @@ fn largest_unit(mode: Mode, r: usize, shapes: &[ShapeSpec]) -> Option<u64> {
         let dtype = if sh.fp8 { DispatchDtype::Fp8E4m3 } else { DispatchDtype::Bf16 };
         // Every host Buffer builds its normal-mode buffers; the low-latency lane comes on top;
         // the hierarchy's node stage carries 128 more channels.
-        let hidden = sh.hidden + if sh.hier { crate::ep::hier::META_CHANNELS } else { 0 };
-        let slot = crate::ep::plan::NormalLayout::from_parts(
+        let hidden = sh.hidden + if sh.hier { fabric_ep::ep::hier::META_CHANNELS } else { 0 };
+        let slot = fabric_ep::ep::plan::NormalLayout::from_parts(
             r as u64,
             sh.experts as u64,
             hidden as u64,
             sh.topk as u64,
             dtype,
-            sh.chunk_tokens.unwrap_or(crate::ep::config::DEFAULT_CHUNK_TOKENS) as u64,
-            sh.slots_per_peer.unwrap_or(crate::ep::config::DEFAULT_SLOTS_PER_PEER) as u64,
+            sh.chunk_tokens.unwrap_or(fabric_ep::ep::config::DEFAULT_CHUNK_TOKENS) as u64,
+            sh.slots_per_peer.unwrap_or(fabric_ep::ep::config::DEFAULT_SLOTS_PER_PEER) as u64,
         )
         .ok()?
         .slot_bytes;
         max = max.max(slot);
         if mode == Mode::LowLatency {
-            let unit = crate::ep::plan::LlLayout::from_parts(
+            let unit = fabric_ep::ep::plan::LlLayout::from_parts(
                 r as u64,
                 sh.experts as u64,
                 sh.hidden as u64,
@@ -514,7 +514,7 @@ fn draw_shape(
     let n_calls = pick(rng, &[1, 2, 2, 3]);
     // At most 256 chunks per peer queue and call: with 1-token chunks over udp;ofi_rxd on an
     // oversubscribed CPU, 4096 credit round trips took 265 s (waits over 20 s each, no stall).
-    let chunk_cap = chunk_tokens.unwrap_or(crate::ep::config::DEFAULT_CHUNK_TOKENS) * 256;
+    let chunk_cap = chunk_tokens.unwrap_or(fabric_ep::ep::config::DEFAULT_CHUNK_TOKENS) * 256;
     let normal_cap = (NORMAL_ELEMS / hidden).clamp(1, NORMAL_MAX_TOKENS).min(chunk_cap);
     let calls = (0..n_calls)
         .map(|_| {
@@ -1815,7 +1815,7 @@ pub type RankFn = fn(&CaseSpec, &CaseRefs, usize, Arc<dyn Bootstrap>, Duration) 
 
 fn is_timeout(e: &Error) -> bool {
     matches!(e, Error::Timeout { .. } | Error::Bootstrap(BootstrapError::Timeout { .. }))
-        || matches!(e, Error::Proxy(crate::proxy::ProxyError::SendTimeout { .. }))
+        || matches!(e, Error::Proxy(fabric_ep::proxy::ProxyError::SendTimeout { .. }))
 }
 
 /// Folds the ranks' verdicts into the case's outcome: a failure other than a timeout is the
@@ -1979,7 +1979,7 @@ pub fn run_case_procs(opts: &VerifyOptions, spec: &CaseSpec) -> CaseOutcome {
         "FEP_MR_MAX_BYTES".to_string(),
         spec.mr_max_bytes.map(|b| b.to_string()).unwrap_or_default(),
     );
-    let mut job = match crate::bootstrap::LocalJob::spawn(
+    let mut job = match fabric_ep::bootstrap::LocalJob::spawn(
         &opts.exe,
         &args,
         spec.num_ranks,

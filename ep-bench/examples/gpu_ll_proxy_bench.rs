@@ -29,9 +29,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use fabric_ep::bench::ep::median_p99_us;
-use fabric_ep::bench::ep_gpu::{run_ll_gpu_rank, GpuBenchParams, LlCase, LlRunOptions};
-use fabric_ep::bench::fabric::fi_pingpong;
+use ep_bench::ep::median_p99_us;
+use ep_bench::ep_gpu::{run_ll_gpu_rank, GpuBenchParams, LlCase, LlRunOptions};
+use ep_bench::fabric::fi_pingpong;
 use fabric_ep::bootstrap::{Bootstrap, LocalJob, TcpStore};
 use fabric_ep::cuda::{gpu_available, Device};
 use fabric_ep::ep::ll_gpu::LlGpuConfig;
@@ -81,7 +81,7 @@ fn msgs_per_call(p: &GpuBenchParams) -> usize {
 
 /// Prints the trace's per-interval table and the timeline of the middle traced pair.
 fn print_trace(name: &str, p: &GpuBenchParams, recs: &[fabric_ep::trace::TraceRecord]) {
-    use fabric_ep::bench::trace::{breakdown, table, timeline};
+    use ep_bench::trace::{breakdown, table, timeline};
     if recs.is_empty() {
         println!("TRACE {name}: no records");
         return;
@@ -441,7 +441,7 @@ fn threads(a: &Args) {
     );
     for name in a.cases.split(',') {
         let Some(p) = params(name, a) else { panic!("unknown case {name}") };
-        let reps = fabric_ep::bench::ep_gpu::run_ll_gpu_threads(&dev, &p, &o)
+        let reps = ep_bench::ep_gpu::run_ll_gpu_threads(&dev, &p, &o)
             .unwrap_or_else(|e| panic!("case {name}: {e}"));
         for (rank, rep) in reps.iter().enumerate() {
             let (dm, dp) = median_p99_us(&rep.report.dispatch_s);

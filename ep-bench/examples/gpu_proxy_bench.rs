@@ -36,9 +36,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use ep_bench::fabric::fi_pingpong;
+use ep_bench::stats::Summary;
 use fabric_ep::abi::{self, fep_cmd, fep_proxy_pingpong_params};
-use fabric_ep::bench::fabric::fi_pingpong;
-use fabric_ep::bench::stats::Summary;
 use fabric_ep::bootstrap::{Bootstrap, LocalJob, TcpStore};
 use fabric_ep::cuda::{
     gpu_available, launch, DevErrorRecord, Device, DeviceBuffer, HostMapped, Stream,
@@ -50,7 +50,7 @@ use fabric_ep::proxy::{
 
 // Shared with tests/gpu_proxy.rs; this example uses only part of it.
 #[allow(dead_code)]
-#[path = "../tests/common/gpu_proxy.rs"]
+#[path = "../../tests/common/gpu_proxy.rs"]
 mod gpu_proxy;
 use gpu_proxy::{cycles, gpu_proxy_config, mapped_region, GpuRank, RankSetup};
 

@@ -1,4 +1,4 @@
-//! Turns a low-latency run's event trace ([`crate::trace`]) into where each phase's time went:
+//! Turns a low-latency run's event trace ([`fabric_ep::trace`]) into where each phase's time went:
 //! per (phase, receiving rank), the median of every interval on the path from the sender's
 //! kernel through both proxies to the receiver's kernel.
 //!
@@ -11,8 +11,8 @@
 use std::collections::BTreeMap;
 
 use super::stats::{percentile, Summary};
-use crate::abi;
-use crate::trace::TraceRecord;
+use fabric_ep::abi;
+use fabric_ep::trace::TraceRecord;
 
 const PHASES: [&str; 2] = ["dispatch", "combine"];
 

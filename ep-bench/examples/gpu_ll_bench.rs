@@ -10,8 +10,8 @@
 //!               [--dump DIR]` (DIR: inputs for scripts/bench_ll_torch.py)
 
 use clap::Parser;
+use ep_bench::stats::percentile;
 use fabric_ep::abi;
-use fabric_ep::bench::stats::percentile;
 use fabric_ep::cuda::launch::wait_test;
 use fabric_ep::cuda::{gpu_available, Device, DeviceBuffer, Event, HostMapped};
 use fabric_ep::ep::ll_gpu::{LlDispatchOut, LlGpuConfig, LlGpuGroup};
@@ -98,7 +98,7 @@ fn make_set(
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    fabric_ep::bench::ep_gpu::set_work_queues_for_threads();
+    ep_bench::ep_gpu::set_work_queues_for_threads();
     let a = Args::parse();
     if !gpu_available() {
         println!("SKIP: no GPU visible");

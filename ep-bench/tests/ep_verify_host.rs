@@ -1,11 +1,11 @@
-//! Regression cases the randomized matrix (`ep-bench verify`, `bench::verify`) found on the host
+//! Regression cases the randomized matrix (`ep-bench verify`, `ep_bench::verify`) found on the host
 //! backend, each the smallest case that showed the fault, run through the matrix's own runner
 //! (ranks as threads, every output against the reference), plus the matrix's command line:
 //! its replay line, its last line and its exit status.
 
 use std::time::Duration;
 
-use fabric_ep::bench::verify::{
+use ep_bench::verify::{
     draw_case, host_rank, run_case_threads, CallKind, CallSpec, CaseOutcome, CaseSpec, Launch,
     LlCall, Mode, NormalCall, Routing, ShapeSpec, VerifyBackend, VerifyOptions,
 };
@@ -202,7 +202,7 @@ fn the_draw_covers_the_matrix() {
         (0..300).map(|i| draw_case(1, i, VerifyBackend::Host, Launch::Auto)).collect();
     let any = |f: &dyn Fn(&CaseSpec) -> bool| cases.iter().any(f);
     let calls = || cases.iter().flat_map(|c| c.shapes.iter().flat_map(|s| s.calls.iter()));
-    for p in fabric_ep::bench::verify::PROVIDERS {
+    for p in ep_bench::verify::PROVIDERS {
         for m in [Mode::Normal, Mode::LowLatency] {
             let n = cases.iter().filter(|c| c.provider == p && c.mode == m).count();
             assert!(n >= 40, "{p} {m:?}: {n} cases");

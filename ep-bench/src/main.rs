@@ -1,7 +1,8 @@
 //! ep-bench: the benchmark runner (the project's main job).
 //!
 //! One file: it is the binary's glue (the clap `Cli`/`Common`, launching or joining the ranks,
-//! printing and writing rows) around src/bench, where the reusable work lives.
+//! printing and writing rows) around the crate's library (src/lib.rs), where the reusable work
+//! lives.
 //!
 //! With no arguments it launches its ranks itself as local processes; when the torchrun /
 //! PyTorchJob variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...) or Open MPI's are set
@@ -11,8 +12,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use fabric_ep::bench::fabric::{self as fb, FabricRow, PingpongRow};
-use fabric_ep::bench::report::{self, EpRow, RunSettings};
+use ep_bench::fabric::{self as fb, FabricRow, PingpongRow};
+use ep_bench::report::{self, EpRow, RunSettings};
 use fabric_ep::bootstrap::{Bootstrap, LocalJob, TcpStore};
 
 #[derive(Parser, Debug)]
@@ -282,7 +283,7 @@ fn main() -> ExitCode {
     if cli.cmd.is_none() && !in_job() && !cli.common.procs && cli.common.ranks > 1 {
         // GPU ranks would be threads of this process: before the first CUDA call (the GPU probe
         // below), one thread so far. Harmless for the host backend.
-        fabric_ep::bench::ep_gpu::set_work_queues_for_threads();
+        ep_bench::ep_gpu::set_work_queues_for_threads();
     }
     if let Some(Cmd::Verify { .. }) = &cli.cmd {
         return verify(&cli);
@@ -291,7 +292,7 @@ fn main() -> ExitCode {
         Some(Cmd::Plan { at, chunk_tokens, slots_per_peer, ll_tokens, max_region, hierarchy }) => {
             let c = &cli.common;
             let num_tokens = c.tokens.unwrap_or(4096) as u64;
-            fabric_ep::bench::plan::plan_table(
+            fabric_ep::ep::plan::plan_table(
                 at,
                 c.experts as u64,
                 c.hidden as u64,
@@ -309,7 +310,7 @@ fn main() -> ExitCode {
                     return Ok(());
                 }
                 // P5 nodes hold 8 GPUs; the seed is fixed so the table is reproducible.
-                let t = fabric_ep::bench::plan::hierarchy_table(
+                let t = ep_bench::plan::hierarchy_table(
                     at,
                     c.ranks_per_node.unwrap_or(8) as u64,
                     c.experts as u64,
@@ -395,7 +396,7 @@ type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 /// `ep-bench verify`: the matrix (launcher), or one rank of one case (inside a job).
 fn verify(cli: &Cli) -> ExitCode {
-    use fabric_ep::bench::verify::{self as v, Launch, VerifyBackend, VerifyOptions};
+    use ep_bench::verify::{self as v, Launch, VerifyBackend, VerifyOptions};
     let c = &cli.common;
     let Some(Cmd::Verify { cases, seed, case, repeat, launch, verbose, jobs }) = &cli.cmd else {
         return ExitCode::FAILURE;
@@ -439,7 +440,7 @@ fn verify(cli: &Cli) -> ExitCode {
     }
     let rank_fn: v::RankFn = match backend {
         VerifyBackend::Host => v::host_rank,
-        VerifyBackend::Gpu => fabric_ep::bench::verify_gpu::gpu_rank,
+        VerifyBackend::Gpu => ep_bench::verify_gpu::gpu_rank,
     };
     if in_job() {
         let res = TcpStore::from_env(opts.timeout * 2)
@@ -455,7 +456,7 @@ fn verify(cli: &Cli) -> ExitCode {
     }
     if backend == VerifyBackend::Gpu && launch != Launch::Procs {
         // GPU ranks as threads of this process: before the first CUDA call.
-        fabric_ep::bench::ep_gpu::set_work_queues_for_threads();
+        ep_bench::ep_gpu::set_work_queues_for_threads();
     }
     let (_, m, h) = v::run_matrix(&opts, rank_fn);
     if m == 0 && h == 0 {
@@ -850,7 +851,7 @@ fn run_rank(cli: &Cli) -> AnyResult<()> {
 
 /// `--mode normal` (and the normal half of `--mode both`) on this rank.
 fn run_normal_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult<()> {
-    use fabric_ep::bench::ep::{run_normal, run_normal_hier, NormalBenchParams};
+    use ep_bench::ep::{run_normal, run_normal_hier, NormalBenchParams};
     use fabric_ep::ep::buffer::{Buffer, BufferOptions};
     use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
     use fabric_ep::ep::hier::HierBuffer;
@@ -972,7 +973,7 @@ fn run_normal_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult
 /// with `--tokens` (= max tokens per rank, default 128) tokens, each result checked against the
 /// reference; rows of the same table as normal mode.
 fn run_ll_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult<()> {
-    use fabric_ep::bench::ep::{run_low_latency, LlBenchParams, LlBenchReport};
+    use ep_bench::ep::{run_low_latency, LlBenchParams, LlBenchReport};
     use fabric_ep::ep::buffer::{Buffer, BufferOptions};
     use fabric_ep::ep::config::{EpConfig, EpSettings};
     let (rank, world) = (boot.rank(), boot.world_size());
@@ -1138,8 +1139,8 @@ fn gpu_backend(cli: &Cli) -> bool {
 }
 
 /// The GPU runs' parameters from the command line (`tokens`: the mode's default count).
-fn gpu_params(c: &Common, ranks: usize, tokens: usize) -> fabric_ep::bench::ep_gpu::GpuBenchParams {
-    fabric_ep::bench::ep_gpu::GpuBenchParams {
+fn gpu_params(c: &Common, ranks: usize, tokens: usize) -> ep_bench::ep_gpu::GpuBenchParams {
+    ep_bench::ep_gpu::GpuBenchParams {
         num_tokens: c.tokens.unwrap_or(tokens),
         hidden: c.hidden,
         num_topk: c.topk,
@@ -1148,7 +1149,7 @@ fn gpu_params(c: &Common, ranks: usize, tokens: usize) -> fabric_ep::bench::ep_g
         iters: c.iters.max(1),
         timeout: Duration::from_secs(c.timeout_s()),
         num_sms: c.sms,
-        ..fabric_ep::bench::ep_gpu::GpuBenchParams::normal_standard(ranks)
+        ..ep_bench::ep_gpu::GpuBenchParams::normal_standard(ranks)
     }
 }
 
@@ -1156,8 +1157,8 @@ fn gpu_params(c: &Common, ranks: usize, tokens: usize) -> fabric_ep::bench::ep_g
 fn gpu_rows(
     mode: &str,
     hook: bool,
-    p: &fabric_ep::bench::ep_gpu::GpuBenchParams,
-    r0: &fabric_ep::bench::ep::NormalBenchReport,
+    p: &ep_bench::ep_gpu::GpuBenchParams,
+    r0: &ep_bench::ep::NormalBenchReport,
 ) -> Vec<EpRow> {
     let suffix = if hook { "+hook" } else { "" };
     labelled_rows(mode, suffix, "gpu", p, r0)
@@ -1166,8 +1167,8 @@ fn gpu_rows(
 /// Normal-mode GPU rows; `cached`: the dispatch row's op reads "dispatch (cached)".
 fn normal_rows(
     cached: bool,
-    p: &fabric_ep::bench::ep_gpu::GpuBenchParams,
-    r0: &fabric_ep::bench::ep::NormalBenchReport,
+    p: &ep_bench::ep_gpu::GpuBenchParams,
+    r0: &ep_bench::ep::NormalBenchReport,
 ) -> Vec<EpRow> {
     let mut rows = gpu_rows("normal", false, p, r0);
     if cached {
@@ -1182,19 +1183,19 @@ fn normal_rows(
 /// barrier before each checked step at different moments and a step's notify waits for the last
 /// rank: `GpuSplit::back_to_back`); `--cached`: dispatches after the first with the cached handle;
 /// `--gpu-chunk` / `--gpu-slots`: the queue shape.
-fn normal_split(c: &Common, ranks: usize) -> fabric_ep::bench::ep_gpu::GpuSplit {
-    fabric_ep::bench::ep_gpu::GpuSplit {
+fn normal_split(c: &Common, ranks: usize) -> ep_bench::ep_gpu::GpuSplit {
+    ep_bench::ep_gpu::GpuSplit {
         cached: c.cached,
         back_to_back: c.iters.max(1),
         chunk_tokens: c.gpu_chunk,
         slots_per_peer: c.gpu_slots,
-        ..fabric_ep::bench::ep_gpu::GpuSplit::one_node(ranks)
+        ..ep_bench::ep_gpu::GpuSplit::one_node(ranks)
     }
 }
 
 /// `--hierarchy` on the GPU: [`normal_split`] with nodes of `--ranks-per-node` (below
 /// `world`), other nodes through the proxy lane over `--provider`.
-fn hier_split(c: &Common, world: usize) -> AnyResult<fabric_ep::bench::ep_gpu::GpuSplit> {
+fn hier_split(c: &Common, world: usize) -> AnyResult<ep_bench::ep_gpu::GpuSplit> {
     let rpn = c.ranks_per_node.unwrap_or(world);
     if rpn == 0 || rpn >= world || world % rpn != 0 {
         return Err(format!(
@@ -1202,7 +1203,7 @@ fn hier_split(c: &Common, world: usize) -> AnyResult<fabric_ep::bench::ep_gpu::G
         )
         .into());
     }
-    Ok(fabric_ep::bench::ep_gpu::GpuSplit {
+    Ok(ep_bench::ep_gpu::GpuSplit {
         ranks_per_node: rpn,
         provider: c.provider.clone(),
         ..normal_split(c, world)
@@ -1212,8 +1213,8 @@ fn hier_split(c: &Common, world: usize) -> AnyResult<fabric_ep::bench::ep_gpu::G
 /// The hierarchy's rows ([`normal_rows`], mode "normal-hier").
 fn hier_rows(
     cached: bool,
-    p: &fabric_ep::bench::ep_gpu::GpuBenchParams,
-    r0: &fabric_ep::bench::ep::NormalBenchReport,
+    p: &ep_bench::ep_gpu::GpuBenchParams,
+    r0: &ep_bench::ep::NormalBenchReport,
 ) -> Vec<EpRow> {
     let mut rows = normal_rows(cached, p, r0);
     for row in rows.iter_mut() {
@@ -1227,8 +1228,8 @@ fn labelled_rows(
     mode: &str,
     op_suffix: &str,
     backend: &str,
-    p: &fabric_ep::bench::ep_gpu::GpuBenchParams,
-    r0: &fabric_ep::bench::ep::NormalBenchReport,
+    p: &ep_bench::ep_gpu::GpuBenchParams,
+    r0: &ep_bench::ep::NormalBenchReport,
 ) -> Vec<EpRow> {
     let figs = [
         ("dispatch", r0.dispatch_figures(), r0.dispatch_bytes),
@@ -1257,8 +1258,8 @@ fn labelled_rows(
 /// alone; a fresh dispatch also holds the layout, the notify and the host count sync).
 fn copy_rows(
     dev: &fabric_ep::cuda::Device,
-    p: &fabric_ep::bench::ep_gpu::GpuBenchParams,
-    r0: &fabric_ep::bench::ep::NormalBenchReport,
+    p: &ep_bench::ep_gpu::GpuBenchParams,
+    r0: &ep_bench::ep::NormalBenchReport,
     budget: usize,
     c: &Common,
 ) -> AnyResult<Vec<EpRow>> {
@@ -1268,8 +1269,7 @@ fn copy_rows(
         ("combine", r0.combine_figures().1, r0.combine_bytes),
     ];
     for (op, ours_us, bytes) in ours {
-        let (us, gbps) =
-            fabric_ep::bench::ep_gpu::copy_ceiling(dev, bytes, budget, c.iters.max(1))?;
+        let (us, gbps) = ep_bench::ep_gpu::copy_ceiling(dev, bytes, budget, c.iters.max(1))?;
         let which = if op == "dispatch" && c.cached { "dispatch (cached)" } else { op };
         println!(
             "equal-SM copy ({budget} SMs) of the {op}'s {:.1} MB: {us:.1} us ({gbps:.0} GB/s); \
@@ -1316,7 +1316,7 @@ const MPS_HINT: &str = "ranks as processes sharing one GPU need the MPS control 
 /// `Buffer` (GPU backend), every result checked against the reference, CUDA-event timings.
 /// With `--procs` the ranks are local processes instead ([`run_gpu_rank`] in each).
 fn run_gpu(cli: &Cli) -> AnyResult<()> {
-    use fabric_ep::bench::ep_gpu::{run_ll_gpu, run_normal_gpu_split, GpuBenchParams};
+    use ep_bench::ep_gpu::{run_ll_gpu, run_normal_gpu_split, GpuBenchParams};
     let c = &cli.common;
     if c.ranks == 0 {
         return Err("--ranks must be at least 1".into());
@@ -1361,7 +1361,7 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
         let split = hier_split(c, c.ranks)?;
         let r = run_normal_gpu_split(&dev, &p, &split)?;
         rows.extend(r.first().map(|r0| normal_rows(c.cached, &p, r0)).unwrap_or_default());
-        let (h, bytes) = fabric_ep::bench::ep_gpu::run_normal_gpu_hier(&dev, &p, &split)?;
+        let (h, bytes) = ep_bench::ep_gpu::run_normal_gpu_hier(&dev, &p, &split)?;
         let mb = |b: u64| b as f64 / c.ranks as f64 / 1e6;
         println!(
             "internode bytes per rank per dispatch (mean of {} ranks, computed from the \
@@ -1390,7 +1390,7 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
         if !c.no_nccl {
             let gpus = fabric_ep::cuda::device_count()?;
             let world = p.num_ranks.min(gpus);
-            match fabric_ep::bench::nccl::nccl_library() {
+            match ep_bench::nccl::nccl_library() {
                 Err(why) => println!("NCCL comparison skipped: {why}"),
                 Ok(lib) => {
                     let devices = (0..world)
@@ -1402,8 +1402,7 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
                     } else {
                         run_normal_gpu_split(&dev, &pn, &normal_split(c, world))?
                     };
-                    let theirs =
-                        fabric_ep::bench::nccl::run_nccl_baseline(&devices, &pn, c.iters.max(1))?;
+                    let theirs = ep_bench::nccl::run_nccl_baseline(&devices, &pn, c.iters.max(1))?;
                     println!(
                         "NCCL comparison: {lib}, {world} rank(s) on {world} GPU(s) \
                          ({} ranks requested, {gpus} GPU(s) here)",
@@ -1448,7 +1447,7 @@ fn run_gpu(cli: &Cli) -> AnyResult<()> {
 /// rank's GPU is `LOCAL_RANK` modulo the visible GPUs, peers in other processes are reached
 /// through CUDA IPC; every result checked; rank 0 prints the rows for the launcher.
 fn run_gpu_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult<()> {
-    use fabric_ep::bench::ep_gpu::{run_ll_gpu_process, run_normal_gpu_rank, GpuBenchParams};
+    use ep_bench::ep_gpu::{run_ll_gpu_process, run_normal_gpu_rank, GpuBenchParams};
     let dev = fabric_ep::cuda::Device::from_env()?;
     let (rank, world, local) = (boot.rank(), boot.world_size(), boot.local_world_size());
     let gpus = fabric_ep::cuda::device_count()?;
@@ -1485,7 +1484,7 @@ fn run_gpu_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult<()
         let split = hier_split(c, world)?;
         let r = run_normal_gpu_rank(&dev, &p, &split, boot.clone()).map_err(hint)?;
         rows.extend(normal_rows(c.cached, &p, &r));
-        let h = fabric_ep::bench::ep_gpu::run_normal_gpu_hier_rank(&dev, &p, &split, boot.clone())
+        let h = ep_bench::ep_gpu::run_normal_gpu_hier_rank(&dev, &p, &split, boot.clone())
             .map_err(hint)?;
         rows.extend(hier_rows(c.cached, &p, &h));
         if rank == 0 {
@@ -1503,9 +1502,9 @@ fn run_gpu_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult<()
         // NCCL's all-to-all + permute on the same inputs, when every process has its own GPU
         // (NCCL refuses two ranks on one GPU).
         if !c.no_nccl {
-            match (on_gpu, fabric_ep::bench::nccl::nccl_library()) {
+            match (on_gpu, ep_bench::nccl::nccl_library()) {
                 (1, Ok(lib)) => {
-                    let t = fabric_ep::bench::nccl::run_nccl_baseline_rank(
+                    let t = ep_bench::nccl::run_nccl_baseline_rank(
                         &dev,
                         &p,
                         boot.clone(),

@@ -15,21 +15,21 @@ use std::time::{Duration, Instant};
 use super::ep::{
     self as host_bench, InternodeBytes, NormalBenchParams, NormalBenchReport, RankInputs,
 };
-use crate::bootstrap::{Bootstrap, InProcGroup};
-use crate::cuda::{DevErrorRecord, Device, DeviceBuffer, Event, GraphExec, HostMapped, Stream};
-use crate::ep::buffer::{Buffer, BufferOptions};
-use crate::ep::config::{DispatchDtype, EpConfig, EpSettings};
-use crate::ep::gpu::{
+use fabric_ep::bootstrap::{Bootstrap, InProcGroup};
+use fabric_ep::cuda::{DevErrorRecord, Device, DeviceBuffer, Event, GraphExec, HostMapped, Stream};
+use fabric_ep::ep::buffer::{Buffer, BufferOptions};
+use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
+use fabric_ep::ep::gpu::{
     DevSlice, GpuBuffer, GpuCombineArgs, GpuDispatchArgs, GpuDispatchBuffers, GpuHandle,
     GpuLlCombineArgs, GpuLlDispatchArgs, GpuNotifyArgs, GpuOptions,
 };
-use crate::ep::hier_gpu::{GpuHierBuffer, GpuHierDispatchArgs, GpuHierHandle};
-use crate::ep::layout::{dispatch_layout, random_topk_idx, LayoutShape};
-use crate::ep::ll_gpu::LlDispatchHost;
-use crate::ep::quant::f32_to_bf16;
-use crate::ep::reference::{self as refm, NormalCombineOut, NormalDispatchOut, Tokens};
-use crate::util::SplitMix64;
-use crate::{Error, Result};
+use fabric_ep::ep::hier_gpu::{GpuHierBuffer, GpuHierDispatchArgs, GpuHierHandle};
+use fabric_ep::ep::layout::{dispatch_layout, random_topk_idx, LayoutShape};
+use fabric_ep::ep::ll_gpu::LlDispatchHost;
+use fabric_ep::ep::quant::f32_to_bf16;
+use fabric_ep::ep::reference::{self as refm, NormalCombineOut, NormalDispatchOut, Tokens};
+use fabric_ep::util::SplitMix64;
+use fabric_ep::{Error, Result};
 
 /// The shape of a GPU run (both modes).
 #[derive(Clone, Debug)]
@@ -825,7 +825,7 @@ pub struct LlRunOptions {
     /// ([`LlRankReport::pair_s`]).
     pub graph: bool,
     /// After the checked iterations, before the timed loop: this many pairs back to back with
-    /// the event trace on ([`crate::trace`]: kernel points and proxy points on one clock), in
+    /// the event trace on ([`fabric_ep::trace`]: kernel points and proxy points on one clock), in
     /// [`LlRankReport::trace`]. 0: no trace.
     pub trace_pairs: usize,
     /// The ranks are threads of this process (set by [`run_ll_gpu_on`]).
@@ -976,7 +976,7 @@ pub struct LlRankReport {
     /// Graph mode: per replay, the whole pair (dispatch + combine).
     pub pair_s: Vec<f64>,
     /// `LlRunOptions::trace_pairs`: the kernels' and this process's proxy points, host clock.
-    pub trace: Vec<crate::trace::TraceRecord>,
+    pub trace: Vec<fabric_ep::trace::TraceRecord>,
 }
 
 /// Pairs of the LL timed loop enqueued behind one gate (see `run_ll_gpu_rank`): few enough that
@@ -1057,7 +1057,7 @@ pub fn run_ll_gpu_rank(
     let gate_err = DevErrorRecord::new(dev)?;
     let gate_word = gate.atomic_u64(0)?;
     let mut gate_val = 0u64;
-    let gate_params = |expected: u64| crate::abi::fep_wait_test_params {
+    let gate_params = |expected: u64| fabric_ep::abi::fep_wait_test_params {
         counter: gate.device_ptr(),
         dev_error: gate_err.as_abi(),
         expected,
@@ -1072,7 +1072,7 @@ pub fn run_ll_gpu_rank(
         // The phases of a checked step (each: send, then the hook's receive when hooked).
         // SAFETY (all uses): every buffer lives until sync_gpu below; all ranks make the same
         // calls.
-        let dispatch = |gpu: &mut crate::ep::gpu::GpuBuffer| -> Result<()> {
+        let dispatch = |gpu: &mut fabric_ep::ep::gpu::GpuBuffer| -> Result<()> {
             unsafe {
                 if let Some(hook) = gpu.low_latency_dispatch_gpu(&da, &out)? {
                     gpu.low_latency_dispatch_recv_gpu(hook, &out, &stream)?;
@@ -1080,7 +1080,7 @@ pub fn run_ll_gpu_rank(
             }
             Ok(())
         };
-        let combine = |gpu: &mut crate::ep::gpu::GpuBuffer| -> Result<()> {
+        let combine = |gpu: &mut fabric_ep::ep::gpu::GpuBuffer| -> Result<()> {
             unsafe {
                 if let Some(hook) = gpu.low_latency_combine_gpu(&ca)? {
                     gpu.low_latency_combine_recv_gpu(hook, &ca)?;
@@ -1125,7 +1125,7 @@ pub fn run_ll_gpu_rank(
             stream.synchronize_within(p.timeout)?;
             gate_val += 1;
             // SAFETY: the gate word and its error record outlive sync_gpu below.
-            unsafe { crate::cuda::launch::wait_test(&stream, gate_params(gate_val))? };
+            unsafe { fabric_ep::cuda::launch::wait_test(&stream, gate_params(gate_val))? };
             // Host time to enqueue the step's first phase: a call that blocks here (an implicit
             // device synchronisation behind a peer's waiting kernel) is named on stderr.
             let enqueue = Instant::now();
@@ -1162,9 +1162,10 @@ pub fn run_ll_gpu_rank(
             // barriers, when no rank's kernel runs.
             let owner = !o.ranks_share_process || rank == 0;
             let cap = (64 * o.trace_pairs * p.num_ranks).max(1024) as u32;
-            let tr = if owner { Some(crate::cuda::DeviceTrace::install(dev, cap)?) } else { None };
+            let tr =
+                if owner { Some(fabric_ep::cuda::DeviceTrace::install(dev, cap)?) } else { None };
             if owner {
-                crate::trace::enable_host();
+                fabric_ep::trace::enable_host();
             }
             boot.barrier()?;
             for _ in 0..o.trace_pairs {
@@ -1174,7 +1175,7 @@ pub fn run_ll_gpu_rank(
             gpu.sync_gpu(&stream)?;
             boot.barrier()?;
             if let Some(tr) = tr {
-                let host = crate::trace::take_host();
+                let host = fabric_ep::trace::take_host();
                 rep.trace = tr.read()?;
                 rep.trace.extend(host);
                 rep.trace.sort_by_key(|r| r.t_ns);
@@ -1227,7 +1228,7 @@ pub fn run_ll_gpu_rank(
                 chunk_t = Instant::now();
                 gate_val += 1;
                 // SAFETY: the gate word and its error record outlive sync_gpu below.
-                unsafe { crate::cuda::launch::wait_test(&stream, gate_params(gate_val))? };
+                unsafe { fabric_ep::cuda::launch::wait_test(&stream, gate_params(gate_val))? };
             }
             let e = &ev[5 * i..5 * i + 5];
             e[0].record(&stream)?;
@@ -1313,10 +1314,14 @@ pub fn copy_ceiling(dev: &Device, bytes: u64, sms: usize, iters: usize) -> Resul
         a.record(&stream)?;
         // SAFETY: src and dst hold `vecs * 16` bytes each, live until the synchronisation below.
         unsafe {
-            crate::cuda::launch::copy_bytes(
+            fabric_ep::cuda::launch::copy_bytes(
                 &stream,
                 sms.max(1) as u32,
-                crate::abi::fep_copy_params { src: src.device_ptr(), dst: dst.device_ptr(), vecs },
+                fabric_ep::abi::fep_copy_params {
+                    src: src.device_ptr(),
+                    dst: dst.device_ptr(),
+                    vecs,
+                },
             )?;
         }
         b.record(&stream)?;
@@ -1325,6 +1330,6 @@ pub fn copy_ceiling(dev: &Device, bytes: u64, sms: usize, iters: usize) -> Resul
             times.push(elapsed_s(&a, &b)? * 1e6);
         }
     }
-    let med = crate::bench::stats::percentile(&times, 50.0);
+    let med = crate::stats::percentile(&times, 50.0);
     Ok((med, (vecs * 16) as f64 / (med * 1e-6) / 1e9))
 }

@@ -1,10 +1,10 @@
-//! GPU: the standard-stack baseline ep-bench compares against (src/bench/nccl.rs: permute +
+//! GPU: the standard-stack baseline ep-bench compares against (ep-bench/src/nccl.rs: permute +
 //! NCCL all-to-all + un-permute) computes the same dispatch and combine as the reference.
 //! Ignored without `--include-ignored` (CI has no GPU); scripts/gpu-check.sh runs it with
 //! FEP_NCCL_LIB pointing at the PyTorch wheel's NCCL.
 
-use fabric_ep::bench::ep_gpu::{run_normal_gpu, run_normal_gpu_split, GpuBenchParams, GpuSplit};
-use fabric_ep::bench::nccl::{nccl_library, run_nccl_baseline};
+use ep_bench::ep_gpu::{run_normal_gpu, run_normal_gpu_split, GpuBenchParams, GpuSplit};
+use ep_bench::nccl::{nccl_library, run_nccl_baseline};
 use fabric_ep::cuda::{device_count, gpu_available, Device};
 use std::time::Duration;
 

@@ -6,7 +6,7 @@
 //! `gpu_layout_bench [--tokens 4096 --topk 8 --experts 256 --ranks 64 --rpn 8] [--tiles 16,32,64]`
 
 use clap::Parser;
-use fabric_ep::bench::stats::percentile;
+use ep_bench::stats::percentile;
 use fabric_ep::cuda::{gpu_available, Device, DeviceBuffer, Event, Stream};
 use fabric_ep::ep::layout::{
     dispatch_layout, random_topk_idx, DispatchLayoutGpu, LayoutBuffers, LayoutShape, LayoutTuning,

@@ -4,16 +4,18 @@
 
 use std::time::Instant;
 
-use crate::bench::stats::percentile;
-use crate::ep::buffer::{Buffer, CombineArgs, CombineOutput, DispatchArgs, DispatchOutput, Tokens};
-use crate::ep::config::{DispatchDtype, EpConfig};
-use crate::ep::hier::{HierBuffer, HierDispatchArgs, HierDispatchOutput, META_CHANNELS};
-use crate::ep::layout::Layout;
-use crate::ep::layout::{random_topk_idx, LayoutShape};
-use crate::ep::quant::{dequantize_row, f32_to_bf16, quantize_bf16};
-use crate::ep::reference::{self as refm, NormalCombineOut, NormalDispatchOut};
-use crate::util::SplitMix64;
-use crate::{Error, Result};
+use crate::stats::percentile;
+use fabric_ep::ep::buffer::{
+    Buffer, CombineArgs, CombineOutput, DispatchArgs, DispatchOutput, Tokens,
+};
+use fabric_ep::ep::config::{DispatchDtype, EpConfig};
+use fabric_ep::ep::hier::{HierBuffer, HierDispatchArgs, HierDispatchOutput, META_CHANNELS};
+use fabric_ep::ep::layout::Layout;
+use fabric_ep::ep::layout::{random_topk_idx, LayoutShape};
+use fabric_ep::ep::quant::{dequantize_row, f32_to_bf16, quantize_bf16};
+use fabric_ep::ep::reference::{self as refm, NormalCombineOut, NormalDispatchOut};
+use fabric_ep::util::SplitMix64;
+use fabric_ep::{Error, Result};
 
 /// What to run.
 #[derive(Clone, Debug)]
@@ -374,7 +376,7 @@ impl InternodeBytes {
     /// routings (0).
     pub fn of_routing(cfg: &EpConfig, topk_idx: &[i64]) -> Result<Self> {
         let (k, r, rpn) = (cfg.num_topk, cfg.num_ranks, cfg.ranks_per_node);
-        let layout = crate::ep::layout::dispatch_layout(
+        let layout = fabric_ep::ep::layout::dispatch_layout(
             topk_idx,
             topk_idx.len() / k,
             k,
@@ -423,7 +425,7 @@ fn run_path<P: NormalPath>(
         (0..cfg.num_ranks).map(|r| rank_inputs(cfg, p, r)).collect::<Result<_>>()?;
     let (want_d, want_c) = reference_grouped(cfg, &inputs, (1, None, p.combine_weights), group)?;
     let me = &inputs[rank];
-    let layout = crate::ep::layout::dispatch_layout(
+    let layout = fabric_ep::ep::layout::dispatch_layout(
         &me.topk_idx,
         me.topk_idx.len() / cfg.num_topk,
         cfg.num_topk,
@@ -482,8 +484,8 @@ fn run_path<P: NormalPath>(
 // Low-latency mode
 // ---------------------------------------------------------------------------------------------
 
-use crate::ep::buffer::{LlCombineArgs, LlDispatchArgs, LlDispatchOutput, OwnedTokens};
-use crate::ep::reference::{LlDispatchOut, LlParams};
+use fabric_ep::ep::buffer::{LlCombineArgs, LlDispatchArgs, LlDispatchOutput, OwnedTokens};
+use fabric_ep::ep::reference::{LlDispatchOut, LlParams};
 
 /// What [`run_low_latency`] runs.
 #[derive(Clone, Debug)]
@@ -626,7 +628,7 @@ pub fn ll_reference_rank(
         let (mut q, mut sc, mut f) = (vec![0u8; h], vec![0f32; g], vec![0f32; h]);
         let mut out = Vec::with_capacity(t * h);
         for tok in 0..t {
-            crate::ep::quant::quantize_row_bf16(
+            fabric_ep::ep::quant::quantize_row_bf16(
                 &me.x[tok * h..(tok + 1) * h],
                 round_scale,
                 &mut q,
@@ -802,7 +804,7 @@ pub fn run_low_latency(buf: &mut Buffer, p: &LlBenchParams) -> Result<LlBenchRep
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ep::config::EpSettings;
+    use fabric_ep::ep::config::EpSettings;
 
     fn inputs(rank: usize, one_way: bool) -> RankInputs {
         let mut s = EpSettings::new(rank, 2, 16, 128, 4);

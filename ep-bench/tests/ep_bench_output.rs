@@ -62,7 +62,7 @@ fn check_settings(row: &serde_json::Value, ranks: u64, nodes: u64, provider: &st
     assert_eq!(row["backend"], "host", "{row}");
     assert_eq!(row["sms"], serde_json::Value::Null, "{row}");
     assert_eq!(row["gpu"], serde_json::Value::Null, "{row}");
-    assert_eq!(row["version"], env!("CARGO_PKG_VERSION"), "{row}");
+    assert_eq!(row["version"], fabric_ep::VERSION, "{row}");
     let commit = row["git_commit"].as_str().unwrap_or_default();
     assert!(commit == "unknown" || commit.len() >= 7, "{row}");
     assert!(row["median_us"].as_f64().is_some_and(|v| v > 0.0), "{row}");

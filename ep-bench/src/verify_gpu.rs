@@ -1,5 +1,5 @@
 //! The GPU backend's side of `ep-bench verify` (`--backend gpu`): the same cases, inputs and
-//! references as the host side (`bench::verify`), run through `Buffer`s with `Backend::Gpu`
+//! references as the host side (`crate::verify`), run through `Buffer`s with `Backend::Gpu`
 //! (device pointers, the caller's stream). Ranks as threads of this process share GPU 0; as
 //! processes (`--procs`, under MPS when they share a GPU) each takes `LOCAL_RANK` modulo the
 //! GPUs.
@@ -23,16 +23,16 @@ use super::verify::{
     Checks, GotTokens, LlCallRef, LlGot, Mode, NormalCallRef, NormalGot, RankIn, RankVerdict,
     ShapeSpec,
 };
-use crate::bootstrap::Bootstrap;
-use crate::cuda::{Device, DeviceBuffer, Stream};
-use crate::ep::buffer::{Buffer, BufferOptions};
-use crate::ep::gpu::{
+use fabric_ep::bootstrap::Bootstrap;
+use fabric_ep::cuda::{Device, DeviceBuffer, Stream};
+use fabric_ep::ep::buffer::{Buffer, BufferOptions};
+use fabric_ep::ep::gpu::{
     DevSlice, GpuBuffer, GpuCombineArgs, GpuDispatchArgs, GpuDispatchBuffers, GpuHandle,
     GpuLlCombineArgs, GpuLlDispatchArgs, GpuNotifyArgs, GpuOptions,
 };
-use crate::ep::hier_gpu::{GpuHierBuffer, GpuHierDispatchArgs, GpuHierHandle};
-use crate::ep::ll_gpu::{LlDispatchHost, LlDispatchOut};
-use crate::{Error, Result};
+use fabric_ep::ep::hier_gpu::{GpuHierBuffer, GpuHierDispatchArgs, GpuHierHandle};
+use fabric_ep::ep::ll_gpu::{LlDispatchHost, LlDispatchOut};
+use fabric_ep::{Error, Result};
 
 /// One rank of a case on the GPU backend ([`super::verify::RankFn`]).
 pub fn gpu_rank(
@@ -764,7 +764,7 @@ fn compare_ll(
     checks: &mut Checks,
     at: &str,
     out: &LlDispatchOut,
-    want: &crate::ep::reference::LlDispatchOut,
+    want: &fabric_ep::ep::reference::LlDispatchOut,
     fp8: bool,
     h: usize,
 ) -> Result<()> {

@@ -27,10 +27,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use fabric_ep::bench::ep::rank_inputs;
-use fabric_ep::bench::ep_gpu::{run_normal_gpu_rank, GpuBenchParams, GpuSplit};
-use fabric_ep::bench::fabric::fi_pingpong;
-use fabric_ep::bench::stats::Summary;
+use ep_bench::ep::rank_inputs;
+use ep_bench::ep_gpu::{run_normal_gpu_rank, GpuBenchParams, GpuSplit};
+use ep_bench::fabric::fi_pingpong;
+use ep_bench::stats::Summary;
 use fabric_ep::bootstrap::{Bootstrap, LocalJob, TcpStore};
 use fabric_ep::cuda::{gpu_available, Device, DeviceTrace};
 use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
@@ -175,8 +175,7 @@ fn traced(a: &Args, dev: &Device, p: &GpuBenchParams, rank: usize, boot: Arc<dyn
     recs.extend(fabric_ep::trace::take_host());
     recs.sort_by_key(|r| r.t_ns);
     drop(tr);
-    let table =
-        fabric_ep::bench::trace::span_table(&fabric_ep::bench::trace::normal_proxy_spans(&recs));
+    let table = ep_bench::trace::span_table(&ep_bench::trace::normal_proxy_spans(&recs));
     for line in table.lines() {
         println!("NPTRACE rank={rank} chunk={} slots={} {line}", a.child_chunk, a.child_slots);
     }

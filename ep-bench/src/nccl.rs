@@ -27,14 +27,14 @@ use std::sync::Arc;
 
 use super::ep::{self as host_bench, NormalBenchParams, NormalBenchReport, RankInputs};
 use super::ep_gpu::{on_threads, upload, upload_tokens, GpuBenchParams, GpuReport};
-use crate::abi;
-use crate::bootstrap::Bootstrap;
-use crate::cuda::launch;
-use crate::cuda::{Device, DeviceBuffer, Event, Stream};
-use crate::ep::layout::dispatch_layout;
-use crate::ep::reference::Tokens;
-use crate::ep::reference::{NormalCombineOut, NormalDispatchOut};
-use crate::{Error, Result};
+use fabric_ep::abi;
+use fabric_ep::bootstrap::Bootstrap;
+use fabric_ep::cuda::launch;
+use fabric_ep::cuda::{Device, DeviceBuffer, Event, Stream};
+use fabric_ep::ep::layout::dispatch_layout;
+use fabric_ep::ep::reference::Tokens;
+use fabric_ep::ep::reference::{NormalCombineOut, NormalDispatchOut};
+use fabric_ep::{Error, Result};
 
 #[repr(C)]
 #[derive(Clone, Copy)]
