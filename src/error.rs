@@ -34,6 +34,14 @@ pub enum Error {
     /// Data that arrived from the network failed a bounds check.
     #[error("rank {rank}: bad data from rank {peer} in {phase}: {msg}")]
     Protocol { rank: usize, peer: usize, phase: &'static str, msg: String },
+    /// This rank's bounded wait ran out on ranks that were themselves waiting: rank `peer`,
+    /// which rank `reported_by` (one of them, or further up the chain) timed out on and
+    /// reported, is the likely cause. `source` is this rank's own error, as it was.
+    #[error(
+        "rank {rank}: rank {peer} stopped responding (rank {reported_by} timed out waiting for \
+         it and reported it); this rank failed waiting on ranks that waited on it: {source}"
+    )]
+    Upstream { rank: usize, peer: usize, reported_by: usize, source: Box<Error> },
     #[error("{0}")]
     Other(String),
 }
@@ -68,12 +76,42 @@ impl Error {
         let mut v: Vec<usize> = match self {
             Error::Timeout { peers, .. } => peers.clone(),
             Error::Proxy(e) => proxy_unresponsive(e),
+            Error::Upstream { source, .. } => return source.unresponsive_peers(),
             _ => Vec::new(),
         };
         v.retain(|&p| p != u32::MAX as usize);
         v.sort_unstable();
         v.dedup();
         v
+    }
+
+    /// `self` once this rank has reported the peers it timed out on: if the bootstrap has since
+    /// heard that a rank this error does not name stopped responding (reported by a rank it
+    /// does name, or further up that chain), [`Error::Upstream`] naming that rank; else `self`.
+    pub fn with_upstream(self, rank: usize, dead: &[crate::bootstrap::DeadPeer]) -> Self {
+        let mine = self.unresponsive_peers();
+        if mine.is_empty() {
+            return self;
+        }
+        // Walk the chain from the ranks this wait needed: a rank they reported, and so on.
+        let mut reach = mine.clone();
+        let mut found = None;
+        while let Some(d) = dead
+            .iter()
+            .find(|d| d.reported_by.is_some_and(|b| reach.contains(&b)) && !reach.contains(&d.rank))
+        {
+            reach.push(d.rank);
+            found = Some(*d);
+        }
+        match found {
+            Some(d) if d.rank != rank => Error::Upstream {
+                rank,
+                peer: d.rank,
+                reported_by: d.reported_by.unwrap_or(usize::MAX),
+                source: Box::new(self),
+            },
+            _ => self,
+        }
     }
 
     /// A CUDA-layer error as the crate's: a wait a kernel recorded as timed out
@@ -147,6 +185,60 @@ mod tests {
             other => panic!("expected a timeout, got {other:?}"),
         }
         assert!(e.to_string().contains("waiting for ranks [1] (expected"), "{e}");
+    }
+
+    fn timeout(rank: usize, peers: Vec<usize>) -> Error {
+        Error::Timeout {
+            rank,
+            phase: "ll combine",
+            peers,
+            waited: Duration::from_secs(4),
+            detail: String::new(),
+        }
+    }
+
+    #[test]
+    fn a_wait_on_a_rank_that_waited_on_a_stopped_one_names_the_stopped_one() {
+        use crate::bootstrap::DeadPeer;
+        let dead = [DeadPeer { rank: 1, reported_by: Some(2) }];
+        let e = timeout(0, vec![2]).with_upstream(0, &dead);
+        match &e {
+            Error::Upstream { rank: 0, peer: 1, reported_by: 2, source } => {
+                assert!(matches!(**source, Error::Timeout { .. }));
+            }
+            other => panic!("expected the upstream rank, got {other:?}"),
+        }
+        assert!(e.to_string().contains("rank 1 stopped responding (rank 2 timed out"), "{e}");
+        assert_eq!(e.unresponsive_peers(), vec![2], "the ranks this wait needed");
+        assert_eq!(crate::ffi::fep_status::from(&e), crate::ffi::fep_status::FEP_ERR_TIMEOUT);
+        // Further up: 0 waited on 3, 3 on 2, 2 on 1.
+        let chain = [
+            DeadPeer { rank: 2, reported_by: Some(3) },
+            DeadPeer { rank: 1, reported_by: Some(2) },
+        ];
+        assert!(matches!(
+            timeout(0, vec![3]).with_upstream(0, &chain),
+            Error::Upstream { peer: 1, reported_by: 2, .. }
+        ));
+    }
+
+    #[test]
+    fn an_error_that_names_the_stopped_rank_or_no_chain_stays_as_it_is() {
+        use crate::bootstrap::DeadPeer;
+        let dead = [DeadPeer { rank: 1, reported_by: Some(2) }];
+        assert!(matches!(timeout(0, vec![1, 2]).with_upstream(0, &dead), Error::Timeout { .. }));
+        // Reported by a rank this wait did not need: not its chain.
+        assert!(matches!(timeout(0, vec![3]).with_upstream(0, &dead), Error::Timeout { .. }));
+        // A rank that left (not reported) is named by the waits themselves.
+        let left = [DeadPeer { rank: 1, reported_by: None }];
+        assert!(matches!(timeout(0, vec![2]).with_upstream(0, &left), Error::Timeout { .. }));
+        // This rank itself at the top of the chain (it was reported while slow): unchanged.
+        let me = [DeadPeer { rank: 0, reported_by: Some(2) }];
+        assert!(matches!(timeout(0, vec![2]).with_upstream(0, &me), Error::Timeout { .. }));
+        assert!(matches!(
+            Error::arg("x", "y").with_upstream(0, &dead),
+            Error::InvalidArgument { .. }
+        ));
     }
 
     #[test]

@@ -240,7 +240,7 @@ impl Bootstrap for CallbackBootstrap {
             .collect();
         named.sort_unstable();
         named.dedup();
-        r.report(&named, std::time::Duration::from_secs(1));
+        r.report(&named, std::time::Duration::from_millis(1500));
     }
 }
 

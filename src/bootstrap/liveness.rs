@@ -31,8 +31,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::auth::random_bytes;
+use super::reports::{Held, HeldReports};
 use super::wire::keepalive;
-use super::{later, DeadSet};
+use super::DeadSet;
 
 /// Bytes of the beacon slot in the first all-gather (every rank sends this many; only rank 0's
 /// holds a beacon).
@@ -270,7 +271,7 @@ impl Liveness {
                     reports: mine,
                     relayed: Vec::new(),
                     reporters: Vec::new(),
-                    held: Vec::new(),
+                    held: HeldReports::default(),
                 }
                 .run(&flag)
             })?;
@@ -315,9 +316,9 @@ struct Server {
     reports: Arc<Reports>,
     /// Peers already relayed as unresponsive.
     relayed: Vec<usize>,
-    /// Ranks that reported (alive), and reports held for their grace: (peer, by, relay time).
+    /// Ranks that reported (alive), and reports held for their grace.
     reporters: Vec<usize>,
-    held: Vec<(usize, usize, Instant)>,
+    held: HeldReports,
 }
 
 impl Server {
@@ -371,9 +372,10 @@ impl Server {
     }
 
     /// Holds the reports that arrived on proven connections, and rank 0's own, for their
-    /// grace; relays those whose grace ended (a reporter leaving ends its own at once).
+    /// grace; relays those whose grace ended, upstream first (see [`HeldReports`]; a reporter
+    /// leaving ends every grace at once).
     fn take_reports(&mut self) {
-        let until = later(Instant::now(), REPORT_GRACE);
+        let arrived = Instant::now();
         for c in self.conns.iter_mut().filter(|c| !c.closed) {
             let Some(by) = c.rank else { continue };
             let whole = c.input.len() / FRAME_BYTES * FRAME_BYTES;
@@ -387,7 +389,7 @@ impl Server {
                 if !self.reporters.contains(&by) {
                     self.reporters.push(by);
                 }
-                self.held.push((peer as usize, by, until));
+                self.held.push(by, vec![peer as usize], arrived, REPORT_GRACE);
             }
             c.input.drain(..whole);
         }
@@ -396,14 +398,14 @@ impl Server {
             self.reporters.push(0);
         }
         // An out-of-range peer of rank 0's own is dropped when relayed (counted, never named).
-        self.held.extend(own.into_iter().map(|p| (p.min(self.world), 0, until)));
-        let leaving: Vec<usize> =
-            self.conns.iter().filter(|c| c.closed).filter_map(|c| c.rank).collect();
-        let now = Instant::now();
-        let (due, keep): (Vec<_>, Vec<_>) =
-            self.held.drain(..).partition(|&(_, by, at)| at <= now || leaving.contains(&by));
-        self.held = keep;
-        for (peer, by, _) in due {
+        for p in own {
+            self.held.push(0, vec![p.min(self.world)], arrived, REPORT_GRACE);
+        }
+        let leaving =
+            self.conns.iter().any(|c| c.closed && c.rank.is_some_and(|r| self.held.holds_from(r)));
+        let due = self.held.take_due(if leaving { None } else { Some(Instant::now()) });
+        for Held { by, peers, .. } in due {
+            let peer = peers[0];
             let relay = peer < self.world
                 && peer != by
                 && !self.relayed.contains(&peer)
@@ -439,7 +441,7 @@ impl Server {
     /// When the poll must wake next: the earliest held report's grace, at most a tick.
     fn poll_wait(&self) -> Duration {
         let now = Instant::now();
-        self.held.iter().map(|h| h.2.saturating_duration_since(now)).fold(TICK, Duration::min)
+        self.held.next_due().map_or(TICK, |at| at.saturating_duration_since(now).min(TICK))
     }
 
     fn accept(&mut self) {

@@ -28,6 +28,7 @@ mod callback;
 mod inproc;
 mod launch;
 mod liveness;
+mod reports;
 mod server;
 mod tcp;
 mod wire;
@@ -88,7 +89,8 @@ pub trait Bootstrap: Send + Sync {
     }
     /// This rank is failing because `peers` stopped responding (a bounded wait on them ran
     /// out): tell every other rank, so that their waits end naming the stalled rank rather than
-    /// this one when it leaves. Best effort and bounded (a second at most); a bootstrap that
+    /// this one when it leaves. Best effort and bounded (1.5 s at most: the relay may hold the answer until the reports of
+    /// the ranks named went out); a bootstrap that
     /// cannot tell its peers ignores it.
     fn report_unresponsive(&self, _peers: &[usize]) {}
 }

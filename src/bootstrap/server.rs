@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::auth::{random_bytes, JobSecret, Role, Transcript, NONCE_LEN};
+use super::reports::{Held, HeldReports};
 use super::wire::*;
 use super::{later, BootstrapError};
 
@@ -360,8 +361,8 @@ struct Space {
     unresponsive: Vec<usize>,
     /// Ranks that reported others (alive, whatever they were reported as).
     reporters: Vec<usize>,
-    /// Reports held for their grace: (reporter, named ranks, relay time).
-    held: Vec<(usize, Vec<usize>, Instant)>,
+    /// Reports held for their grace.
+    held: HeldReports,
     /// Refused claims of a rank, for the timeout message that names it missing.
     notes: Vec<(usize, String)>,
 }
@@ -419,8 +420,8 @@ impl Store {
                 if let Some(d) = s.round_deadline {
                     next = next.min(d);
                 }
-                for (_, _, at) in &s.held {
-                    next = next.min(*at);
+                if let Some(at) = s.held.next_due() {
+                    next = next.min(at);
                 }
             }
             for c in self.conns.iter().flatten() {
@@ -937,7 +938,7 @@ impl Space {
             gone: Vec::new(),
             unresponsive: Vec::new(),
             reporters: Vec::new(),
-            held: Vec::new(),
+            held: HeldReports::default(),
             notes: Vec::new(),
         }
     }
@@ -1007,17 +1008,15 @@ impl Space {
         if !self.reporters.contains(&by) {
             self.reporters.push(by);
         }
-        self.held.push((by, peers.to_vec(), later(Instant::now(), REPORT_GRACE)));
+        self.held.push(by, peers.to_vec(), Instant::now(), REPORT_GRACE);
     }
 
-    /// Relays the reports whose grace ended by `now` (all of them with `now` = None): every rank
-    /// hears once of each named rank not gone, not already relayed and not a reporter itself;
-    /// then the reporter gets its `REPORTED`. The instance stays up.
+    /// Relays the reports whose grace ended by `now` (all of them with `now` = None), upstream
+    /// first (see [`HeldReports`]): every rank hears once of each named rank not gone, not
+    /// already relayed and not a reporter itself; then the reporter gets its `REPORTED`. The
+    /// instance stays up.
     fn relay_held(&mut self, conns: &mut Conns, now: Option<Instant>) {
-        let (due, keep): (Vec<_>, Vec<_>) =
-            self.held.drain(..).partition(|(_, _, at)| now.is_none_or(|n| *at <= n));
-        self.held = keep;
-        for (by, peers, _) in due {
+        for Held { by, peers, .. } in self.held.take_due(now) {
             for p in peers {
                 if p == by
                     || self.gone.contains(&p)
@@ -1046,7 +1045,7 @@ impl Space {
             return;
         }
         // A reporter that leaves before its grace ended: what it reported goes out first.
-        if self.held.iter().any(|(by, _, _)| *by == rank) {
+        if self.held.holds_from(rank) {
             self.relay_held(conns, None);
         }
         self.gone.push(rank);

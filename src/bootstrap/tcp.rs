@@ -416,7 +416,7 @@ impl Bootstrap for TcpStore {
 }
 
 /// The longest a rank spends telling the store which peers stopped responding.
-const REPORT_WAIT: Duration = Duration::from_secs(1);
+const REPORT_WAIT: Duration = Duration::from_millis(1500);
 
 // ---------------------------------------------------------------------------------------------
 // Client side
@@ -1537,7 +1537,8 @@ mod tests {
     }
 
     /// In a cascade (rank 3 times out on ranks 0 and 1, rank 0 on rank 1 a moment later), the
-    /// rank that reports within the grace is alive and is not relayed: only the stopped rank is.
+    /// rank that reports within the grace is alive and is not relayed: only the stopped rank is,
+    /// as rank 0's report (the one further up: rank 3's names rank 0) says.
     #[test]
     fn a_rank_that_reports_within_the_grace_is_not_relayed() {
         let stores: Vec<Arc<TcpStore>> = joined(4, "casc").into_iter().map(Arc::new).collect();
@@ -1551,8 +1552,28 @@ mod tests {
             thread::sleep(Duration::from_millis(1));
         }
         thread::sleep(Duration::from_millis(100));
-        assert_eq!(stores[2].dead_peers(), vec![DeadPeer { rank: 1, reported_by: Some(3) }]);
-        assert_eq!(stores[0].dead_peers(), vec![DeadPeer { rank: 1, reported_by: Some(3) }]);
+        assert_eq!(stores[2].dead_peers(), vec![DeadPeer { rank: 1, reported_by: Some(0) }]);
+        assert_eq!(stores[3].dead_peers(), vec![DeadPeer { rank: 1, reported_by: Some(0) }]);
+    }
+
+    /// Rank 0 times out on rank 2, which is itself waiting on stopped rank 1 and reports it a
+    /// little later: rank 0's report returns only after rank 2's went out, so rank 0 already
+    /// knows rank 1 is the one that stopped (and can name it rather than rank 2).
+    #[test]
+    fn a_report_returns_after_the_report_of_the_rank_it_names() {
+        let stores: Vec<Arc<TcpStore>> = joined(3, "chain").into_iter().map(Arc::new).collect();
+        let s0 = stores[0].clone();
+        let first = thread::spawn(move || {
+            s0.report_unresponsive(&[2]);
+            s0.dead_peers()
+        });
+        thread::sleep(Duration::from_millis(150));
+        stores[2].report_unresponsive(&[1]);
+        let seen = first.join().expect("thread");
+        assert_eq!(seen, vec![DeadPeer { rank: 1, reported_by: Some(2) }]);
+        // Rank 2 was alive (it reported): never named.
+        thread::sleep(Duration::from_millis(50));
+        assert_eq!(stores[1].dead_peers(), vec![]);
     }
 
     #[test]

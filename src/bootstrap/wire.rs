@@ -23,7 +23,9 @@
 //!   (`REPORT_GRACE`): a named rank that reports too in that time is alive (it waits on someone
 //!   else itself) and is dropped from it. Then store -> every joined rank, once per remaining
 //!   rank: `PEER_UNRESPONSIVE { rank u64, by u64 }`, and store -> the reporter `REPORTED {}`
-//!   (it waits for that before failing, so its own leaving is heard after). The instance is not
+//!   (it waits for that before failing, so its own leaving is heard after). A report naming a
+//!   rank whose own report is held goes out after that one (`reports.rs`): its reporter hears
+//!   of the rank further up the chain before its `REPORTED`. The instance is not
 //!   failed by it; ranks' waits on the named rank end naming it.
 
 use std::io::{self, Read, Write};

@@ -1119,15 +1119,18 @@ impl Buffer {
 
     /// A call's result as returned: a timeout on peers is first reported to the bootstrap
     /// ([`Bootstrap::report_unresponsive`]), so the other ranks' waits end naming the stalled
-    /// rank rather than this one when it leaves.
+    /// rank rather than this one when it leaves. The report returns once the relay answered,
+    /// after the reports of the ranks it names: if one of them was itself waiting on a stopped
+    /// rank, the error names that rank ([`Error::with_upstream`]).
     pub(crate) fn reported<T>(&self, r: Result<T>) -> Result<T> {
-        if let Err(e) = &r {
+        r.map_err(|e| {
             let peers = e.unresponsive_peers();
-            if !peers.is_empty() {
-                self.boot.report_unresponsive(&peers);
+            if peers.is_empty() {
+                return e;
             }
-        }
-        r
+            self.boot.report_unresponsive(&peers);
+            e.with_upstream(self.boot.rank(), &self.boot.dead_peers())
+        })
     }
 
     /// Marks the buffer unusable after a failure mid-protocol (peers' writes may still be in

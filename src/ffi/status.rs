@@ -39,6 +39,7 @@ impl From<&Error> for fep_status {
             Error::ConfigMismatch(_) => FEP_ERR_CONFIG_MISMATCH,
             Error::Protocol { .. } => FEP_ERR_PROTOCOL,
             Error::Proxy(_) => FEP_ERR_PROXY,
+            Error::Upstream { source, .. } => fep_status::from(&**source),
             Error::Other(_) => FEP_ERR_INTERNAL,
         }
     }
