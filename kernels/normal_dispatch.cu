@@ -19,14 +19,13 @@
 #include "fep_abi.h"
 #include "fep_device.cuh"
 #include "fep_normal.cuh"
+#include "fep_tma.cuh"
 
 namespace {
 
-// This rank's own rows, straight from the inputs into the outputs: no queue record, flag or
-// credit (the (me -> me) pair's queue is never used). The work is shared by the sender blocks
-// that serve this rank and the receiver blocks that serve it: worker w of W, one warp per row.
-// Rows keep the order of send_token_ids, as a peer's rows keep it through the queue.
-__device__ __forceinline__ void self_rows(const fep_normal_dispatch_params& p, int w, int W,
+// self_rows through registers: one warp per row (rows too small for bulk copies, or too little
+// shared memory for a ring).
+__device__ __forceinline__ void self_rows_regs(const fep_normal_dispatch_params& p, int w, int W,
                                           int warp, int lane) {
     using namespace fep::normal;
     constexpr int kWarps = FEP_NORMAL_THREADS / 32;
@@ -66,7 +65,9 @@ __device__ __forceinline__ void self_rows(const fep_normal_dispatch_params& p, i
             continue;
         }
         // The routing and scale loads go out with the row's (before any store that could alias
-        // them): one batch of loads per row where the row fits 14 vectors a lane (a 7168-byte fp8 row; 16 spilled).
+        // them): one batch of loads per row where the row fits 10 vectors a lane (5 KiB; this
+        // path serves rows under 2 KiB, and the bulk path beside it leaves no registers for
+        // more).
         int64_t g = -1;
         float wt = 0.0f;
         if (lane < K) {
@@ -80,7 +81,7 @@ __device__ __forceinline__ void self_rows(const fep_normal_dispatch_params& p, i
             if (static_cast<uint32_t>(lane) < ns) s0 = __ldg(srow + lane);
             if (static_cast<uint32_t>(lane) + 32 < ns) s1 = __ldg(srow + lane + 32);
         }
-        warp_copy16<false, 14>(reinterpret_cast<uint4*>(rx + out * p.payload_bytes),
+        warp_copy16<false, 10>(reinterpret_cast<uint4*>(rx + out * p.payload_bytes),
                                reinterpret_cast<const uint4*>(x + static_cast<int64_t>(t) *
                                                                       p.payload_bytes),
                                p.payload_bytes / 16, lane);
@@ -97,6 +98,139 @@ __device__ __forceinline__ void self_rows(const fep_normal_dispatch_params& p, i
             rtopw[out * K + lane] = here ? wt : 0.0f;
         }
         if (lane == 0) rsrc[out] = t;
+    }
+}
+
+
+// One row's small fields (fp8 scales, the local top-k ids and weights, the source index), from
+// token t's inputs into output row `out`.
+__device__ __forceinline__ void self_row_fields(const fep_normal_dispatch_params& p, int t,
+                                                int64_t out, int64_t lo, int64_t hi, int lane) {
+    const int K = p.num_topk;
+    const uint32_t ns = p.num_scales;
+    const float* srow = reinterpret_cast<const float*>(p.x_scales) + static_cast<int64_t>(t) * ns;
+    float* orow = reinterpret_cast<float*>(p.recv_x_scales) + out * ns;
+    if (lane < K) {
+        const int64_t g = reinterpret_cast<const int64_t*>(p.topk_idx)[static_cast<int64_t>(t) * K + lane];
+        const float wt = reinterpret_cast<const float*>(p.topk_weights)[static_cast<int64_t>(t) * K + lane];
+        const bool here = g >= lo && g < hi;
+        reinterpret_cast<int64_t*>(p.recv_topk_idx)[out * K + lane] = here ? g - lo : -1;
+        reinterpret_cast<float*>(p.recv_topk_weights)[out * K + lane] = here ? wt : 0.0f;
+    }
+    for (uint32_t i = lane; i < ns; i += 32) orow[i] = __ldg(srow + i);
+    if (lane == 0) reinterpret_cast<int32_t*>(p.recv_src_idx)[out] = t;
+}
+
+// A queue record's small fields (fp8 scales, the top-k ids local to the destination and their
+// weights, the source index) for token t; its payload is the movers'.
+__device__ __forceinline__ void record_fields(const fep_normal_dispatch_params& p, uint8_t* rec,
+                                              int t, int64_t lo, int64_t hi, int lane) {
+    const int K = p.num_topk;
+    if (p.num_scales != 0) {
+        fep::normal::warp_copy4<false>(
+            reinterpret_cast<uint32_t*>(rec + p.scales_offset),
+            reinterpret_cast<const uint32_t*>(reinterpret_cast<const float*>(p.x_scales) +
+                                              static_cast<int64_t>(t) * p.num_scales),
+            p.num_scales, lane);
+    }
+    if (lane < K) {
+        const int64_t g = reinterpret_cast<const int64_t*>(p.topk_idx)[static_cast<int64_t>(t) * K + lane];
+        const float wt = reinterpret_cast<const float*>(p.topk_weights)[static_cast<int64_t>(t) * K + lane];
+        const bool here = g >= lo && g < hi;
+        reinterpret_cast<int32_t*>(rec + p.topk_idx_offset)[lane] = here ? static_cast<int32_t>(g - lo) : -1;
+        reinterpret_cast<float*>(rec + p.topk_weights_offset)[lane] = here ? wt : 0.0f;
+    }
+    if (lane == 0) reinterpret_cast<int32_t*>(rec + p.src_idx_offset)[0] = t;
+}
+
+// A received record's small fields into output row `out`; its payload is the movers'.
+__device__ __forceinline__ void unpack_fields(const fep_normal_dispatch_params& p,
+                                              const uint8_t* rec, int64_t out, int lane) {
+    const int K = p.num_topk;
+    if (p.num_scales != 0) {
+        fep::normal::warp_copy4<true>(
+            reinterpret_cast<uint32_t*>(reinterpret_cast<float*>(p.recv_x_scales) + out * p.num_scales),
+            reinterpret_cast<const uint32_t*>(rec + p.scales_offset), p.num_scales, lane);
+    }
+    if (lane < K) {
+        reinterpret_cast<int64_t*>(p.recv_topk_idx)[out * K + lane] =
+            __ldcg(reinterpret_cast<const int32_t*>(rec + p.topk_idx_offset) + lane);
+        reinterpret_cast<float*>(p.recv_topk_weights)[out * K + lane] =
+            __ldcg(reinterpret_cast<const float*>(rec + p.topk_weights_offset) + lane);
+    }
+    if (lane == 0) {
+        reinterpret_cast<int32_t*>(p.recv_src_idx)[out] =
+            __ldcg(reinterpret_cast<const int32_t*>(rec + p.src_idx_offset));
+    }
+}
+
+// Warps 0 .. movers - 1 of a block (p.bulk_movers, the host's choice by row size) move row
+// payloads with bulk copies through shared memory (fep_tma.cuh), each with its own ring; the
+// other warps write the rows' small fields meanwhile.
+__device__ __forceinline__ int movers_of(const fep_normal_dispatch_params& p) {
+    return static_cast<int>(min(p.bulk_movers, static_cast<uint32_t>(FEP_NORMAL_MAX_MOVERS)));
+}
+
+// Whether this launch's rows go through the rings: movers asked for, 16-byte rows, and shared
+// memory for a pipeline. Uniform across the grid.
+__device__ __forceinline__ bool bulk_rows(const fep_normal_dispatch_params& p,
+                                          const fep::tma::Ring& r) {
+    return p.bulk_movers != 0 && r.stages >= 4 && p.payload_bytes % 16 == 0;
+}
+
+// This rank's own rows, straight from the inputs into the outputs: no queue record, flag or
+// credit (the (me -> me) pair's queue is never used). The work is shared by the sender blocks
+// that serve this rank and the receiver blocks that serve it: worker w of W takes a contiguous
+// range of rows, its movers the payloads, its other warps the small fields. Rows keep the
+// order of send_token_ids, as a peer's rows keep it through the queue.
+__device__ __forceinline__ void self_rows(const fep_normal_dispatch_params& p, int w, int W,
+                                          int warp, int lane, const fep::tma::Ring& ring,
+                                          uint32_t& used) {
+    using namespace fep::normal;
+    constexpr int kWarps = FEP_NORMAL_THREADS / 32;
+    if (!bulk_rows(p, ring)) {
+        self_rows_regs(p, w, W, warp, lane);
+        return;
+    }
+    const int movers = movers_of(p);
+    const int me = static_cast<int>(p.comm.rank);
+    const int T = p.handle.num_tokens;
+    const int64_t row0 = reinterpret_cast<const int32_t*>(p.handle.rank_prefix)[me];
+    const int64_t n = reinterpret_cast<const int32_t*>(p.handle.send_counts)[me];
+    const int32_t* ids =
+        reinterpret_cast<const int32_t*>(p.handle.send_token_ids) + static_cast<int64_t>(me) * T;
+    const int64_t a = n * w / W, b = n * (w + 1) / W;
+    if (warp < movers) {
+        // Rows past the outputs are not moved (the field warps report them).
+        const int64_t fit = max(a, min(b, static_cast<int64_t>(p.out_rows) - row0));
+        const int64_t m0 = a + (fit - a) * warp / movers;
+        const int64_t m1 = a + (fit - a) * (warp + 1) / movers;
+        const uint64_t pb = p.payload_bytes;
+        used = fep::tma::warp_move_rows(ring, used, static_cast<uint32_t>(m1 - m0), ids + m0,
+                                 reinterpret_cast<const uint8_t*>(p.x), pb,
+                                 reinterpret_cast<uint8_t*>(p.recv_x) + (row0 + m0) * pb, pb,
+                                 p.payload_bytes, lane);
+        return;
+    }
+    const int64_t lo = static_cast<int64_t>(me) * p.comm.num_local_experts;
+    const int64_t hi = lo + p.comm.num_local_experts;
+    const int kFieldWarps = kWarps - movers;
+    int64_t i = a + warp - movers;
+    // The next row's token id is loaded a row ahead (one round trip fewer per row).
+    int t_next = i < b ? ids[i] : 0;
+    for (; i < b; i += kFieldWarps) {
+        const int t = t_next;
+        if (i + kFieldWarps < b) t_next = ids[i + kFieldWarps];
+        const int64_t out = row0 + i;
+        if (out >= p.out_rows) {
+            if (lane == 0) {
+                fep::report_error(p.comm.dev_error, FEP_DEV_BAD_COUNT, me,
+                                  FEP_NORMAL_PHASE_DISPATCH_RECV, me,
+                                  static_cast<uint64_t>(p.out_rows), static_cast<uint64_t>(out));
+            }
+            continue;
+        }
+        self_row_fields(p, t, out, lo, hi, lane);
     }
 }
 
@@ -121,6 +255,16 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
     __shared__ bool ok;
     // Head of this block's proxy ring (thread 0 pushes; kept in shared memory, not registers).
     __shared__ unsigned long long px_head;
+    const int movers = max(movers_of(p), 1);
+    const fep::tma::Ring ring = fep::tma::ring(warp < movers ? warp : 0, movers, p.payload_bytes);
+    const bool bulk = bulk_rows(p, ring);
+    // A queue record's payload moves in bulk too where records keep 16-byte alignment (the
+    // plan pads records to 16 bytes, plan/base.rs RECORD_ALIGN, and the receive area starts at
+    // the buffer's base) and the pair is on this node (a staged chunk is the proxy's, through
+    // host-visible memory).
+    const bool bulk_queue = bulk && p.record_bytes % 16 == 0;
+    uint32_t used = 0;
+    if (bulk && warp < movers) fep::tma::ring_init(ring, lane);
     if (threadIdx.x == 0)
         px_head = p.comm.proxy.mask != 0u
                       ? fep::ld_acquire_sys(&comm.px_ring(blockIdx.x)->head)
@@ -145,7 +289,7 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
         const int64_t hi = lo + p.comm.num_local_experts;
         const bool px = comm.via_proxy(d);
         if (d == me) {
-            self_rows(p, j / R, nsub + (num_recv - me + R - 1) / R, warp, lane);
+            self_rows(p, j / R, nsub + (num_recv - me + R - 1) / R, warp, lane, ring, used);
         }
         for (uint32_t k = j / R; d != me && k < chunks; k += nsub) {
             const uint64_t cum = base + k;
@@ -164,7 +308,21 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
             const uint32_t rows = min(C, n - k * C);
             uint8_t* dst =
                 px ? comm.px_send(comm.px_data_off(d, slot)) : comm.slot_ptr(d, me, slot);
-            for (uint32_t i = warp; i < rows; i += kWarps) {
+            if (bulk_queue && !px) {
+                const int32_t* cids = ids + k * C;
+                if (warp < movers) {
+                    const uint32_t m0 = rows * warp / movers, m1 = rows * (warp + 1) / movers;
+                    used = fep::tma::warp_move_rows(ring, used, m1 - m0, cids + m0, x, p.payload_bytes,
+                                             dst + static_cast<uint64_t>(m0) * p.record_bytes,
+                                             p.record_bytes, p.payload_bytes, lane);
+                } else {
+                    for (uint32_t i = warp - movers; i < rows; i += kWarps - movers) {
+                        record_fields(p, dst + static_cast<uint64_t>(i) * p.record_bytes,
+                                      cids[i], lo, hi, lane);
+                    }
+                }
+            }
+            for (uint32_t i = warp; !(bulk_queue && !px) && i < rows; i += kWarps) {
                 const int t = ids[k * C + i];
                 uint8_t* rec = dst + static_cast<uint64_t>(i) * p.record_bytes;
                 warp_copy16<false>(reinterpret_cast<uint4*>(rec),
@@ -220,7 +378,7 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
         const bool px = comm.via_proxy(s);
         if (s == me) {
             const int ns = (num_send - me + R - 1) / R;
-            self_rows(p, ns + j / R, ns + nsub, warp, lane);
+            self_rows(p, ns + j / R, ns + nsub, warp, lane, ring, used);
         }
         for (uint32_t k = j / R; s != me && k < chunks; k += nsub) {
             const uint64_t cum = base + k;
@@ -250,7 +408,35 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
                                 rows * p.record_bytes / 16);
                 __syncthreads();
             }
-            for (uint32_t i = warp; i < rows; i += kWarps) {
+            if (bulk_queue && !px) {
+                const int64_t first = static_cast<int64_t>(row0) + k * C;
+                if (warp < movers) {
+                    // Rows past the outputs are not moved (the field warps report them).
+                    const uint32_t fit = static_cast<uint32_t>(
+                        max(int64_t{0}, min(static_cast<int64_t>(rows), p.out_rows - first)));
+                    const uint32_t m0 = fit * warp / movers, m1 = fit * (warp + 1) / movers;
+                    used = fep::tma::warp_move_rows(
+                        ring, used, m1 - m0, nullptr, src + static_cast<uint64_t>(m0) * p.record_bytes,
+                        p.record_bytes, rx + (first + m0) * p.payload_bytes, p.payload_bytes,
+                        p.payload_bytes, lane);
+                } else {
+                    for (uint32_t i = warp - movers; i < rows; i += kWarps - movers) {
+                        const int64_t out = first + i;
+                        if (out >= p.out_rows) {
+                            if (lane == 0) {
+                                fep::report_error(p.comm.dev_error, FEP_DEV_BAD_COUNT, me,
+                                                  FEP_NORMAL_PHASE_DISPATCH_RECV, s,
+                                                  static_cast<uint64_t>(p.out_rows),
+                                                  static_cast<uint64_t>(out));
+                            }
+                            continue;
+                        }
+                        unpack_fields(p, src + static_cast<uint64_t>(i) * p.record_bytes, out,
+                                      lane);
+                    }
+                }
+            }
+            for (uint32_t i = warp; !(bulk_queue && !px) && i < rows; i += kWarps) {
                 const int64_t out = static_cast<int64_t>(row0) + k * C + i;
                 if (out >= p.out_rows) {
                     if (lane == 0) {

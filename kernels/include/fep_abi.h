@@ -392,6 +392,7 @@ typedef struct fep_ll_combine_params {
  * flag was observed; a slot is never rewritten before its credit came back. */
 #define FEP_NORMAL_MAX_RANKS 8
 #define FEP_NORMAL_THREADS 512         /* threads per block of dispatch / combine */
+#define FEP_NORMAL_MAX_MOVERS 8        /* bulk-copy warps of a dispatch block, at most */
 #define FEP_NORMAL_NOTIFY_THREADS 1024 /* threads per block of notify (one block per rank) */
 #define FEP_NORMAL_PHASE_NOTIFY 1u
 #define FEP_NORMAL_PHASE_DISPATCH_SEND 2u
@@ -496,7 +497,10 @@ typedef struct fep_normal_dispatch_params {
     uint32_t topk_idx_offset;
     uint32_t topk_weights_offset;
     uint32_t src_idx_offset;
-    uint32_t _pad;
+    /* Warps of a block that move row payloads with bulk copies through shared memory
+     * (fep_tma.cuh), 1..FEP_NORMAL_MAX_MOVERS; 0: every warp copies rows through registers.
+     * The kernel also falls back to registers when the launch has too little shared memory. */
+    uint32_t bulk_movers;
 } fep_normal_dispatch_params; /* 416 bytes */
 
 typedef struct fep_normal_combine_params {

@@ -40,6 +40,22 @@ pub fn ll_pdl() -> bool {
     *ON.get_or_init(|| std::env::var("FEP_LL_PDL").map_or(true, |v| v.trim() != "0"))
 }
 
+/// Warps per block that move the normal dispatch's row payloads with bulk copies through
+/// shared memory (`fep_normal_dispatch_params::bulk_movers`; 0: through registers) for rows of
+/// `payload_bytes`. `FEP_DISPATCH_BULK` overrides it (`0`: registers; `1`..`8` movers), read
+/// once; else rows of 4 KiB and more take 2 movers, smaller rows registers (a bulk copy costs
+/// its issuing lane about the same whatever its size).
+pub fn dispatch_movers(payload_bytes: u32) -> u32 {
+    static FORCED: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+    let forced = *FORCED.get_or_init(|| {
+        std::env::var("FEP_DISPATCH_BULK")
+            .ok()
+            .and_then(|v| v.trim().parse::<u32>().ok())
+            .map(|n| n.min(abi::FEP_NORMAL_MAX_MOVERS))
+    });
+    forced.unwrap_or(if payload_bytes >= 4096 { 2 } else { 0 })
+}
+
 /// [`launch`], optionally with the programmatic-stream-serialization attribute (`pdl`): the
 /// grid may launch once the previous grid of the stream has triggered
 /// (`griddepcontrol.launch_dependents`), and must itself wait (`griddepcontrol.wait`) before
@@ -334,7 +350,8 @@ pub unsafe fn normal_notify(stream: &Stream, p: abi::fep_normal_notify_params) -
 }
 
 /// `fep_normal_dispatch` (kernels/normal_dispatch.cu): `grid` blocks (the SM budget, at least
-/// 2 x num_ranks) of `FEP_NORMAL_THREADS`.
+/// 2 x num_ranks) of `FEP_NORMAL_THREADS`, with all the dynamic shared memory a block may have
+/// (the ring of its bulk row copies, kernels/include/fep_tma.cuh).
 ///
 /// # Safety
 /// As [`normal_notify`]; plus the inputs and outputs in `p`.
@@ -344,7 +361,9 @@ pub unsafe fn normal_dispatch(
     p: abi::fep_normal_dispatch_params,
 ) -> CudaResult<()> {
     check_normal_grid(grid, p.comm.num_ranks)?;
-    let cfg = LaunchConfig { grid, block: abi::FEP_NORMAL_THREADS, shared_bytes: 0 };
+    // The rings take all the shared memory a block may have; without movers none is needed.
+    let shared_bytes = if p.bulk_movers != 0 { stream.device().max_dynamic_smem() } else { 0 };
+    let cfg = LaunchConfig { grid, block: abi::FEP_NORMAL_THREADS, shared_bytes };
     launch(stream, Kernel::NormalDispatch, cfg, &p)
 }
 

@@ -144,7 +144,10 @@ impl Module {
                 return Err(e);
             }
             m.functions[i] = f;
-            if matches!(k, Kernel::DispatchLayout | Kernel::DispatchLayoutCluster) {
+            if matches!(
+                k,
+                Kernel::DispatchLayout | Kernel::DispatchLayoutCluster | Kernel::NormalDispatch
+            ) {
                 let a = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
                 // SAFETY: valid function handle.
                 if let Err(e) = unsafe { call!(cuFuncSetAttribute(f, a, max_dynamic_smem as i32)) }

@@ -596,7 +596,7 @@ impl NormalGpuRank {
             topk_idx_offset: rec.topk_idx_offset as u32,
             topk_weights_offset: rec.topk_weights_offset as u32,
             src_idx_offset: rec.src_idx_offset.unwrap_or(0) as u32,
-            _pad: 0,
+            bulk_movers: launch::dispatch_movers(rec.payload_bytes as u32),
         };
         launch::normal_dispatch(stream, s.num_sms as u32, p).map_err(Error::from)
     }
