@@ -11,6 +11,7 @@ pub mod error;
 pub mod fabric;
 pub mod ffi;
 pub mod log;
+pub mod protocol;
 pub mod proxy;
 pub mod trace;
 pub mod util;

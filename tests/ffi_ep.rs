@@ -24,8 +24,8 @@ use ep_bench::ep::{
     LlBenchParams, NormalBenchParams,
 };
 use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
-use fabric_ep::ep::reference::Tokens;
 use fabric_ep::ffi::*;
+use fabric_ep::protocol::reference::Tokens;
 
 const ROLE: &str = "FEP_EP_TEST_RANK";
 const WORLD: usize = 3;

@@ -18,8 +18,8 @@ use ep_bench::ep::{combine_input, rank_inputs, reference, NormalBenchParams, Ran
 use fabric_ep::bootstrap::{Bootstrap, InProcGroup};
 use fabric_ep::cuda::{Device, DeviceBuffer, Stream};
 use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
-use fabric_ep::ep::reference::{NormalDispatchOut, Tokens};
 use fabric_ep::ffi::*;
+use fabric_ep::protocol::reference::{NormalDispatchOut, Tokens};
 
 const E: usize = 16;
 const H: usize = 256;
@@ -148,8 +148,8 @@ fn run(dev: &Device, n: usize, fp8: bool, barriers: bool) {
 }
 
 type Want<'a> = (
-    &'a fabric_ep::ep::reference::NormalDispatchOut,
-    &'a fabric_ep::ep::reference::NormalCombineOut,
+    &'a fabric_ep::protocol::reference::NormalDispatchOut,
+    &'a fabric_ep::protocol::reference::NormalCombineOut,
 );
 
 // NOTES: `&Box<dyn Bootstrap>`, not `&dyn Bootstrap`: the all-gather callback's `user` must be a

@@ -9,8 +9,8 @@ use fabric_ep::ep::config::DispatchDtype;
 use fabric_ep::ep::layout::{random_topk_idx, LayoutShape};
 use fabric_ep::ep::normal_gpu::harness::{step, RankBuffers, RankInput, StepOptions};
 use fabric_ep::ep::normal_gpu::{NormalGpuRank, NormalGpuSettings};
-use fabric_ep::ep::quant::{f32_to_bf16, quantize_bf16};
-use fabric_ep::ep::reference::{
+use fabric_ep::protocol::quant::{f32_to_bf16, quantize_bf16};
+use fabric_ep::protocol::reference::{
     normal_combine, normal_dispatch, NormalCombineInput, NormalParams, NormalRankInput, Tokens,
     TokensRef,
 };
@@ -340,7 +340,7 @@ fn combine_of_dispatch_is_x_times_destination_ranks() {
             dst.dedup();
             let n = dst.len() as f32;
             for ch in 0..h {
-                let want = f32_to_bf16(fabric_ep::ep::quant::bf16_to_f32(x[t * h + ch]) * n);
+                let want = f32_to_bf16(fabric_ep::protocol::quant::bf16_to_f32(x[t * h + ch]) * n);
                 assert_eq!(got[t * h + ch], want, "rank {r} token {t} channel {ch} (x{n})");
             }
         }

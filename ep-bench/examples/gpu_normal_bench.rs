@@ -20,8 +20,10 @@ use fabric_ep::ep::normal_gpu::harness::{
     launch_combine, launch_dispatch, step, RankBuffers, RankInput, StepOptions,
 };
 use fabric_ep::ep::normal_gpu::{NormalGpuRank, NormalGpuSettings};
-use fabric_ep::ep::quant::{f32_to_bf16, quantize_bf16};
-use fabric_ep::ep::reference::{normal_dispatch, NormalParams, NormalRankInput, Tokens, TokensRef};
+use fabric_ep::protocol::quant::{f32_to_bf16, quantize_bf16};
+use fabric_ep::protocol::reference::{
+    normal_dispatch, NormalParams, NormalRankInput, Tokens, TokensRef,
+};
 use fabric_ep::util::SplitMix64;
 use std::time::{Duration, Instant};
 

@@ -12,8 +12,8 @@ use fabric_ep::ep::config::{DispatchDtype, EpConfig};
 use fabric_ep::ep::hier::{HierBuffer, HierDispatchArgs, HierDispatchOutput, META_CHANNELS};
 use fabric_ep::ep::layout::Layout;
 use fabric_ep::ep::layout::{random_topk_idx, LayoutShape};
-use fabric_ep::ep::quant::{dequantize_row, f32_to_bf16, quantize_bf16};
-use fabric_ep::ep::reference::{self as refm, NormalCombineOut, NormalDispatchOut};
+use fabric_ep::protocol::quant::{dequantize_row, f32_to_bf16, quantize_bf16};
+use fabric_ep::protocol::reference::{self as refm, NormalCombineOut, NormalDispatchOut};
 use fabric_ep::util::SplitMix64;
 use fabric_ep::{Error, Result};
 
@@ -485,7 +485,7 @@ fn run_path<P: NormalPath>(
 // ---------------------------------------------------------------------------------------------
 
 use fabric_ep::ep::buffer::{LlCombineArgs, LlDispatchArgs, LlDispatchOutput, OwnedTokens};
-use fabric_ep::ep::reference::{LlDispatchOut, LlParams};
+use fabric_ep::protocol::reference::{LlDispatchOut, LlParams};
 
 /// What [`run_low_latency`] runs.
 #[derive(Clone, Debug)]
@@ -628,7 +628,7 @@ pub fn ll_reference_rank(
         let (mut q, mut sc, mut f) = (vec![0u8; h], vec![0f32; g], vec![0f32; h]);
         let mut out = Vec::with_capacity(t * h);
         for tok in 0..t {
-            fabric_ep::ep::quant::quantize_row_bf16(
+            fabric_ep::protocol::quant::quantize_row_bf16(
                 &me.x[tok * h..(tok + 1) * h],
                 round_scale,
                 &mut q,

@@ -1,5 +1,5 @@
 //! `ep-bench verify`: a seeded, reproducible randomized matrix over both modes, every output
-//! compared with the single-process reference (`ep::reference`).
+//! compared with the single-process reference (`protocol::reference`).
 //!
 //! Case `i` of seed `s` is drawn from `(s, i)` alone ([`draw_case`]), so `--case i` replays it
 //! by itself, in a process of its own or inside the whole matrix. A case is a sequence of
@@ -33,8 +33,8 @@ use fabric_ep::ep::buffer::{
 };
 use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::ep::hier::{HierBuffer, HierDispatchArgs, HierDispatchOutput};
-use fabric_ep::ep::quant::{bf16_to_f32, dequantize_row, f32_to_bf16, quantize_bf16};
-use fabric_ep::ep::reference::{self as refm};
+use fabric_ep::protocol::quant::{bf16_to_f32, dequantize_row, f32_to_bf16, quantize_bf16};
+use fabric_ep::protocol::reference::{self as refm};
 use fabric_ep::util::SplitMix64;
 use fabric_ep::{Error, Result};
 

@@ -48,16 +48,16 @@ use super::plan::{
     self, LlArea, LlLayout, LlRecvLayout, LlSendPlan, NotifyRecord, Phase, RecordFields,
     RecordLayout, RecvPlan, SendPlan, FP8_GROUP,
 };
-use super::quant::{bf16_to_f32, f32_to_bf16, quantize_row_bf16};
 use crate::bootstrap::Bootstrap;
 use crate::fabric::{InfoQuery, MemKind, MemoryRegion, Placement, Stack};
+use crate::protocol::quant::{bf16_to_f32, f32_to_bf16, quantize_row_bf16};
 use crate::proxy::{
     CounterLayout, CounterMemory, FabricPeer, FabricTransport, LoopbackGroup, LoopbackOptions,
     Proxy, ProxyConfig, RingLayout, RingMemory, SharedRegion, SplitTransport, Throttled,
 };
 use crate::{Error, Result};
 
-pub use super::reference::{Tokens as OwnedTokens, TokensRef as Tokens};
+pub use crate::protocol::reference::{Tokens as OwnedTokens, TokensRef as Tokens};
 
 const _: () = assert!(cfg!(target_endian = "little"), "wire records are little-endian");
 

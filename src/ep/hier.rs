@@ -37,8 +37,8 @@ use super::buffer::{
 };
 use super::config::{EpConfig, EpSettings};
 use super::handle::DispatchHandle;
-use super::quant::FP8_GROUP;
 use crate::bootstrap::{Bootstrap, BootstrapError};
+use crate::protocol::quant::FP8_GROUP;
 use crate::proxy::{Lagging, ProxyError};
 use crate::{Error, Result};
 

@@ -40,12 +40,12 @@ use super::gpu::{
 use super::hier::{
     check_world, final_order, rows_by_source, stage_boots, world_err, HierBuffer, META_CHANNELS,
 };
-use super::quant::FP8_GROUP;
 use crate::bootstrap::Bootstrap;
 use crate::cuda::{
     copy_2d_async, memset_2d_u32_async, memset_range_async, CudaError, DeviceBuffer, Event,
     HostMapped, Stream,
 };
+use crate::protocol::quant::FP8_GROUP;
 use crate::{Error, Result};
 
 /// This rank's own CUDA calls between the stages (copies, memsets, the pinned stage's waits) as

@@ -4,7 +4,6 @@
 pub mod buffer;
 pub mod config;
 pub mod connect;
-pub mod dtype;
 pub mod gpu;
 pub mod handle;
 pub mod hier;
@@ -15,5 +14,3 @@ pub mod ll_gpu;
 pub mod normal_comm;
 pub mod normal_gpu;
 pub mod plan;
-pub mod quant;
-pub mod reference;

@@ -1,0 +1,16 @@
+//! The pure protocol core: everything the engines, the C ABI and the bench compute from a
+//! configuration, with no CUDA, no libfabric and no threads (the split quinn-proto makes between
+//! its state machines and the I/O around them).
+//!
+//! What is here: the number formats and DeepEP's fp8 quantisation (`quant`), the dispatch format
+//! (`dtype`) and the single-process reference every backend is tested against (`reference`).
+//!
+//! Why a module of its own: these parts are plain functions of their inputs (slices in, `Vec`s
+//! out, `u64` byte offsets), so they can be read, tested and fuzzed without a GPU, a NIC or a
+//! bootstrap, and the engines in `ep` (host and GPU backends), the proxy and `ep-bench` all build
+//! on the same math. Nothing here uses `crate::cuda`, `crate::fabric`, `crate::proxy`,
+//! `crate::bootstrap`, `crate::ffi`, threads or locks.
+
+pub mod dtype;
+pub mod quant;
+pub mod reference;
