@@ -14,12 +14,12 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Instant;
 
 use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
-use fabric_ep::ep::plan::{
+use fabric_ep::error::Error;
+use fabric_ep::fabric::RemoteRegion;
+use fabric_ep::protocol::plan::{
     imm_decode, LlImm, LlMsg, LlRecvLayout, NormalImm, NormalMsg, NotifyRecord, RecordLayout,
     RecvPlan,
 };
-use fabric_ep::error::Error;
-use fabric_ep::fabric::RemoteRegion;
 use fabric_ep::proxy::ImmCodec;
 
 /// xorshift64*: fast, and the same sequence on every machine for a seed.

@@ -35,7 +35,7 @@ use fabric_ep::bootstrap::{Bootstrap, LocalJob, TcpStore};
 use fabric_ep::cuda::{gpu_available, Device, DeviceTrace};
 use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::ep::layout::dispatch_layout;
-use fabric_ep::ep::plan::NormalLayout;
+use fabric_ep::protocol::plan::NormalLayout;
 
 const ROLE: &str = "FEP_GPU_NORMAL_PROXY_BENCH_ROLE";
 

@@ -292,7 +292,7 @@ fn main() -> ExitCode {
         Some(Cmd::Plan { at, chunk_tokens, slots_per_peer, ll_tokens, max_region, hierarchy }) => {
             let c = &cli.common;
             let num_tokens = c.tokens.unwrap_or(4096) as u64;
-            fabric_ep::ep::plan::plan_table(
+            fabric_ep::protocol::plan::plan_table(
                 at,
                 c.experts as u64,
                 c.hidden as u64,

@@ -1,6 +1,6 @@
-//! `ep-bench plan` prints the library's plan table (`fabric_ep::ep::plan::plan_table`, also the
-//! C ABI's `fep_plan_table`): per-rank buffer bytes, memory regions, messages and bytes per peer
-//! for a setting at any number of ranks, so users size clusters before renting them.
+//! `ep-bench plan` prints the library's plan table (`fabric_ep::protocol::plan::plan_table`, also
+//! the C ABI's `fep_plan_table`): per-rank buffer bytes, memory regions, messages and bytes per
+//! peer for a setting at any number of ranks, so users size clusters before renting them.
 //!
 //! `ep-bench plan --hierarchy` adds [`hierarchy_table`]: the inter-node token copies and bytes of
 //! direct per-rank sends (what the kernels do) against DeepEP's hierarchy (one copy per

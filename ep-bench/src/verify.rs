@@ -434,7 +434,7 @@ fn largest_unit(mode: Mode, r: usize, shapes: &[ShapeSpec]) -> Option<u64> {
         // Every host Buffer builds its normal-mode buffers; the low-latency lane comes on top;
         // the hierarchy's node stage carries 128 more channels.
         let hidden = sh.hidden + if sh.hier { fabric_ep::ep::hier::META_CHANNELS } else { 0 };
-        let slot = fabric_ep::ep::plan::NormalLayout::from_parts(
+        let slot = fabric_ep::protocol::plan::NormalLayout::from_parts(
             r as u64,
             sh.experts as u64,
             hidden as u64,
@@ -447,7 +447,7 @@ fn largest_unit(mode: Mode, r: usize, shapes: &[ShapeSpec]) -> Option<u64> {
         .slot_bytes;
         max = max.max(slot);
         if mode == Mode::LowLatency {
-            let unit = fabric_ep::ep::plan::LlLayout::from_parts(
+            let unit = fabric_ep::protocol::plan::LlLayout::from_parts(
                 r as u64,
                 sh.experts as u64,
                 sh.hidden as u64,

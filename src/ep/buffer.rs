@@ -44,12 +44,12 @@ use super::handle::{DispatchHandle, LlHandle};
 use super::host::ll::{LlComm, LlFabricHold, LlGeometry, LlLane, LlPhase};
 use super::host::{Geometry, HostComm, StepCounts};
 use super::layout::{dispatch_layout, Layout};
-use super::plan::{
+use crate::bootstrap::Bootstrap;
+use crate::fabric::{InfoQuery, MemKind, MemoryRegion, Placement, Stack};
+use crate::protocol::plan::{
     self, LlArea, LlLayout, LlRecvLayout, LlSendPlan, NotifyRecord, Phase, RecordFields,
     RecordLayout, RecvPlan, SendPlan, FP8_GROUP,
 };
-use crate::bootstrap::Bootstrap;
-use crate::fabric::{InfoQuery, MemKind, MemoryRegion, Placement, Stack};
 use crate::protocol::quant::{bf16_to_f32, f32_to_bf16, quantize_row_bf16};
 use crate::proxy::{
     CounterLayout, CounterMemory, FabricPeer, FabricTransport, LoopbackGroup, LoopbackOptions,

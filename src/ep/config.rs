@@ -20,8 +20,8 @@ use std::ops::Deref;
 use std::time::Duration;
 
 // Defined beside the layouts that size with it (plan/ uses it; config.rs uses plan/).
-use super::plan::{self, LlLayout, NormalLayout};
 pub use crate::protocol::dtype::DispatchDtype;
+use crate::protocol::plan::{self, LlLayout, NormalLayout};
 use crate::{Error, Result};
 
 /// Version of the wire protocol and buffer layouts; part of [`EpConfig::hash`], so ranks built

@@ -13,4 +13,3 @@ pub mod layout;
 pub mod ll_gpu;
 pub mod normal_comm;
 pub mod normal_gpu;
-pub mod plan;

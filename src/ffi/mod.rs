@@ -131,7 +131,7 @@ pub unsafe extern "C" fn fep_plan_table(
             s.dispatch_dtype = crate::ep::config::DispatchDtype::Fp8E4m3;
         }
         s.validate()?;
-        let t = crate::ep::plan::plan_table(
+        let t = crate::protocol::plan::plan_table(
             &[r as u64],
             s.num_experts as u64,
             s.hidden as u64,

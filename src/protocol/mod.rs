@@ -2,8 +2,10 @@
 //! configuration, with no CUDA, no libfabric and no threads (the split quinn-proto makes between
 //! its state machines and the I/O around them).
 //!
-//! What is here: the number formats and DeepEP's fp8 quantisation (`quant`), the dispatch format
-//! (`dtype`) and the single-process reference every backend is tested against (`reference`).
+//! What is here: the dispatch format (`dtype`); the wire protocol's math (`plan`: record layouts,
+//! immediate data, memory regions, both modes' layouts and plans, cluster sizing and its table);
+//! the number formats and DeepEP's fp8 quantisation (`quant`); the single-process reference every
+//! backend is tested against (`reference`).
 //!
 //! Why a module of its own: these parts are plain functions of their inputs (slices in, `Vec`s
 //! out, `u64` byte offsets), so they can be read, tested and fuzzed without a GPU, a NIC or a
@@ -12,5 +14,6 @@
 //! `crate::bootstrap`, `crate::ffi`, threads or locks.
 
 pub mod dtype;
+pub mod plan;
 pub mod quant;
 pub mod reference;

@@ -11,7 +11,7 @@ pub(crate) mod ll;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::plan::{
+use crate::protocol::plan::{
     imm_decode, NormalLayout, NotifyRecord, Phase, RegionPlan, IMM_VALUE_MAX, NOTIFY_SLOTS,
 };
 use crate::proxy::{ArrivalWait, Command, Proxy, ProxyError, RingProducer, SharedRegion};

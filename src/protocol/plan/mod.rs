@@ -25,8 +25,8 @@
 //! Every RMA write carries a `u32`: `slot_id = imm >> 14` (18 bits), `value = imm & 0x3fff`.
 //! See [`NormalImm`] and [`LlImm`] for the id spaces.
 //!
-//! The parts, each a submodule re-exported here (paths such as `ep::plan::NormalLayout` are
-//! the API): constants and input checks (`base`), wire records, immediate data, memory
+//! The parts, each a submodule re-exported here (paths such as `protocol::plan::NormalLayout`
+//! are the API): constants and input checks (`base`), wire records, immediate data, memory
 //! regions, normal mode, low-latency mode, cluster sizing and its table.
 
 mod base;
