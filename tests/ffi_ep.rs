@@ -23,8 +23,8 @@ use ep_bench::ep::{
     combine_input, ll_combine_input, ll_rank_inputs, ll_reference_rank, rank_inputs, reference,
     LlBenchParams, NormalBenchParams,
 };
-use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::ffi::*;
+use fabric_ep::protocol::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::protocol::reference::Tokens;
 
 const ROLE: &str = "FEP_EP_TEST_RANK";

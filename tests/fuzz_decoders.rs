@@ -13,9 +13,9 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Instant;
 
-use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::error::Error;
 use fabric_ep::fabric::RemoteRegion;
+use fabric_ep::protocol::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::protocol::plan::{
     imm_decode, LlImm, LlMsg, LlRecvLayout, NormalImm, NormalMsg, NotifyRecord, RecordLayout,
     RecvPlan,

@@ -17,8 +17,8 @@ use std::time::Duration;
 use ep_bench::ep::{combine_input, rank_inputs, reference, NormalBenchParams, RankInputs};
 use fabric_ep::bootstrap::{Bootstrap, InProcGroup};
 use fabric_ep::cuda::{Device, DeviceBuffer, Stream};
-use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::ffi::*;
+use fabric_ep::protocol::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::protocol::reference::{NormalDispatchOut, Tokens};
 
 const E: usize = 16;

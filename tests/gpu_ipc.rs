@@ -21,8 +21,8 @@ use ep_bench::ep_gpu::{run_ll_gpu_process, run_normal_gpu_rank, GpuBenchParams, 
 use fabric_ep::bootstrap::{Bootstrap, RankOutcome, TcpStore};
 use fabric_ep::cuda::{device_count, gpu_available, Device, DeviceBuffer, Stream};
 use fabric_ep::ep::buffer::{Buffer, BufferOptions};
-use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::ep::gpu::{DevSlice, GpuLlDispatchArgs, GpuNotifyArgs, GpuOptions, PeerPath};
+use fabric_ep::protocol::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::Error;
 
 mod common;

@@ -30,8 +30,8 @@ use ep_bench::ep_gpu::{run_ll_gpu_on, run_ll_gpu_rank, GpuBenchParams, LlCase, L
 use fabric_ep::bootstrap::{Bootstrap, InProcGroup, LocalJob, TcpStore};
 use fabric_ep::cuda::{Device, DeviceBuffer, Stream};
 use fabric_ep::ep::buffer::{Buffer, BufferOptions};
-use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::ep::gpu::{DevSlice, GpuLlCombineArgs, GpuLlDispatchArgs, GpuOptions};
+use fabric_ep::protocol::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::Error;
 
 const ROLE: &str = "FEP_GPU_LL_PROXY_ROLE";

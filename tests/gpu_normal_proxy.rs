@@ -24,8 +24,8 @@ use ep_bench::ep_gpu::{run_normal_gpu_rank, run_normal_gpu_split, GpuBenchParams
 use fabric_ep::bootstrap::{Bootstrap, InProcGroup, LocalJob, TcpStore};
 use fabric_ep::cuda::{Device, DeviceBuffer, Stream};
 use fabric_ep::ep::buffer::{Buffer, BufferOptions};
-use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::ep::gpu::{DevSlice, GpuNotifyArgs, GpuOptions};
+use fabric_ep::protocol::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::Error;
 
 const ROLE: &str = "FEP_GPU_NORMAL_PROXY_ROLE";

@@ -8,10 +8,10 @@ use crate::stats::percentile;
 use fabric_ep::ep::buffer::{
     Buffer, CombineArgs, CombineOutput, DispatchArgs, DispatchOutput, Tokens,
 };
-use fabric_ep::ep::config::{DispatchDtype, EpConfig};
 use fabric_ep::ep::hier::{HierBuffer, HierDispatchArgs, HierDispatchOutput, META_CHANNELS};
 use fabric_ep::ep::layout::Layout;
 use fabric_ep::ep::layout::{random_topk_idx, LayoutShape};
+use fabric_ep::protocol::config::{DispatchDtype, EpConfig};
 use fabric_ep::protocol::quant::{dequantize_row, f32_to_bf16, quantize_bf16};
 use fabric_ep::protocol::reference::{self as refm, NormalCombineOut, NormalDispatchOut};
 use fabric_ep::util::SplitMix64;
@@ -804,7 +804,7 @@ pub fn run_low_latency(buf: &mut Buffer, p: &LlBenchParams) -> Result<LlBenchRep
 #[cfg(test)]
 mod tests {
     use super::*;
-    use fabric_ep::ep::config::EpSettings;
+    use fabric_ep::protocol::config::EpSettings;
 
     fn inputs(rank: usize, one_way: bool) -> RankInputs {
         let mut s = EpSettings::new(rank, 2, 16, 128, 4);

@@ -18,7 +18,6 @@ use super::ep::{
 use fabric_ep::bootstrap::{Bootstrap, InProcGroup};
 use fabric_ep::cuda::{DevErrorRecord, Device, DeviceBuffer, Event, GraphExec, HostMapped, Stream};
 use fabric_ep::ep::buffer::{Buffer, BufferOptions};
-use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::ep::gpu::{
     DevSlice, GpuBuffer, GpuCombineArgs, GpuDispatchArgs, GpuDispatchBuffers, GpuHandle,
     GpuLlCombineArgs, GpuLlDispatchArgs, GpuNotifyArgs, GpuOptions,
@@ -26,6 +25,7 @@ use fabric_ep::ep::gpu::{
 use fabric_ep::ep::hier_gpu::{GpuHierBuffer, GpuHierDispatchArgs, GpuHierHandle};
 use fabric_ep::ep::layout::{dispatch_layout, random_topk_idx, LayoutShape};
 use fabric_ep::ep::ll_gpu::LlDispatchHost;
+use fabric_ep::protocol::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::protocol::quant::f32_to_bf16;
 use fabric_ep::protocol::reference::{self as refm, NormalCombineOut, NormalDispatchOut, Tokens};
 use fabric_ep::util::SplitMix64;

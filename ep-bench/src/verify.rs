@@ -31,8 +31,8 @@ use fabric_ep::ep::buffer::{
     Buffer, BufferOptions, CombineArgs, CombineOutput, DispatchArgs, DispatchOutput, LlCombineArgs,
     LlDispatchArgs, LlDispatchOutput, OwnedTokens, Tokens,
 };
-use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::ep::hier::{HierBuffer, HierDispatchArgs, HierDispatchOutput};
+use fabric_ep::protocol::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::protocol::quant::{bf16_to_f32, dequantize_row, f32_to_bf16, quantize_bf16};
 use fabric_ep::protocol::reference::{self as refm};
 use fabric_ep::util::SplitMix64;
@@ -440,8 +440,8 @@ fn largest_unit(mode: Mode, r: usize, shapes: &[ShapeSpec]) -> Option<u64> {
             hidden as u64,
             sh.topk as u64,
             dtype,
-            sh.chunk_tokens.unwrap_or(fabric_ep::ep::config::DEFAULT_CHUNK_TOKENS) as u64,
-            sh.slots_per_peer.unwrap_or(fabric_ep::ep::config::DEFAULT_SLOTS_PER_PEER) as u64,
+            sh.chunk_tokens.unwrap_or(fabric_ep::protocol::config::DEFAULT_CHUNK_TOKENS) as u64,
+            sh.slots_per_peer.unwrap_or(fabric_ep::protocol::config::DEFAULT_SLOTS_PER_PEER) as u64,
         )
         .ok()?
         .slot_bytes;
@@ -514,7 +514,7 @@ fn draw_shape(
     let n_calls = pick(rng, &[1, 2, 2, 3]);
     // At most 256 chunks per peer queue and call: with 1-token chunks over udp;ofi_rxd on an
     // oversubscribed CPU, 4096 credit round trips took 265 s (waits over 20 s each, no stall).
-    let chunk_cap = chunk_tokens.unwrap_or(fabric_ep::ep::config::DEFAULT_CHUNK_TOKENS) * 256;
+    let chunk_cap = chunk_tokens.unwrap_or(fabric_ep::protocol::config::DEFAULT_CHUNK_TOKENS) * 256;
     let normal_cap = (NORMAL_ELEMS / hidden).clamp(1, NORMAL_MAX_TOKENS).min(chunk_cap);
     let calls = (0..n_calls)
         .map(|_| {

@@ -35,9 +35,9 @@ use super::buffer::{
     check_boot, Backend, Buffer, BufferOptions, CombineArgs, CombineOutput, DispatchArgs,
     OwnedTokens, Tokens, TransportKind,
 };
-use super::config::{EpConfig, EpSettings};
 use super::handle::DispatchHandle;
 use crate::bootstrap::{Bootstrap, BootstrapError};
+use crate::protocol::config::{EpConfig, EpSettings};
 use crate::protocol::quant::FP8_GROUP;
 use crate::proxy::{Lagging, ProxyError};
 use crate::{Error, Result};

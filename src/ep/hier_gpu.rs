@@ -32,7 +32,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::buffer::{check_boot, Backend, Buffer, BufferOptions};
-use super::config::{DispatchDtype, EpConfig};
 use super::gpu::{
     DevSlice, GpuCombineArgs, GpuDispatchArgs, GpuDispatchBuffers, GpuDispatchOut, GpuHandle,
     GpuNotifyArgs, GpuOptions, DEFAULT_MAX_SMS,
@@ -45,6 +44,7 @@ use crate::cuda::{
     copy_2d_async, memset_2d_u32_async, memset_range_async, CudaError, DeviceBuffer, Event,
     HostMapped, Stream,
 };
+use crate::protocol::config::{DispatchDtype, EpConfig};
 use crate::protocol::quant::FP8_GROUP;
 use crate::{Error, Result};
 

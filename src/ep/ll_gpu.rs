@@ -45,7 +45,7 @@
 use crate::abi;
 use crate::cuda::launch::{self, LaunchConfig};
 use crate::cuda::{DevErrorRecord, Device, DeviceBuffer, Event, HostMapped, Stream};
-use crate::ep::config::DispatchDtype;
+use crate::protocol::config::DispatchDtype;
 use crate::protocol::plan::{LlLayout, RecordLayout};
 use crate::{Error, Result};
 use std::sync::Arc;

@@ -2,7 +2,6 @@
 //! reference, quantisation, and (later) Buffer with normal and low-latency dispatch/combine.
 
 pub mod buffer;
-pub mod config;
 pub mod connect;
 pub mod gpu;
 pub mod handle;

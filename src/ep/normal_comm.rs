@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use super::config::DispatchDtype;
 use crate::abi;
+use crate::protocol::config::DispatchDtype;
 use crate::protocol::plan::NormalLayout;
 use crate::{Error, Result};
 

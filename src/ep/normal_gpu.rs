@@ -36,8 +36,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::config::DispatchDtype;
 use super::gpu::normal_proxy::NormalProxyLane;
+use crate::protocol::config::DispatchDtype;
 // In a module of their own: the proxy lane (gpu::normal_proxy) needs them too, and this file
 // needs the lane.
 use super::layout::LayoutBuffers;

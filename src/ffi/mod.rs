@@ -120,7 +120,7 @@ pub unsafe extern "C" fn fep_plan_table(
             return Err(Error::arg("num_tokens", format!("{tokens}: at most 2^31 - 1")));
         }
         // The setting must be one a buffer could be created with (the errors name the field).
-        let mut s = crate::ep::config::EpSettings::new(
+        let mut s = crate::protocol::config::EpSettings::new(
             0,
             r,
             usize_arg("num_experts", num_experts)?,
@@ -128,7 +128,7 @@ pub unsafe extern "C" fn fep_plan_table(
             usize_arg("num_topk", num_topk)?,
         );
         if fp8 {
-            s.dispatch_dtype = crate::ep::config::DispatchDtype::Fp8E4m3;
+            s.dispatch_dtype = crate::protocol::config::DispatchDtype::Fp8E4m3;
         }
         s.validate()?;
         let t = crate::protocol::plan::plan_table(

@@ -2,10 +2,12 @@
 //! configuration, with no CUDA, no libfabric and no threads (the split quinn-proto makes between
 //! its state machines and the I/O around them).
 //!
-//! What is here: the dispatch format (`dtype`); the wire protocol's math (`plan`: record layouts,
-//! immediate data, memory regions, both modes' layouts and plans, cluster sizing and its table);
-//! the number formats and DeepEP's fp8 quantisation (`quant`); the single-process reference every
-//! backend is tested against (`reference`).
+//! - `config`: the settings, validated once, and their size hints (`u64` bytes);
+//! - `dtype`: the dispatch format;
+//! - `plan`: the wire protocol's math: record layouts, immediate data, memory regions, both
+//!   modes' layouts and plans, cluster sizing and its table;
+//! - `quant`: bf16/fp8 conversions and DeepEP's per-token fp8 quantisation;
+//! - `reference`: the single-process oracle every backend is tested against.
 //!
 //! Why a module of its own: these parts are plain functions of their inputs (slices in, `Vec`s
 //! out, `u64` byte offsets), so they can be read, tested and fuzzed without a GPU, a NIC or a
@@ -13,6 +15,7 @@
 //! on the same math. Nothing here uses `crate::cuda`, `crate::fabric`, `crate::proxy`,
 //! `crate::bootstrap`, `crate::ffi`, threads or locks.
 
+pub mod config;
 pub mod dtype;
 pub mod plan;
 pub mod quant;

@@ -812,7 +812,7 @@ mod tests {
     /// host lane's `LlGeometry` does, and no unit crosses a registered chunk.
     #[test]
     fn kernel_placement_is_ll_geometry() {
-        use crate::ep::config::DispatchDtype;
+        use crate::protocol::config::DispatchDtype;
         use crate::protocol::plan::LlArea;
         let l = LlLayout::from_parts(4, 16, 256, DispatchDtype::Fp8E4m3, 8).unwrap();
         for stride in [l.unit_bytes, l.unit_bytes * 3 + 16, 1 << 20] {

@@ -511,7 +511,7 @@ impl NormalProxyLane {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ep::config::DispatchDtype;
+    use crate::protocol::config::DispatchDtype;
     use crate::protocol::plan::NormalLayout;
 
     /// The kernels' placement (fep_normal.cuh `px_data_off` / `px_notify_off`), from the

@@ -947,7 +947,7 @@ impl LlComm {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ep::config::DispatchDtype;
+    use crate::protocol::config::DispatchDtype;
 
     #[test]
     fn ll_geometry_never_crosses_a_chunk() {

@@ -465,7 +465,7 @@ fn check_range(region: &SharedRegion, off: u64, len: usize) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ep::config::DispatchDtype;
+    use crate::protocol::config::DispatchDtype;
 
     #[test]
     fn geometry_never_crosses_a_chunk() {

@@ -6,7 +6,7 @@
 //! (DeepEP's `int` sizes overflowed past 1024 ranks).
 //!
 //! ```
-//! use fabric_ep::ep::config::{EpConfig, EpSettings, DispatchDtype};
+//! use fabric_ep::protocol::config::{EpConfig, EpSettings, DispatchDtype};
 //! let cfg = EpConfig::new(EpSettings {
 //!     dispatch_dtype: DispatchDtype::Fp8E4m3,
 //!     ..EpSettings::new(0, 16, 256, 7168, 8)
@@ -20,8 +20,8 @@ use std::ops::Deref;
 use std::time::Duration;
 
 // Defined beside the layouts that size with it (plan/ uses it; config.rs uses plan/).
-pub use crate::protocol::dtype::DispatchDtype;
-use crate::protocol::plan::{self, LlLayout, NormalLayout};
+pub use super::dtype::DispatchDtype;
+use super::plan::{self, LlLayout, NormalLayout};
 use crate::{Error, Result};
 
 /// Version of the wire protocol and buffer layouts; part of [`EpConfig::hash`], so ranks built
