@@ -443,7 +443,7 @@ fn c_abi_gpu_normal_without_step_barriers() {
 #[test]
 #[ignore = "needs a GPU: scripts/gpu-check.sh runs it"]
 fn c_abi_gpu_layout_matches_the_host_layout() {
-    use fabric_ep::ep::layout::{dispatch_layout, random_topk_idx, LayoutShape};
+    use fabric_ep::protocol::layout::{dispatch_layout, random_topk_idx, LayoutShape};
     use fabric_ep::util::SplitMix64;
     let Some(dev) = gpu() else { return };
     let (e, r, rpn) = (64usize, 8usize, 4usize);

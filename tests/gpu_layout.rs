@@ -4,10 +4,8 @@
 mod common;
 use common::gpu::gpu;
 use fabric_ep::cuda::{CudaError, DevErrorRecord, Device, DeviceBuffer, Stream};
-use fabric_ep::ep::layout::{
-    dispatch_layout, random_topk_idx, DispatchLayoutGpu, Layout, LayoutBuffers, LayoutShape,
-    LayoutTuning, LayoutVariant,
-};
+use fabric_ep::ep::layout_gpu::{DispatchLayoutGpu, LayoutBuffers, LayoutTuning, LayoutVariant};
+use fabric_ep::protocol::layout::{dispatch_layout, random_topk_idx, Layout, LayoutShape};
 use fabric_ep::util::SplitMix64;
 use std::time::Duration;
 

@@ -5,10 +5,10 @@
 mod common;
 use common::gpu::gpu;
 use fabric_ep::cuda::{CudaError, Device};
-use fabric_ep::ep::layout::{random_topk_idx, LayoutShape};
 use fabric_ep::ep::normal_gpu::harness::{step, RankBuffers, RankInput, StepOptions};
 use fabric_ep::ep::normal_gpu::{NormalGpuRank, NormalGpuSettings};
 use fabric_ep::protocol::config::DispatchDtype;
+use fabric_ep::protocol::layout::{random_topk_idx, LayoutShape};
 use fabric_ep::protocol::quant::{f32_to_bf16, quantize_bf16};
 use fabric_ep::protocol::reference::{
     normal_combine, normal_dispatch, NormalCombineInput, NormalParams, NormalRankInput, Tokens,

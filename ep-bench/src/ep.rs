@@ -9,9 +9,9 @@ use fabric_ep::ep::buffer::{
     Buffer, CombineArgs, CombineOutput, DispatchArgs, DispatchOutput, Tokens,
 };
 use fabric_ep::ep::hier::{HierBuffer, HierDispatchArgs, HierDispatchOutput, META_CHANNELS};
-use fabric_ep::ep::layout::Layout;
-use fabric_ep::ep::layout::{random_topk_idx, LayoutShape};
 use fabric_ep::protocol::config::{DispatchDtype, EpConfig};
+use fabric_ep::protocol::layout::Layout;
+use fabric_ep::protocol::layout::{random_topk_idx, LayoutShape};
 use fabric_ep::protocol::quant::{dequantize_row, f32_to_bf16, quantize_bf16};
 use fabric_ep::protocol::reference::{self as refm, NormalCombineOut, NormalDispatchOut};
 use fabric_ep::util::SplitMix64;
@@ -376,7 +376,7 @@ impl InternodeBytes {
     /// routings (0).
     pub fn of_routing(cfg: &EpConfig, topk_idx: &[i64]) -> Result<Self> {
         let (k, r, rpn) = (cfg.num_topk, cfg.num_ranks, cfg.ranks_per_node);
-        let layout = fabric_ep::ep::layout::dispatch_layout(
+        let layout = fabric_ep::protocol::layout::dispatch_layout(
             topk_idx,
             topk_idx.len() / k,
             k,
@@ -425,7 +425,7 @@ fn run_path<P: NormalPath>(
         (0..cfg.num_ranks).map(|r| rank_inputs(cfg, p, r)).collect::<Result<_>>()?;
     let (want_d, want_c) = reference_grouped(cfg, &inputs, (1, None, p.combine_weights), group)?;
     let me = &inputs[rank];
-    let layout = fabric_ep::ep::layout::dispatch_layout(
+    let layout = fabric_ep::protocol::layout::dispatch_layout(
         &me.topk_idx,
         me.topk_idx.len() / cfg.num_topk,
         cfg.num_topk,

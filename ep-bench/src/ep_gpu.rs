@@ -23,9 +23,9 @@ use fabric_ep::ep::gpu::{
     GpuLlCombineArgs, GpuLlDispatchArgs, GpuNotifyArgs, GpuOptions,
 };
 use fabric_ep::ep::hier_gpu::{GpuHierBuffer, GpuHierDispatchArgs, GpuHierHandle};
-use fabric_ep::ep::layout::{dispatch_layout, random_topk_idx, LayoutShape};
 use fabric_ep::ep::ll_gpu::LlDispatchHost;
 use fabric_ep::protocol::config::{DispatchDtype, EpConfig, EpSettings};
+use fabric_ep::protocol::layout::{dispatch_layout, random_topk_idx, LayoutShape};
 use fabric_ep::protocol::quant::f32_to_bf16;
 use fabric_ep::protocol::reference::{self as refm, NormalCombineOut, NormalDispatchOut, Tokens};
 use fabric_ep::util::SplitMix64;

@@ -7,9 +7,9 @@
 //! destination node, then an NVLink fan-out), counted exactly on routings from the project's own
 //! generator.
 
-use fabric_ep::ep::layout::{random_topk_idx, LayoutShape};
 use fabric_ep::error::{Error, Result};
 use fabric_ep::protocol::config::DispatchDtype;
+use fabric_ep::protocol::layout::{random_topk_idx, LayoutShape};
 use fabric_ep::util::SplitMix64;
 
 /// Token copies of a set of routings under the two internode strategies, summed over source

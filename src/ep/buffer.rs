@@ -42,10 +42,10 @@ use super::gpu::{GpuBuffer, GpuOptions};
 use super::handle::{DispatchHandle, LlHandle};
 use super::host::ll::{LlComm, LlFabricHold, LlGeometry, LlLane, LlPhase};
 use super::host::{Geometry, HostComm, StepCounts};
-use super::layout::{dispatch_layout, Layout};
 use crate::bootstrap::Bootstrap;
 use crate::fabric::{InfoQuery, MemKind, MemoryRegion, Placement, Stack};
 use crate::protocol::config::{DispatchDtype, EpConfig};
+use crate::protocol::layout::{dispatch_layout, Layout};
 use crate::protocol::plan::{
     self, LlArea, LlLayout, LlRecvLayout, LlSendPlan, NotifyRecord, Phase, RecordFields,
     RecordLayout, RecvPlan, SendPlan, FP8_GROUP,

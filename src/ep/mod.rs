@@ -8,7 +8,7 @@ pub mod handle;
 pub mod hier;
 pub mod hier_gpu;
 pub mod host;
-pub mod layout;
+pub mod layout_gpu;
 pub mod ll_gpu;
 pub mod normal_comm;
 pub mod normal_gpu;

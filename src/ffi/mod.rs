@@ -74,7 +74,7 @@ pub unsafe extern "C" fn fep_get_dispatch_layout_host(
         let rpn = usize_arg("ranks_per_node", ranks_per_node as i64)?;
         let n_idx = nt.checked_mul(k).ok_or_else(|| Error::arg("num_tokens", "overflow"))?;
         let idx = slice_in("topk_idx", topk_idx, n_idx)?;
-        let lay = crate::ep::layout::dispatch_layout(idx, nt, k, e, r, rpn)?;
+        let lay = crate::protocol::layout::dispatch_layout(idx, nt, k, e, r, rpn)?;
         copy_out("num_tokens_per_rank", num_tokens_per_rank, &lay.num_tokens_per_rank, false)?;
         copy_out("num_tokens_per_node", num_tokens_per_node, &lay.num_tokens_per_node, true)?;
         copy_out(

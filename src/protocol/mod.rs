@@ -4,6 +4,7 @@
 //!
 //! - `config`: the settings, validated once, and their size hints (`u64` bytes);
 //! - `dtype`: the dispatch format;
+//! - `layout`: `get_dispatch_layout` in Rust (the GPU kernel's reference, the host backend's);
 //! - `plan`: the wire protocol's math: record layouts, immediate data, memory regions, both
 //!   modes' layouts and plans, cluster sizing and its table;
 //! - `quant`: bf16/fp8 conversions and DeepEP's per-token fp8 quantisation;
@@ -17,6 +18,7 @@
 
 pub mod config;
 pub mod dtype;
+pub mod layout;
 pub mod plan;
 pub mod quant;
 pub mod reference;

@@ -78,7 +78,7 @@ use std::time::Duration;
 mod ipc;
 pub use ipc::PeerPath;
 
-use super::layout::{DispatchLayoutGpu, LayoutBuffers, LayoutTuning};
+use super::layout_gpu::{DispatchLayoutGpu, LayoutBuffers, LayoutTuning};
 use super::ll_gpu::{self, LlDispatchOut, LlGpuConfig, LlGpuRank, LlTicket};
 use super::normal_gpu::{
     CombineArgs, DispatchInputs, DispatchOutputs, NormalGpuRank, NormalGpuSettings, NormalHandle,
