@@ -493,7 +493,7 @@ fn hierarchy_row_metadata() {
         let meta: Vec<(u32, u32)> =
             rows.iter().map(|r| (word(r, 0) as u32, word(&r[4..], 0) as u32)).collect();
         let gateway: Vec<usize> = rows.iter().map(|r| r[8] as usize % 4).collect();
-        match fabric_ep::ep::hier::final_order(&cfg, &meta, &gateway) {
+        match fabric_ep::protocol::hier::final_order(&cfg, &meta, &gateway) {
             Ok((perm, prefix, src_idx)) => {
                 let mut seen = vec![false; meta.len()];
                 for &p in &perm {

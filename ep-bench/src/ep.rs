@@ -8,8 +8,9 @@ use crate::stats::percentile;
 use fabric_ep::ep::buffer::{
     Buffer, CombineArgs, CombineOutput, DispatchArgs, DispatchOutput, Tokens,
 };
-use fabric_ep::ep::hier::{HierBuffer, HierDispatchArgs, HierDispatchOutput, META_CHANNELS};
+use fabric_ep::ep::hier::{HierBuffer, HierDispatchArgs, HierDispatchOutput};
 use fabric_ep::protocol::config::{DispatchDtype, EpConfig};
+use fabric_ep::protocol::hier::META_CHANNELS;
 use fabric_ep::protocol::layout::Layout;
 use fabric_ep::protocol::layout::{random_topk_idx, LayoutShape};
 use fabric_ep::protocol::quant::{dequantize_row, f32_to_bf16, quantize_bf16};

@@ -433,7 +433,7 @@ fn largest_unit(mode: Mode, r: usize, shapes: &[ShapeSpec]) -> Option<u64> {
         let dtype = if sh.fp8 { DispatchDtype::Fp8E4m3 } else { DispatchDtype::Bf16 };
         // Every host Buffer builds its normal-mode buffers; the low-latency lane comes on top;
         // the hierarchy's node stage carries 128 more channels.
-        let hidden = sh.hidden + if sh.hier { fabric_ep::ep::hier::META_CHANNELS } else { 0 };
+        let hidden = sh.hidden + if sh.hier { fabric_ep::protocol::hier::META_CHANNELS } else { 0 };
         let slot = fabric_ep::protocol::plan::NormalLayout::from_parts(
             r as u64,
             sh.experts as u64,

@@ -4,6 +4,7 @@
 //!
 //! - `config`: the settings, validated once, and their size hints (`u64` bytes);
 //! - `dtype`: the dispatch format;
+//! - `hier`: the internode hierarchy's stage settings, metadata lane and final row order;
 //! - `layout`: `get_dispatch_layout` in Rust (the GPU kernel's reference, the host backend's);
 //! - `plan`: the wire protocol's math: record layouts, immediate data, memory regions, both
 //!   modes' layouts and plans, cluster sizing and its table;
@@ -18,6 +19,7 @@
 
 pub mod config;
 pub mod dtype;
+pub mod hier;
 pub mod layout;
 pub mod plan;
 pub mod quant;
