@@ -17,10 +17,9 @@ use fabric_ep::error::Error;
 use fabric_ep::fabric::RemoteRegion;
 use fabric_ep::protocol::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::protocol::plan::{
-    imm_decode, LlImm, LlMsg, LlRecvLayout, NormalImm, NormalMsg, NotifyRecord, RecordLayout,
-    RecvPlan,
+    imm_decode, ImmCodec, LlImm, LlMsg, LlRecvLayout, NormalImm, NormalMsg, NotifyRecord,
+    RecordLayout, RecvPlan,
 };
-use fabric_ep::proxy::ImmCodec;
 
 /// xorshift64*: fast, and the same sequence on every machine for a seed.
 struct Rng(u64);
