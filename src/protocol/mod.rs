@@ -15,7 +15,9 @@
 //! out, `u64` byte offsets), so they can be read, tested and fuzzed without a GPU, a NIC or a
 //! bootstrap, and the engines in `ep` (host and GPU backends), the proxy and `ep-bench` all build
 //! on the same math. Nothing here uses `crate::cuda`, `crate::fabric`, `crate::proxy`,
-//! `crate::bootstrap`, `crate::ffi`, threads or locks.
+//! `crate::bootstrap`, `crate::ffi`, `crate::ep`, threads or locks: `scripts/modgraph.py
+//! --purity` (run by `make test`, and by `make lint` with the module graphs) fails if a file
+//! does.
 
 pub mod config;
 pub mod dtype;
