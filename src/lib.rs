@@ -1,7 +1,8 @@
 //! fabric-ep: Mixture-of-Experts expert-parallel communication over libfabric.
 //!
 //! Layers (dependencies point downward only; docs/ARCHITECTURE.md maps them):
-//! `ffi` -> `ep` -> {`proxy`, `cuda`, `fabric`, `bootstrap`} -> `libfabric-sys` / cudarc.
+//! `ffi` -> `ep` -> {`proxy`, `cuda`, `fabric`, `bootstrap`} -> `libfabric-sys` / cudarc, and
+//! `protocol` (the pure core: no CUDA, no libfabric, no threads) under `ffi`, `ep` and `proxy`.
 
 pub mod abi;
 pub mod bootstrap;

@@ -4,8 +4,8 @@
 //! joined from the environment). One object per rank, sized with `fep_ep_need_bytes` for its
 //! shapes, serves two normal shapes (hidden 256 bf16, then hidden 384 fp8) and a low-latency
 //! one (the host casts per call: bf16, then fp8 through the receive hook, on one buffer); every
-//! output is compared with the reference (src/ep/reference.rs, through ep_bench::ep's inputs and
-//! reference runs of every rank's inputs). The first shape asked again is the same buffer and
+//! output is compared with the reference (src/protocol/reference.rs, through ep_bench::ep's inputs
+//! and reference runs of every rank's inputs). The first shape asked again is the same buffer and
 //! still correct; shapes over the capacity are refused naming the argument and both sizes; the
 //! object's buffers are refused by `fep_buffer_destroy` and stale after `fep_ep_destroy`.
 //!

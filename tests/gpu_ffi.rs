@@ -1,7 +1,7 @@
 //! GPU: the C ABI's GPU entry points (`fep_gpu_*`) driven the way a C caller drives them — ranks
 //! as threads of one process on one GPU, bootstrapped through an all-gather callback, device
 //! pointers in `fep_tensor`s, a stream in a `fep_gpu_order` — against the single-process
-//! reference (src/ep/reference.rs) on the same inputs: the two-step dispatch (notify, outputs
+//! reference (src/protocol/reference.rs) on the same inputs: the two-step dispatch (notify, outputs
 //! of the returned row count, dispatch), combine, and the `num_worst_tokens` form, bf16 and fp8,
 //! world 1, 2 and 4; and a refused argument naming itself. After the first combine each rank
 //! also combines again on the same handle without weights and runs a cached dispatch (outputs

@@ -1,4 +1,4 @@
-//! GPU: the layout kernel against the Rust reference (src/ep/layout.rs).
+//! GPU: the layout kernel against the Rust reference (src/protocol/layout.rs).
 //! Ignored without `--include-ignored` (CI has no GPU); scripts/gpu-check.sh runs them.
 
 mod common;

@@ -1,5 +1,5 @@
 //! GPU: low-latency dispatch/combine (kernels/ll_*.cu, src/ep/ll_gpu.rs) against the reference
-//! (src/ep/reference.rs), ranks as threads of one process on one GPU.
+//! (src/protocol/reference.rs), ranks as threads of one process on one GPU.
 //! Ignored without `--include-ignored` (CI has no GPU); scripts/gpu-check.sh runs them.
 //!
 //! Exactness claims checked here: bf16 dispatch rows bit-exact; fp8 rows and scales bit-exact

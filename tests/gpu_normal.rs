@@ -1,5 +1,5 @@
 //! GPU: normal-mode intranode dispatch/combine (kernels/normal_*.cu) with ranks as threads of one
-//! process on one GPU, against the single-process reference (src/ep/reference.rs).
+//! process on one GPU, against the single-process reference (src/protocol/reference.rs).
 //! Ignored without `--include-ignored` (CI has no GPU); scripts/gpu-check.sh runs them.
 
 mod common;

@@ -1,6 +1,6 @@
 //! GPU runners shared by `ep-bench --backend gpu` and tests/gpu_buffer.rs / tests/gpu_ipc.rs:
 //! every rank with its own `Buffer` (`Backend::Gpu`), deterministic inputs from a seed, every
-//! result checked against the single-process reference (src/ep/reference.rs), times from CUDA
+//! result checked against the single-process reference (src/protocol/reference.rs), times from CUDA
 //! events. [`run_normal_gpu`] / [`run_ll_gpu`] run every rank as a thread of this process (an
 //! in-process bootstrap); [`run_normal_gpu_rank`] / [`run_ll_gpu_rank`] run one rank of a job
 //! whose ranks are processes (any bootstrap: `TcpStore` under `LocalJob` or torchrun), each
