@@ -15,13 +15,15 @@ setup:
 # on machines without a GPU (the workspace: fabric-ep's tests/ and ep-bench's ep-bench/tests/).
 # The usage examples run as a user would run them (Rust: examples/host_roundtrip.rs, built by
 # `cargo test`; Python: ffi/python/examples/). scripts/saturated.sh reruns the timing-sensitive
-# tests with every core busy.
+# tests with every core busy. scripts/modgraph.py --purity fails if src/protocol (the pure
+# protocol core) names CUDA, libfabric, the proxy, the bootstrap, the C ABI, ep, threads or locks.
 # The Python tests run the package from ffi/python over the debug build of its native module
 # (fabric_ep._core, crate ffi/python/native; FABRIC_EP_EXTENSION names the file).
 # FEP_TEST_CARGO_PATH: the PATH cargo built with here, for the wheel test's cargo call (build.rs
 # reruns on another PATH, and a python3 launcher such as pyenv's prepends its own folders).
 PY_EXT = $${CARGO_TARGET_DIR:-$(ROOT)/target}/debug/libfabric_ep_python.so
 test: setup
+	python3 scripts/modgraph.py --purity
 	$(CARGO) test --workspace --no-fail-fast
 	$(CARGO) run --example host_roundtrip
 	$(CARGO) run --release -p ep-bench -- verify --backend host --cases 300 --seed 1
@@ -37,7 +39,8 @@ bench: setup
 	$(CARGO) run --release -p ep-bench --
 
 # The C example links the cdylib/staticlib: tests/ffi_example.rs builds them (`cargo build --lib`).
-# scripts/modgraph.py fails on an import cycle between modules of src/ep.
+# scripts/modgraph.py fails on an import cycle between modules of src/protocol or of src/ep, and
+# on a path src/protocol may not name (the purity check make test runs too).
 lint: setup
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings

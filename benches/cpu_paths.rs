@@ -3,9 +3,9 @@
 //! Run: `cargo bench --bench cpu_paths`.
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
-use fabric_ep::ep::layout::{dispatch_layout, random_topk_idx, LayoutShape};
-use fabric_ep::ep::plan::SendPlan;
-use fabric_ep::ep::quant::{f32_to_bf16, quantize_bf16};
+use fabric_ep::protocol::layout::{dispatch_layout, random_topk_idx, LayoutShape};
+use fabric_ep::protocol::plan::SendPlan;
+use fabric_ep::protocol::quant::{f32_to_bf16, quantize_bf16};
 use fabric_ep::util::SplitMix64;
 
 fn layout(c: &mut Criterion) {

@@ -8,9 +8,10 @@ use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput};
 use ep_bench::stats::percentile;
+use fabric_ep::protocol::plan::ImmCodec;
 use fabric_ep::proxy::{
-    Command, CounterLayout, CounterMemory, ImmCodec, LoopbackGroup, LoopbackOptions, Proxy,
-    ProxyConfig, RingLayout, RingMemory, RingProducer,
+    Command, CounterLayout, CounterMemory, LoopbackGroup, LoopbackOptions, Proxy, ProxyConfig,
+    RingLayout, RingMemory, RingProducer,
 };
 
 const CAPACITY: u32 = 1 << 16;

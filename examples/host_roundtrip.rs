@@ -15,8 +15,8 @@ use std::time::Duration;
 
 use fabric_ep::bootstrap::{Bootstrap, InProcGroup};
 use fabric_ep::ep::buffer::{Buffer, BufferOptions, CombineArgs, DispatchArgs, Tokens};
-use fabric_ep::ep::config::{EpConfig, EpSettings};
-use fabric_ep::ep::quant::{bf16_to_f32, f32_to_bf16};
+use fabric_ep::protocol::config::{EpConfig, EpSettings};
+use fabric_ep::protocol::quant::{bf16_to_f32, f32_to_bf16};
 
 const EXPERTS_PER_RANK: usize = 2;
 const HIDDEN: usize = 256;

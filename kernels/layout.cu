@@ -1,5 +1,5 @@
 // get_dispatch_layout in one launch (DeepEP V1 semantics; the Rust reference is
-// src/ep/layout.rs, which the GPU tests compare against). Two variants, same tile code:
+// src/protocol/layout.rs, which the GPU tests compare against). Two variants, same tile code:
 //
 // Tile work (per block, for tiles of `tile_tokens` tokens):
 //   pass 1  every (token, k) entry, coalesced, several loads in flight per thread: expert
@@ -33,7 +33,8 @@ struct SmemLayout {
     unsigned char* stage;     // [tile_tokens * num_ranks], 16-byte aligned
 };
 
-// NOTES: src/ep/layout.rs (DispatchLayoutGpu::plan) sizes the dynamic shared memory the same way.
+// NOTES: src/ep/layout_gpu.rs (DispatchLayoutGpu::plan) sizes the dynamic shared memory the same
+// way.
 __device__ __forceinline__ SmemLayout carve(unsigned char* smem, int num_bins, int tile_tokens,
                                             int num_topk) {
     SmemLayout s;

@@ -1,4 +1,4 @@
-// Low-latency combine (DeepEP V1 LL semantics; oracle: src/ep/reference.rs ll_combine).
+// Low-latency combine (DeepEP V1 LL semantics; oracle: src/protocol/reference.rs ll_combine).
 //
 // fep_ll_combine_send (any grid, FEP_LL_THREADS threads): the expert rank sends row i of unit
 //   (e, dst) of its dispatch result (layout_range: rows begin .. begin + count of x[e]) back to

@@ -1,4 +1,4 @@
-// Low-latency dispatch (DeepEP V1 LL semantics; oracle: src/ep/reference.rs ll_dispatch).
+// Low-latency dispatch (DeepEP V1 LL semantics; oracle: src/protocol/reference.rs ll_dispatch).
 //
 // fep_ll_dispatch_send (any grid, FEP_LL_THREADS threads): blocks stride over tokens. Per token:
 //   the K destination rows, `pos[t][k]` = the number of earlier tokens that chose the same expert
@@ -37,7 +37,7 @@ extern "C" __global__ void __launch_bounds__(FEP_LL_THREADS, 2)
     // every store below writes whole lines: each warp 512 payload bytes, and one warp per
     // destination the record's tail (scales, source index, zero padding) from shared memory,
     // 16 bytes per lane (no lone 4-byte scale stores). Measured: ~1 us less per dispatch on the
-    // H200; the proxy lane's staging into host memory was not faster (src/ep/plan/base.rs
+    // H200; the proxy lane's staging into host memory was not faster (src/protocol/plan/base.rs
     // LL_DISPATCH_RECORD_ALIGN).
     extern __shared__ __align__(16) unsigned char smem[];
     const int T = p.num_tokens, K = p.num_topk, E = p.num_experts, R = p.num_ranks;

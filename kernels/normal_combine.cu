@@ -32,7 +32,7 @@ __device__ __forceinline__ void combine_add_bf16x8(float (&acc)[8], const uint4&
 }
 
 __device__ __forceinline__ uint32_t combine_bf16_bits(float f) {
-    // Round to nearest even (NaN kept quiet), as src/ep/quant.rs f32_to_bf16.
+    // Round to nearest even (NaN kept quiet), as src/protocol/quant.rs f32_to_bf16.
     const uint32_t u = __float_as_uint(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
     return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""Module dependency graph of src/ep: layers and import cycles (make lint runs it).
+"""Module dependency graphs of src/protocol and src/ep: layers and import cycles, and the
+protocol core's purity (make lint runs it all; make test runs --purity).
 
-Nodes are files: src/ep/foo.rs and src/ep/foo/mod.rs are module ep::foo, src/ep/gpu/ipc.rs is
-ep::gpu::ipc, src/ep/mod.rs is ep. Inline non-test modules count as part of their file.
+Each folder is its own graph. Nodes are files: src/ep/foo.rs and src/ep/foo/mod.rs are module
+ep::foo, src/ep/gpu/ipc.rs is ep::gpu::ipc, src/ep/mod.rs is ep (src/protocol likewise). Inline
+non-test modules count as part of their file.
 
 Edges A -> B ("A uses B") come from, in A's file outside `#[cfg(test)]` modules and comments:
 - `use crate::...`, `use super::...`, `use self::...`, `use child::...` trees (`pub use`
@@ -20,29 +22,58 @@ facade. So a parent that re-exports its children's items is not in a cycle with 
 child uses one of the parent's *own* items (defined in the parent's file), which is an edge
 child -> parent.
 
-Paths outside src/ep (crate::cuda, crate::fabric, ...) are not nodes. Self edges are dropped.
+Paths outside the graph's folder (crate::cuda, crate::fabric, and for src/ep crate::protocol)
+are not nodes. Self edges are dropped.
 
-Output: every module's layer (0: uses nothing else in src/ep; k: 1 + the highest layer of what
-it uses) in topological order of the condensation, then every strongly connected component
-(Tarjan) with more than one module, its edges with the line that makes each, and its
+Output, per folder: every module's layer (0: uses nothing else in the folder; k: 1 + the highest
+layer of what it uses) in topological order of the condensation, then every strongly connected
+component (Tarjan) with more than one module, its edges with the line that makes each, and its
 elementary cycles (at most MAX_CYCLES per component).
 
+Purity. src/protocol is the pure core: no CUDA, no libfabric, no threads. Every path a file
+there names, tests included (`use` trees and paths in code, `super::` resolved; comments and
+strings do not count), is checked against IMPURE; each hit is printed as file:line.
+
 Exit status: 1 if a component with more than one module remains once the edges in ALLOWED are
-taken out, else 0; with --report, always 0.
+taken out, or if a file under src/protocol names an IMPURE path; else 0. With --report, always
+0. With --purity, only the purity check runs (and decides the status).
 """
 
 import os
 import re
 import sys
 
-# Known edges that close cycles, each with why it stays (empty: src/ep has no import cycles).
+# Known edges that close cycles, each with why it stays (empty: neither folder has an import
+# cycle).
 # Key: (from module, to module). A cycle passes if removing these edges breaks it.
 ALLOWED = {}
 
 MAX_CYCLES = 50
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 SRC = os.path.join(ROOT, "src")
-TOP = "ep"
+TOPS = ("protocol", "ep")
+PURE = "protocol"
+
+# What src/protocol may not name, by path prefix, with why: the runtime around the protocol core
+# (the engines, the C ABI, the CUDA and libfabric wrappers, the proxy's threads, the bootstrap),
+# the crates under them, and threads, locks and atomics (nothing in the core is shared between
+# threads; its callers own the concurrency).
+IMPURE = {
+    ("crate", "cuda"): "CUDA",
+    ("crate", "fabric"): "libfabric",
+    ("crate", "proxy"): "the proxy runtime, its threads",
+    ("crate", "bootstrap"): "the bootstrap",
+    ("crate", "ffi"): "the C ABI",
+    ("crate", "ep"): "the engines, which build on protocol",
+    ("cudarc",): "CUDA",
+    ("libfabric_sys",): "libfabric",
+    ("std", "thread"): "threads",
+    ("std", "sync"): "locks, atomics and channels",
+    ("core", "sync"): "atomics",
+    ("parking_lot",): "locks",
+    ("crossbeam",): "threads and channels",
+    ("thread_local!",): "thread-local state",
+}
 
 ITEM_RE = re.compile(
     r"^\s*(?:pub(?:\([^)]*\))?\s+)?(?:unsafe\s+|const\s+|async\s+|extern\s+\"C\"\s+)*"
@@ -168,9 +199,10 @@ def expand_use(tree):
 
 
 class Graph:
-    def __init__(self):
+    def __init__(self, top):
+        self.top = top
         self.files = {}
-        for d, _, fs in os.walk(os.path.join(SRC, TOP)):
+        for d, _, fs in os.walk(os.path.join(SRC, top)):
             for f in fs:
                 if f.endswith(".rs"):
                     p = os.path.join(d, f)
@@ -231,9 +263,14 @@ class Graph:
     def nesting(self, m, pos):
         return sum(1 for a, b in inline_mod_ranges(self.text[m]) if a <= pos < b)
 
+    def nesting_full(self, m, text, pos):
+        """`nesting` in a file's text with its test modules kept."""
+        return sum(1 for a, b in inline_mod_ranges(text) if a <= pos < b)
+
     def resolve(self, segs, seen=None):
-        """Module (node) that defines what crate-absolute `segs` names; None if outside TOP."""
-        if not segs or segs[0] != TOP:
+        """Module (node) that defines what crate-absolute `segs` names; None if outside the
+        graph's folder."""
+        if not segs or segs[0] != self.top:
             return None
         k = len(segs)
         while k and "::".join(segs[:k]) not in self.mods:
@@ -335,9 +372,9 @@ def cycles_in(comp, adj):
     return found
 
 
-def main():
-    report = "--report" in sys.argv[1:]
-    g = Graph().build()
+def graph_report(top):
+    """Prints the layers and cycles of src/<top>; returns the components ALLOWED does not break."""
+    g = Graph(top).build()
     adj = {}
     for a, b in g.edges:
         adj.setdefault(a, set()).add(b)
@@ -348,7 +385,7 @@ def main():
     for i, c in enumerate(comps):
         deps = {comp_of[b] for m in c for b in adj.get(m, ()) if comp_of[b] != i}
         layer[i] = 1 + max((layer[d] for d in deps), default=-1)
-    print(f"src/{TOP}: {len(g.mods)} modules, {len(g.edges)} edges")
+    print(f"src/{top}: {len(g.mods)} modules, {len(g.edges)} edges")
     for L in range(max(layer.values(), default=-1) + 1):
         names = [" + ".join(c) if len(c) > 1 else c[0]
                  for i, c in enumerate(comps) if layer[i] == L]
@@ -367,12 +404,73 @@ def main():
     bad = [c for c in tarjan(g.mods, pruned) if len(c) > 1]
     for c in bad:
         print("not allowed: " + ", ".join(c), file=sys.stderr)
-    if bad and not report:
-        print(f"modgraph: {len(bad)} import cycle(s) in src/{TOP} (see above; --report to only "
-              "print)", file=sys.stderr)
-        return 1
-    return 0
+    return bad
 
+
+def impure_paths(g):
+    """[(file:line, path, why)] for every path a file of graph g names that IMPURE forbids."""
+    hits = []
+    path_re = re.compile(r"(?<![\w:])(?:::)?([A-Za-z_]\w*(?:::[A-Za-z_]\w*)+)")
+    for m in sorted(g.mods):
+        text = strip(open(g.files[m]).read())  # tests included: no threads there either
+        found = []  # (pos, segments as written)
+        spans = []
+        for u in re.finditer(r"\buse\s+(?:::)?([^;]+);", text):
+            spans.append((u.start(), u.end()))
+            found.extend((u.start(), segs) for segs in expand_use(u.group(1)))
+        for p in path_re.finditer(text):
+            if not any(a <= p.start() < b for a, b in spans):
+                found.append((p.start(), p.group(1).split("::")))
+        for mac in re.finditer(r"\bthread_local!", text):
+            found.append((mac.start(), ["thread_local!"]))
+        for pos, segs in found:
+            segs = [s for s in segs if s != "*"]
+            if not segs:
+                continue
+            if segs[0] in ("crate", "super", "self") or segs[0] in g.children(m):
+                ab = g.absolute(m, segs, g.nesting_full(m, text, pos))
+                if ab is None:
+                    continue
+                segs = ["crate"] + ab
+            for prefix, why in IMPURE.items():
+                if tuple(segs[: len(prefix)]) == prefix:
+                    line = text.count("\n", 0, pos) + 1
+                    rel = os.path.relpath(g.files[m], ROOT)
+                    hits.append((f"{rel}:{line}", "::".join(segs), why))
+                    break
+    return sorted(set(hits))
+
+
+def purity_report():
+    """Prints every impure path under src/PURE; returns how many."""
+    hits = impure_paths(Graph(PURE))
+    for where, path, why in hits:
+        print(f"{where}: {path} ({why})", file=sys.stderr)
+    if hits:
+        print(f"modgraph: src/{PURE} is the pure protocol core; {len(hits)} path(s) above name "
+              "what it may not use (IMPURE in scripts/modgraph.py)", file=sys.stderr)
+    else:
+        print(f"purity: src/{PURE} names no CUDA, libfabric, proxy, bootstrap, C ABI, engine, "
+              "thread or lock paths")
+    return len(hits)
+
+
+def main():
+    args = sys.argv[1:]
+    report = "--report" in args
+    if "--purity" in args:
+        return 1 if purity_report() and not report else 0
+    bad = []
+    for i, top in enumerate(TOPS):
+        if i:
+            print()
+        bad += graph_report(top)
+    print()
+    impure = purity_report()
+    if bad and not report:
+        print(f"modgraph: {len(bad)} import cycle(s) (see above; --report to only print)",
+              file=sys.stderr)
+    return 1 if (bad or impure) and not report else 0
 
 if __name__ == "__main__":
     sys.exit(main())

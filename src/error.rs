@@ -48,6 +48,14 @@ pub enum Error {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// The immediate codec's errors, through the proxy's (`ProxyError::InvalidConfig`): the split
+/// is a proxy setting.
+impl From<crate::protocol::plan::ImmError> for Error {
+    fn from(e: crate::protocol::plan::ImmError) -> Self {
+        Error::Proxy(e.into())
+    }
+}
+
 impl Error {
     /// Shorthand for [`Error::InvalidArgument`].
     pub fn arg(arg: &'static str, msg: impl Into<String>) -> Self {

@@ -1,7 +1,8 @@
 //! fabric-ep: Mixture-of-Experts expert-parallel communication over libfabric.
 //!
 //! Layers (dependencies point downward only; docs/ARCHITECTURE.md maps them):
-//! `ffi` -> `ep` -> {`proxy`, `cuda`, `fabric`, `bootstrap`} -> `libfabric-sys` / cudarc.
+//! `ffi` -> `ep` -> {`proxy`, `cuda`, `fabric`, `bootstrap`} -> `libfabric-sys` / cudarc, and
+//! `protocol` (the pure core: no CUDA, no libfabric, no threads) under `ffi`, `ep` and `proxy`.
 
 pub mod abi;
 pub mod bootstrap;
@@ -11,6 +12,7 @@ pub mod error;
 pub mod fabric;
 pub mod ffi;
 pub mod log;
+pub mod protocol;
 pub mod proxy;
 pub mod trace;
 pub mod util;

@@ -13,7 +13,7 @@ use fabric_ep::bootstrap::{Bootstrap, InProcGroup};
 use fabric_ep::ep::buffer::{
     Buffer, BufferOptions, LlCombineArgs, LlDispatchArgs, LlDispatchOutput,
 };
-use fabric_ep::ep::config::{EpConfig, EpSettings};
+use fabric_ep::protocol::config::{EpConfig, EpSettings};
 use fabric_ep::proxy::LoopbackOptions;
 use fabric_ep::Error;
 

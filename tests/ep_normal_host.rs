@@ -11,9 +11,9 @@ use fabric_ep::bootstrap::{Bootstrap, InProcGroup};
 use fabric_ep::ep::buffer::{
     Backend, Buffer, BufferOptions, CombineArgs, DispatchArgs, OwnedTokens, Tokens,
 };
-use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
-use fabric_ep::ep::quant::{bf16_to_f32, f32_to_bf16};
-use fabric_ep::ep::reference as refm;
+use fabric_ep::protocol::config::{DispatchDtype, EpConfig, EpSettings};
+use fabric_ep::protocol::quant::{bf16_to_f32, f32_to_bf16};
+use fabric_ep::protocol::reference as refm;
 use fabric_ep::proxy::LoopbackOptions;
 use fabric_ep::Error;
 

@@ -13,9 +13,10 @@ use std::time::{Duration, Instant};
 
 use fabric_ep::bootstrap::{Bootstrap, RankOutcome, TcpStore};
 use fabric_ep::fabric::{InfoQuery, MemKind, RemoteRegion, Stack};
+use fabric_ep::protocol::plan::ImmCodec;
 use fabric_ep::proxy::{
-    ArrivalWait, Command, CounterLayout, CounterMemory, FabricPeer, FabricTransport, ImmCodec,
-    Proxy, ProxyConfig, RingLayout, RingMemory, SharedRegion,
+    ArrivalWait, Command, CounterLayout, CounterMemory, FabricPeer, FabricTransport, Proxy,
+    ProxyConfig, RingLayout, RingMemory, SharedRegion,
 };
 use fabric_ep::util::SplitMix64;
 

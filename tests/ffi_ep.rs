@@ -4,8 +4,8 @@
 //! joined from the environment). One object per rank, sized with `fep_ep_need_bytes` for its
 //! shapes, serves two normal shapes (hidden 256 bf16, then hidden 384 fp8) and a low-latency
 //! one (the host casts per call: bf16, then fp8 through the receive hook, on one buffer); every
-//! output is compared with the reference (src/ep/reference.rs, through ep_bench::ep's inputs and
-//! reference runs of every rank's inputs). The first shape asked again is the same buffer and
+//! output is compared with the reference (src/protocol/reference.rs, through ep_bench::ep's inputs
+//! and reference runs of every rank's inputs). The first shape asked again is the same buffer and
 //! still correct; shapes over the capacity are refused naming the argument and both sizes; the
 //! object's buffers are refused by `fep_buffer_destroy` and stale after `fep_ep_destroy`.
 //!
@@ -23,9 +23,9 @@ use ep_bench::ep::{
     combine_input, ll_combine_input, ll_rank_inputs, ll_reference_rank, rank_inputs, reference,
     LlBenchParams, NormalBenchParams,
 };
-use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
-use fabric_ep::ep::reference::Tokens;
 use fabric_ep::ffi::*;
+use fabric_ep::protocol::config::{DispatchDtype, EpConfig, EpSettings};
+use fabric_ep::protocol::reference::Tokens;
 
 const ROLE: &str = "FEP_EP_TEST_RANK";
 const WORLD: usize = 3;

@@ -13,14 +13,13 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Instant;
 
-use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
-use fabric_ep::ep::plan::{
-    imm_decode, LlImm, LlMsg, LlRecvLayout, NormalImm, NormalMsg, NotifyRecord, RecordLayout,
-    RecvPlan,
-};
 use fabric_ep::error::Error;
 use fabric_ep::fabric::RemoteRegion;
-use fabric_ep::proxy::ImmCodec;
+use fabric_ep::protocol::config::{DispatchDtype, EpConfig, EpSettings};
+use fabric_ep::protocol::plan::{
+    imm_decode, ImmCodec, LlImm, LlMsg, LlRecvLayout, NormalImm, NormalMsg, NotifyRecord,
+    RecordLayout, RecvPlan,
+};
 
 /// xorshift64*: fast, and the same sequence on every machine for a seed.
 struct Rng(u64);
@@ -493,7 +492,7 @@ fn hierarchy_row_metadata() {
         let meta: Vec<(u32, u32)> =
             rows.iter().map(|r| (word(r, 0) as u32, word(&r[4..], 0) as u32)).collect();
         let gateway: Vec<usize> = rows.iter().map(|r| r[8] as usize % 4).collect();
-        match fabric_ep::ep::hier::final_order(&cfg, &meta, &gateway) {
+        match fabric_ep::protocol::hier::final_order(&cfg, &meta, &gateway) {
             Ok((perm, prefix, src_idx)) => {
                 let mut seen = vec![false; meta.len()];
                 for &p in &perm {

@@ -1,7 +1,7 @@
 //! GPU: `Buffer` with `Backend::Gpu`, ranks as threads of one process on one GPU, against the
-//! single-process reference (src/ep/reference.rs) on the same inputs: normal mode (two-step and
-//! num_worst_tokens, bf16 and fp8, hidden 2048/4096/7168), low-latency (fp8 and bf16, hook and
-//! no hook), bad input and a stalled peer. Every iteration of every run is checked.
+//! single-process reference (src/protocol/reference.rs) on the same inputs: normal mode (two-step
+//! and num_worst_tokens, bf16 and fp8, hidden 2048/4096/7168), low-latency (fp8 and bf16, hook
+//! and no hook), bad input and a stalled peer. Every iteration of every run is checked.
 //! Ignored without `--include-ignored` (CI has no GPU); scripts/gpu-check.sh runs them.
 
 use std::sync::Arc;
@@ -11,8 +11,8 @@ use ep_bench::ep_gpu::{run_ll_gpu, run_normal_gpu, GpuBenchParams};
 use fabric_ep::bootstrap::{Bootstrap, InProcGroup};
 use fabric_ep::cuda::{DeviceBuffer, Stream};
 use fabric_ep::ep::buffer::{Buffer, BufferOptions};
-use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::ep::gpu::{DevSlice, GpuLlDispatchArgs, GpuOptions};
+use fabric_ep::protocol::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::Error;
 
 mod common;

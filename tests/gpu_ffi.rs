@@ -1,7 +1,7 @@
 //! GPU: the C ABI's GPU entry points (`fep_gpu_*`) driven the way a C caller drives them — ranks
 //! as threads of one process on one GPU, bootstrapped through an all-gather callback, device
 //! pointers in `fep_tensor`s, a stream in a `fep_gpu_order` — against the single-process
-//! reference (src/ep/reference.rs) on the same inputs: the two-step dispatch (notify, outputs
+//! reference (src/protocol/reference.rs) on the same inputs: the two-step dispatch (notify, outputs
 //! of the returned row count, dispatch), combine, and the `num_worst_tokens` form, bf16 and fp8,
 //! world 1, 2 and 4; and a refused argument naming itself. After the first combine each rank
 //! also combines again on the same handle without weights and runs a cached dispatch (outputs
@@ -17,9 +17,9 @@ use std::time::Duration;
 use ep_bench::ep::{combine_input, rank_inputs, reference, NormalBenchParams, RankInputs};
 use fabric_ep::bootstrap::{Bootstrap, InProcGroup};
 use fabric_ep::cuda::{Device, DeviceBuffer, Stream};
-use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
-use fabric_ep::ep::reference::{NormalDispatchOut, Tokens};
 use fabric_ep::ffi::*;
+use fabric_ep::protocol::config::{DispatchDtype, EpConfig, EpSettings};
+use fabric_ep::protocol::reference::{NormalDispatchOut, Tokens};
 
 const E: usize = 16;
 const H: usize = 256;
@@ -148,8 +148,8 @@ fn run(dev: &Device, n: usize, fp8: bool, barriers: bool) {
 }
 
 type Want<'a> = (
-    &'a fabric_ep::ep::reference::NormalDispatchOut,
-    &'a fabric_ep::ep::reference::NormalCombineOut,
+    &'a fabric_ep::protocol::reference::NormalDispatchOut,
+    &'a fabric_ep::protocol::reference::NormalCombineOut,
 );
 
 // NOTES: `&Box<dyn Bootstrap>`, not `&dyn Bootstrap`: the all-gather callback's `user` must be a
@@ -443,7 +443,7 @@ fn c_abi_gpu_normal_without_step_barriers() {
 #[test]
 #[ignore = "needs a GPU: scripts/gpu-check.sh runs it"]
 fn c_abi_gpu_layout_matches_the_host_layout() {
-    use fabric_ep::ep::layout::{dispatch_layout, random_topk_idx, LayoutShape};
+    use fabric_ep::protocol::layout::{dispatch_layout, random_topk_idx, LayoutShape};
     use fabric_ep::util::SplitMix64;
     let Some(dev) = gpu() else { return };
     let (e, r, rpn) = (64usize, 8usize, 4usize);

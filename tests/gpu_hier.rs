@@ -18,9 +18,9 @@ use ep_bench::ep_gpu::{run_normal_gpu_hier, GpuBenchParams, GpuSplit};
 use fabric_ep::bootstrap::{Bootstrap, InProcGroup};
 use fabric_ep::cuda::Stream;
 use fabric_ep::ep::buffer::BufferOptions;
-use fabric_ep::ep::config::{EpConfig, EpSettings};
 use fabric_ep::ep::gpu::{DevSlice, GpuDispatchBuffers, GpuOptions};
 use fabric_ep::ep::hier_gpu::{GpuHierBuffer, GpuHierDispatchArgs};
+use fabric_ep::protocol::config::{EpConfig, EpSettings};
 use fabric_ep::Error;
 
 fn params(ranks: usize, tokens: usize, hidden: usize, fp8: bool) -> GpuBenchParams {

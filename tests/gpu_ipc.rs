@@ -1,7 +1,7 @@
 //! GPU: `Buffer` with `Backend::Gpu`, ranks as separate PROCESSES (2 and 4) sharing the GPU
 //! (or, on a machine with as many GPUs as ranks, one GPU each): peers' comm buffers reached
 //! through CUDA IPC. Every rank checks every output against the single-process reference
-//! (src/ep/reference.rs), as tests/gpu_buffer.rs does for ranks as threads: normal mode (bf16
+//! (src/protocol/reference.rs), as tests/gpu_buffer.rs does for ranks as threads: normal mode (bf16
 //! and fp8, hidden 2048/4096/7168, two-step and `num_worst_tokens`) and low-latency (fp8 and
 //! bf16, with and without the recv hook, DeepEP's shape). Plus a peer process that exits before
 //! the dispatch: every other rank gets a typed timeout naming it, within the timeout.
@@ -21,8 +21,8 @@ use ep_bench::ep_gpu::{run_ll_gpu_process, run_normal_gpu_rank, GpuBenchParams, 
 use fabric_ep::bootstrap::{Bootstrap, RankOutcome, TcpStore};
 use fabric_ep::cuda::{device_count, gpu_available, Device, DeviceBuffer, Stream};
 use fabric_ep::ep::buffer::{Buffer, BufferOptions};
-use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::ep::gpu::{DevSlice, GpuLlDispatchArgs, GpuNotifyArgs, GpuOptions, PeerPath};
+use fabric_ep::protocol::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::Error;
 
 mod common;

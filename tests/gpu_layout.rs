@@ -1,13 +1,11 @@
-//! GPU: the layout kernel against the Rust reference (src/ep/layout.rs).
+//! GPU: the layout kernel against the Rust reference (src/protocol/layout.rs).
 //! Ignored without `--include-ignored` (CI has no GPU); scripts/gpu-check.sh runs them.
 
 mod common;
 use common::gpu::gpu;
 use fabric_ep::cuda::{CudaError, DevErrorRecord, Device, DeviceBuffer, Stream};
-use fabric_ep::ep::layout::{
-    dispatch_layout, random_topk_idx, DispatchLayoutGpu, Layout, LayoutBuffers, LayoutShape,
-    LayoutTuning, LayoutVariant,
-};
+use fabric_ep::ep::layout_gpu::{DispatchLayoutGpu, LayoutBuffers, LayoutTuning, LayoutVariant};
+use fabric_ep::protocol::layout::{dispatch_layout, random_topk_idx, Layout, LayoutShape};
 use fabric_ep::util::SplitMix64;
 use std::time::Duration;
 

@@ -1,5 +1,5 @@
 //! GPU: low-latency dispatch/combine (kernels/ll_*.cu, src/ep/ll_gpu.rs) against the reference
-//! (src/ep/reference.rs), ranks as threads of one process on one GPU.
+//! (src/protocol/reference.rs), ranks as threads of one process on one GPU.
 //! Ignored without `--include-ignored` (CI has no GPU); scripts/gpu-check.sh runs them.
 //!
 //! Exactness claims checked here: bf16 dispatch rows bit-exact; fp8 rows and scales bit-exact
@@ -9,8 +9,8 @@ mod common;
 use common::gpu::gpu;
 use fabric_ep::cuda::{Device, DeviceBuffer};
 use fabric_ep::ep::ll_gpu::{LlDispatchHost, LlDispatchOut, LlGpuConfig, LlGpuGroup};
-use fabric_ep::ep::quant::f32_to_bf16;
-use fabric_ep::ep::reference::{self, LlCombineInput, LlParams, LlRankInput, Tokens};
+use fabric_ep::protocol::quant::f32_to_bf16;
+use fabric_ep::protocol::reference::{self, LlCombineInput, LlParams, LlRankInput, Tokens};
 use fabric_ep::util::SplitMix64;
 use fabric_ep::Error;
 use std::time::Duration;

@@ -1,9 +1,9 @@
 //! GPU: low-latency dispatch/combine to peers on other nodes through the CPU proxy
 //! (`ep::gpu::ll_proxy`, kernels/ll_*.cu's FEP_LL_TRANSPORT_PROXY), against the reference
-//! (src/ep/reference.rs, through `ep_bench::ep_gpu`'s runner, the same one tests/gpu_buffer.rs
-//! uses). Every case is "forced internode" on one GPU: `ranks_per_node < num_ranks`, so peers of
-//! other "nodes" are reached by RMA writes through each rank's proxy, same-node peers by device
-//! pointers (mixed tables).
+//! (src/protocol/reference.rs, through `ep_bench::ep_gpu`'s runner, the same one
+//! tests/gpu_buffer.rs uses). Every case is "forced internode" on one GPU: `ranks_per_node <
+//! num_ranks`, so peers of other "nodes" are reached by RMA writes through each rank's proxy,
+//! same-node peers by device pointers (mixed tables).
 //!
 //! - ranks as threads of one process: 2 ranks x 1 per node and 4 ranks x 2 per node, over `shm`
 //!   and `tcp;ofi_rxm`, fp8 and bf16, hook and no hook; every checked iteration plus a
@@ -30,8 +30,8 @@ use ep_bench::ep_gpu::{run_ll_gpu_on, run_ll_gpu_rank, GpuBenchParams, LlCase, L
 use fabric_ep::bootstrap::{Bootstrap, InProcGroup, LocalJob, TcpStore};
 use fabric_ep::cuda::{Device, DeviceBuffer, Stream};
 use fabric_ep::ep::buffer::{Buffer, BufferOptions};
-use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::ep::gpu::{DevSlice, GpuLlCombineArgs, GpuLlDispatchArgs, GpuOptions};
+use fabric_ep::protocol::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::Error;
 
 const ROLE: &str = "FEP_GPU_LL_PROXY_ROLE";

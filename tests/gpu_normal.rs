@@ -1,16 +1,16 @@
 //! GPU: normal-mode intranode dispatch/combine (kernels/normal_*.cu) with ranks as threads of one
-//! process on one GPU, against the single-process reference (src/ep/reference.rs).
+//! process on one GPU, against the single-process reference (src/protocol/reference.rs).
 //! Ignored without `--include-ignored` (CI has no GPU); scripts/gpu-check.sh runs them.
 
 mod common;
 use common::gpu::gpu;
 use fabric_ep::cuda::{CudaError, Device};
-use fabric_ep::ep::config::DispatchDtype;
-use fabric_ep::ep::layout::{random_topk_idx, LayoutShape};
 use fabric_ep::ep::normal_gpu::harness::{step, RankBuffers, RankInput, StepOptions};
 use fabric_ep::ep::normal_gpu::{NormalGpuRank, NormalGpuSettings};
-use fabric_ep::ep::quant::{f32_to_bf16, quantize_bf16};
-use fabric_ep::ep::reference::{
+use fabric_ep::protocol::config::DispatchDtype;
+use fabric_ep::protocol::layout::{random_topk_idx, LayoutShape};
+use fabric_ep::protocol::quant::{f32_to_bf16, quantize_bf16};
+use fabric_ep::protocol::reference::{
     normal_combine, normal_dispatch, NormalCombineInput, NormalParams, NormalRankInput, Tokens,
     TokensRef,
 };
@@ -340,7 +340,7 @@ fn combine_of_dispatch_is_x_times_destination_ranks() {
             dst.dedup();
             let n = dst.len() as f32;
             for ch in 0..h {
-                let want = f32_to_bf16(fabric_ep::ep::quant::bf16_to_f32(x[t * h + ch]) * n);
+                let want = f32_to_bf16(fabric_ep::protocol::quant::bf16_to_f32(x[t * h + ch]) * n);
                 assert_eq!(got[t * h + ch], want, "rank {r} token {t} channel {ch} (x{n})");
             }
         }

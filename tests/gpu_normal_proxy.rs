@@ -1,7 +1,7 @@
 //! GPU: normal mode's internode path (peers on other nodes through the CPU proxy, libfabric RMA
 //! writes with immediate data, mapped host buffers here) with "forced" nodes on one GPU, through
 //! `Buffer` with `Backend::Gpu`, every step checked against the single-process reference
-//! (src/ep/reference.rs) on the same inputs:
+//! (src/protocol/reference.rs) on the same inputs:
 //! - ranks as threads with node splits 2 x 1, 4 x 2 and 4 x 1 per node (mixed: same-node peers
 //!   by device pointers, others by the proxy), over `shm` and `tcp;ofi_rxm`, bf16 and fp8, hidden
 //!   2048 / 4096 / 7168, fresh and cached handles, `num_worst_tokens`, two queue shapes;
@@ -24,8 +24,8 @@ use ep_bench::ep_gpu::{run_normal_gpu_rank, run_normal_gpu_split, GpuBenchParams
 use fabric_ep::bootstrap::{Bootstrap, InProcGroup, LocalJob, TcpStore};
 use fabric_ep::cuda::{Device, DeviceBuffer, Stream};
 use fabric_ep::ep::buffer::{Buffer, BufferOptions};
-use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::ep::gpu::{DevSlice, GpuNotifyArgs, GpuOptions};
+use fabric_ep::protocol::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::Error;
 
 const ROLE: &str = "FEP_GPU_NORMAL_PROXY_ROLE";

@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 use fabric_ep::abi::fep_proxy_exchange_params;
 use fabric_ep::bootstrap::{Bootstrap, RankOutcome, TcpStore};
 use fabric_ep::cuda::{gpu_available, launch, CudaError, DeviceBuffer};
-use fabric_ep::proxy::{ArrivalWait, ImmCodec};
+use fabric_ep::protocol::plan::ImmCodec;
+use fabric_ep::proxy::ArrivalWait;
 
 mod common;
 use common::gpu_proxy::{cycles, gpu_proxy_config, msg_byte, msg_len, GpuRank, RankSetup};

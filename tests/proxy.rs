@@ -3,10 +3,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use fabric_ep::protocol::plan::ImmCodec;
 use fabric_ep::proxy::{
-    ArrivalWait, Command, CounterLayout, CounterMemory, FepCmd, ImmCodec, LoopbackGroup,
-    LoopbackOptions, LoopbackTransport, Proxy, ProxyConfig, ProxyError, RingLayout, RingMemory,
-    Transport, TransportEvent, WriteOp,
+    ArrivalWait, Command, CounterLayout, CounterMemory, FepCmd, LoopbackGroup, LoopbackOptions,
+    LoopbackTransport, Proxy, ProxyConfig, ProxyError, RingLayout, RingMemory, Transport,
+    TransportEvent, WriteOp,
 };
 use fabric_ep::util::SplitMix64;
 

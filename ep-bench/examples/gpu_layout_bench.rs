@@ -8,10 +8,8 @@
 use clap::Parser;
 use ep_bench::stats::percentile;
 use fabric_ep::cuda::{gpu_available, Device, DeviceBuffer, Event, Stream};
-use fabric_ep::ep::layout::{
-    dispatch_layout, random_topk_idx, DispatchLayoutGpu, LayoutBuffers, LayoutShape, LayoutTuning,
-    LayoutVariant,
-};
+use fabric_ep::ep::layout_gpu::{DispatchLayoutGpu, LayoutBuffers, LayoutTuning, LayoutVariant};
+use fabric_ep::protocol::layout::{dispatch_layout, random_topk_idx, LayoutShape};
 use fabric_ep::util::SplitMix64;
 use std::io::Write;
 use std::time::Duration;

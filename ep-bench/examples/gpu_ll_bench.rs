@@ -15,7 +15,7 @@ use fabric_ep::abi;
 use fabric_ep::cuda::launch::wait_test;
 use fabric_ep::cuda::{gpu_available, Device, DeviceBuffer, Event, HostMapped};
 use fabric_ep::ep::ll_gpu::{LlDispatchOut, LlGpuConfig, LlGpuGroup};
-use fabric_ep::ep::quant::f32_to_bf16;
+use fabric_ep::protocol::quant::f32_to_bf16;
 use fabric_ep::util::SplitMix64;
 use std::io::Write;
 use std::time::Duration;

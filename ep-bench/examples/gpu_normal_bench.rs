@@ -14,14 +14,16 @@
 use clap::Parser;
 use ep_bench::stats::percentile;
 use fabric_ep::cuda::{gpu_available, Device, DeviceBuffer, Event, Stream};
-use fabric_ep::ep::config::DispatchDtype;
-use fabric_ep::ep::layout::{random_topk_idx, LayoutShape};
 use fabric_ep::ep::normal_gpu::harness::{
     launch_combine, launch_dispatch, step, RankBuffers, RankInput, StepOptions,
 };
 use fabric_ep::ep::normal_gpu::{NormalGpuRank, NormalGpuSettings};
-use fabric_ep::ep::quant::{f32_to_bf16, quantize_bf16};
-use fabric_ep::ep::reference::{normal_dispatch, NormalParams, NormalRankInput, Tokens, TokensRef};
+use fabric_ep::protocol::config::DispatchDtype;
+use fabric_ep::protocol::layout::{random_topk_idx, LayoutShape};
+use fabric_ep::protocol::quant::{f32_to_bf16, quantize_bf16};
+use fabric_ep::protocol::reference::{
+    normal_dispatch, NormalParams, NormalRankInput, Tokens, TokensRef,
+};
 use fabric_ep::util::SplitMix64;
 use std::time::{Duration, Instant};
 

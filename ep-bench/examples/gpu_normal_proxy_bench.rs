@@ -33,9 +33,9 @@ use ep_bench::fabric::fi_pingpong;
 use ep_bench::stats::Summary;
 use fabric_ep::bootstrap::{Bootstrap, LocalJob, TcpStore};
 use fabric_ep::cuda::{gpu_available, Device, DeviceTrace};
-use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
-use fabric_ep::ep::layout::dispatch_layout;
-use fabric_ep::ep::plan::NormalLayout;
+use fabric_ep::protocol::config::{DispatchDtype, EpConfig, EpSettings};
+use fabric_ep::protocol::layout::dispatch_layout;
+use fabric_ep::protocol::plan::NormalLayout;
 
 const ROLE: &str = "FEP_GPU_NORMAL_PROXY_BENCH_ROLE";
 

@@ -43,9 +43,9 @@ use fabric_ep::bootstrap::{Bootstrap, LocalJob, TcpStore};
 use fabric_ep::cuda::{
     gpu_available, launch, DevErrorRecord, Device, DeviceBuffer, HostMapped, Stream,
 };
+use fabric_ep::protocol::plan::ImmCodec;
 use fabric_ep::proxy::{
-    CounterLayout, CounterMemory, ImmCodec, LoopbackGroup, LoopbackOptions, Proxy, RingLayout,
-    RingMemory,
+    CounterLayout, CounterMemory, LoopbackGroup, LoopbackOptions, Proxy, RingLayout, RingMemory,
 };
 
 // Shared with tests/gpu_proxy.rs; this example uses only part of it.

@@ -8,12 +8,13 @@ use crate::stats::percentile;
 use fabric_ep::ep::buffer::{
     Buffer, CombineArgs, CombineOutput, DispatchArgs, DispatchOutput, Tokens,
 };
-use fabric_ep::ep::config::{DispatchDtype, EpConfig};
-use fabric_ep::ep::hier::{HierBuffer, HierDispatchArgs, HierDispatchOutput, META_CHANNELS};
-use fabric_ep::ep::layout::Layout;
-use fabric_ep::ep::layout::{random_topk_idx, LayoutShape};
-use fabric_ep::ep::quant::{dequantize_row, f32_to_bf16, quantize_bf16};
-use fabric_ep::ep::reference::{self as refm, NormalCombineOut, NormalDispatchOut};
+use fabric_ep::ep::hier::{HierBuffer, HierDispatchArgs, HierDispatchOutput};
+use fabric_ep::protocol::config::{DispatchDtype, EpConfig};
+use fabric_ep::protocol::hier::META_CHANNELS;
+use fabric_ep::protocol::layout::Layout;
+use fabric_ep::protocol::layout::{random_topk_idx, LayoutShape};
+use fabric_ep::protocol::quant::{dequantize_row, f32_to_bf16, quantize_bf16};
+use fabric_ep::protocol::reference::{self as refm, NormalCombineOut, NormalDispatchOut};
 use fabric_ep::util::SplitMix64;
 use fabric_ep::{Error, Result};
 
@@ -376,7 +377,7 @@ impl InternodeBytes {
     /// routings (0).
     pub fn of_routing(cfg: &EpConfig, topk_idx: &[i64]) -> Result<Self> {
         let (k, r, rpn) = (cfg.num_topk, cfg.num_ranks, cfg.ranks_per_node);
-        let layout = fabric_ep::ep::layout::dispatch_layout(
+        let layout = fabric_ep::protocol::layout::dispatch_layout(
             topk_idx,
             topk_idx.len() / k,
             k,
@@ -425,7 +426,7 @@ fn run_path<P: NormalPath>(
         (0..cfg.num_ranks).map(|r| rank_inputs(cfg, p, r)).collect::<Result<_>>()?;
     let (want_d, want_c) = reference_grouped(cfg, &inputs, (1, None, p.combine_weights), group)?;
     let me = &inputs[rank];
-    let layout = fabric_ep::ep::layout::dispatch_layout(
+    let layout = fabric_ep::protocol::layout::dispatch_layout(
         &me.topk_idx,
         me.topk_idx.len() / cfg.num_topk,
         cfg.num_topk,
@@ -485,7 +486,7 @@ fn run_path<P: NormalPath>(
 // ---------------------------------------------------------------------------------------------
 
 use fabric_ep::ep::buffer::{LlCombineArgs, LlDispatchArgs, LlDispatchOutput, OwnedTokens};
-use fabric_ep::ep::reference::{LlDispatchOut, LlParams};
+use fabric_ep::protocol::reference::{LlDispatchOut, LlParams};
 
 /// What [`run_low_latency`] runs.
 #[derive(Clone, Debug)]
@@ -628,7 +629,7 @@ pub fn ll_reference_rank(
         let (mut q, mut sc, mut f) = (vec![0u8; h], vec![0f32; g], vec![0f32; h]);
         let mut out = Vec::with_capacity(t * h);
         for tok in 0..t {
-            fabric_ep::ep::quant::quantize_row_bf16(
+            fabric_ep::protocol::quant::quantize_row_bf16(
                 &me.x[tok * h..(tok + 1) * h],
                 round_scale,
                 &mut q,
@@ -804,7 +805,7 @@ pub fn run_low_latency(buf: &mut Buffer, p: &LlBenchParams) -> Result<LlBenchRep
 #[cfg(test)]
 mod tests {
     use super::*;
-    use fabric_ep::ep::config::EpSettings;
+    use fabric_ep::protocol::config::EpSettings;
 
     fn inputs(rank: usize, one_way: bool) -> RankInputs {
         let mut s = EpSettings::new(rank, 2, 16, 128, 4);

@@ -1,6 +1,6 @@
 //! GPU runners shared by `ep-bench --backend gpu` and tests/gpu_buffer.rs / tests/gpu_ipc.rs:
 //! every rank with its own `Buffer` (`Backend::Gpu`), deterministic inputs from a seed, every
-//! result checked against the single-process reference (src/ep/reference.rs), times from CUDA
+//! result checked against the single-process reference (src/protocol/reference.rs), times from CUDA
 //! events. [`run_normal_gpu`] / [`run_ll_gpu`] run every rank as a thread of this process (an
 //! in-process bootstrap); [`run_normal_gpu_rank`] / [`run_ll_gpu_rank`] run one rank of a job
 //! whose ranks are processes (any bootstrap: `TcpStore` under `LocalJob` or torchrun), each
@@ -18,16 +18,16 @@ use super::ep::{
 use fabric_ep::bootstrap::{Bootstrap, InProcGroup};
 use fabric_ep::cuda::{DevErrorRecord, Device, DeviceBuffer, Event, GraphExec, HostMapped, Stream};
 use fabric_ep::ep::buffer::{Buffer, BufferOptions};
-use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::ep::gpu::{
     DevSlice, GpuBuffer, GpuCombineArgs, GpuDispatchArgs, GpuDispatchBuffers, GpuHandle,
     GpuLlCombineArgs, GpuLlDispatchArgs, GpuNotifyArgs, GpuOptions,
 };
 use fabric_ep::ep::hier_gpu::{GpuHierBuffer, GpuHierDispatchArgs, GpuHierHandle};
-use fabric_ep::ep::layout::{dispatch_layout, random_topk_idx, LayoutShape};
 use fabric_ep::ep::ll_gpu::LlDispatchHost;
-use fabric_ep::ep::quant::f32_to_bf16;
-use fabric_ep::ep::reference::{self as refm, NormalCombineOut, NormalDispatchOut, Tokens};
+use fabric_ep::protocol::config::{DispatchDtype, EpConfig, EpSettings};
+use fabric_ep::protocol::layout::{dispatch_layout, random_topk_idx, LayoutShape};
+use fabric_ep::protocol::quant::f32_to_bf16;
+use fabric_ep::protocol::reference::{self as refm, NormalCombineOut, NormalDispatchOut, Tokens};
 use fabric_ep::util::SplitMix64;
 use fabric_ep::{Error, Result};
 

@@ -292,7 +292,7 @@ fn main() -> ExitCode {
         Some(Cmd::Plan { at, chunk_tokens, slots_per_peer, ll_tokens, max_region, hierarchy }) => {
             let c = &cli.common;
             let num_tokens = c.tokens.unwrap_or(4096) as u64;
-            fabric_ep::ep::plan::plan_table(
+            fabric_ep::protocol::plan::plan_table(
                 at,
                 c.experts as u64,
                 c.hidden as u64,
@@ -853,8 +853,8 @@ fn run_rank(cli: &Cli) -> AnyResult<()> {
 fn run_normal_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult<()> {
     use ep_bench::ep::{run_normal, run_normal_hier, NormalBenchParams};
     use fabric_ep::ep::buffer::{Buffer, BufferOptions};
-    use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
     use fabric_ep::ep::hier::HierBuffer;
+    use fabric_ep::protocol::config::{DispatchDtype, EpConfig, EpSettings};
     let (rank, world) = (boot.rank(), boot.world_size());
     let mut s = EpSettings::new(rank, world, c.experts, c.hidden, c.topk);
     s.ranks_per_node = c.ranks_per_node.unwrap_or(world).min(world);
@@ -975,7 +975,7 @@ fn run_normal_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult
 fn run_ll_rank(c: &Common, boot: std::sync::Arc<dyn Bootstrap>) -> AnyResult<()> {
     use ep_bench::ep::{run_low_latency, LlBenchParams, LlBenchReport};
     use fabric_ep::ep::buffer::{Buffer, BufferOptions};
-    use fabric_ep::ep::config::{EpConfig, EpSettings};
+    use fabric_ep::protocol::config::{EpConfig, EpSettings};
     let (rank, world) = (boot.rank(), boot.world_size());
     let m = c.tokens.unwrap_or(128);
     let mut s = EpSettings::new(rank, world, c.experts, c.hidden, c.topk);

@@ -31,9 +31,9 @@ use fabric_ep::abi;
 use fabric_ep::bootstrap::Bootstrap;
 use fabric_ep::cuda::launch;
 use fabric_ep::cuda::{Device, DeviceBuffer, Event, Stream};
-use fabric_ep::ep::layout::dispatch_layout;
-use fabric_ep::ep::reference::Tokens;
-use fabric_ep::ep::reference::{NormalCombineOut, NormalDispatchOut};
+use fabric_ep::protocol::layout::dispatch_layout;
+use fabric_ep::protocol::reference::Tokens;
+use fabric_ep::protocol::reference::{NormalCombineOut, NormalDispatchOut};
 use fabric_ep::{Error, Result};
 
 #[repr(C)]

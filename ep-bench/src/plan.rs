@@ -1,15 +1,15 @@
-//! `ep-bench plan` prints the library's plan table (`fabric_ep::ep::plan::plan_table`, also the
-//! C ABI's `fep_plan_table`): per-rank buffer bytes, memory regions, messages and bytes per peer
-//! for a setting at any number of ranks, so users size clusters before renting them.
+//! `ep-bench plan` prints the library's plan table (`fabric_ep::protocol::plan::plan_table`, also
+//! the C ABI's `fep_plan_table`): per-rank buffer bytes, memory regions, messages and bytes per
+//! peer for a setting at any number of ranks, so users size clusters before renting them.
 //!
 //! `ep-bench plan --hierarchy` adds [`hierarchy_table`]: the inter-node token copies and bytes of
 //! direct per-rank sends (what the kernels do) against DeepEP's hierarchy (one copy per
 //! destination node, then an NVLink fan-out), counted exactly on routings from the project's own
 //! generator.
 
-use fabric_ep::ep::config::DispatchDtype;
-use fabric_ep::ep::layout::{random_topk_idx, LayoutShape};
 use fabric_ep::error::{Error, Result};
+use fabric_ep::protocol::config::DispatchDtype;
+use fabric_ep::protocol::layout::{random_topk_idx, LayoutShape};
 use fabric_ep::util::SplitMix64;
 
 /// Token copies of a set of routings under the two internode strategies, summed over source

@@ -1,5 +1,5 @@
 //! `ep-bench verify`: a seeded, reproducible randomized matrix over both modes, every output
-//! compared with the single-process reference (`ep::reference`).
+//! compared with the single-process reference (`protocol::reference`).
 //!
 //! Case `i` of seed `s` is drawn from `(s, i)` alone ([`draw_case`]), so `--case i` replays it
 //! by itself, in a process of its own or inside the whole matrix. A case is a sequence of
@@ -31,10 +31,10 @@ use fabric_ep::ep::buffer::{
     Buffer, BufferOptions, CombineArgs, CombineOutput, DispatchArgs, DispatchOutput, LlCombineArgs,
     LlDispatchArgs, LlDispatchOutput, OwnedTokens, Tokens,
 };
-use fabric_ep::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use fabric_ep::ep::hier::{HierBuffer, HierDispatchArgs, HierDispatchOutput};
-use fabric_ep::ep::quant::{bf16_to_f32, dequantize_row, f32_to_bf16, quantize_bf16};
-use fabric_ep::ep::reference::{self as refm};
+use fabric_ep::protocol::config::{DispatchDtype, EpConfig, EpSettings};
+use fabric_ep::protocol::quant::{bf16_to_f32, dequantize_row, f32_to_bf16, quantize_bf16};
+use fabric_ep::protocol::reference::{self as refm};
 use fabric_ep::util::SplitMix64;
 use fabric_ep::{Error, Result};
 
@@ -433,21 +433,21 @@ fn largest_unit(mode: Mode, r: usize, shapes: &[ShapeSpec]) -> Option<u64> {
         let dtype = if sh.fp8 { DispatchDtype::Fp8E4m3 } else { DispatchDtype::Bf16 };
         // Every host Buffer builds its normal-mode buffers; the low-latency lane comes on top;
         // the hierarchy's node stage carries 128 more channels.
-        let hidden = sh.hidden + if sh.hier { fabric_ep::ep::hier::META_CHANNELS } else { 0 };
-        let slot = fabric_ep::ep::plan::NormalLayout::from_parts(
+        let hidden = sh.hidden + if sh.hier { fabric_ep::protocol::hier::META_CHANNELS } else { 0 };
+        let slot = fabric_ep::protocol::plan::NormalLayout::from_parts(
             r as u64,
             sh.experts as u64,
             hidden as u64,
             sh.topk as u64,
             dtype,
-            sh.chunk_tokens.unwrap_or(fabric_ep::ep::config::DEFAULT_CHUNK_TOKENS) as u64,
-            sh.slots_per_peer.unwrap_or(fabric_ep::ep::config::DEFAULT_SLOTS_PER_PEER) as u64,
+            sh.chunk_tokens.unwrap_or(fabric_ep::protocol::config::DEFAULT_CHUNK_TOKENS) as u64,
+            sh.slots_per_peer.unwrap_or(fabric_ep::protocol::config::DEFAULT_SLOTS_PER_PEER) as u64,
         )
         .ok()?
         .slot_bytes;
         max = max.max(slot);
         if mode == Mode::LowLatency {
-            let unit = fabric_ep::ep::plan::LlLayout::from_parts(
+            let unit = fabric_ep::protocol::plan::LlLayout::from_parts(
                 r as u64,
                 sh.experts as u64,
                 sh.hidden as u64,
@@ -514,7 +514,7 @@ fn draw_shape(
     let n_calls = pick(rng, &[1, 2, 2, 3]);
     // At most 256 chunks per peer queue and call: with 1-token chunks over udp;ofi_rxd on an
     // oversubscribed CPU, 4096 credit round trips took 265 s (waits over 20 s each, no stall).
-    let chunk_cap = chunk_tokens.unwrap_or(fabric_ep::ep::config::DEFAULT_CHUNK_TOKENS) * 256;
+    let chunk_cap = chunk_tokens.unwrap_or(fabric_ep::protocol::config::DEFAULT_CHUNK_TOKENS) * 256;
     let normal_cap = (NORMAL_ELEMS / hidden).clamp(1, NORMAL_MAX_TOKENS).min(chunk_cap);
     let calls = (0..n_calls)
         .map(|_| {

@@ -764,7 +764,7 @@ fn compare_ll(
     checks: &mut Checks,
     at: &str,
     out: &LlDispatchOut,
-    want: &fabric_ep::ep::reference::LlDispatchOut,
+    want: &fabric_ep::protocol::reference::LlDispatchOut,
     fp8: bool,
     h: usize,
 ) -> Result<()> {

@@ -165,7 +165,7 @@ typedef struct fep_proxy_pingpong_params {
     uint32_t phase;
 } fep_proxy_pingpong_params; /* 120 bytes */
 /* ---- low-latency dispatch / combine (kernels/ll_dispatch.cu, kernels/ll_combine.cu) ----------
- * Buffer: src/ep/plan/ll.rs LlLayout (two sets x {send, recv} x E units of unit_bytes):
+ * Buffer: src/protocol/plan/ll.rs LlLayout (two sets x {send, recv} x E units of unit_bytes):
  *   unit_offset(set, area, unit) = ((set * 2 + area) * E + unit) * unit_bytes (with a proxy lane:
  *   placed by fep_ll_proxy's units_per_region / region_stride)
  *   dispatch recv: unit e * R + src, row i = the i-th token of src that selected local expert e
@@ -181,10 +181,10 @@ typedef struct fep_proxy_pingpong_params {
  *   THIS rank's send area (area 0 of the set; dispatch unit = global expert g, combine unit =
  *   e * R + dst) and the send's last block pushes one fep_cmd per (peer, expert) through the CPU
  *   proxy (fep_ll_proxy below): an RMA write of all rows into the peer's receive unit with
- *   imm = slot << value_bits | count (an empty write when count is 0). Slots are src/ep/plan/imm.rs
- *   LlImm's, as the receiver sees them: dispatch set * E + (e * R + src), combine
- *   (2 + set) * E + (src * L + e) - i.e. (phase * 2 + set) * E + the receive unit. For a PROXY
- *   entry `buf` and `flags` are unused and `proxy` is the peer's index among the proxy peers
+ *   imm = slot << value_bits | count (an empty write when count is 0). Slots are
+ *   src/protocol/plan/imm.rs LlImm's, as the receiver sees them: dispatch set * E + (e * R + src),
+ *   combine (2 + set) * E + (src * L + e) - i.e. (phase * 2 + set) * E + the receive unit. For a
+ *   PROXY entry `buf` and `flags` are unused and `proxy` is the peer's index among the proxy peers
  *   (the order of its commands in a push batch). The receiver polls the slot's `packed` counter
  *   word (below) and waits (bounded) until its high half = arr_base[slot] + calls of (phase, set)
  *   since the last clean, modulo 2^32; the count is its low half - sums_seen[slot], modulo 2^32

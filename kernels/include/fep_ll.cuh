@@ -1,6 +1,7 @@
 // fep_ll.cuh: helpers shared by the low-latency kernels (kernels/ll_dispatch.cu,
-// kernels/ll_combine.cu): buffer/flag addressing (src/ep/plan/ll.rs LlLayout), bf16 bit tricks,
-// fp8 group scales bit-identical to src/ep/quant.rs, and the "last block publishes" ticket.
+// kernels/ll_combine.cu): buffer/flag addressing (src/protocol/plan/ll.rs LlLayout), bf16 bit
+// tricks, fp8 group scales bit-identical to src/protocol/quant.rs, and the "last block publishes"
+// ticket.
 #pragma once
 
 #include <stdint.h>
@@ -14,7 +15,7 @@ namespace ll {
 constexpr int kThreads = FEP_LL_THREADS;
 constexpr int kWarps = kThreads / 32;
 constexpr float kFp8Max = 448.0f;
-constexpr float kFp8AmaxMin = 1e-4f;  // src/ep/quant.rs FP8_AMAX_MIN (DeepEP's kFP8Margin)
+constexpr float kFp8AmaxMin = 1e-4f;  // src/protocol/quant.rs FP8_AMAX_MIN (DeepEP's kFP8Margin)
 
 // LlLayout::unit_offset: ((set * 2 + area) * E + unit) * unit_bytes, or with a proxy lane that
 // places units per registered chunk (fep_ll_proxy.units_per_region), the host's LlGeometry.
@@ -45,7 +46,8 @@ __device__ __forceinline__ int warp_sum(int v) {
 __device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 
-// f32 -> bf16 bits, round to nearest even: exactly src/ep/quant.rs f32_to_bf16 (NaN kept quiet).
+// f32 -> bf16 bits, round to nearest even: exactly src/protocol/quant.rs f32_to_bf16 (NaN kept
+// quiet).
 __device__ __forceinline__ uint32_t f32_to_bf16(float x) {
     const uint32_t b = __float_as_uint(x);
     if ((b & 0x7fffffffu) > 0x7f800000u) return (b >> 16) | 0x40u;
@@ -56,7 +58,7 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
     return f32_to_bf16(lo) | (f32_to_bf16(hi) << 16);
 }
 
-// src/ep/quant.rs fp8_group_scale: returns mult (into the cast), writes the stored scale.
+// src/protocol/quant.rs fp8_group_scale: returns mult (into the cast), writes the stored scale.
 __device__ __forceinline__ float fp8_group_scale(float amax, bool round_scale, float* scale) {
     amax = fmaxf(amax, kFp8AmaxMin);
     if (round_scale && isfinite(amax)) {

@@ -122,7 +122,7 @@ unsafe fn launch_with<P: Pod>(
 }
 
 /// `fep_dispatch_layout` (kernels/layout.cu): any grid, `FEP_LAYOUT_THREADS` threads.
-/// `ep::layout::DispatchLayoutGpu` picks the grid, tile and shared memory.
+/// `ep::layout_gpu::DispatchLayoutGpu` picks the grid, tile and shared memory.
 ///
 /// # Safety
 /// Every address in `p` is live for the sizes its doc comments give, until the launch completes;

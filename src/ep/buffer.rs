@@ -7,7 +7,7 @@
 //! ```no_run
 //! # use std::sync::Arc;
 //! # use fabric_ep::ep::buffer::*;
-//! # use fabric_ep::ep::config::{EpConfig, EpSettings};
+//! # use fabric_ep::protocol::config::{EpConfig, EpSettings};
 //! # fn f(boot: Arc<dyn fabric_ep::bootstrap::Bootstrap>, x: &[u16], topk_idx: &[i64], w: &[f32])
 //! #   -> fabric_ep::Result<()> {
 //! let cfg = EpConfig::new(EpSettings::new(boot.rank(), boot.world_size(), 64, 4096, 8))?;
@@ -37,27 +37,27 @@ use std::time::Duration;
 /// long between polls once idle for a while (`ProxyConfig::idle_sleep_max`).
 const HOST_IDLE_SLEEP_MAX: Duration = Duration::from_millis(1);
 
-use super::config::{DispatchDtype, EpConfig};
 use super::connect::peer_watch;
 use super::gpu::{GpuBuffer, GpuOptions};
 use super::handle::{DispatchHandle, LlHandle};
 use super::host::ll::{LlComm, LlFabricHold, LlGeometry, LlLane, LlPhase};
 use super::host::{Geometry, HostComm, StepCounts};
-use super::layout::{dispatch_layout, Layout};
-use super::plan::{
+use crate::bootstrap::Bootstrap;
+use crate::fabric::{InfoQuery, MemKind, MemoryRegion, Placement, Stack};
+use crate::protocol::config::{DispatchDtype, EpConfig};
+use crate::protocol::layout::{dispatch_layout, Layout};
+use crate::protocol::plan::{
     self, LlArea, LlLayout, LlRecvLayout, LlSendPlan, NotifyRecord, Phase, RecordFields,
     RecordLayout, RecvPlan, SendPlan, FP8_GROUP,
 };
-use super::quant::{bf16_to_f32, f32_to_bf16, quantize_row_bf16};
-use crate::bootstrap::Bootstrap;
-use crate::fabric::{InfoQuery, MemKind, MemoryRegion, Placement, Stack};
+use crate::protocol::quant::{bf16_to_f32, f32_to_bf16, quantize_row_bf16};
 use crate::proxy::{
     CounterLayout, CounterMemory, FabricPeer, FabricTransport, LoopbackGroup, LoopbackOptions,
     Proxy, ProxyConfig, RingLayout, RingMemory, SharedRegion, SplitTransport, Throttled,
 };
 use crate::{Error, Result};
 
-pub use super::reference::{Tokens as OwnedTokens, TokensRef as Tokens};
+pub use crate::protocol::reference::{Tokens as OwnedTokens, TokensRef as Tokens};
 
 const _: () = assert!(cfg!(target_endian = "little"), "wire records are little-endian");
 

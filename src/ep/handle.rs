@@ -1,7 +1,7 @@
 //! The normal-mode dispatch handle: everything a cached-handle dispatch and a combine need to
 //! move the same tokens again without a notify step (DeepEP's `handle` tuple).
 
-use super::plan::SendPlan;
+use crate::protocol::plan::SendPlan;
 
 /// What one normal dispatch learned, kept for a cached-handle dispatch and for combine.
 ///
@@ -85,7 +85,7 @@ pub struct LlHandle {
     /// `[E]` rows this rank sent to each global expert.
     pub(crate) count_per_expert: Vec<u32>,
     /// Receive side.
-    pub(crate) recv: super::plan::LlRecvLayout,
+    pub(crate) recv: crate::protocol::plan::LlRecvLayout,
 }
 
 impl LlHandle {

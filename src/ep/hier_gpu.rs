@@ -12,7 +12,7 @@
 //!   the rail stage's `recv_src_idx`);
 //! * **final order**: after the node stage the lanes are read back (one strided copy to pinned
 //!   host memory and the dispatch's one host synchronisation), the direct path's order is
-//!   computed on the host (`hier::final_order`); it is a permutation of at most
+//!   computed on the host (`protocol::hier::final_order`); it is a permutation of at most
 //!   `nodes x ranks_per_node` contiguous runs, so the rows are moved by one strided copy per run
 //!   and tensor. A cached dispatch reuses the runs without reading anything back.
 //! * **combine**: the expert outputs are copied into the node stage's order and width (per run),
@@ -32,20 +32,19 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::buffer::{check_boot, Backend, Buffer, BufferOptions};
-use super::config::{DispatchDtype, EpConfig};
 use super::gpu::{
     DevSlice, GpuCombineArgs, GpuDispatchArgs, GpuDispatchBuffers, GpuDispatchOut, GpuHandle,
     GpuNotifyArgs, GpuOptions, DEFAULT_MAX_SMS,
 };
-use super::hier::{
-    check_world, final_order, rows_by_source, stage_boots, world_err, HierBuffer, META_CHANNELS,
-};
-use super::quant::FP8_GROUP;
+use super::hier::{check_world, stage_boots, world_err};
 use crate::bootstrap::Bootstrap;
 use crate::cuda::{
     copy_2d_async, memset_2d_u32_async, memset_range_async, CudaError, DeviceBuffer, Event,
     HostMapped, Stream,
 };
+use crate::protocol::config::{DispatchDtype, EpConfig};
+use crate::protocol::hier::{final_order, rows_by_source, stage_settings, META_CHANNELS};
+use crate::protocol::quant::FP8_GROUP;
 use crate::{Error, Result};
 
 /// This rank's own CUDA calls between the stages (copies, memsets, the pinned stage's waits) as
@@ -236,7 +235,7 @@ impl GpuHierBuffer {
             ));
         }
         check_boot(&cfg, &*boot)?;
-        let (rs, ns) = HierBuffer::stage_settings(&cfg)?;
+        let (rs, ns) = stage_settings(&cfg)?;
         let mut me = g.device.uuid()?.to_vec();
         me.extend_from_slice(&std::process::id().to_le_bytes());
         let all = check_world(&cfg, &*boot, "the backend", b"gpu", &me)?;

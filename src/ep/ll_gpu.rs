@@ -6,7 +6,7 @@
 //! One file: `LlGpuRank` (one rank's low-latency buffers and launches), its config and tickets, and
 //! the `LlGpuGroup` harness all work on the same private buffer fields.
 //!
-//! Per rank and call (DeepEP V1 LL semantics, oracle: [`crate::ep::reference`]):
+//! Per rank and call (DeepEP V1 LL semantics, oracle: [`crate::protocol::reference`]):
 //! - `dispatch_send`: `x [T, hidden]` bf16 + `topk_idx [T, K]` int64 -> for each global expert
 //!   `g`, the rows of the tokens that chose it, written straight into the receive block
 //!   `[g % L][this rank]` of rank `g / L` (fp8 e4m3 + per-128 f32 scales cast in-kernel, or bf16),
@@ -45,8 +45,8 @@
 use crate::abi;
 use crate::cuda::launch::{self, LaunchConfig};
 use crate::cuda::{DevErrorRecord, Device, DeviceBuffer, Event, HostMapped, Stream};
-use crate::ep::config::DispatchDtype;
-use crate::ep::plan::{LlLayout, RecordLayout};
+use crate::protocol::config::DispatchDtype;
+use crate::protocol::plan::{LlLayout, RecordLayout};
 use crate::{Error, Result};
 use std::sync::Arc;
 use std::time::Duration;

@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
-use super::config::DispatchDtype;
-use super::plan::NormalLayout;
 use crate::abi;
+use crate::protocol::config::DispatchDtype;
+use crate::protocol::plan::NormalLayout;
 use crate::{Error, Result};
 
 /// Settings of one normal-mode GPU group (the same on every rank).

@@ -8,7 +8,7 @@
 //! the rank it drives.
 //!
 //! Per step, each rank runs on its own stream:
-//! 1. `get_dispatch_layout` ([`DispatchLayoutGpu`](super::layout::DispatchLayoutGpu)),
+//! 1. `get_dispatch_layout` ([`DispatchLayoutGpu`](super::layout_gpu::DispatchLayoutGpu)),
 //! 2. [`NormalGpuRank::notify`]: send plan, count exchange; then either [`NormalGpuRank::recv_info`]
 //!    (one host synchronisation, learns the receive counts) or, with `num_worst_tokens`, nothing,
 //! 3. [`NormalGpuRank::dispatch`] through bounded per-peer queues,
@@ -36,11 +36,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::config::DispatchDtype;
 use super::gpu::normal_proxy::NormalProxyLane;
+use crate::protocol::config::DispatchDtype;
 // In a module of their own: the proxy lane (gpu::normal_proxy) needs them too, and this file
 // needs the lane.
-use super::layout::LayoutBuffers;
+use super::layout_gpu::LayoutBuffers;
 use super::normal_comm::MAX_RANKS;
 pub use super::normal_comm::{CommMap, NormalGpuSettings};
 use crate::abi;
@@ -671,7 +671,7 @@ pub mod harness {
     use super::*;
     use crate::bootstrap::InProcGroup;
     use crate::ep::gpu::normal_proxy::ProxyLaneSettings;
-    use crate::ep::layout::{DispatchLayoutGpu, LayoutTuning};
+    use crate::ep::layout_gpu::{DispatchLayoutGpu, LayoutTuning};
 
     /// One rank's inputs, on the host.
     #[derive(Clone, Debug)]

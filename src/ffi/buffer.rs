@@ -20,11 +20,11 @@ use crate::ep::buffer::DispatchOutput;
 use crate::ep::buffer::{
     Backend, Buffer, BufferOptions, CombineArgs, DispatchArgs, OwnedTokens, Tokens,
 };
-use crate::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use crate::ep::gpu::GpuOptions;
 use crate::ep::handle::DispatchHandle;
 use crate::ep::hier_gpu::GpuHierBuffer;
 use crate::error::Error;
+use crate::protocol::config::{DispatchDtype, EpConfig, EpSettings};
 
 /// `fep_tensor.dtype`: bf16 (as 16-bit words).
 pub const FEP_DTYPE_BF16: i32 = 0;

@@ -35,8 +35,8 @@ use super::buffer::{
 use super::{fep_status, guard, FEP_ABI_VERSION};
 use crate::bootstrap::{Bootstrap, CallbackBootstrap, TcpStore, MAX_WORLD};
 use crate::cuda::Stream;
-use crate::ep::config::{DispatchDtype, EpConfig, EpSettings};
 use crate::error::Error;
+use crate::protocol::config::{DispatchDtype, EpConfig, EpSettings};
 
 /// What a `fep_ep` is created from: DeepEP's `Buffer` arguments and the `fep_config` fields that
 /// every buffer of the object shares. Fill it with `fep_ep_config_init` (defaults), then set the

@@ -38,7 +38,6 @@ use super::buffer::{
 use super::{fep_status, guard};
 use crate::cuda::{Device, DeviceBuffer, Event, Stream};
 use crate::ep::buffer::Buffer;
-use crate::ep::config::DispatchDtype;
 use crate::ep::gpu::{
     DevSlice, GpuCombineArgs, GpuDispatchArgs, GpuDispatchOut, GpuHandle, GpuLlCombineArgs,
     GpuLlDispatchArgs, GpuNotifyArgs, GpuOptions, LlCombineHook, LlDispatchHook,
@@ -46,6 +45,7 @@ use crate::ep::gpu::{
 use crate::ep::hier_gpu::{GpuHierBuffer, GpuHierDispatchArgs, GpuHierHandle};
 use crate::ep::ll_gpu::LlDispatchOut;
 use crate::error::Error;
+use crate::protocol::config::DispatchDtype;
 
 /// Stream order of one GPU call. The kernels run on `stream`; before them, `stream` waits for
 /// `wait_stream`'s work so far and for `wait_event`; after them, `then_stream` waits for

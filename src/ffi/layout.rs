@@ -19,8 +19,9 @@ use super::gpu::{begin_on, dev, fep_gpu_order};
 use super::live;
 use super::{fep_status, guard};
 use crate::cuda::{DevErrorRecord, Device, Event, Stream};
-use crate::ep::layout::{DispatchLayoutGpu, LayoutShape, LayoutTuning};
+use crate::ep::layout_gpu::{DispatchLayoutGpu, LayoutTuning};
 use crate::error::Error;
+use crate::protocol::layout::LayoutShape;
 
 /// An opaque GPU layout object (see the module docs).
 pub struct fep_gpu_layout {

@@ -74,7 +74,7 @@ pub unsafe extern "C" fn fep_get_dispatch_layout_host(
         let rpn = usize_arg("ranks_per_node", ranks_per_node as i64)?;
         let n_idx = nt.checked_mul(k).ok_or_else(|| Error::arg("num_tokens", "overflow"))?;
         let idx = slice_in("topk_idx", topk_idx, n_idx)?;
-        let lay = crate::ep::layout::dispatch_layout(idx, nt, k, e, r, rpn)?;
+        let lay = crate::protocol::layout::dispatch_layout(idx, nt, k, e, r, rpn)?;
         copy_out("num_tokens_per_rank", num_tokens_per_rank, &lay.num_tokens_per_rank, false)?;
         copy_out("num_tokens_per_node", num_tokens_per_node, &lay.num_tokens_per_node, true)?;
         copy_out(
@@ -120,7 +120,7 @@ pub unsafe extern "C" fn fep_plan_table(
             return Err(Error::arg("num_tokens", format!("{tokens}: at most 2^31 - 1")));
         }
         // The setting must be one a buffer could be created with (the errors name the field).
-        let mut s = crate::ep::config::EpSettings::new(
+        let mut s = crate::protocol::config::EpSettings::new(
             0,
             r,
             usize_arg("num_experts", num_experts)?,
@@ -128,10 +128,10 @@ pub unsafe extern "C" fn fep_plan_table(
             usize_arg("num_topk", num_topk)?,
         );
         if fp8 {
-            s.dispatch_dtype = crate::ep::config::DispatchDtype::Fp8E4m3;
+            s.dispatch_dtype = crate::protocol::config::DispatchDtype::Fp8E4m3;
         }
         s.validate()?;
-        let t = crate::ep::plan::plan_table(
+        let t = crate::protocol::plan::plan_table(
             &[r as u64],
             s.num_experts as u64,
             s.hidden as u64,

@@ -12,7 +12,6 @@
 
 mod abi;
 mod fabric;
-mod imm;
 mod loopback;
 mod memory;
 mod transport;
@@ -21,9 +20,10 @@ mod worker;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::protocol::plan::ImmError;
+
 pub use abi::{FepCmd, FepRingHdr, CMD_BYTES, HEAD_OFFSET, RING_HDR_BYTES, TAIL_OFFSET};
 pub use fabric::{FabricPeer, FabricTransport};
-pub use imm::ImmCodec;
 pub use loopback::{LoopbackGroup, LoopbackOptions, LoopbackTransport};
 pub use memory::{
     pack_counters, packed_add, unpack_counters, Command, CounterLayout, CounterMemory, RingLayout,
@@ -201,6 +201,14 @@ pub enum ProxyError {
     /// A worker thread panicked (a bug: library code does not panic).
     #[error("proxy worker {worker} panicked")]
     WorkerPanicked { worker: String },
+}
+
+/// The immediate codec's errors are the proxy's invalid settings: `value_bits` is one, and a
+/// command's immediate is built for the split it sets.
+impl From<ImmError> for ProxyError {
+    fn from(e: ImmError) -> Self {
+        ProxyError::InvalidConfig { what: e.what, msg: e.msg }
+    }
 }
 
 #[cfg(test)]

@@ -8,11 +8,11 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::imm::ImmCodec;
 use super::memory::{CounterMemory, RingConsumer, RingMemory};
 use super::transport::{Transport, TransportEvent, WriteOp};
 use super::ProxyError;
 use crate::abi;
+use crate::protocol::plan::ImmCodec;
 use crate::trace::host_event;
 use crate::util::Backoff;
 
@@ -109,7 +109,7 @@ impl ProxyConfig {
         if self.batch == 0 {
             return Err(ProxyError::InvalidConfig { what: "batch", msg: "must be >= 1".into() });
         }
-        ImmCodec::new(self.value_bits)
+        Ok(ImmCodec::new(self.value_bits)?)
     }
 }
 

@@ -5,9 +5,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fabric_ep::fabric::{InfoQuery, MemKind, RemoteRegion, Stack};
+use fabric_ep::protocol::plan::ImmCodec;
 use fabric_ep::proxy::{
-    ArrivalWait, Command, CounterLayout, CounterMemory, FabricPeer, FabricTransport, ImmCodec,
-    Proxy, ProxyConfig, ProxyError, RingLayout, RingMemory, SharedRegion,
+    ArrivalWait, Command, CounterLayout, CounterMemory, FabricPeer, FabricTransport, Proxy,
+    ProxyConfig, ProxyError, RingLayout, RingMemory, SharedRegion,
 };
 use fabric_ep::util::SplitMix64;
 

@@ -382,7 +382,7 @@ class _Engine:
         self.ranks_per_node = ranks_per_node if ranks_per_node else _default_ranks_per_node(n)
         self.num_local_experts = num_experts // n
         # NOTES: 0 asks the library for its default capacity, DEFAULT_MAX_TOKENS_PER_RANK = 128
-        # (src/ep/config.rs); the LL calls check callers' values against this.
+        # (src/protocol/config.rs); the LL calls check callers' values against this.
         self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank or 128
         self._num_nodes = n // self.ranks_per_node
         comm = 0

@@ -53,8 +53,8 @@ use crate::bootstrap::Bootstrap;
 use crate::cuda::{Device, DeviceBuffer, HostMapped};
 use crate::ep::host::ll::LlGeometry;
 use crate::ep::ll_gpu::{LlGpuRank, LlMem};
-use crate::ep::plan::{LlLayout, IMM_VALUE_BITS, IMM_VALUE_MAX};
 use crate::fabric::{select, InfoQuery, MemKind, MemoryRegion, Placement, Stack};
+use crate::protocol::plan::{LlLayout, IMM_VALUE_BITS, IMM_VALUE_MAX};
 use crate::proxy::{
     pack_counters, unpack_counters, ArrivalWait, CounterLayout, CounterMemory, FabricTransport,
     Proxy, ProxyConfig, ProxyError, RingLayout, RingMemory, SharedRegion,
@@ -204,7 +204,7 @@ pub fn check_limits(max_tokens: usize, num_experts: usize) -> Result<()> {
             ),
         ));
     }
-    crate::ep::plan::imm_encode(num_slots(num_experts) as u64 - 1, 0)?;
+    crate::protocol::plan::imm_encode(num_slots(num_experts) as u64 - 1, 0)?;
     Ok(())
 }
 
@@ -677,17 +677,17 @@ mod tests {
 
     #[test]
     fn slots_are_llimm_ids() {
-        let imm = crate::ep::plan::LlImm::new(4, 16).unwrap();
+        let imm = crate::protocol::plan::LlImm::new(4, 16).unwrap();
         let (r, e, l) = (4usize, 16usize, 4usize);
         for set in 0..2 {
             for le in 0..l {
                 for src in 0..r {
                     let d = imm.dispatch(set as u64, le as u64, src as u64, 3).unwrap();
-                    let (id, v) = crate::ep::plan::imm_decode(d);
+                    let (id, v) = crate::protocol::plan::imm_decode(d);
                     assert_eq!((id as usize, v), (slot(0, set, e, le * r + src), 3));
                     let c = imm.combine(set as u64, src as u64, le as u64, 0).unwrap();
                     assert_eq!(
-                        crate::ep::plan::imm_decode(c).0 as usize,
+                        crate::protocol::plan::imm_decode(c).0 as usize,
                         slot(1, set, e, src * l + le)
                     );
                 }
@@ -812,8 +812,8 @@ mod tests {
     /// host lane's `LlGeometry` does, and no unit crosses a registered chunk.
     #[test]
     fn kernel_placement_is_ll_geometry() {
-        use crate::ep::config::DispatchDtype;
-        use crate::ep::plan::LlArea;
+        use crate::protocol::config::DispatchDtype;
+        use crate::protocol::plan::LlArea;
         let l = LlLayout::from_parts(4, 16, 256, DispatchDtype::Fp8E4m3, 8).unwrap();
         for stride in [l.unit_bytes, l.unit_bytes * 3 + 16, 1 << 20] {
             let g = LlGeometry::new(l, stride).unwrap();

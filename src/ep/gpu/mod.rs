@@ -10,7 +10,7 @@
 //! # use std::sync::Arc;
 //! # use fabric_ep::cuda::{Device, DeviceBuffer, Stream};
 //! # use fabric_ep::ep::buffer::{Buffer, BufferOptions};
-//! # use fabric_ep::ep::config::{EpConfig, EpSettings};
+//! # use fabric_ep::protocol::config::{EpConfig, EpSettings};
 //! # use fabric_ep::ep::gpu::*;
 //! # fn f(boot: Arc<dyn fabric_ep::bootstrap::Bootstrap>, dev: Device, x: &DeviceBuffer,
 //! #      idx: &DeviceBuffer, w: &DeviceBuffer, t: usize) -> fabric_ep::Result<()> {
@@ -78,8 +78,7 @@ use std::time::Duration;
 mod ipc;
 pub use ipc::PeerPath;
 
-use super::config::{DispatchDtype, EpConfig};
-use super::layout::{DispatchLayoutGpu, LayoutBuffers, LayoutTuning};
+use super::layout_gpu::{DispatchLayoutGpu, LayoutBuffers, LayoutTuning};
 use super::ll_gpu::{self, LlDispatchOut, LlGpuConfig, LlGpuRank, LlTicket};
 use super::normal_gpu::{
     CombineArgs, DispatchInputs, DispatchOutputs, NormalGpuRank, NormalGpuSettings, NormalHandle,
@@ -88,6 +87,7 @@ use super::normal_gpu::{
 use crate::abi;
 use crate::bootstrap::Bootstrap;
 use crate::cuda::{CudaError, Device, DeviceBuffer, Stream};
+use crate::protocol::config::{DispatchDtype, EpConfig};
 use crate::{Error, Result};
 
 /// GPU options of a [`Buffer`](super::buffer::Buffer) (`BufferOptions::gpu`).

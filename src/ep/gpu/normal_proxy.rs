@@ -45,7 +45,7 @@ use crate::proxy::{
 use crate::{Error, Result};
 
 /// Immediate value bits of the lane (18 bits of slot id, as every lane).
-const VALUE_BITS: u32 = super::super::plan::IMM_VALUE_BITS;
+const VALUE_BITS: u32 = crate::protocol::plan::IMM_VALUE_BITS;
 
 /// Where the registered send/receive regions live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -511,8 +511,8 @@ impl NormalProxyLane {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ep::config::DispatchDtype;
-    use crate::ep::plan::NormalLayout;
+    use crate::protocol::config::DispatchDtype;
+    use crate::protocol::plan::NormalLayout;
 
     /// The kernels' placement (fep_normal.cuh `px_data_off` / `px_notify_off`), from the
     /// fields the lane hands them, equals the host backend's geometry for every slot and record.

@@ -63,11 +63,11 @@ use std::time::{Duration, Instant};
 
 use super::{region_mut, region_ref};
 use crate::bootstrap::Bootstrap;
-use crate::ep::plan::{
+use crate::fabric::{MemoryRegion, Stack};
+use crate::protocol::plan::{
     imm_decode, imm_encode, LlArea, LlLayout, RegionPlan, IMM_VALUE_BITS, IMM_VALUE_MAX,
     LL_NUM_SETS,
 };
-use crate::fabric::{MemoryRegion, Stack};
 use crate::proxy::{
     ArrivalWait, Command, CounterMemory, Lagging, Proxy, ProxyError, RingProducer, SharedRegion,
 };
@@ -947,7 +947,7 @@ impl LlComm {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ep::config::DispatchDtype;
+    use crate::protocol::config::DispatchDtype;
 
     #[test]
     fn ll_geometry_never_crosses_a_chunk() {

@@ -11,7 +11,7 @@ pub(crate) mod ll;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::plan::{
+use crate::protocol::plan::{
     imm_decode, NormalLayout, NotifyRecord, Phase, RegionPlan, IMM_VALUE_MAX, NOTIFY_SLOTS,
 };
 use crate::proxy::{ArrivalWait, Command, Proxy, ProxyError, RingProducer, SharedRegion};
@@ -465,7 +465,7 @@ fn check_range(region: &SharedRegion, off: u64, len: usize) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ep::config::DispatchDtype;
+    use crate::protocol::config::DispatchDtype;
 
     #[test]
     fn geometry_never_crosses_a_chunk() {

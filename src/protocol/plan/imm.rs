@@ -1,23 +1,116 @@
-//! Immediate data: packing `(slot_id, value)` into an RMA write's `u32`, and the id spaces of
-//! both modes ([`NormalImm`], [`LlImm`]).
+//! Immediate data: the one codec of an RMA write's 4-byte immediate ([`ImmCodec`]:
+//! `slot << value_bits | value`; EFA carries 4 bytes of CQ data), the protocol's split of it
+//! ([`imm_encode`] / [`imm_decode`]: [`IMM_SLOT_BITS`] of slot id, [`IMM_VALUE_BITS`] of value,
+//! [`ImmCodec::DEFAULT`]), and the id spaces of both modes ([`NormalImm`], [`LlImm`]).
+//!
+//! The proxy's workers decode every arrival with an [`ImmCodec`] of their `value_bits` setting
+//! (the default split unless a caller asks for another; the engines always use the default);
+//! the engines and kernels encode with the default split. One codec, so the two cannot drift.
 
 use super::base::*;
 use crate::{Error, Result};
 
-/// Pack `(slot_id, value)`; errors if either does not fit.
-pub fn imm_encode(slot_id: u64, value: u64) -> Result<u32> {
-    if slot_id >= IMM_NUM_SLOT_IDS {
-        return Err(Error::arg("slot_id", format!("{slot_id} does not fit {IMM_SLOT_BITS} bits")));
-    }
-    if value > IMM_VALUE_MAX as u64 {
-        return Err(Error::arg("value", format!("{value} does not fit {IMM_VALUE_BITS} bits")));
-    }
-    Ok(((slot_id as u32) << IMM_VALUE_BITS) | value as u32)
+/// Encodes and decodes immediates for one split: the low `value_bits` bits carry the value,
+/// the rest name the slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ImmCodec {
+    value_bits: u32,
+    mask: u32,
 }
 
-/// Unpack into `(slot_id, value)`.
+/// A split that does not exist or a part that does not fit; `what` names it (`value_bits`,
+/// `imm value`, `imm slot`). The proxy reports it as an invalid setting (`ProxyError`'s
+/// `InvalidConfig`, same `what` and message).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("invalid immediate `{what}`: {msg}")]
+pub struct ImmError {
+    pub what: &'static str,
+    pub msg: String,
+}
+
+impl ImmCodec {
+    /// The default split: 18 bits of slot, 14 bits of value (the protocol's).
+    pub const DEFAULT_VALUE_BITS: u32 = IMM_VALUE_BITS;
+
+    /// The protocol's split ([`IMM_VALUE_BITS`]), what [`imm_encode`] and [`imm_decode`] use.
+    pub const DEFAULT: ImmCodec = ImmCodec { value_bits: IMM_VALUE_BITS, mask: IMM_VALUE_MAX };
+
+    /// `value_bits` in `0..=32`.
+    pub fn new(value_bits: u32) -> std::result::Result<Self, ImmError> {
+        if value_bits > 32 {
+            return Err(ImmError { what: "value_bits", msg: format!("{value_bits} > 32") });
+        }
+        let mask = if value_bits == 32 { u32::MAX } else { (1u32 << value_bits) - 1 };
+        Ok(ImmCodec { value_bits, mask })
+    }
+
+    pub fn value_bits(&self) -> u32 {
+        self.value_bits
+    }
+
+    /// Largest value an immediate carries.
+    pub fn max_value(&self) -> u32 {
+        self.mask
+    }
+
+    /// Number of distinct slots an immediate can name.
+    pub fn max_slots(&self) -> u64 {
+        1u64 << (32 - self.value_bits)
+    }
+
+    /// `slot << value_bits | value`; errors name whichever part does not fit.
+    pub fn encode(&self, slot: u32, value: u32) -> std::result::Result<u32, ImmError> {
+        if value > self.mask {
+            return Err(ImmError {
+                what: "imm value",
+                msg: format!("{value} does not fit in {} bits", self.value_bits),
+            });
+        }
+        if u64::from(slot) >= self.max_slots() {
+            return Err(ImmError {
+                what: "imm slot",
+                msg: format!("{slot} does not fit in {} bits", 32 - self.value_bits),
+            });
+        }
+        Ok(self.pack(slot, value))
+    }
+
+    /// [`Self::encode`] of parts already checked to fit.
+    #[inline]
+    fn pack(&self, slot: u32, value: u32) -> u32 {
+        ((u64::from(slot) << self.value_bits) as u32) | value
+    }
+
+    /// `(slot, value)`.
+    #[inline]
+    pub fn decode(&self, imm: u32) -> (u32, u32) {
+        ((u64::from(imm) >> self.value_bits) as u32, imm & self.mask)
+    }
+}
+
+impl Default for ImmCodec {
+    fn default() -> Self {
+        Self::DEFAULT
+    }
+}
+
+/// Pack `(slot_id, value)` with the protocol's split ([`ImmCodec::DEFAULT`]); errors (naming
+/// `slot_id`, then `value`) if either does not fit.
+pub fn imm_encode(slot_id: u64, value: u64) -> Result<u32> {
+    let c = ImmCodec::DEFAULT;
+    if slot_id >= c.max_slots() {
+        return Err(Error::arg("slot_id", format!("{slot_id} does not fit {IMM_SLOT_BITS} bits")));
+    }
+    if value > u64::from(c.max_value()) {
+        return Err(Error::arg("value", format!("{value} does not fit {IMM_VALUE_BITS} bits")));
+    }
+    Ok(c.pack(slot_id as u32, value as u32))
+}
+
+/// Unpack into `(slot_id, value)` with the protocol's split.
 pub fn imm_decode(imm: u32) -> (u64, u64) {
-    ((imm >> IMM_VALUE_BITS) as u64, (imm & IMM_VALUE_MAX) as u64)
+    let (slot, value) = ImmCodec::DEFAULT.decode(imm);
+    (u64::from(slot), u64::from(value))
 }
 
 /// Which direction of a normal-mode step a data write belongs to.
@@ -257,5 +350,50 @@ impl LlImm {
                 count,
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_and_limits() {
+        for bits in [0u32, 1, 14, 31, 32] {
+            let c = ImmCodec::new(bits).unwrap();
+            let max_slot = (c.max_slots() - 1) as u32;
+            for (s, v) in [(0, 0), (max_slot, c.max_value()), (max_slot / 3, c.max_value() / 5)] {
+                let imm = c.encode(s, v).unwrap();
+                assert_eq!(c.decode(imm), (s, v), "bits {bits}");
+            }
+            if bits < 32 {
+                assert!(c.encode(0, c.max_value() + 1).is_err());
+            }
+            if bits > 0 {
+                assert!(c.encode(max_slot + 1, 0).is_err());
+            }
+        }
+        assert!(ImmCodec::new(33).is_err());
+        assert_eq!(ImmCodec::default(), ImmCodec::new(14).unwrap());
+    }
+
+    #[test]
+    fn the_protocol_split_is_the_default_codec() {
+        let c = ImmCodec::DEFAULT;
+        assert_eq!(c, ImmCodec::new(IMM_VALUE_BITS).unwrap());
+        assert_eq!((c.max_slots(), c.max_value()), (IMM_NUM_SLOT_IDS, IMM_VALUE_MAX));
+        for (s, v) in [(0u32, 0u32), (1, 2), ((1 << 18) - 1, 0x3fff), (12345, 678)] {
+            let imm = c.encode(s, v).unwrap();
+            assert_eq!(imm_encode(u64::from(s), u64::from(v)).unwrap(), imm);
+            assert_eq!(imm_decode(imm), (u64::from(s), u64::from(v)));
+        }
+        // Both fronts refuse what does not fit, each naming the part in its own terms.
+        assert!(matches!(
+            imm_encode(1 << 18, 0),
+            Err(Error::InvalidArgument { arg: "slot_id", .. })
+        ));
+        assert!(matches!(imm_encode(0, 1 << 14), Err(Error::InvalidArgument { arg: "value", .. })));
+        assert_eq!(c.encode(0, 1 << 14).unwrap_err().what, "imm value");
+        assert_eq!(c.encode(1 << 18, 0).unwrap_err().what, "imm slot");
     }
 }

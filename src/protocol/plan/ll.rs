@@ -4,7 +4,7 @@ use super::base::*;
 use super::imm::LlImm;
 use super::record::RecordLayout;
 use super::region::RegionPlan;
-use crate::ep::dtype::DispatchDtype;
+use crate::protocol::dtype::DispatchDtype;
 use crate::{Error, Result};
 
 /// Low-latency buffer of one rank: two sets, each a send area and a receive area of `E` units.

@@ -6,7 +6,7 @@
 //! (DeepEP's `int` sizes overflowed past 1024 ranks).
 //!
 //! ```
-//! use fabric_ep::ep::config::{EpConfig, EpSettings, DispatchDtype};
+//! use fabric_ep::protocol::config::{EpConfig, EpSettings, DispatchDtype};
 //! let cfg = EpConfig::new(EpSettings {
 //!     dispatch_dtype: DispatchDtype::Fp8E4m3,
 //!     ..EpSettings::new(0, 16, 256, 7168, 8)

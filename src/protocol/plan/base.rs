@@ -1,7 +1,7 @@
 //! What every part of the plan uses: the protocol's constants, overflow-checked arithmetic
 //! and the input checks (hidden size, top-k ids).
 
-use crate::ep::dtype::DispatchDtype;
+use crate::protocol::dtype::DispatchDtype;
 use crate::{Error, Result};
 
 /// Records are padded to this many bytes.
@@ -40,7 +40,7 @@ pub const MAX_HIDDEN: usize = 1 << 20;
 /// Largest top-k accepted.
 pub const MAX_TOPK: usize = 256;
 /// Channels per fp8 scale.
-pub const FP8_GROUP: u64 = crate::ep::quant::FP8_GROUP as u64;
+pub const FP8_GROUP: u64 = crate::protocol::quant::FP8_GROUP as u64;
 
 pub(super) fn mul(a: u64, b: u64, arg: &'static str) -> Result<u64> {
     a.checked_mul(b).ok_or_else(|| Error::arg(arg, format!("{a} * {b} overflows u64")))

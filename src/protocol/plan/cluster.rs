@@ -4,7 +4,7 @@
 use super::base::*;
 use super::ll::LlLayout;
 use super::normal::NormalLayout;
-use crate::ep::dtype::DispatchDtype;
+use crate::protocol::dtype::DispatchDtype;
 use crate::{Error, Result};
 
 /// Inputs of [`cluster_sizing`].

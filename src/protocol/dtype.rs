@@ -1,6 +1,6 @@
 //! The dispatch format ([`DispatchDtype`]): a leaf type of its own because both the layouts
 //! (plan/) and the configuration built on them (config.rs, which re-exports it as
-//! `ep::config::DispatchDtype`) need it.
+//! `protocol::config::DispatchDtype`) need it.
 
 /// Format of `x` in dispatch. Combine is always bf16.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

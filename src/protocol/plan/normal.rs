@@ -5,7 +5,7 @@ use super::base::*;
 use super::imm::{NormalImm, Phase};
 use super::record::RecordLayout;
 use super::region::RegionPlan;
-use crate::ep::dtype::DispatchDtype;
+use crate::protocol::dtype::DispatchDtype;
 use crate::{Error, Result};
 
 /// Normal-mode buffers of one rank.

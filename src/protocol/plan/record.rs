@@ -2,7 +2,7 @@
 //! reading it, and the sender's local top-k ids.
 
 use super::base::*;
-use crate::ep::dtype::DispatchDtype;
+use crate::protocol::dtype::DispatchDtype;
 use crate::{Error, Result};
 
 /// Byte layout of one wire record (see the module table). Offsets are from the record start.

@@ -671,7 +671,7 @@ pub fn ll_combine_rows<'a>(
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::ep::quant::{dequantize_row, quantize_bf16};
+    use crate::protocol::quant::{dequantize_row, quantize_bf16};
     use crate::util::SplitMix64;
 
     /// `[t, k]` distinct experts per token, each entry -1 with probability `p_mask`.

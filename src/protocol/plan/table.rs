@@ -3,7 +3,7 @@
 //! clusters before renting them. The C ABI's `fep_plan_table` and `ep-bench plan` print it.
 
 use super::cluster::{cluster_sizing, ClusterParams};
-use crate::ep::dtype::DispatchDtype;
+use crate::protocol::dtype::DispatchDtype;
 use crate::Result;
 
 /// Formats bytes with a binary unit.

@@ -25,8 +25,8 @@
 //! Every RMA write carries a `u32`: `slot_id = imm >> 14` (18 bits), `value = imm & 0x3fff`.
 //! See [`NormalImm`] and [`LlImm`] for the id spaces.
 //!
-//! The parts, each a submodule re-exported here (paths such as `ep::plan::NormalLayout` are
-//! the API): constants and input checks (`base`), wire records, immediate data, memory
+//! The parts, each a submodule re-exported here (paths such as `protocol::plan::NormalLayout`
+//! are the API): constants and input checks (`base`), wire records, immediate data, memory
 //! regions, normal mode, low-latency mode, cluster sizing and its table.
 
 mod base;
@@ -52,10 +52,10 @@ pub use table::*;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ep::dtype::DispatchDtype;
-    use crate::ep::quant::{bf16_to_f32, f32_to_bf16, quantize_row_bf16};
-    use crate::ep::reference::tests::{random_bf16, random_topk};
-    use crate::ep::reference::{self as refm, Tokens, TokensRef};
+    use crate::protocol::dtype::DispatchDtype;
+    use crate::protocol::quant::{bf16_to_f32, f32_to_bf16, quantize_row_bf16};
+    use crate::protocol::reference::tests::{random_bf16, random_topk};
+    use crate::protocol::reference::{self as refm, Tokens, TokensRef};
     use crate::util::SplitMix64;
     use crate::Error;
 
@@ -565,7 +565,7 @@ mod tests {
             .iter()
             .map(|x| {
                 if fp8 {
-                    crate::ep::quant::quantize_bf16(x, h, false).unwrap()
+                    crate::protocol::quant::quantize_bf16(x, h, false).unwrap()
                 } else {
                     (vec![], vec![])
                 }
