@@ -259,9 +259,9 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
     const fep::tma::Ring ring = fep::tma::ring(warp < movers ? warp : 0, movers, p.payload_bytes);
     const bool bulk = bulk_rows(p, ring);
     // A queue record's payload moves in bulk too where records keep 16-byte alignment (the
-    // plan pads records to 16 bytes, plan/base.rs RECORD_ALIGN, and the receive area starts at
-    // the buffer's base) and the pair is on this node (a staged chunk is the proxy's, through
-    // host-visible memory).
+    // plan pads records to 16 bytes, src/protocol/plan/base.rs RECORD_ALIGN, and the receive
+    // area starts at the buffer's base) and the pair is on this node (a staged chunk is the
+    // proxy's, through host-visible memory).
     const bool bulk_queue = bulk && p.record_bytes % 16 == 0;
     uint32_t used = 0;
     if (bulk && warp < movers) fep::tma::ring_init(ring, lane);
