@@ -23,6 +23,16 @@
 
 namespace {
 
+// A row past the outputs (a count that disagrees with the handle): recorded, not written.
+__device__ __forceinline__ void report_overflow(const fep_normal_dispatch_params& p, int src,
+                                                int64_t out, int lane) {
+    if (lane == 0) {
+        fep::report_error(p.comm.dev_error, FEP_DEV_BAD_COUNT, p.comm.rank,
+                          FEP_NORMAL_PHASE_DISPATCH_RECV, static_cast<uint32_t>(src),
+                          static_cast<uint64_t>(p.out_rows), static_cast<uint64_t>(out));
+    }
+}
+
 // self_rows through registers: one warp per row (rows too small for bulk copies, or too little
 // shared memory for a ring).
 __device__ __forceinline__ void self_rows_regs(const fep_normal_dispatch_params& p, int w, int W,
@@ -57,11 +67,7 @@ __device__ __forceinline__ void self_rows_regs(const fep_normal_dispatch_params&
         if (i + stride < n) t_next = ids[i + stride];
         const int64_t out = row0 + i;
         if (out >= p.out_rows) {
-            if (lane == 0) {
-                fep::report_error(p.comm.dev_error, FEP_DEV_BAD_COUNT, me,
-                                  FEP_NORMAL_PHASE_DISPATCH_RECV, me,
-                                  static_cast<uint64_t>(p.out_rows), static_cast<uint64_t>(out));
-            }
+            report_overflow(p, me, out, lane);
             continue;
         }
         // The routing and scale loads go out with the row's (before any store that could alias
@@ -223,11 +229,7 @@ __device__ __forceinline__ void self_rows(const fep_normal_dispatch_params& p, i
         if (i + kFieldWarps < b) t_next = ids[i + kFieldWarps];
         const int64_t out = row0 + i;
         if (out >= p.out_rows) {
-            if (lane == 0) {
-                fep::report_error(p.comm.dev_error, FEP_DEV_BAD_COUNT, me,
-                                  FEP_NORMAL_PHASE_DISPATCH_RECV, me,
-                                  static_cast<uint64_t>(p.out_rows), static_cast<uint64_t>(out));
-            }
+            report_overflow(p, me, out, lane);
             continue;
         }
         self_row_fields(p, t, out, lo, hi, lane);
@@ -282,9 +284,6 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
         const int32_t* ids = reinterpret_cast<const int32_t*>(p.handle.send_token_ids) +
                              static_cast<int64_t>(d) * T;
         const uint8_t* x = reinterpret_cast<const uint8_t*>(p.x);
-        const float* xs = reinterpret_cast<const float*>(p.x_scales);
-        const int64_t* topk = reinterpret_cast<const int64_t*>(p.topk_idx);
-        const float* topw = reinterpret_cast<const float*>(p.topk_weights);
         const int64_t lo = static_cast<int64_t>(d) * p.comm.num_local_experts;
         const int64_t hi = lo + p.comm.num_local_experts;
         const bool px = comm.via_proxy(d);
@@ -308,42 +307,28 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
             const uint32_t rows = min(C, n - k * C);
             uint8_t* dst =
                 px ? comm.px_send(comm.px_data_off(d, slot)) : comm.slot_ptr(d, me, slot);
-            if (bulk_queue && !px) {
-                const int32_t* cids = ids + k * C;
-                if (warp < movers) {
-                    const uint32_t m0 = rows * warp / movers, m1 = rows * (warp + 1) / movers;
-                    used = fep::tma::warp_move_rows(ring, used, m1 - m0, cids + m0, x, p.payload_bytes,
-                                             dst + static_cast<uint64_t>(m0) * p.record_bytes,
-                                             p.record_bytes, p.payload_bytes, lane);
-                } else {
-                    for (uint32_t i = warp - movers; i < rows; i += kWarps - movers) {
-                        record_fields(p, dst + static_cast<uint64_t>(i) * p.record_bytes,
-                                      cids[i], lo, hi, lane);
+            // Movers (bulk, a pair on this node) take the payloads, the other warps the fields;
+            // else every warp copies whole records through registers.
+            const bool bq = bulk_queue && !px;
+            const int32_t* cids = ids + k * C;
+            if (bq && warp < movers) {
+                const uint32_t m0 = rows * warp / movers, m1 = rows * (warp + 1) / movers;
+                used = fep::tma::warp_move_rows(ring, used, m1 - m0, cids + m0, x, p.payload_bytes,
+                                                dst + static_cast<uint64_t>(m0) * p.record_bytes,
+                                                p.record_bytes, p.payload_bytes, lane);
+            } else {
+                const uint32_t w0 = bq ? warp - movers : warp, ws = bq ? kWarps - movers : kWarps;
+                for (uint32_t i = w0; i < rows; i += ws) {
+                    const int t = cids[i];
+                    uint8_t* rec = dst + static_cast<uint64_t>(i) * p.record_bytes;
+                    if (!bq) {
+                        warp_copy16<false>(reinterpret_cast<uint4*>(rec),
+                                           reinterpret_cast<const uint4*>(
+                                               x + static_cast<int64_t>(t) * p.payload_bytes),
+                                           p.payload_bytes / 16, lane);
                     }
+                    record_fields(p, rec, t, lo, hi, lane);
                 }
-            }
-            for (uint32_t i = warp; !(bulk_queue && !px) && i < rows; i += kWarps) {
-                const int t = ids[k * C + i];
-                uint8_t* rec = dst + static_cast<uint64_t>(i) * p.record_bytes;
-                warp_copy16<false>(reinterpret_cast<uint4*>(rec),
-                                   reinterpret_cast<const uint4*>(x + static_cast<int64_t>(t) *
-                                                                          p.payload_bytes),
-                                   p.payload_bytes / 16, lane);
-                if (p.num_scales != 0) {
-                    warp_copy4<false>(reinterpret_cast<uint32_t*>(rec + p.scales_offset),
-                                      reinterpret_cast<const uint32_t*>(
-                                          xs + static_cast<int64_t>(t) * p.num_scales),
-                                      p.num_scales, lane);
-                }
-                if (lane < K) {
-                    const int64_t g = topk[static_cast<int64_t>(t) * K + lane];
-                    const bool here = g >= lo && g < hi;
-                    reinterpret_cast<int32_t*>(rec + p.topk_idx_offset)[lane] =
-                        here ? static_cast<int32_t>(g - lo) : -1;
-                    reinterpret_cast<float*>(rec + p.topk_weights_offset)[lane] =
-                        here ? topw[static_cast<int64_t>(t) * K + lane] : 0.0f;
-                }
-                if (lane == 0) reinterpret_cast<int32_t*>(rec + p.src_idx_offset)[0] = t;
             }
             if (px) __threadfence_system();  // staged rows visible to the proxy before the push
             __syncthreads();
@@ -408,62 +393,33 @@ extern "C" __global__ void __launch_bounds__(FEP_NORMAL_THREADS)
                                 rows * p.record_bytes / 16);
                 __syncthreads();
             }
-            if (bulk_queue && !px) {
-                const int64_t first = static_cast<int64_t>(row0) + k * C;
-                if (warp < movers) {
-                    // Rows past the outputs are not moved (the field warps report them).
-                    const uint32_t fit = static_cast<uint32_t>(
-                        max(int64_t{0}, min(static_cast<int64_t>(rows), p.out_rows - first)));
-                    const uint32_t m0 = fit * warp / movers, m1 = fit * (warp + 1) / movers;
-                    used = fep::tma::warp_move_rows(
-                        ring, used, m1 - m0, nullptr, src + static_cast<uint64_t>(m0) * p.record_bytes,
-                        p.record_bytes, rx + (first + m0) * p.payload_bytes, p.payload_bytes,
-                        p.payload_bytes, lane);
-                } else {
-                    for (uint32_t i = warp - movers; i < rows; i += kWarps - movers) {
-                        const int64_t out = first + i;
-                        if (out >= p.out_rows) {
-                            if (lane == 0) {
-                                fep::report_error(p.comm.dev_error, FEP_DEV_BAD_COUNT, me,
-                                                  FEP_NORMAL_PHASE_DISPATCH_RECV, s,
-                                                  static_cast<uint64_t>(p.out_rows),
-                                                  static_cast<uint64_t>(out));
-                            }
-                            continue;
-                        }
-                        unpack_fields(p, src + static_cast<uint64_t>(i) * p.record_bytes, out,
-                                      lane);
+            const bool bq = bulk_queue && !px;
+            const int64_t first = static_cast<int64_t>(row0) + k * C;
+            if (bq && warp < movers) {
+                // Rows past the outputs are not moved (the field warps report them).
+                const uint32_t fit = static_cast<uint32_t>(
+                    max(int64_t{0}, min(static_cast<int64_t>(rows), p.out_rows - first)));
+                const uint32_t m0 = fit * warp / movers, m1 = fit * (warp + 1) / movers;
+                used = fep::tma::warp_move_rows(
+                    ring, used, m1 - m0, nullptr, src + static_cast<uint64_t>(m0) * p.record_bytes,
+                    p.record_bytes, rx + (first + m0) * p.payload_bytes, p.payload_bytes,
+                    p.payload_bytes, lane);
+            } else {
+                const uint32_t w0 = bq ? warp - movers : warp, ws = bq ? kWarps - movers : kWarps;
+                for (uint32_t i = w0; i < rows; i += ws) {
+                    const int64_t out = first + i;
+                    if (out >= p.out_rows) {
+                        report_overflow(p, s, out, lane);
+                        continue;
                     }
-                }
-            }
-            for (uint32_t i = warp; !(bulk_queue && !px) && i < rows; i += kWarps) {
-                const int64_t out = static_cast<int64_t>(row0) + k * C + i;
-                if (out >= p.out_rows) {
-                    if (lane == 0) {
-                        fep::report_error(p.comm.dev_error, FEP_DEV_BAD_COUNT, me,
-                                          FEP_NORMAL_PHASE_DISPATCH_RECV, s,
-                                          static_cast<uint64_t>(p.out_rows),
-                                          static_cast<uint64_t>(out));
+                    const uint8_t* rec = src + static_cast<uint64_t>(i) * p.record_bytes;
+                    if (!bq) {
+                        warp_copy16<true>(reinterpret_cast<uint4*>(rx + out * p.payload_bytes),
+                                          reinterpret_cast<const uint4*>(rec),
+                                          p.payload_bytes / 16, lane);
                     }
-                    continue;
+                    unpack_fields(p, rec, out, lane);
                 }
-                const uint8_t* rec = src + static_cast<uint64_t>(i) * p.record_bytes;
-                uint4* row = reinterpret_cast<uint4*>(rx + out * p.payload_bytes);
-                warp_copy16<true>(row, reinterpret_cast<const uint4*>(rec), p.payload_bytes / 16,
-                                  lane);
-                if (p.num_scales != 0) {
-                    warp_copy4<true>(reinterpret_cast<uint32_t*>(rxs + out * p.num_scales),
-                                     reinterpret_cast<const uint32_t*>(rec + p.scales_offset),
-                                     p.num_scales, lane);
-                }
-                const int32_t* ri = reinterpret_cast<const int32_t*>(rec + p.topk_idx_offset);
-                const float* rw = reinterpret_cast<const float*>(rec + p.topk_weights_offset);
-                const int32_t* rs = reinterpret_cast<const int32_t*>(rec + p.src_idx_offset);
-                if (lane < K) {
-                    rtopk[out * K + lane] = __ldcg(ri + lane);
-                    rtopw[out * K + lane] = __ldcg(rw + lane);
-                }
-                if (lane == 0) rsrc[out] = __ldcg(rs);
             }
             __syncthreads();
             if (threadIdx.x == 0) {
